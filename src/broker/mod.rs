@@ -1,0 +1,56 @@
+//! RabbitMQ: connection, topology (declared idempotently), and a publisher that waits for
+//! confirms. No home-made recovery beyond "connect again": callers loop on [`connect`].
+
+mod headers;
+mod publisher;
+mod topology;
+
+use std::time::Duration;
+
+use lapin::{Connection, ConnectionProperties};
+
+pub use headers::{header_str, headers_to_map, map_to_headers};
+pub use publisher::{Outgoing, Publisher};
+pub use topology::Topology;
+
+use crate::config::{BrokerSettings, redact_url};
+
+/// Broker errors, by what the caller does about them.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// Could not connect; the message names the (redacted) URL and how to start RabbitMQ.
+    #[error("{0}")]
+    Unavailable(String),
+    /// The connection or channel failed: reconnect and try again.
+    #[error("broker connection failed: {0}")]
+    Connection(#[from] lapin::Error),
+    /// The broker refused a publish (nack) or returned it as unroutable.
+    #[error("broker refused message {message_id} to exchange {exchange:?} key {routing_key:?}: {why}")]
+    Refused {
+        /// The message.
+        message_id: String,
+        /// Target exchange.
+        exchange: String,
+        /// Routing key.
+        routing_key: String,
+        /// Nack, or the return reply text.
+        why: String,
+    },
+    /// No confirm arrived in time; the message may or may not be stored.
+    #[error("no publisher confirm within {0:?}; the message will be published again")]
+    ConfirmTimeout(Duration),
+}
+
+/// Shorthand for broker results.
+pub type Result<T> = std::result::Result<T, Error>;
+
+/// Opens a connection, naming it after the process so it is recognisable in the broker's UI.
+pub async fn connect(settings: &BrokerSettings, name: &str) -> Result<Connection> {
+    let props = ConnectionProperties::default().with_connection_name(format!("trailmark-{name}").into());
+    Connection::connect(&settings.url, props).await.map_err(|e| {
+        Error::Unavailable(format!(
+            "cannot connect to RabbitMQ at {}: {e}. Is it running? Start it with `rabbitmq-server -detached`, or set AMQP_URL",
+            redact_url(&settings.url)
+        ))
+    })
+}

@@ -1,0 +1,98 @@
+//! `chain`: N steps, each one journaled model call and one keyed write into `chain_ledger`.
+//!
+//! Input: `{"steps": N, "step_delay_ms": D}` (defaults 10 and 0). The ledger's primary key on
+//! `reference = run_id:step` is what makes a repeated write harmless; a reused reference with a
+//! different payload is reported as a conflict, never skipped.
+
+use std::time::Duration;
+
+use serde_json::{Value, json};
+use sqlx::PgPool;
+
+use crate::domain::{IdempotencyKey, RunId};
+use crate::model::{ChatMessage, ChatRequest};
+use crate::workflow::{StepContext, StepError, StepKind, StepOutcome, Workflow};
+
+/// Workflow name.
+pub const NAME: &str = "chain";
+/// The one step, repeated.
+pub const STEP: &str = "link";
+
+/// The `chain` workflow definition.
+pub fn workflow() -> Workflow {
+    Workflow::new(NAME, 1).step(STEP, StepKind::Write, link)
+}
+
+struct Params {
+    steps: i32,
+    delay: Duration,
+}
+
+fn params(input: &Value) -> Result<Params, StepError> {
+    let steps = match input.get("steps") {
+        None => 10,
+        Some(v) => v.as_i64().filter(|n| (1..=1_000_000).contains(n)).ok_or_else(|| {
+            StepError::Unknown(format!("chain input `steps` must be an integer from 1 to 1000000, got {v}"))
+        })? as i32,
+    };
+    let delay = input.get("step_delay_ms").and_then(Value::as_u64).unwrap_or(0);
+    Ok(Params { steps, delay: Duration::from_millis(delay) })
+}
+
+async fn link(ctx: StepContext) -> Result<StepOutcome, StepError> {
+    let p = params(ctx.input())?;
+    let i = ctx.seq();
+    if !p.delay.is_zero() {
+        tokio::time::sleep(p.delay).await;
+    }
+    let request = ChatRequest {
+        messages: vec![
+            ChatMessage::system("You are one link of a chain. Answer briefly."),
+            ChatMessage::user(&format!("Link {i} of {} in run {}.", p.steps, ctx.run_id())),
+        ],
+        max_tokens: Some(64),
+        temperature: Some(0.0),
+    };
+    let answer = ctx.model(&request).await?;
+    let reference = format!("{}:{i}", ctx.run_id());
+    let payload = crate::store::hash_json(&json!(answer.content));
+    let key = IdempotencyKey::for_step(ctx.run_id(), STEP, &i.to_string());
+    let write = json!({ "reference": reference, "payload": payload });
+    let pool = ctx.pool().clone();
+    let (run_id, step) = (ctx.run_id().clone(), i);
+    ctx.effect(&key, &write, |_key| async move { post(&pool, &run_id, step, &reference, &payload).await })
+        .await?;
+    ctx.failpoint("chain.after_write")?;
+    let output = json!({ "link": i, "answer": answer.content });
+    if i + 1 >= p.steps { Ok(StepOutcome::finish(output)) } else { Ok(StepOutcome::goto(output, STEP)) }
+}
+
+/// Posts one ledger row; the same reference with the same payload is accepted as already done.
+async fn post(pool: &PgPool, run_id: &RunId, step: i32, reference: &str, payload: &str) -> Result<Value, StepError> {
+    let inserted = sqlx::query(
+        "INSERT INTO trailmark.chain_ledger (reference, run_id, step, payload) VALUES ($1, $2, $3, $4)
+         ON CONFLICT (reference) DO NOTHING",
+    )
+    .bind(reference)
+    .bind(run_id.as_str())
+    .bind(step)
+    .bind(payload)
+    .execute(pool)
+    .await
+    .map_err(|e| StepError::temporary(format!("chain ledger write {reference}: {e}")))?
+    .rows_affected()
+        == 1;
+    if !inserted {
+        let stored: String = sqlx::query_scalar("SELECT payload FROM trailmark.chain_ledger WHERE reference = $1")
+            .bind(reference)
+            .fetch_one(pool)
+            .await
+            .map_err(|e| StepError::temporary(format!("chain ledger read {reference}: {e}")))?;
+        if stored != payload {
+            return Err(StepError::Conflict(format!(
+                "chain ledger reference {reference} already holds a different payload; the write was not repeated"
+            )));
+        }
+    }
+    Ok(json!({ "reference": reference, "created": inserted }))
+}

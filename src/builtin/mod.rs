@@ -1,0 +1,12 @@
+//! Workflows that ship with trailmark: `chain`, for smoke tests, drills and benchmarks.
+
+pub mod chain;
+
+use crate::workflow::Registry;
+
+/// A registry holding every built-in workflow.
+pub fn registry() -> Registry {
+    let mut r = Registry::new();
+    r.register(chain::workflow());
+    r
+}

@@ -1,0 +1,183 @@
+//! Typed settings: the compiled-in `config/default.toml`, then an optional file, then the
+//! environment (`TRAILMARK__SECTION__KEY`, `DATABASE_URL`, `AMQP_URL`).
+
+use std::time::Duration;
+
+use serde::Deserialize;
+
+use crate::model::ModelSettings;
+
+const DEFAULTS: &str = include_str!("../config/default.toml");
+
+/// Why settings could not be loaded; shown to the operator as is.
+#[derive(Debug, thiserror::Error)]
+#[error("invalid configuration: {0}. Check config/default.toml keys and TRAILMARK__SECTION__KEY variables")]
+pub struct Error(String);
+
+/// All of trailmark's settings.
+#[derive(Debug, Clone, Deserialize)]
+pub struct Settings {
+    /// Postgres.
+    pub database: DatabaseSettings,
+    /// RabbitMQ.
+    pub broker: BrokerSettings,
+    /// Step consumers.
+    pub worker: WorkerSettings,
+    /// Outbox relay.
+    pub relay: RelaySettings,
+    /// Lease and stuck-run supervisor.
+    pub supervisor: SupervisorSettings,
+    /// The OpenAI-compatible model endpoint.
+    #[serde(default)]
+    pub model: ModelSettings,
+}
+
+/// Where the checkpoints live.
+#[derive(Debug, Clone, Deserialize)]
+pub struct DatabaseSettings {
+    /// Postgres URL; may contain a password, so never log it unredacted (see [`redact_url`]).
+    pub url: String,
+    /// Pool size per process.
+    pub max_connections: u32,
+    /// How long to wait for a connection before reporting the database as down.
+    pub connect_timeout_ms: u64,
+}
+
+/// Where the step messages travel.
+#[derive(Debug, Clone, Deserialize)]
+pub struct BrokerSettings {
+    /// AMQP URL; may contain a password, so never log it unredacted.
+    pub url: String,
+    /// Prefix of every exchange and queue name.
+    pub prefix: String,
+    /// Quorum-queue delivery limit before a message is dead-lettered.
+    pub delivery_limit: u32,
+    /// How long to wait for a publisher confirm before treating the publish as failed.
+    pub confirm_timeout_ms: u64,
+}
+
+/// How a worker process consumes.
+#[derive(Debug, Clone, Deserialize)]
+pub struct WorkerSettings {
+    /// Deliveries in flight at once (also the channel prefetch).
+    pub concurrency: u16,
+    /// Lease length in seconds, measured on the database clock.
+    pub lease_secs: u64,
+    /// Heartbeat period in seconds; must be well under `lease_secs`.
+    pub heartbeat_secs: u64,
+    /// Delay before a message for a busy run is tried again.
+    pub busy_retry_ms: u64,
+    /// Largest body accepted; larger ones are dead-lettered unread.
+    pub max_message_bytes: usize,
+}
+
+/// How the relay drains the outbox.
+#[derive(Debug, Clone, Deserialize)]
+pub struct RelaySettings {
+    /// Rows claimed and published per transaction.
+    pub batch_size: i64,
+    /// Poll period when no NOTIFY arrives.
+    pub poll_interval_ms: u64,
+    /// How long published rows are kept before pruning.
+    pub retention_secs: u64,
+}
+
+/// How often the supervisor looks for expired leases.
+#[derive(Debug, Clone, Deserialize)]
+pub struct SupervisorSettings {
+    /// Scan period.
+    pub interval_ms: u64,
+}
+
+impl Settings {
+    /// Defaults, then the file named by `TRAILMARK_CONFIG` if set, then the environment.
+    pub fn load() -> Result<Self, Error> {
+        let file = std::env::var("TRAILMARK_CONFIG").ok();
+        Self::load_from(file.as_deref())
+    }
+
+    /// Like [`Settings::load`], with an explicit extra file.
+    pub fn load_from(file: Option<&str>) -> Result<Self, Error> {
+        use config::{Config, Environment, File, FileFormat};
+        let mut builder = Config::builder().add_source(File::from_str(DEFAULTS, FileFormat::Toml));
+        if let Some(path) = file {
+            builder = builder.add_source(File::with_name(path).required(true));
+        }
+        builder = builder.add_source(
+            Environment::with_prefix("TRAILMARK")
+                .prefix_separator("__")
+                .separator("__")
+                .try_parsing(true),
+        );
+        let env = |name: &str| std::env::var(name).ok().filter(|v| !v.is_empty());
+        let built = builder
+            .set_override_option("database.url", env("DATABASE_URL"))
+            .and_then(|b| b.set_override_option("broker.url", env("AMQP_URL")))
+            .and_then(|b| b.build())
+            .map_err(|e| Error(e.to_string()))?;
+        let settings: Settings = built.try_deserialize().map_err(|e| Error(e.to_string()))?;
+        settings.validate()?;
+        Ok(settings)
+    }
+
+    fn validate(&self) -> Result<(), Error> {
+        if self.worker.heartbeat_secs == 0 || self.worker.heartbeat_secs >= self.worker.lease_secs {
+            return Err(Error(format!(
+                "worker.heartbeat_secs ({}) must be at least 1 and below worker.lease_secs ({})",
+                self.worker.heartbeat_secs, self.worker.lease_secs
+            )));
+        }
+        if self.worker.concurrency == 0 {
+            return Err(Error("worker.concurrency must be at least 1".into()));
+        }
+        Ok(())
+    }
+}
+
+impl WorkerSettings {
+    /// The lease as a duration.
+    pub fn lease(&self) -> Duration {
+        Duration::from_secs(self.lease_secs)
+    }
+    /// The heartbeat period as a duration.
+    pub fn heartbeat(&self) -> Duration {
+        Duration::from_secs(self.heartbeat_secs)
+    }
+}
+
+/// A URL with its password replaced by `***`, safe for logs and error messages.
+pub fn redact_url(raw: &str) -> String {
+    match url::Url::parse(raw) {
+        Ok(mut parsed) => {
+            if parsed.password().is_some() {
+                let _ = parsed.set_password(Some("***"));
+            }
+            parsed.to_string()
+        }
+        // An unparsable URL may still hold a secret: show only its scheme.
+        Err(_) => match raw.split_once("://") {
+            Some((scheme, _)) => format!("{scheme}://<unparsable URL>"),
+            None => "<unparsable URL>".into(),
+        },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn compiled_defaults_load_and_point_at_localhost() {
+        let s = Settings::load_from(None).expect("defaults load");
+        assert!(s.database.url.contains("127.0.0.1"));
+        assert_eq!(s.broker.prefix, "trailmark");
+    }
+
+    #[test]
+    fn redaction_hides_the_password_only() {
+        let r = redact_url("amqp://guest:s3cret@10.0.0.1:5672/%2f");
+        assert!(!r.contains("s3cret"), "{r}");
+        assert!(r.contains("guest") && r.contains("10.0.0.1"), "{r}");
+        assert!(!redact_url("postgres://u:pw@[bad").contains("pw"));
+    }
+}

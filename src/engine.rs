@@ -1,0 +1,112 @@
+//! The shared state of a trailmark process: settings, database pool, workflows, topology names,
+//! counters. Every long-running component takes an `Arc<Engine>` and a shutdown token.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use sqlx::PgPool;
+
+use crate::broker::Topology;
+use crate::config::Settings;
+use crate::failpoint::Failpoints;
+use crate::model::ModelClient;
+use crate::workflow::{Registry, Services};
+
+/// Why an engine could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The database is unreachable or misconfigured.
+    #[error(transparent)]
+    Store(#[from] crate::store::Error),
+    /// The model settings are unusable.
+    #[error("model client: {0}")]
+    Model(String),
+}
+
+/// Counters a process keeps about its own work (exported as metrics, read by tests).
+#[derive(Debug, Default)]
+pub struct Stats {
+    /// Step handler executions started.
+    pub handler_runs: AtomicU64,
+    /// Steps committed.
+    pub steps_committed: AtomicU64,
+    /// Deliveries dropped as already processed.
+    pub duplicates: AtomicU64,
+    /// Deliveries dropped as stale (run moved on, cancelled, fenced out).
+    pub stale: AtomicU64,
+    /// Deliveries sent to a delay queue because the run was busy or a step will be retried.
+    pub delayed: AtomicU64,
+    /// Deliveries published to the DLQ by this process.
+    pub dead_lettered: AtomicU64,
+    /// Runs created from run-start events.
+    pub runs_started: AtomicU64,
+    /// Outbox rows published by this process's relay.
+    pub relayed: AtomicU64,
+    /// Runs whose expired lease the supervisor re-queued.
+    pub lease_recoveries: AtomicU64,
+}
+
+impl Stats {
+    /// Adds one to a counter.
+    pub fn bump(counter: &AtomicU64) {
+        counter.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// Everything a worker, relay or supervisor needs.
+pub struct Engine {
+    /// Effective settings.
+    pub settings: Settings,
+    /// Trailmark's database.
+    pub pool: PgPool,
+    /// Executable workflows.
+    pub registry: Registry,
+    /// Exchange and queue names.
+    pub topology: Topology,
+    /// Failpoints (empty unless configured).
+    pub failpoints: Failpoints,
+    /// Counters.
+    pub stats: Stats,
+    /// Identifies this process in leases and connection names.
+    pub worker_id: String,
+    pub(crate) services: Arc<Services>,
+}
+
+impl Engine {
+    /// Connects to Postgres (RabbitMQ is connected by each component, so it can reconnect).
+    pub async fn new(settings: Settings, registry: Registry, failpoints: Failpoints) -> Result<Arc<Self>, Error> {
+        let pool = crate::store::connect(&settings.database).await?;
+        Self::with_pool(settings, registry, failpoints, pool)
+    }
+
+    /// Like [`Engine::new`], with an existing pool.
+    pub fn with_pool(settings: Settings, registry: Registry, failpoints: Failpoints, pool: PgPool) -> Result<Arc<Self>, Error> {
+        let model = if settings.model.is_configured() {
+            Some(ModelClient::new(&settings.model).map_err(|e| Error::Model(e.to_string()))?)
+        } else {
+            None
+        };
+        let services = Arc::new(Services {
+            pool: pool.clone(),
+            model,
+            failpoints: failpoints.clone(),
+            standin_answer_bytes: 64,
+        });
+        let topology = Topology::new(&settings.broker.prefix, settings.broker.delivery_limit);
+        let worker_id = format!(
+            "{}-{}-{}",
+            hostname(),
+            std::process::id(),
+            &uuid::Uuid::new_v4().simple().to_string()[..8]
+        );
+        Ok(Arc::new(Self { settings, pool, registry, topology, failpoints, stats: Stats::default(), worker_id, services }))
+    }
+}
+
+fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|h| h.trim().to_owned())
+        .ok()
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "host".into())
+}

@@ -1,0 +1,127 @@
+//! The `trailmark` binary: the command-line definition and dispatch, nothing else.
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+use trailmark::cli::{self, serve::Components};
+use trailmark::config::Settings;
+
+/// Crash-proof multi-step agent runs over RabbitMQ and a Postgres outbox.
+#[derive(Debug, Parser)]
+#[command(name = "trailmark", version, about)]
+struct Cli {
+    /// Extra settings file (TOML), layered over the compiled-in defaults.
+    #[arg(long, global = true, env = "TRAILMARK_CONFIG")]
+    config: Option<String>,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Create the database if missing, apply migrations, declare the broker topology (idempotent).
+    Migrate,
+    /// Run worker, relay and supervisor in one process.
+    Serve,
+    /// Run only the step consumer.
+    Worker,
+    /// Run only the outbox relay.
+    Relay,
+    /// Run only the lease supervisor.
+    Supervisor,
+    /// Start, inspect and list runs.
+    Run {
+        #[command(subcommand)]
+        command: RunCommand,
+    },
+    /// Run the stand-in OpenAI-compatible model server (for drills and demos).
+    ModelServer {
+        /// Port on 127.0.0.1 (0 picks a free one).
+        #[arg(long, default_value_t = 0)]
+        port: u16,
+        /// Size of each answer in bytes.
+        #[arg(long, default_value_t = 64)]
+        answer_bytes: usize,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum RunCommand {
+    /// Publish a run-start event, exactly as an upstream service would.
+    Start {
+        /// Workflow name (e.g. chain).
+        workflow: String,
+        /// Caller-chosen run id; starting the same id twice starts one run.
+        #[arg(long)]
+        run_id: String,
+        /// Workflow input as JSON.
+        #[arg(long)]
+        input: Option<String>,
+    },
+    /// Show a run: status, steps with attempts and timings, journal and effect counts.
+    Show {
+        /// Run id.
+        run_id: String,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// List runs, newest first.
+    List {
+        /// Only runs with this status.
+        #[arg(long)]
+        status: Option<String>,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+        /// At most this many runs.
+        #[arg(long, default_value_t = 100)]
+        limit: i64,
+    },
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    trailmark::telemetry::init();
+    let cli = Cli::parse();
+    match dispatch(cli).await {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::from(if cli::is_unavailable(&e) { 2 } else { 1 })
+        }
+    }
+}
+
+async fn dispatch(cli: Cli) -> anyhow::Result<()> {
+    if let Command::ModelServer { port, answer_bytes } = cli.command {
+        let opts = trailmark::standin::model_server::ModelServerOptions { port, answer_bytes, ..Default::default() };
+        return Ok(trailmark::standin::model_server::serve_forever(opts).await?);
+    }
+    let settings = Settings::load_from(cli.config.as_deref())?;
+    let registry = trailmark::builtin::registry();
+    let only = |worker, relay, supervisor| Components { worker, relay, supervisor };
+    match cli.command {
+        Command::Migrate => cli::migrate::migrate(&settings).await,
+        Command::Serve => cli::serve::serve(settings, registry, Components::ALL).await,
+        Command::Worker => cli::serve::serve(settings, registry, only(true, false, false)).await,
+        Command::Relay => cli::serve::serve(settings, registry, only(false, true, false)).await,
+        Command::Supervisor => cli::serve::serve(settings, registry, only(false, false, true)).await,
+        Command::Run { command } => match command {
+            RunCommand::Start { workflow, run_id, input } => cli::run::start(&settings, &registry, &workflow, &run_id, input.as_deref()).await,
+            RunCommand::Show { run_id, json } => cli::run::show(&settings, &run_id, json).await,
+            RunCommand::List { status, json, limit } => cli::run::list(&settings, status.as_deref(), json, limit).await,
+        },
+        Command::ModelServer { .. } => unreachable!("handled above"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::CommandFactory;
+
+    #[test]
+    fn cli_definition_is_consistent() {
+        super::Cli::command().debug_assert();
+    }
+}

@@ -1,0 +1,3 @@
+//! Stand-in systems (a deterministic model server, …) for tests, the demo and benchmarks.
+
+pub mod model_server;

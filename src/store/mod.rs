@@ -1,0 +1,130 @@
+//! All SQL. Every function takes an executor, so the caller that began a transaction owns it
+//! (the step commit in `worker` is the one place that puts several of them in one transaction).
+
+pub mod effects;
+pub mod inbox;
+pub mod journal;
+pub mod outbox;
+pub mod runs;
+pub mod steps;
+
+use std::time::Duration;
+
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::{ConnectOptions, PgPool};
+
+use crate::config::{DatabaseSettings, redact_url};
+
+/// Store errors, split by what the caller does about them.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// Postgres failed or is unreachable: retry later, nothing was decided.
+    #[error("database error: {0}")]
+    Database(#[from] sqlx::Error),
+    /// A newer lease holder owns the run: roll back and drop the work.
+    #[error("run {run_id}: fenced out (fence {fence} is no longer current); a newer worker owns the run")]
+    FencedOut {
+        /// The run.
+        run_id: String,
+        /// The stale fence.
+        fence: i64,
+    },
+    /// The same idempotency key was used with a different request.
+    #[error("idempotency key {key} was already used with a different request (stored hash {stored}, new hash {new}); fix the key recipe or the request, then resume")]
+    Conflict {
+        /// The reused key.
+        key: String,
+        /// Hash stored with the first use.
+        stored: String,
+        /// Hash of the new request.
+        new: String,
+    },
+    /// The database or its schema is not there.
+    #[error("{0}")]
+    Unavailable(String),
+}
+
+/// Shorthand for store results.
+pub type Result<T> = std::result::Result<T, Error>;
+
+/// The migrations under `migrations/`, compiled in.
+pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
+
+fn options(settings: &DatabaseSettings) -> Result<PgConnectOptions> {
+    let opts: PgConnectOptions = settings.url.parse().map_err(|e| {
+        Error::Unavailable(format!(
+            "DATABASE_URL {} is not a valid Postgres URL: {e}",
+            redact_url(&settings.url)
+        ))
+    })?;
+    // Statement logging would print bodies and ids at info level; keep it for debugging only.
+    Ok(opts.log_statements(tracing::log::LevelFilter::Trace))
+}
+
+fn down(settings: &DatabaseSettings, e: &sqlx::Error) -> Error {
+    Error::Unavailable(format!(
+        "cannot connect to Postgres at {}: {e}. Is it running? Start it with `pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main start`, or set DATABASE_URL",
+        redact_url(&settings.url)
+    ))
+}
+
+/// Opens a pool and checks it with one round trip, so a wrong URL fails at start-up.
+pub async fn connect(settings: &DatabaseSettings) -> Result<PgPool> {
+    let pool = PgPoolOptions::new()
+        .max_connections(settings.max_connections)
+        .acquire_timeout(Duration::from_millis(settings.connect_timeout_ms))
+        .connect_with(options(settings)?)
+        .await
+        .map_err(|e| down(settings, &e))?;
+    Ok(pool)
+}
+
+/// Creates the database named in the URL when it is missing (connecting to `postgres` first).
+pub async fn ensure_database(settings: &DatabaseSettings) -> Result<()> {
+    let target = options(settings)?;
+    let name = target.get_database().unwrap_or("postgres").to_owned();
+    let admin = target.clone().database("postgres");
+    let mut conn = admin.connect().await.map_err(|e| down(settings, &e))?;
+    let exists: bool = sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_database WHERE datname = $1)")
+        .bind(&name)
+        .fetch_one(&mut conn)
+        .await?;
+    if !exists {
+        // Identifiers cannot be bound; the name is quoted by doubling any quote in it.
+        let sql = format!("CREATE DATABASE \"{}\"", name.replace('"', "\"\""));
+        if let Err(e) = sqlx::query(sqlx::AssertSqlSafe(sql)).execute(&mut conn).await {
+            // Another process may have created it between our check and our create.
+            let raced = e.as_database_error().and_then(|d| d.code()).as_deref() == Some("42P04");
+            if !raced {
+                return Err(e.into());
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Runs pending migrations; safe to call from several processes at once (sqlx takes a lock).
+pub async fn migrate(pool: &PgPool) -> Result<()> {
+    MIGRATOR
+        .run(pool)
+        .await
+        .map_err(|e| Error::Unavailable(format!("migrations failed: {e}")))
+}
+
+/// Whether an error is a lost or refused connection rather than a refused statement.
+pub fn is_transient(e: &sqlx::Error) -> bool {
+    matches!(
+        e,
+        sqlx::Error::Io(_) | sqlx::Error::PoolTimedOut | sqlx::Error::PoolClosed | sqlx::Error::Protocol(_)
+    ) || e
+        .as_database_error()
+        .and_then(|d| d.code())
+        // 57P01 admin shutdown, 57P02/57P03 crash/cannot connect now, 08xxx connection exceptions.
+        .is_some_and(|c| c.starts_with("57P") || c.starts_with("08"))
+}
+
+/// SHA-256 of a JSON value, hex; the request hash of journal entries and effects.
+pub fn hash_json(value: &serde_json::Value) -> String {
+    use sha2::{Digest, Sha256};
+    hex::encode(Sha256::digest(value.to_string().as_bytes()))
+}

@@ -1,0 +1,118 @@
+//! The outbox: messages committed with the checkpoint, published by the relay.
+
+use std::collections::BTreeMap;
+
+use sqlx::PgExecutor;
+
+use super::Result;
+use crate::domain::MessageId;
+
+/// A message to publish once the surrounding transaction commits.
+#[derive(Debug, Clone)]
+pub struct OutgoingMessage {
+    /// Becomes the AMQP `message_id` and the consumer's dedup key.
+    pub message_id: MessageId,
+    /// Target exchange.
+    pub exchange: String,
+    /// Routing key.
+    pub routing_key: String,
+    /// String headers.
+    pub headers: BTreeMap<String, String>,
+    /// Body.
+    pub body: Vec<u8>,
+}
+
+/// A claimed outbox row.
+#[derive(Debug, Clone, sqlx::FromRow)]
+pub struct OutboxRow {
+    /// Row id (only for marking; never used as a high-water mark, ids commit out of order).
+    pub id: i64,
+    /// Message id.
+    pub message_id: uuid::Uuid,
+    /// Target exchange.
+    pub exchange: String,
+    /// Routing key.
+    pub routing_key: String,
+    /// Headers as a JSON object of strings.
+    pub headers: serde_json::Value,
+    /// Body.
+    pub body: Vec<u8>,
+}
+
+/// Queues messages in the caller's transaction.
+pub async fn insert(db: impl PgExecutor<'_>, messages: &[OutgoingMessage]) -> Result<()> {
+    if messages.is_empty() {
+        return Ok(());
+    }
+    let ids: Vec<uuid::Uuid> = messages.iter().map(|m| m.message_id.0).collect();
+    let exchanges: Vec<&str> = messages.iter().map(|m| m.exchange.as_str()).collect();
+    let keys: Vec<&str> = messages.iter().map(|m| m.routing_key.as_str()).collect();
+    let headers: Vec<serde_json::Value> =
+        messages.iter().map(|m| serde_json::to_value(&m.headers).expect("string map")).collect();
+    let bodies: Vec<&[u8]> = messages.iter().map(|m| m.body.as_slice()).collect();
+    sqlx::query(
+        "INSERT INTO trailmark.outbox (message_id, exchange, routing_key, headers, body)
+         SELECT * FROM UNNEST($1::uuid[], $2::text[], $3::text[], $4::jsonb[], $5::bytea[])",
+    )
+    .bind(ids)
+    .bind(exchanges)
+    .bind(keys)
+    .bind(headers)
+    .bind(bodies)
+    .execute(db)
+    .await?;
+    Ok(())
+}
+
+/// Locks up to `limit` unpublished rows that no other relay holds, oldest first.
+pub async fn claim(db: impl PgExecutor<'_>, limit: i64) -> Result<Vec<OutboxRow>> {
+    Ok(sqlx::query_as(
+        "SELECT id, message_id, exchange, routing_key, headers, body FROM trailmark.outbox
+          WHERE published_at IS NULL ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED",
+    )
+    .bind(limit)
+    .fetch_all(db)
+    .await?)
+}
+
+/// Marks rows published after their positive confirms.
+pub async fn mark_published(db: impl PgExecutor<'_>, ids: &[i64]) -> Result<()> {
+    sqlx::query("UPDATE trailmark.outbox SET published_at = now(), attempts = attempts + 1 WHERE id = ANY($1)")
+        .bind(ids)
+        .execute(db)
+        .await?;
+    Ok(())
+}
+
+/// Counts a failed publish attempt on rows that stay unpublished.
+pub async fn mark_failed(db: impl PgExecutor<'_>, ids: &[i64]) -> Result<()> {
+    sqlx::query("UPDATE trailmark.outbox SET attempts = attempts + 1 WHERE id = ANY($1)")
+        .bind(ids)
+        .execute(db)
+        .await?;
+    Ok(())
+}
+
+/// Deletes up to `batch` rows published more than `retention_secs` ago; returns how many.
+pub async fn prune(db: impl PgExecutor<'_>, retention_secs: f64, batch: i64) -> Result<u64> {
+    let done = sqlx::query(
+        "DELETE FROM trailmark.outbox WHERE id IN (
+            SELECT id FROM trailmark.outbox
+             WHERE published_at < now() - make_interval(secs => $1) LIMIT $2)",
+    )
+    .bind(retention_secs)
+    .bind(batch)
+    .execute(db)
+    .await?;
+    Ok(done.rows_affected())
+}
+
+/// Unpublished rows and the age of the oldest, in seconds: the relay's backlog.
+pub async fn backlog(db: impl PgExecutor<'_>) -> Result<(i64, f64)> {
+    Ok(sqlx::query_as(
+        "SELECT count(*), COALESCE(EXTRACT(EPOCH FROM now() - min(created_at)), 0)::float8
+           FROM trailmark.outbox WHERE published_at IS NULL",
+    )
+    .fetch_one(db)
+    .await?)
+}

@@ -1,0 +1,76 @@
+//! Step checkpoints: one row per position, with attempts counted at claim time.
+
+use chrono::{DateTime, Utc};
+use serde::Serialize;
+use serde_json::Value;
+use sqlx::PgExecutor;
+
+use super::Result;
+use crate::domain::RunId;
+
+/// A step checkpoint as stored.
+#[derive(Debug, Clone, Serialize, sqlx::FromRow)]
+pub struct StepRow {
+    /// Position.
+    pub seq: i32,
+    /// Step name.
+    pub step: String,
+    /// Claims so far (a crash mid-step still counts).
+    pub attempts: i32,
+    /// Output once committed.
+    pub output: Option<Value>,
+    /// First claim.
+    pub started_at: DateTime<Utc>,
+    /// Commit time.
+    pub finished_at: Option<DateTime<Utc>>,
+}
+
+/// Records one more attempt at `seq` and returns the attempt number (1-based).
+pub async fn begin_attempt(db: impl PgExecutor<'_>, run_id: &RunId, seq: i32, step: &str) -> Result<i32> {
+    Ok(sqlx::query_scalar(
+        "INSERT INTO trailmark.steps (run_id, seq, step, attempts) VALUES ($1, $2, $3, 1)
+         ON CONFLICT (run_id, seq) DO UPDATE SET attempts = trailmark.steps.attempts + 1
+         RETURNING attempts",
+    )
+    .bind(run_id.as_str())
+    .bind(seq)
+    .bind(step)
+    .fetch_one(db)
+    .await?)
+}
+
+/// Writes the step's output: the checkpoint.
+pub async fn finish(db: impl PgExecutor<'_>, run_id: &RunId, seq: i32, output: &Value) -> Result<()> {
+    sqlx::query("UPDATE trailmark.steps SET output = $3, finished_at = now() WHERE run_id = $1 AND seq = $2")
+        .bind(run_id.as_str())
+        .bind(seq)
+        .bind(output)
+        .execute(db)
+        .await?;
+    Ok(())
+}
+
+/// The newest committed output of the step named `step` before position `before`.
+pub async fn latest_output(db: impl PgExecutor<'_>, run_id: &RunId, step: &str, before: i32) -> Result<Option<Value>> {
+    Ok(sqlx::query_scalar(
+        "SELECT output FROM trailmark.steps WHERE run_id = $1 AND step = $2 AND seq < $3
+           AND finished_at IS NOT NULL ORDER BY seq DESC LIMIT 1",
+    )
+    .bind(run_id.as_str())
+    .bind(step)
+    .bind(before)
+    .fetch_optional(db)
+    .await?
+    .flatten())
+}
+
+/// Every checkpoint of a run, in order.
+pub async fn list(db: impl PgExecutor<'_>, run_id: &str) -> Result<Vec<StepRow>> {
+    Ok(sqlx::query_as(
+        "SELECT seq, step, attempts, output, started_at, finished_at FROM trailmark.steps
+          WHERE run_id = $1 ORDER BY seq",
+    )
+    .bind(run_id)
+    .fetch_all(db)
+    .await?)
+}

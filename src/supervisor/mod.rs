@@ -1,0 +1,66 @@
+//! The supervisor: finds runs whose lease expired (their worker died or froze) and re-queues
+//! their current step through the outbox with a new message id, raising the fence so the old
+//! holder can never commit. Lease expiry is judged on the database clock only.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio_util::sync::CancellationToken;
+
+use crate::domain::RunId;
+use crate::engine::Engine;
+use crate::store;
+use crate::store::outbox;
+use crate::worker::step_message;
+
+/// Scans every `supervisor.interval_ms` until `shutdown` fires.
+pub async fn run(engine: Arc<Engine>, shutdown: CancellationToken) -> Result<(), store::Error> {
+    let period = Duration::from_millis(engine.settings.supervisor.interval_ms);
+    loop {
+        match recover_expired(&engine).await {
+            Ok(0) => {}
+            Ok(n) => tracing::info!(runs = n, "re-queued steps of runs whose lease expired"),
+            Err(e) => tracing::warn!(error = %e, "supervisor scan failed; will try again"),
+        }
+        tokio::select! {
+            _ = shutdown.cancelled() => return Ok(()),
+            _ = tokio::time::sleep(period) => {}
+        }
+    }
+}
+
+#[derive(sqlx::FromRow)]
+struct Expired {
+    run_id: String,
+    workflow: String,
+    workflow_version: i32,
+    step: String,
+    step_seq: i32,
+}
+
+/// One scan: re-queues the current step of up to 100 runs with expired leases; returns how many.
+pub async fn recover_expired(engine: &Engine) -> store::Result<usize> {
+    let mut tx = engine.pool.begin().await?;
+    let expired: Vec<Expired> = sqlx::query_as(
+        "UPDATE trailmark.runs r
+            SET lease_owner = NULL, lease_expires_at = NULL, fence = r.fence + 1, updated_at = now()
+           FROM (SELECT run_id FROM trailmark.runs
+                  WHERE lease_owner IS NOT NULL AND lease_expires_at < now()
+                    AND status IN ('running', 'compensating') AND step IS NOT NULL
+                  ORDER BY lease_expires_at LIMIT 100 FOR UPDATE SKIP LOCKED) e
+          WHERE r.run_id = e.run_id
+      RETURNING r.run_id, r.workflow, r.workflow_version, r.step, r.step_seq",
+    )
+    .fetch_all(&mut *tx)
+    .await?;
+    let mut messages = Vec::with_capacity(expired.len());
+    for run in &expired {
+        let Ok(run_id) = RunId::parse(&run.run_id) else { continue };
+        tracing::warn!(run.id = %run_id, step = %run.step, seq = run.step_seq, "lease expired without progress; re-queueing the step");
+        messages.push(step_message(engine, &run_id, &run.workflow, run.workflow_version, &run.step, run.step_seq));
+    }
+    outbox::insert(&mut *tx, &messages).await?;
+    tx.commit().await?;
+    engine.stats.lease_recoveries.fetch_add(expired.len() as u64, std::sync::atomic::Ordering::Relaxed);
+    Ok(expired.len())
+}

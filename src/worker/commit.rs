@@ -1,0 +1,124 @@
+//! The step transaction (DESIGN.md §4 step 5): inbox row, fenced run advance, checkpoint and
+//! next-step outbox rows, all or nothing.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use serde_json::Value;
+
+use super::STEP_CONSUMER;
+use crate::domain::{Fence, MessageId, RunId, RunStatus, STEP_ROUTING_KEY, StepMessage};
+use crate::engine::Engine;
+use crate::store::outbox::OutgoingMessage;
+use crate::store::{self, inbox, outbox, runs, steps};
+
+/// How a step execution ends.
+pub(super) enum Ending {
+    /// Checkpoint the output and move to `next` (or end the run when `None`).
+    Advance {
+        /// The step's output.
+        output: Value,
+        /// The next step.
+        next: Option<String>,
+        /// The run's status while executing (running or compensating).
+        status: RunStatus,
+    },
+    /// Stop the run for a person; the step is not advanced.
+    Review {
+        /// The handover text.
+        error: String,
+    },
+}
+
+/// Commits the step; `Ok(false)` means another delivery of the same message committed first.
+pub(super) async fn commit(engine: &Arc<Engine>, msg: &StepMessage, fence: Fence, ending: Ending) -> store::Result<bool> {
+    let fp = &engine.failpoints;
+    let mut tx = engine.pool.begin().await?;
+    // The fenced update goes first: it takes the run's row lock, so two committers of the same
+    // run serialise here and the loser sees zero rows.
+    match &ending {
+        Ending::Advance { output, next, status } => {
+            let done = next.is_none();
+            let to = runs::Advance {
+                seq: msg.seq,
+                next_step: next.as_deref(),
+                status: match (done, status) {
+                    (false, s) => *s,
+                    (true, RunStatus::Compensating) => RunStatus::Compensated,
+                    (true, _) => RunStatus::Succeeded,
+                },
+                output: if done { Some(output) } else { None },
+                error: None,
+            };
+            runs::advance(&mut *tx, &msg.run_id, fence, &to).await?;
+            steps::finish(&mut *tx, &msg.run_id, msg.seq, output).await?;
+            fp.hit("step.after_checkpoint").map_err(infra)?;
+            if let Some(next) = next {
+                outbox::insert(&mut *tx, &[next_message(engine, msg, next)]).await?;
+            }
+        }
+        Ending::Review { error } => {
+            let to = runs::Advance {
+                seq: msg.seq,
+                next_step: Some(&msg.step),
+                status: RunStatus::NeedsReview,
+                output: None,
+                error: Some(error),
+            };
+            runs::advance(&mut *tx, &msg.run_id, fence, &to).await?;
+        }
+    }
+    if !inbox::record(&mut *tx, STEP_CONSUMER, msg.message_id).await? {
+        tx.rollback().await?;
+        return Ok(false);
+    }
+    fp.hit("step.before_commit").map_err(infra)?;
+    tx.commit().await?;
+    fp.hit("step.after_commit").map_err(infra)?;
+    Ok(true)
+}
+
+/// Gives the lease back without advancing (the step will be retried from a delay queue).
+pub(super) async fn release(engine: &Arc<Engine>, run_id: &RunId, fence: Fence) -> store::Result<()> {
+    sqlx::query(
+        "UPDATE trailmark.runs SET lease_owner = NULL, lease_expires_at = NULL, updated_at = now()
+          WHERE run_id = $1 AND fence = $2",
+    )
+    .bind(run_id.as_str())
+    .bind(fence.0)
+    .execute(&engine.pool)
+    .await?;
+    Ok(())
+}
+
+/// The outbox row of a step message for `step` at position `seq` of a run.
+pub fn step_message(engine: &Engine, run_id: &RunId, workflow: &str, version: i32, step: &str, seq: i32) -> OutgoingMessage {
+    let msg = StepMessage {
+        v: 1,
+        message_id: MessageId::new(),
+        run_id: run_id.clone(),
+        workflow: workflow.to_owned(),
+        version,
+        step: step.to_owned(),
+        seq,
+    };
+    let headers = BTreeMap::from([
+        ("x-trailmark-run-id".to_owned(), run_id.to_string()),
+        ("x-trailmark-step".to_owned(), step.to_owned()),
+    ]);
+    OutgoingMessage {
+        message_id: msg.message_id,
+        exchange: engine.topology.steps_exchange(),
+        routing_key: STEP_ROUTING_KEY.to_owned(),
+        headers,
+        body: msg.encode(),
+    }
+}
+
+fn next_message(engine: &Engine, msg: &StepMessage, next: &str) -> OutgoingMessage {
+    step_message(engine, &msg.run_id, &msg.workflow, msg.version, next, msg.seq + 1)
+}
+
+fn infra(e: impl std::fmt::Display) -> store::Error {
+    store::Error::Unavailable(e.to_string())
+}

@@ -1,0 +1,137 @@
+//! Step consumers: delivery -> dedup -> lease -> handler -> one commit -> ack (DESIGN.md §4).
+//!
+//! [`run`] owns the broker session and reconnects by itself; each delivery is handled by its own
+//! task, bounded by `worker.concurrency`. A delivery is acknowledged only after the transaction
+//! that records its effects has committed, so a crash anywhere means a redelivery that the inbox
+//! turns into a no-op.
+
+mod commit;
+mod lease;
+mod outcome;
+mod run_start;
+mod step;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures_util::StreamExt;
+use lapin::message::Delivery;
+use lapin::options::{BasicCancelOptions, BasicConsumeOptions, BasicQosOptions};
+use lapin::types::FieldTable;
+use tokio::sync::Semaphore;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use crate::broker::{self, Publisher};
+use crate::engine::Engine;
+
+pub use commit::step_message;
+pub use outcome::{Disposition, dead_letter_headers};
+
+/// Consumer name in the inbox for step messages.
+pub const STEP_CONSUMER: &str = "steps";
+/// Consumer name in the inbox for run-start events.
+pub const RUN_START_CONSUMER: &str = "run-start";
+
+/// Consumes until `shutdown` fires, reconnecting after broker failures. Returns after in-flight
+/// steps have finished (or were abandoned uncommitted when the lease ran out).
+pub async fn run(engine: Arc<Engine>, shutdown: CancellationToken) -> Result<(), broker::Error> {
+    let tracker = TaskTracker::new();
+    let mut backoff = Duration::from_millis(200);
+    while !shutdown.is_cancelled() {
+        match session(&engine, &shutdown, &tracker).await {
+            Ok(()) => break,
+            Err(e) => {
+                tracing::warn!(error = %e, retry_in_ms = backoff.as_millis() as u64, "worker lost the broker; reconnecting");
+                tokio::select! {
+                    _ = tokio::time::sleep(backoff) => {}
+                    _ = shutdown.cancelled() => break,
+                }
+                backoff = (backoff * 2).min(Duration::from_secs(5));
+            }
+        }
+    }
+    tracker.close();
+    // In-flight steps get one lease period to finish; after that their leases are void anyway.
+    let grace = engine.settings.worker.lease();
+    if tokio::time::timeout(grace, tracker.wait()).await.is_err() {
+        tracing::warn!(in_flight = tracker.len(), "shutdown: abandoning unfinished steps uncommitted");
+    }
+    Ok(())
+}
+
+async fn session(engine: &Arc<Engine>, shutdown: &CancellationToken, tracker: &TaskTracker) -> Result<(), broker::Error> {
+    let settings = &engine.settings;
+    let conn = broker::connect(&settings.broker, &format!("worker-{}", engine.worker_id)).await?;
+    let publisher = Publisher::open(&conn, Duration::from_millis(settings.broker.confirm_timeout_ms)).await?;
+    engine.topology.declare(publisher.channel()).await?;
+    let channel = conn.create_channel().await?;
+    channel.basic_qos(settings.worker.concurrency, BasicQosOptions::default()).await?;
+    let tag = |kind: &str| format!("{kind}-{}", engine.worker_id);
+    let steps = channel
+        .basic_consume(engine.topology.steps_queue().into(), tag("steps").into(), BasicConsumeOptions::default(), FieldTable::default())
+        .await?;
+    let starts = channel
+        .basic_consume(engine.topology.run_start_queue().into(), tag("starts").into(), BasicConsumeOptions::default(), FieldTable::default())
+        .await?;
+    tracing::info!(worker = %engine.worker_id, "worker consuming");
+    let mut deliveries = futures_util::stream::select(steps.map(|d| (true, d)), starts.map(|d| (false, d)));
+    let permits = Arc::new(Semaphore::new(settings.worker.concurrency as usize));
+    let outcome = loop {
+        let next = tokio::select! {
+            next = deliveries.next() => next,
+            _ = shutdown.cancelled() => break Ok(()),
+        };
+        let Some((is_step, delivery)) = next else {
+            break Err(broker::Error::Unavailable("consumer stream ended (connection closed)".into()));
+        };
+        let delivery = delivery?;
+        let permit = permits.clone().acquire_owned().await.expect("semaphore never closed");
+        let (engine, publisher, stop) = (engine.clone(), publisher.clone(), shutdown.clone());
+        tracker.spawn(async move {
+            handle(&engine, &publisher, delivery, is_step, &stop).await;
+            drop(permit);
+        });
+    };
+    // Stop taking new deliveries; unacked prefetched ones return to the queue when we close.
+    for t in [tag("steps"), tag("starts")] {
+        let _ = channel.basic_cancel(t.into(), BasicCancelOptions::default()).await;
+    }
+    if outcome.is_ok() {
+        tracker.close();
+        let grace = engine.settings.worker.lease();
+        let _ = tokio::time::timeout(grace, tracker.wait()).await;
+        let _ = conn.close(200, "shutdown".into()).await;
+    }
+    outcome
+}
+
+/// Processes one delivery to its disposition, retrying infrastructure failures in place
+/// (the message stays unacknowledged, so nothing is lost if we die meanwhile).
+async fn handle(engine: &Arc<Engine>, publisher: &Publisher, delivery: Delivery, is_step: bool, shutdown: &CancellationToken) {
+    let mut backoff = Duration::from_millis(100);
+    let owner = format!("{}/{}", engine.worker_id, uuid::Uuid::new_v4().simple());
+    loop {
+        let result = if is_step {
+            step::process(engine, &delivery, &owner).await
+        } else {
+            run_start::process(engine, &delivery).await
+        };
+        match result {
+            Ok(disposition) => {
+                outcome::settle(engine, publisher, &delivery, disposition).await;
+                return;
+            }
+            Err(e) => {
+                // A closed channel means the broker will redeliver elsewhere: stop here.
+                if shutdown.is_cancelled() || !delivery.acker.usable() {
+                    tracing::warn!(error = %e, "delivery abandoned unacknowledged; the broker will redeliver it");
+                    return;
+                }
+                tracing::warn!(error = %e, retry_in_ms = backoff.as_millis() as u64, "delivery failed on infrastructure; retrying it");
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_secs(5));
+            }
+        }
+    }
+}

@@ -1,0 +1,123 @@
+//! What happens to a delivery once it has been processed: ack, delay, or dead-letter.
+//! Every path that moves a message elsewhere waits for the publisher confirm before the ack.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use lapin::message::Delivery;
+use lapin::options::BasicAckOptions;
+
+use crate::broker::{Outgoing, Publisher, header_str, headers_to_map, map_to_headers};
+use crate::engine::{Engine, Stats};
+
+/// Header names trailmark adds to dead letters.
+pub mod dead_letter_headers {
+    /// Short reason code (`undecodable`, `oversized`, `unknown_workflow`, ...).
+    pub const REASON: &str = "x-trailmark-reason";
+    /// Human-readable detail.
+    pub const DETAIL: &str = "x-trailmark-detail";
+    /// Queue the message was taken from.
+    pub const QUEUE: &str = "x-trailmark-queue";
+    /// When it was dead-lettered (RFC 3339).
+    pub const FAILED_AT: &str = "x-trailmark-failed-at";
+    /// How many times it had been delivered.
+    pub const DELIVERIES: &str = "x-trailmark-deliveries";
+}
+
+/// The result of processing one delivery.
+#[derive(Debug)]
+pub enum Disposition {
+    /// Work committed (or nothing to do): acknowledge.
+    Done,
+    /// Already processed: acknowledge and count.
+    Duplicate,
+    /// The run moved on, is not executable, or we were fenced out: acknowledge and log.
+    Stale(String),
+    /// Try again after `delay` (run busy, or a step retry): park in a delay queue, then ack.
+    Delay(Duration),
+    /// Poison: publish to the DLQ with this reason, then ack.
+    DeadLetter {
+        /// Short code.
+        reason: &'static str,
+        /// Detail for the operator.
+        detail: String,
+    },
+}
+
+/// Applies `disposition` to `delivery`. If a publish fails, the delivery is left unacknowledged
+/// and the broker redelivers it when the channel closes: nothing is lost.
+pub(super) async fn settle(engine: &Arc<Engine>, publisher: &Publisher, delivery: &Delivery, disposition: Disposition) {
+    let moved = match &disposition {
+        Disposition::Done => Ok(()),
+        Disposition::Duplicate => {
+            Stats::bump(&engine.stats.duplicates);
+            tracing::debug!("duplicate delivery dropped");
+            Ok(())
+        }
+        Disposition::Stale(why) => {
+            Stats::bump(&engine.stats.stale);
+            tracing::info!(why = %why, "stale delivery dropped");
+            Ok(())
+        }
+        Disposition::Delay(delay) => {
+            Stats::bump(&engine.stats.delayed);
+            publisher.publish(&delayed(engine, delivery, *delay)).await
+        }
+        Disposition::DeadLetter { reason, detail } => {
+            Stats::bump(&engine.stats.dead_lettered);
+            tracing::warn!(reason, detail = %detail, "message dead-lettered");
+            publisher.publish(&dead_letter(engine, delivery, reason, detail)).await
+        }
+    };
+    if let Err(e) = moved {
+        tracing::warn!(error = %e, "could not move the message; leaving it unacknowledged for redelivery");
+        return;
+    }
+    if let Err(e) = delivery.acker.ack(BasicAckOptions::default()).await {
+        // The work is committed; the redelivery this causes is dropped by the inbox.
+        tracing::warn!(error = %e, "ack failed after commit; the redelivery will be dropped as a duplicate");
+    }
+}
+
+fn message_id(delivery: &Delivery) -> String {
+    delivery.properties.message_id().as_ref().map(|m| m.to_string()).unwrap_or_default()
+}
+
+fn delayed(engine: &Engine, delivery: &Delivery, delay: Duration) -> Outgoing {
+    Outgoing {
+        message_id: message_id(delivery),
+        exchange: String::new(),
+        routing_key: engine.topology.delay_queue(delay.as_millis() as u64),
+        headers: delivery.properties.headers().clone().unwrap_or_default(),
+        body: delivery.data.clone(),
+    }
+}
+
+fn dead_letter(engine: &Engine, delivery: &Delivery, reason: &str, detail: &str) -> Outgoing {
+    let headers = delivery.properties.headers().as_ref();
+    let mut map: BTreeMap<String, String> = headers_to_map(headers);
+    // Quorum queues count earlier deliveries in x-delivery-count; this one adds one.
+    let earlier: u64 = header_str(headers, "x-delivery-count").and_then(|c| c.parse().ok()).unwrap_or(0);
+    let queue = if delivery.routing_key.as_str() == crate::domain::RUN_START_ROUTING_KEY {
+        engine.topology.run_start_queue()
+    } else {
+        engine.topology.steps_queue()
+    };
+    map.insert(dead_letter_headers::REASON.into(), reason.into());
+    map.insert(dead_letter_headers::DETAIL.into(), detail.chars().take(1000).collect());
+    map.insert(dead_letter_headers::QUEUE.into(), queue);
+    map.insert(dead_letter_headers::FAILED_AT.into(), chrono::Utc::now().to_rfc3339());
+    map.insert(dead_letter_headers::DELIVERIES.into(), (earlier + 1).to_string());
+    let mut id = message_id(delivery);
+    if id.is_empty() {
+        // The DLQ tooling needs a handle on every message.
+        id = uuid::Uuid::new_v4().to_string();
+    }
+    Outgoing { message_id: id, exchange: engine.topology.dlx(), routing_key: String::new(), headers: map_to_headers(&map), body: delivery.data.clone() }
+}
+
+/// Shorthand used by processors.
+pub(super) fn dead(reason: &'static str, detail: impl Into<String>) -> Disposition {
+    Disposition::DeadLetter { reason, detail: detail.into() }
+}

@@ -1,0 +1,66 @@
+//! Step errors, classified where they happen (DESIGN.md §6).
+
+use std::time::Duration;
+
+/// How a step failed; the class decides what the engine does next.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum StepError {
+    /// Timeout, 429, 5xx, reset: retried with backoff under the same keys.
+    #[error("temporary failure: {reason}")]
+    Temporary {
+        /// What failed.
+        reason: String,
+        /// A delay the remote side asked for.
+        retry_after: Option<Duration>,
+    },
+    /// Credentials or configuration: stop at once, no retries.
+    #[error("tool auth/config failure: {0}")]
+    Auth(String),
+    /// An idempotency key reused with a different request.
+    #[error("{0}")]
+    Conflict(String),
+    /// Anything not understood: stop and hand over.
+    #[error("{0}")]
+    Unknown(String),
+    /// A newer worker owns the run; this execution's work is void.
+    #[error("fenced out: a newer worker owns this run")]
+    FencedOut,
+    /// Trailmark's own database or broker failed; the delivery is retried as a whole.
+    #[error("infrastructure failure: {0}")]
+    Infrastructure(String),
+}
+
+impl StepError {
+    /// A temporary error with no requested delay.
+    pub fn temporary(reason: impl Into<String>) -> Self {
+        Self::Temporary { reason: reason.into(), retry_after: None }
+    }
+}
+
+impl From<crate::store::Error> for StepError {
+    fn from(e: crate::store::Error) -> Self {
+        use crate::store::Error as S;
+        match e {
+            S::FencedOut { .. } => Self::FencedOut,
+            S::Conflict { .. } => Self::Conflict(e.to_string()),
+            S::Database(_) | S::Unavailable(_) => Self::Infrastructure(e.to_string()),
+        }
+    }
+}
+
+/// Classify an error at the call site: `call().await.retryable()?` or `.fatal()?`.
+pub trait ResultExt<T> {
+    /// The failure is temporary: retry.
+    fn retryable(self) -> Result<T, StepError>;
+    /// The failure is not understood: stop the run and hand over.
+    fn fatal(self) -> Result<T, StepError>;
+}
+
+impl<T, E: std::fmt::Display> ResultExt<T> for Result<T, E> {
+    fn retryable(self) -> Result<T, StepError> {
+        self.map_err(|e| StepError::temporary(e.to_string()))
+    }
+    fn fatal(self) -> Result<T, StepError> {
+        self.map_err(|e| StepError::Unknown(e.to_string()))
+    }
+}
