@@ -45,6 +45,12 @@ enum Command {
     },
 }
 
+impl Command {
+    fn is_long_running(&self) -> bool {
+        matches!(self, Self::Serve | Self::Worker | Self::Relay | Self::Supervisor | Self::ModelServer { .. })
+    }
+}
+
 #[derive(Debug, Subcommand)]
 enum RunCommand {
     /// Publish a run-start event, exactly as an upstream service would.
@@ -84,6 +90,13 @@ enum RunCommand {
 async fn main() -> ExitCode {
     trailmark::telemetry::init();
     let cli = Cli::parse();
+    if !cli.command.is_long_running() {
+        // `trailmark run list | head` should end quietly, like any Unix tool, not panic.
+        // SAFETY: restoring the default disposition of SIGPIPE before any thread writes.
+        unsafe {
+            libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+        }
+    }
     match dispatch(cli).await {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

@@ -119,7 +119,8 @@ impl Claim {
     }
 }
 
-/// Takes the lease of `run_id` at position `seq` if it is free or expired, raising the fence.
+/// Takes the lease of `run_id` at position `seq` if it is free, expired, or already `owner`'s
+/// (a delivery retried in place after an infrastructure failure), raising the fence.
 /// Returns `None` when the run is not at that step, not executable, or leased by a live worker.
 pub async fn claim(
     db: impl PgExecutor<'_>,
@@ -133,7 +134,7 @@ pub async fn claim(
             SET lease_owner = $3, lease_expires_at = now() + make_interval(secs => $4),
                 fence = fence + 1, updated_at = now()
           WHERE run_id = $1 AND step_seq = $2 AND status IN ('running', 'compensating')
-            AND (lease_owner IS NULL OR lease_expires_at < now())
+            AND (lease_owner IS NULL OR lease_expires_at < now() OR lease_owner = $3)
       RETURNING fence, status, input",
     )
     .bind(run_id.as_str())

@@ -76,7 +76,7 @@ async fn claim(engine: &Arc<Engine>, msg: &StepMessage, owner: &str) -> store::R
     let mut tx = engine.pool.begin().await?;
     let Some(claim) = runs::claim(&mut *tx, &msg.run_id, msg.seq, owner, lease).await? else {
         tx.rollback().await?;
-        return Ok(Claimed::No(why_not_claimed(engine, msg, owner).await?));
+        return Ok(Claimed::No(why_not_claimed(engine, msg).await?));
     };
     let attempt = steps::begin_attempt(&mut *tx, &msg.run_id, msg.seq, &msg.step).await?;
     engine.failpoints.hit("step.after_claim").map_err(infra)?;
@@ -95,7 +95,7 @@ async fn claim(engine: &Arc<Engine>, msg: &StepMessage, owner: &str) -> store::R
     Ok(Claimed::Yes(ctx, status))
 }
 
-async fn why_not_claimed(engine: &Arc<Engine>, msg: &StepMessage, owner: &str) -> store::Result<Disposition> {
+async fn why_not_claimed(engine: &Arc<Engine>, msg: &StepMessage) -> store::Result<Disposition> {
     let Some(run) = runs::get(&engine.pool, msg.run_id.as_str()).await? else {
         return Ok(dead("unknown_run", format!("run {} does not exist in this database", msg.run_id)));
     };
@@ -105,9 +105,6 @@ async fn why_not_claimed(engine: &Arc<Engine>, msg: &StepMessage, owner: &str) -
     }
     if run.step_seq != msg.seq {
         return Ok(Disposition::Stale(format!("run is at position {}, message is for {}", run.step_seq, msg.seq)));
-    }
-    if run.lease_owner.as_deref() == Some(owner) {
-        return Ok(Disposition::Stale("lease already held by this delivery".into()));
     }
     // Another live worker holds the lease: wait in a delay queue rather than spin.
     Ok(Disposition::Delay(Duration::from_millis(engine.settings.worker.busy_retry_ms)))

@@ -1,0 +1,262 @@
+//! Test harness: every test gets its own Postgres database and its own broker name prefix,
+//! talks to the real servers, and removes both when it ends.
+
+#![allow(dead_code)]
+
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use sqlx::PgPool;
+use tokio_util::sync::CancellationToken;
+use trailmark::broker::{self, Outgoing, Publisher, Topology};
+use trailmark::cli::serve::{Components, run_components};
+use trailmark::config::Settings;
+use trailmark::domain::{RUN_START_ROUTING_KEY, RunId, RunStartEvent, RunStatus};
+use trailmark::engine::Engine;
+use trailmark::failpoint::Failpoints;
+use trailmark::store::{self, runs};
+use trailmark::workflow::Registry;
+
+/// One isolated environment on the local servers.
+pub struct TestEnv {
+    pub settings: Settings,
+    pub pool: PgPool,
+    pub db_name: String,
+    pub prefix: String,
+}
+
+fn base_url() -> String {
+    std::env::var("TRAILMARK_TEST_PG").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432".into())
+}
+
+fn amqp_url() -> String {
+    std::env::var("TRAILMARK_TEST_AMQP").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into())
+}
+
+impl TestEnv {
+    /// A fresh database (migrated) and a fresh topology prefix. Short leases keep crash tests fast.
+    pub async fn new() -> Self {
+        let tag = uuid::Uuid::new_v4().simple().to_string()[..12].to_owned();
+        let db_name = format!("tm_test_{tag}");
+        let prefix = format!("tmtest-{tag}");
+        let mut settings = Settings::load_from(None).expect("default settings");
+        settings.database.url = format!("{}/{db_name}", base_url());
+        settings.database.max_connections = 12;
+        settings.broker.url = amqp_url();
+        settings.broker.prefix = prefix.clone();
+        settings.worker.lease_secs = 3;
+        settings.worker.heartbeat_secs = 1;
+        settings.worker.busy_retry_ms = 1000;
+        settings.relay.poll_interval_ms = 200;
+        settings.supervisor.interval_ms = 250;
+        store::ensure_database(&settings.database).await.expect("create test database");
+        let pool = store::connect(&settings.database).await.expect("connect test database");
+        store::migrate(&pool).await.expect("migrate");
+        let conn = broker::connect(&settings.broker, "test-setup").await.expect("connect RabbitMQ");
+        let ch = conn.create_channel().await.expect("channel");
+        Topology::new(&prefix, settings.broker.delivery_limit).declare(&ch).await.expect("declare topology");
+        let _ = conn.close(200, "setup done".into()).await;
+        Self { settings, pool, db_name, prefix }
+    }
+
+    pub fn topology(&self) -> Topology {
+        Topology::new(&self.prefix, self.settings.broker.delivery_limit)
+    }
+
+    /// An engine with the built-in workflows (plus `extra`) and the given failpoints.
+    pub fn engine_with(&self, registry: Registry, failpoints: Failpoints) -> Arc<Engine> {
+        Engine::with_pool(self.settings.clone(), registry, failpoints, self.pool.clone()).expect("engine")
+    }
+
+    pub fn engine(&self) -> Arc<Engine> {
+        self.engine_with(trailmark::builtin::registry(), Failpoints::default())
+    }
+
+    /// Runs worker + relay + supervisor in this process until the returned guard stops them.
+    pub fn spawn(&self, engine: Arc<Engine>, components: Components) -> Running {
+        let shutdown = CancellationToken::new();
+        let handle = tokio::spawn(run_components(engine, components, shutdown.clone()));
+        Running { shutdown, handle: Some(handle) }
+    }
+
+    pub fn spawn_all(&self, engine: Arc<Engine>) -> Running {
+        self.spawn(engine, Components::ALL)
+    }
+
+    /// Publishes a run-start event, exactly as an upstream service would.
+    pub async fn start_run(&self, workflow: &str, run_id: &str, input: serde_json::Value) {
+        let event = RunStartEvent::new(RunId::parse(run_id).unwrap(), workflow, input);
+        self.publish(&Outgoing {
+            message_id: uuid::Uuid::new_v4().to_string(),
+            exchange: self.topology().runs_exchange(),
+            routing_key: RUN_START_ROUTING_KEY.into(),
+            headers: Default::default(),
+            body: event.encode(),
+        })
+        .await;
+    }
+
+    /// Publishes raw messages with confirms.
+    pub async fn publish(&self, msg: &Outgoing) {
+        self.publish_all(std::slice::from_ref(msg)).await
+    }
+
+    pub async fn publish_all(&self, msgs: &[Outgoing]) {
+        let conn = broker::connect(&self.settings.broker, "test-publisher").await.expect("connect");
+        let publisher = Publisher::open(&conn, Duration::from_secs(10)).await.expect("publisher");
+        for r in publisher.publish_all(msgs).await {
+            r.expect("publish confirmed");
+        }
+        let _ = conn.close(200, "done".into()).await;
+    }
+
+    /// Waits (polling the database, bounded) until the run reaches `status`.
+    pub async fn wait_status(&self, run_id: &str, status: RunStatus, within: Duration) -> runs::RunRow {
+        let deadline = Instant::now() + within;
+        loop {
+            if let Some(run) = runs::get(&self.pool, run_id).await.expect("read run")
+                && run.status() == status
+            {
+                return run;
+            }
+            assert!(Instant::now() < deadline, "run {run_id} did not reach {status} within {within:?}: {:?}",
+                runs::get(&self.pool, run_id).await.ok().flatten().map(|r| (r.status, r.step_seq, r.error)));
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// Waits (bounded) until `probe` returns true.
+    pub async fn wait_until<F, Fut>(&self, what: &str, within: Duration, mut probe: F)
+    where
+        F: FnMut() -> Fut,
+        Fut: std::future::Future<Output = bool>,
+    {
+        let deadline = Instant::now() + within;
+        while !probe().await {
+            assert!(Instant::now() < deadline, "timed out after {within:?} waiting for {what}");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    pub async fn scalar(&self, sql: &'static str, run_id: &str) -> i64 {
+        sqlx::query_scalar(sql).bind(run_id).fetch_one(&self.pool).await.expect(sql)
+    }
+
+    /// (rows, distinct references) in `chain_ledger` for a run.
+    pub async fn chain_ledger(&self, run_id: &str) -> (i64, i64) {
+        sqlx::query_as("SELECT count(*), count(DISTINCT reference) FROM trailmark.chain_ledger WHERE run_id = $1")
+            .bind(run_id)
+            .fetch_one(&self.pool)
+            .await
+            .expect("ledger counts")
+    }
+
+    /// Committed steps of a run.
+    pub async fn steps_done(&self, run_id: &str) -> i64 {
+        self.scalar("SELECT count(*) FROM trailmark.steps WHERE run_id = $1 AND finished_at IS NOT NULL", run_id).await
+    }
+
+    /// The `trailmark` binary with this environment's settings.
+    pub fn command(&self, args: &[&str]) -> Command {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_trailmark"));
+        cmd.args(args)
+            .env("DATABASE_URL", &self.settings.database.url)
+            .env("AMQP_URL", &self.settings.broker.url)
+            .env("TRAILMARK__BROKER__PREFIX", &self.prefix)
+            .env("TRAILMARK__WORKER__LEASE_SECS", self.settings.worker.lease_secs.to_string())
+            .env("TRAILMARK__WORKER__HEARTBEAT_SECS", self.settings.worker.heartbeat_secs.to_string())
+            .env("TRAILMARK__RELAY__POLL_INTERVAL_MS", "200")
+            .env("TRAILMARK__SUPERVISOR__INTERVAL_MS", "250")
+            .env("RUST_LOG", "warn")
+            .env_remove("TRAILMARK_FAILPOINTS");
+        cmd
+    }
+
+    /// Starts `trailmark serve` as a real child process (killed when the guard drops).
+    pub fn spawn_process(&self, failpoints: Option<&str>) -> ChildGuard {
+        let mut cmd = self.command(&["serve"]);
+        if let Some(fp) = failpoints {
+            cmd.env("TRAILMARK_FAILPOINTS", fp);
+        }
+        let child = cmd.stdout(Stdio::null()).stderr(Stdio::inherit()).spawn().expect("spawn trailmark serve");
+        ChildGuard(Some(child))
+    }
+
+    async fn teardown(settings: Settings, db_name: String, prefix: String) {
+        if let Ok(conn) = broker::connect(&settings.broker, "test-teardown").await
+            && let Ok(ch) = conn.create_channel().await
+        {
+            let _ = Topology::new(&prefix, settings.broker.delivery_limit).delete(&ch).await;
+            let _ = conn.close(200, "teardown".into()).await;
+        }
+        let mut admin = settings.database.clone();
+        admin.url = format!("{}/postgres", base_url());
+        if let Ok(pool) = store::connect(&admin).await {
+            let sql = format!("DROP DATABASE IF EXISTS \"{db_name}\" WITH (FORCE)");
+            let _ = sqlx::query(sqlx::AssertSqlSafe(sql)).execute(&pool).await;
+        }
+    }
+}
+
+impl Drop for TestEnv {
+    /// Drops the database and deletes the topology, even when the test failed.
+    fn drop(&mut self) {
+        let (settings, db, prefix) = (self.settings.clone(), self.db_name.clone(), self.prefix.clone());
+        // Drop cannot await; a helper thread with its own runtime does the async teardown.
+        let _ = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
+            rt.block_on(Self::teardown(settings, db, prefix));
+        })
+        .join();
+    }
+}
+
+/// In-process components; stopped (gracefully) when dropped or by [`Running::stop`].
+pub struct Running {
+    pub shutdown: CancellationToken,
+    handle: Option<tokio::task::JoinHandle<anyhow::Result<()>>>,
+}
+
+impl Running {
+    pub async fn stop(mut self) {
+        self.shutdown.cancel();
+        if let Some(h) = self.handle.take() {
+            h.await.expect("components task").expect("components ended cleanly");
+        }
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        self.shutdown.cancel();
+    }
+}
+
+/// A child process killed with SIGKILL when dropped.
+pub struct ChildGuard(pub Option<Child>);
+
+impl ChildGuard {
+    /// `kill -9`: no destructors, no flush, no ack.
+    pub fn kill9(&mut self) {
+        if let Some(mut c) = self.0.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// Waits for the process to end by itself (e.g. a failpoint killed it); returns its status.
+    pub fn wait(&mut self) -> std::process::ExitStatus {
+        self.0.take().expect("process").wait().expect("wait")
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.0.as_ref().expect("process").id()
+    }
+}
+
+impl Drop for ChildGuard {
+    fn drop(&mut self) {
+        self.kill9();
+    }
+}
