@@ -22,6 +22,8 @@ pub(super) enum Ending {
         next: Option<String>,
         /// The run's status while executing (running or compensating).
         status: RunStatus,
+        /// Outside messages the step queued with `ctx.send`.
+        sent: Vec<OutgoingMessage>,
     },
     /// Stop the run for a person; the step is not advanced.
     Review {
@@ -37,7 +39,7 @@ pub(super) async fn commit(engine: &Arc<Engine>, msg: &StepMessage, fence: Fence
     // The fenced update goes first: it takes the run's row lock, so two committers of the same
     // run serialise here and the loser sees zero rows.
     match &ending {
-        Ending::Advance { output, next, status } => {
+        Ending::Advance { output, next, status, sent } => {
             let done = next.is_none();
             let to = runs::Advance {
                 seq: msg.seq,
@@ -53,9 +55,11 @@ pub(super) async fn commit(engine: &Arc<Engine>, msg: &StepMessage, fence: Fence
             runs::advance(&mut *tx, &msg.run_id, fence, &to).await?;
             steps::finish(&mut *tx, &msg.run_id, msg.seq, output).await?;
             fp.hit("step.after_checkpoint").map_err(infra)?;
+            let mut messages = sent.clone();
             if let Some(next) = next {
-                outbox::insert(&mut *tx, &[next_message(engine, msg, next)]).await?;
+                messages.push(next_message(engine, msg, next));
             }
+            outbox::insert(&mut *tx, &messages).await?;
         }
         Ending::Review { error } => {
             let to = runs::Advance {

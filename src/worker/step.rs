@@ -132,7 +132,7 @@ async fn finish(
 ) -> store::Result<Disposition> {
     let ending = match result {
         Ok(outcome) => match workflow.resolve_next(&msg.step, &outcome.next) {
-            Ok(next) => Ending::Advance { output: outcome.output, next, status },
+            Ok(next) => Ending::Advance { output: outcome.output, next, status, sent: ctx.take_outgoing() },
             Err(e) => review(ctx, &e),
         },
         Err(StepError::FencedOut) => return Ok(Disposition::Stale("fenced out while executing".into())),

@@ -2,7 +2,8 @@
 //! outside writes (effects) — each recorded so that a replayed step repeats nothing.
 
 use std::future::Future;
-use std::sync::Arc;
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
 use std::sync::atomic::{AtomicI32, Ordering};
 use std::time::{Duration, Instant};
 
@@ -14,6 +15,8 @@ use super::StepError;
 use crate::domain::{Fence, IdempotencyKey, RunId};
 use crate::failpoint::Failpoints;
 use crate::model::{self, ChatAnswer, ChatRequest, ModelClient};
+use crate::domain::MessageId;
+use crate::store::outbox::OutgoingMessage;
 use crate::store::{self, effects, journal};
 
 /// Shared by every step execution in a process.
@@ -40,6 +43,7 @@ struct Inner {
     fence: Fence,
     input: Value,
     calls: AtomicI32,
+    outgoing: Mutex<Vec<OutgoingMessage>>,
     services: Arc<Services>,
 }
 
@@ -67,6 +71,7 @@ impl StepContext {
             fence,
             input,
             calls: AtomicI32::new(0),
+            outgoing: Mutex::new(Vec::new()),
             services,
         };
         Self { inner: Arc::new(inner) }
@@ -108,6 +113,31 @@ impl StepContext {
     /// The newest checkpointed output of `step` earlier in this run.
     pub async fn output_of(&self, step: &str) -> Result<Option<Value>, StepError> {
         Ok(store::steps::latest_output(self.pool(), self.run_id(), step, self.seq()).await?)
+    }
+
+    /// Queues an outside message (an email request, a notification) under an idempotency key.
+    /// It is committed to the outbox with this step's checkpoint and published by the relay: sent
+    /// if and only if the step commits. Delivery is at-least-once, so the key travels in the
+    /// `x-idempotency-key` header for the receiver to recognise a rare repeat.
+    pub fn send(&self, exchange: &str, routing_key: &str, key: &IdempotencyKey, body: Vec<u8>) {
+        let headers = BTreeMap::from([
+            ("x-idempotency-key".to_owned(), key.to_string()),
+            ("x-trailmark-run-id".to_owned(), self.run_id().to_string()),
+            ("x-trailmark-step".to_owned(), self.step().to_owned()),
+        ]);
+        let msg = OutgoingMessage {
+            message_id: MessageId::new(),
+            exchange: exchange.to_owned(),
+            routing_key: routing_key.to_owned(),
+            headers,
+            body,
+        };
+        self.inner.outgoing.lock().expect("outgoing lock").push(msg);
+    }
+
+    /// The messages queued with [`StepContext::send`], for the step's commit.
+    pub(crate) fn take_outgoing(&self) -> Vec<OutgoingMessage> {
+        std::mem::take(&mut *self.inner.outgoing.lock().expect("outgoing lock"))
     }
 
     /// Triggers the named failpoint (tests and drills; a no-op unless configured).
