@@ -11,7 +11,9 @@ const DEFAULTS: &str = include_str!("../config/default.toml");
 
 /// Why settings could not be loaded; shown to the operator as is.
 #[derive(Debug, thiserror::Error)]
-#[error("invalid configuration: {0}. Check config/default.toml keys and TRAILMARK__SECTION__KEY variables")]
+#[error(
+    "invalid configuration: {0}. Check config/default.toml keys and TRAILMARK__SECTION__KEY variables"
+)]
 pub struct Error(String);
 
 /// All of trailmark's settings.

@@ -74,13 +74,22 @@ pub struct Engine {
 
 impl Engine {
     /// Connects to Postgres (RabbitMQ is connected by each component, so it can reconnect).
-    pub async fn new(settings: Settings, registry: Registry, failpoints: Failpoints) -> Result<Arc<Self>, Error> {
+    pub async fn new(
+        settings: Settings,
+        registry: Registry,
+        failpoints: Failpoints,
+    ) -> Result<Arc<Self>, Error> {
         let pool = crate::store::connect(&settings.database).await?;
         Self::with_pool(settings, registry, failpoints, pool)
     }
 
     /// Like [`Engine::new`], with an existing pool.
-    pub fn with_pool(settings: Settings, registry: Registry, failpoints: Failpoints, pool: PgPool) -> Result<Arc<Self>, Error> {
+    pub fn with_pool(
+        settings: Settings,
+        registry: Registry,
+        failpoints: Failpoints,
+        pool: PgPool,
+    ) -> Result<Arc<Self>, Error> {
         let model = if settings.model.is_configured() {
             Some(ModelClient::new(&settings.model).map_err(|e| Error::Model(e.to_string()))?)
         } else {
@@ -99,7 +108,16 @@ impl Engine {
             std::process::id(),
             &uuid::Uuid::new_v4().simple().to_string()[..8]
         );
-        Ok(Arc::new(Self { settings, pool, registry, topology, failpoints, stats: Stats::default(), worker_id, services }))
+        Ok(Arc::new(Self {
+            settings,
+            pool,
+            registry,
+            topology,
+            failpoints,
+            stats: Stats::default(),
+            worker_id,
+            services,
+        }))
     }
 }
 

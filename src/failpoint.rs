@@ -48,15 +48,27 @@ impl Failpoints {
     pub fn parse(spec: &str) -> Result<Self, String> {
         let fp = Self::default();
         for part in spec.split(';').map(str::trim).filter(|p| !p.is_empty()) {
-            let (name, rest) = part.split_once('=').ok_or_else(|| format!("failpoint {part:?}: expected name=action[@n]"))?;
+            let (name, rest) = part
+                .split_once('=')
+                .ok_or_else(|| format!("failpoint {part:?}: expected name=action[@n]"))?;
             let (action, nth) = match rest.split_once('@') {
-                Some((a, n)) => (a, Some(n.parse::<u64>().map_err(|_| format!("failpoint {part:?}: @{n} is not a number"))?)),
+                Some((a, n)) => (
+                    a,
+                    Some(
+                        n.parse::<u64>()
+                            .map_err(|_| format!("failpoint {part:?}: @{n} is not a number"))?,
+                    ),
+                ),
                 None => (rest, None),
             };
             let action = match action {
                 "kill" => Action::Kill,
                 "error" => Action::Error,
-                other => return Err(format!("failpoint {part:?}: unknown action {other:?} (kill or error)")),
+                other => {
+                    return Err(format!(
+                        "failpoint {part:?}: unknown action {other:?} (kill or error)"
+                    ));
+                }
             };
             fp.set(name.trim(), action, nth);
         }
@@ -66,13 +78,22 @@ impl Failpoints {
     /// Arms `name` (tests in the same process use this for `Error`).
     pub fn set(&self, name: &str, action: Action, nth: Option<u64>) {
         let mut points = self.points.lock().expect("failpoint lock");
-        points.insert(name.to_owned(), Point { action, nth, hits: 0 });
+        points.insert(
+            name.to_owned(),
+            Point {
+                action,
+                nth,
+                hits: 0,
+            },
+        );
     }
 
     /// Passes the named spot.
     pub fn hit(&self, name: &str) -> Result<(), Injected> {
         let mut points = self.points.lock().expect("failpoint lock");
-        let Some(point) = points.get_mut(name) else { return Ok(()) };
+        let Some(point) = points.get_mut(name) else {
+            return Ok(());
+        };
         point.hits += 1;
         if point.nth.is_some_and(|n| n != point.hits) {
             return Ok(());
@@ -80,7 +101,10 @@ impl Failpoints {
         match point.action {
             Action::Error => Err(Injected(name.to_owned())),
             Action::Kill => {
-                tracing::error!(failpoint = name, "failpoint fired: killing this process with SIGKILL");
+                tracing::error!(
+                    failpoint = name,
+                    "failpoint fired: killing this process with SIGKILL"
+                );
                 kill_self()
             }
         }
@@ -111,7 +135,11 @@ mod tests {
 
     #[test]
     fn bad_specs_are_refused_with_the_part() {
-        assert!(Failpoints::parse("a=explode").unwrap_err().contains("explode"));
+        assert!(
+            Failpoints::parse("a=explode")
+                .unwrap_err()
+                .contains("explode")
+        );
         assert!(Failpoints::parse("nothing").is_err());
     }
 }

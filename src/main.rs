@@ -47,7 +47,10 @@ enum Command {
 
 impl Command {
     fn is_long_running(&self) -> bool {
-        matches!(self, Self::Serve | Self::Worker | Self::Relay | Self::Supervisor | Self::ModelServer { .. })
+        matches!(
+            self,
+            Self::Serve | Self::Worker | Self::Relay | Self::Supervisor | Self::ModelServer { .. }
+        )
     }
 }
 
@@ -108,22 +111,40 @@ async fn main() -> ExitCode {
 
 async fn dispatch(cli: Cli) -> anyhow::Result<()> {
     if let Command::ModelServer { port, answer_bytes } = cli.command {
-        let opts = trailmark::standin::model_server::ModelServerOptions { port, answer_bytes, ..Default::default() };
+        let opts = trailmark::standin::model_server::ModelServerOptions {
+            port,
+            answer_bytes,
+            ..Default::default()
+        };
         return Ok(trailmark::standin::model_server::serve_forever(opts).await?);
     }
     let settings = Settings::load_from(cli.config.as_deref())?;
     let registry = trailmark::builtin::registry();
-    let only = |worker, relay, supervisor| Components { worker, relay, supervisor };
+    let only = |worker, relay, supervisor| Components {
+        worker,
+        relay,
+        supervisor,
+    };
     match cli.command {
         Command::Migrate => cli::migrate::migrate(&settings).await,
         Command::Serve => cli::serve::serve(settings, registry, Components::ALL).await,
         Command::Worker => cli::serve::serve(settings, registry, only(true, false, false)).await,
         Command::Relay => cli::serve::serve(settings, registry, only(false, true, false)).await,
-        Command::Supervisor => cli::serve::serve(settings, registry, only(false, false, true)).await,
+        Command::Supervisor => {
+            cli::serve::serve(settings, registry, only(false, false, true)).await
+        }
         Command::Run { command } => match command {
-            RunCommand::Start { workflow, run_id, input } => cli::run::start(&settings, &registry, &workflow, &run_id, input.as_deref()).await,
+            RunCommand::Start {
+                workflow,
+                run_id,
+                input,
+            } => cli::run::start(&settings, &registry, &workflow, &run_id, input.as_deref()).await,
             RunCommand::Show { run_id, json } => cli::run::show(&settings, &run_id, json).await,
-            RunCommand::List { status, json, limit } => cli::run::list(&settings, status.as_deref(), json, limit).await,
+            RunCommand::List {
+                status,
+                json,
+                limit,
+            } => cli::run::list(&settings, status.as_deref(), json, limit).await,
         },
         Command::ModelServer { .. } => unreachable!("handled above"),
     }

@@ -15,8 +15,14 @@ pub fn map_to_headers(map: &BTreeMap<String, String>) -> FieldTable {
 
 /// An AMQP header table as strings; numbers are printed, nested values rendered for display.
 pub fn headers_to_map(table: Option<&FieldTable>) -> BTreeMap<String, String> {
-    let Some(table) = table else { return BTreeMap::new() };
-    table.inner().iter().map(|(k, v)| (k.to_string(), value_str(v))).collect()
+    let Some(table) = table else {
+        return BTreeMap::new();
+    };
+    table
+        .inner()
+        .iter()
+        .map(|(k, v)| (k.to_string(), value_str(v)))
+        .collect()
 }
 
 /// One header as a string, if present.

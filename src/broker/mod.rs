@@ -25,7 +25,9 @@ pub enum Error {
     #[error("broker connection failed: {0}")]
     Connection(#[from] lapin::Error),
     /// The broker refused a publish (nack) or returned it as unroutable.
-    #[error("broker refused message {message_id} to exchange {exchange:?} key {routing_key:?}: {why}")]
+    #[error(
+        "broker refused message {message_id} to exchange {exchange:?} key {routing_key:?}: {why}"
+    )]
     Refused {
         /// The message.
         message_id: String,
@@ -46,7 +48,8 @@ pub type Result<T> = std::result::Result<T, Error>;
 
 /// Opens a connection, naming it after the process so it is recognisable in the broker's UI.
 pub async fn connect(settings: &BrokerSettings, name: &str) -> Result<Connection> {
-    let props = ConnectionProperties::default().with_connection_name(format!("trailmark-{name}").into());
+    let props =
+        ConnectionProperties::default().with_connection_name(format!("trailmark-{name}").into());
     Connection::connect(&settings.url, props).await.map_err(|e| {
         Error::Unavailable(format!(
             "cannot connect to RabbitMQ at {}: {e}. Is it running? Start it with `rabbitmq-server -detached`, or set AMQP_URL",

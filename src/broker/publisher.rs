@@ -34,8 +34,13 @@ impl Publisher {
     /// Opens a channel on `conn` and switches it to confirm mode.
     pub async fn open(conn: &Connection, confirm_timeout: Duration) -> Result<Self> {
         let channel = conn.create_channel().await?;
-        channel.confirm_select(ConfirmSelectOptions::default()).await?;
-        Ok(Self { channel, confirm_timeout })
+        channel
+            .confirm_select(ConfirmSelectOptions::default())
+            .await?;
+        Ok(Self {
+            channel,
+            confirm_timeout,
+        })
     }
 
     /// The underlying channel (for declarations on the same connection).
@@ -45,7 +50,10 @@ impl Publisher {
 
     /// Publishes one message and waits for its confirm.
     pub async fn publish(&self, msg: &Outgoing) -> Result<()> {
-        self.publish_all(std::slice::from_ref(msg)).await.pop().expect("one result per message")
+        self.publish_all(std::slice::from_ref(msg))
+            .await
+            .pop()
+            .expect("one result per message")
     }
 
     /// Publishes every message, then waits for all confirms (pipelined); one result per message,
@@ -58,7 +66,10 @@ impl Publisher {
                 .basic_publish(
                     msg.exchange.as_str().into(),
                     msg.routing_key.as_str().into(),
-                    BasicPublishOptions { mandatory: true, ..Default::default() },
+                    BasicPublishOptions {
+                        mandatory: true,
+                        ..Default::default()
+                    },
                     &msg.body,
                     properties(msg),
                 )
@@ -82,7 +93,10 @@ impl Publisher {
 }
 
 fn properties(msg: &Outgoing) -> BasicProperties {
-    let now = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
+    let now = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0);
     BasicProperties::default()
         .with_message_id(msg.message_id.as_str().into())
         .with_content_type("application/json".into())
@@ -100,7 +114,9 @@ fn check(msg: &Outgoing, confirmation: Confirmation) -> Result<()> {
     };
     match confirmation {
         Confirmation::Ack(None) => Ok(()),
-        Confirmation::Ack(Some(ret)) => Err(refused(format!("returned unroutable: {}", ret.reply_text))),
+        Confirmation::Ack(Some(ret)) => {
+            Err(refused(format!("returned unroutable: {}", ret.reply_text)))
+        }
         Confirmation::Nack(_) => Err(refused("nacked (queue full or rejecting publishes)".into())),
         Confirmation::NotRequested => Err(refused("channel is not in confirm mode".into())),
     }

@@ -4,7 +4,10 @@
 //! dead-lettering (which needs `x-overflow=reject-publish`), so a message that keeps killing its
 //! consumer ends in the DLQ instead of looping. The same arguments work on RabbitMQ 3.10 and 4.x.
 
-use lapin::options::{ExchangeDeclareOptions, ExchangeDeleteOptions, QueueBindOptions, QueueDeclareOptions, QueueDeleteOptions};
+use lapin::options::{
+    ExchangeDeclareOptions, ExchangeDeleteOptions, QueueBindOptions, QueueDeclareOptions,
+    QueueDeleteOptions,
+};
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{Channel, ExchangeKind};
 
@@ -24,7 +27,10 @@ pub struct Topology {
 impl Topology {
     /// Names under `prefix`, with the work queues' delivery limit.
     pub fn new(prefix: &str, delivery_limit: u32) -> Self {
-        Self { prefix: prefix.to_owned(), delivery_limit }
+        Self {
+            prefix: prefix.to_owned(),
+            delivery_limit,
+        }
     }
     /// Exchange that upstream services publish run-start events to.
     pub fn runs_exchange(&self) -> String {
@@ -52,45 +58,117 @@ impl Topology {
     }
     /// The delay queue for at least `ms` milliseconds (the smallest tier that covers it).
     pub fn delay_queue(&self, ms: u64) -> String {
-        let tier = DELAY_TIERS_MS.iter().copied().find(|t| *t >= ms).unwrap_or(DELAY_TIERS_MS[3]);
+        let tier = DELAY_TIERS_MS
+            .iter()
+            .copied()
+            .find(|t| *t >= ms)
+            .unwrap_or(DELAY_TIERS_MS[3]);
         format!("{}.delay.{tier}ms", self.prefix)
     }
 
     fn work_queue_args(&self) -> FieldTable {
         let mut args = FieldTable::default();
-        args.insert("x-queue-type".into(), AMQPValue::LongString("quorum".into()));
-        args.insert("x-delivery-limit".into(), AMQPValue::LongInt(self.delivery_limit as i32));
-        args.insert("x-dead-letter-exchange".into(), AMQPValue::LongString(self.dlx().into()));
-        args.insert("x-dead-letter-strategy".into(), AMQPValue::LongString("at-least-once".into()));
-        args.insert("x-overflow".into(), AMQPValue::LongString("reject-publish".into()));
+        args.insert(
+            "x-queue-type".into(),
+            AMQPValue::LongString("quorum".into()),
+        );
+        args.insert(
+            "x-delivery-limit".into(),
+            AMQPValue::LongInt(self.delivery_limit as i32),
+        );
+        args.insert(
+            "x-dead-letter-exchange".into(),
+            AMQPValue::LongString(self.dlx().into()),
+        );
+        args.insert(
+            "x-dead-letter-strategy".into(),
+            AMQPValue::LongString("at-least-once".into()),
+        );
+        args.insert(
+            "x-overflow".into(),
+            AMQPValue::LongString("reject-publish".into()),
+        );
         args
     }
 
     fn delay_queue_args(&self, ttl_ms: u64) -> FieldTable {
         let mut args = FieldTable::default();
-        args.insert("x-queue-type".into(), AMQPValue::LongString("quorum".into()));
-        args.insert("x-message-ttl".into(), AMQPValue::LongLongInt(ttl_ms as i64));
-        args.insert("x-dead-letter-exchange".into(), AMQPValue::LongString(self.steps_exchange().into()));
-        args.insert("x-dead-letter-routing-key".into(), AMQPValue::LongString(STEP_ROUTING_KEY.into()));
-        args.insert("x-dead-letter-strategy".into(), AMQPValue::LongString("at-least-once".into()));
-        args.insert("x-overflow".into(), AMQPValue::LongString("reject-publish".into()));
+        args.insert(
+            "x-queue-type".into(),
+            AMQPValue::LongString("quorum".into()),
+        );
+        args.insert(
+            "x-message-ttl".into(),
+            AMQPValue::LongLongInt(ttl_ms as i64),
+        );
+        args.insert(
+            "x-dead-letter-exchange".into(),
+            AMQPValue::LongString(self.steps_exchange().into()),
+        );
+        args.insert(
+            "x-dead-letter-routing-key".into(),
+            AMQPValue::LongString(STEP_ROUTING_KEY.into()),
+        );
+        args.insert(
+            "x-dead-letter-strategy".into(),
+            AMQPValue::LongString("at-least-once".into()),
+        );
+        args.insert(
+            "x-overflow".into(),
+            AMQPValue::LongString("reject-publish".into()),
+        );
         args
     }
 
     /// Declares everything; safe to call from every process at every start.
     pub async fn declare(&self, ch: &Channel) -> lapin::Result<()> {
-        let durable = ExchangeDeclareOptions { durable: true, ..Default::default() };
-        ch.exchange_declare(self.runs_exchange().into(), ExchangeKind::Topic, durable, FieldTable::default()).await?;
-        ch.exchange_declare(self.steps_exchange().into(), ExchangeKind::Direct, durable, FieldTable::default()).await?;
-        ch.exchange_declare(self.dlx().into(), ExchangeKind::Fanout, durable, FieldTable::default()).await?;
+        let durable = ExchangeDeclareOptions {
+            durable: true,
+            ..Default::default()
+        };
+        ch.exchange_declare(
+            self.runs_exchange().into(),
+            ExchangeKind::Topic,
+            durable,
+            FieldTable::default(),
+        )
+        .await?;
+        ch.exchange_declare(
+            self.steps_exchange().into(),
+            ExchangeKind::Direct,
+            durable,
+            FieldTable::default(),
+        )
+        .await?;
+        ch.exchange_declare(
+            self.dlx().into(),
+            ExchangeKind::Fanout,
+            durable,
+            FieldTable::default(),
+        )
+        .await?;
 
-        let q = QueueDeclareOptions { durable: true, ..Default::default() };
+        let q = QueueDeclareOptions {
+            durable: true,
+            ..Default::default()
+        };
         let mut dlq_args = FieldTable::default();
-        dlq_args.insert("x-queue-type".into(), AMQPValue::LongString("quorum".into()));
+        dlq_args.insert(
+            "x-queue-type".into(),
+            AMQPValue::LongString("quorum".into()),
+        );
         ch.queue_declare(self.dlq().into(), q, dlq_args).await?;
-        ch.queue_bind(self.dlq().into(), self.dlx().into(), "".into(), QueueBindOptions::default(), FieldTable::default()).await?;
+        ch.queue_bind(
+            self.dlq().into(),
+            self.dlx().into(),
+            "".into(),
+            QueueBindOptions::default(),
+            FieldTable::default(),
+        )
+        .await?;
 
-        ch.queue_declare(self.run_start_queue().into(), q, self.work_queue_args()).await?;
+        ch.queue_declare(self.run_start_queue().into(), q, self.work_queue_args())
+            .await?;
         ch.queue_bind(
             self.run_start_queue().into(),
             self.runs_exchange().into(),
@@ -99,7 +177,8 @@ impl Topology {
             FieldTable::default(),
         )
         .await?;
-        ch.queue_declare(self.steps_queue().into(), q, self.work_queue_args()).await?;
+        ch.queue_declare(self.steps_queue().into(), q, self.work_queue_args())
+            .await?;
         ch.queue_bind(
             self.steps_queue().into(),
             self.steps_exchange().into(),
@@ -109,7 +188,12 @@ impl Topology {
         )
         .await?;
         for tier in DELAY_TIERS_MS {
-            ch.queue_declare(self.delay_queue(tier).into(), q, self.delay_queue_args(tier)).await?;
+            ch.queue_declare(
+                self.delay_queue(tier).into(),
+                q,
+                self.delay_queue_args(tier),
+            )
+            .await?;
         }
         Ok(())
     }
@@ -119,10 +203,12 @@ impl Topology {
         let mut queues = vec![self.run_start_queue(), self.steps_queue(), self.dlq()];
         queues.extend(DELAY_TIERS_MS.iter().map(|t| self.delay_queue(*t)));
         for q in queues {
-            ch.queue_delete(q.into(), QueueDeleteOptions::default()).await?;
+            ch.queue_delete(q.into(), QueueDeleteOptions::default())
+                .await?;
         }
         for x in [self.runs_exchange(), self.steps_exchange(), self.dlx()] {
-            ch.exchange_delete(x.into(), ExchangeDeleteOptions::default()).await?;
+            ch.exchange_delete(x.into(), ExchangeDeleteOptions::default())
+                .await?;
         }
         Ok(())
     }

@@ -31,12 +31,23 @@ struct Params {
 fn params(input: &Value) -> Result<Params, StepError> {
     let steps = match input.get("steps") {
         None => 10,
-        Some(v) => v.as_i64().filter(|n| (1..=1_000_000).contains(n)).ok_or_else(|| {
-            StepError::Unknown(format!("chain input `steps` must be an integer from 1 to 1000000, got {v}"))
-        })? as i32,
+        Some(v) => v
+            .as_i64()
+            .filter(|n| (1..=1_000_000).contains(n))
+            .ok_or_else(|| {
+                StepError::Unknown(format!(
+                    "chain input `steps` must be an integer from 1 to 1000000, got {v}"
+                ))
+            })? as i32,
     };
-    let delay = input.get("step_delay_ms").and_then(Value::as_u64).unwrap_or(0);
-    Ok(Params { steps, delay: Duration::from_millis(delay) })
+    let delay = input
+        .get("step_delay_ms")
+        .and_then(Value::as_u64)
+        .unwrap_or(0);
+    Ok(Params {
+        steps,
+        delay: Duration::from_millis(delay),
+    })
 }
 
 async fn link(ctx: StepContext) -> Result<StepOutcome, StepError> {
@@ -48,7 +59,7 @@ async fn link(ctx: StepContext) -> Result<StepOutcome, StepError> {
     let request = ChatRequest {
         messages: vec![
             ChatMessage::system("You are one link of a chain. Answer briefly."),
-            ChatMessage::user(&format!("Link {i} of {} in run {}.", p.steps, ctx.run_id())),
+            ChatMessage::user(format!("Link {i} of {} in run {}.", p.steps, ctx.run_id())),
         ],
         max_tokens: Some(64),
         temperature: Some(0.0),
@@ -60,15 +71,27 @@ async fn link(ctx: StepContext) -> Result<StepOutcome, StepError> {
     let write = json!({ "reference": reference, "payload": payload });
     let pool = ctx.pool().clone();
     let (run_id, step) = (ctx.run_id().clone(), i);
-    ctx.effect(&key, &write, |_key| async move { post(&pool, &run_id, step, &reference, &payload).await })
-        .await?;
+    ctx.effect(&key, &write, |_key| async move {
+        post(&pool, &run_id, step, &reference, &payload).await
+    })
+    .await?;
     ctx.failpoint("chain.after_write")?;
     let output = json!({ "link": i, "answer": answer.content });
-    if i + 1 >= p.steps { Ok(StepOutcome::finish(output)) } else { Ok(StepOutcome::goto(output, STEP)) }
+    if i + 1 >= p.steps {
+        Ok(StepOutcome::finish(output))
+    } else {
+        Ok(StepOutcome::goto(output, STEP))
+    }
 }
 
 /// Posts one ledger row; the same reference with the same payload is accepted as already done.
-async fn post(pool: &PgPool, run_id: &RunId, step: i32, reference: &str, payload: &str) -> Result<Value, StepError> {
+async fn post(
+    pool: &PgPool,
+    run_id: &RunId,
+    step: i32,
+    reference: &str,
+    payload: &str,
+) -> Result<Value, StepError> {
     let inserted = sqlx::query(
         "INSERT INTO trailmark.chain_ledger (reference, run_id, step, payload) VALUES ($1, $2, $3, $4)
          ON CONFLICT (reference) DO NOTHING",
@@ -83,11 +106,12 @@ async fn post(pool: &PgPool, run_id: &RunId, step: i32, reference: &str, payload
     .rows_affected()
         == 1;
     if !inserted {
-        let stored: String = sqlx::query_scalar("SELECT payload FROM trailmark.chain_ledger WHERE reference = $1")
-            .bind(reference)
-            .fetch_one(pool)
-            .await
-            .map_err(|e| StepError::temporary(format!("chain ledger read {reference}: {e}")))?;
+        let stored: String =
+            sqlx::query_scalar("SELECT payload FROM trailmark.chain_ledger WHERE reference = $1")
+                .bind(reference)
+                .fetch_one(pool)
+                .await
+                .map_err(|e| StepError::temporary(format!("chain ledger read {reference}: {e}")))?;
         if stored != payload {
             return Err(StepError::Conflict(format!(
                 "chain ledger reference {reference} already holds a different payload; the write was not repeated"

@@ -15,7 +15,10 @@ pub async fn migrate(settings: &Settings) -> anyhow::Result<()> {
         .fetch_one(&pool)
         .await
         .context("reading the migration history")?;
-    println!("database ready: {} ({applied} migrations applied)", redact_url(&settings.database.url));
+    println!(
+        "database ready: {} ({applied} migrations applied)",
+        redact_url(&settings.database.url)
+    );
     declare_topology(settings).await?;
     println!(
         "broker topology declared at {} under prefix {:?}",

@@ -9,8 +9,17 @@ pub mod serve;
 /// request or a failure (exit code 1).
 pub fn is_unavailable(e: &anyhow::Error) -> bool {
     e.chain().any(|cause| {
-        matches!(cause.downcast_ref::<crate::store::Error>(), Some(crate::store::Error::Unavailable(_)))
-            || matches!(cause.downcast_ref::<crate::broker::Error>(), Some(crate::broker::Error::Unavailable(_)))
-            || matches!(cause.downcast_ref::<crate::engine::Error>(), Some(crate::engine::Error::Store(crate::store::Error::Unavailable(_))))
+        matches!(
+            cause.downcast_ref::<crate::store::Error>(),
+            Some(crate::store::Error::Unavailable(_))
+        ) || matches!(
+            cause.downcast_ref::<crate::broker::Error>(),
+            Some(crate::broker::Error::Unavailable(_))
+        ) || matches!(
+            cause.downcast_ref::<crate::engine::Error>(),
+            Some(crate::engine::Error::Store(
+                crate::store::Error::Unavailable(_)
+            ))
+        )
     })
 }

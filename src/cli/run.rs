@@ -13,18 +13,32 @@ use crate::store::{self, effects, journal, runs, steps};
 use crate::workflow::Registry;
 
 /// Publishes a run-start event exactly as an upstream service would.
-pub async fn start(settings: &Settings, registry: &Registry, workflow: &str, run_id: &str, input: Option<&str>) -> anyhow::Result<()> {
+pub async fn start(
+    settings: &Settings,
+    registry: &Registry,
+    workflow: &str,
+    run_id: &str,
+    input: Option<&str>,
+) -> anyhow::Result<()> {
     let run_id = RunId::parse(run_id)?;
     if registry.get(workflow).is_none() {
-        bail!("unknown workflow {workflow:?}: this build runs {}", registry.names().join(", "));
+        bail!(
+            "unknown workflow {workflow:?}: this build runs {}",
+            registry.names().join(", ")
+        );
     }
     let input: Value = match input {
-        Some(raw) => serde_json::from_str(raw).with_context(|| format!("--input is not valid JSON: {raw}"))?,
+        Some(raw) => serde_json::from_str(raw)
+            .with_context(|| format!("--input is not valid JSON: {raw}"))?,
         None => json!({}),
     };
     let event = RunStartEvent::new(run_id.clone(), workflow, input);
     let conn = broker::connect(&settings.broker, "cli").await?;
-    let publisher = Publisher::open(&conn, Duration::from_millis(settings.broker.confirm_timeout_ms)).await?;
+    let publisher = Publisher::open(
+        &conn,
+        Duration::from_millis(settings.broker.confirm_timeout_ms),
+    )
+    .await?;
     let topology = broker::Topology::new(&settings.broker.prefix, settings.broker.delivery_limit);
     let msg = Outgoing {
         message_id: uuid::Uuid::new_v4().to_string(),
@@ -33,9 +47,14 @@ pub async fn start(settings: &Settings, registry: &Registry, workflow: &str, run
         headers: Default::default(),
         body: event.encode(),
     };
-    publisher.publish(&msg).await.context("publishing the run-start event (has `trailmark migrate` declared the topology?)")?;
+    publisher.publish(&msg).await.context(
+        "publishing the run-start event (has `trailmark migrate` declared the topology?)",
+    )?;
     let _ = conn.close(200, "done".into()).await;
-    println!("run-start event for {run_id} (workflow {workflow}) published to {}; follow it with `trailmark run show {run_id}`", topology.runs_exchange());
+    println!(
+        "run-start event for {run_id} (workflow {workflow}) published to {}; follow it with `trailmark run show {run_id}`",
+        topology.runs_exchange()
+    );
     Ok(())
 }
 
@@ -79,15 +98,24 @@ pub struct EffectTotals {
 
 /// Loads the report of one run.
 pub async fn report(pool: &sqlx::PgPool, run_id: &str) -> anyhow::Result<Option<RunReport>> {
-    let Some(run) = runs::get(pool, run_id).await? else { return Ok(None) };
+    let Some(run) = runs::get(pool, run_id).await? else {
+        return Ok(None);
+    };
     let steps = steps::list(pool, run_id).await?;
     let (entries, tokens, cost) = journal::totals(pool, run_id).await?;
     let (recorded, completed) = effects::totals(pool, run_id).await?;
     Ok(Some(RunReport {
         steps_done: steps.iter().filter(|s| s.finished_at.is_some()).count(),
         attempts: steps.iter().map(|s| s.attempts as i64).sum(),
-        journal: JournalTotals { entries, tokens, cost },
-        effects: EffectTotals { recorded, completed },
+        journal: JournalTotals {
+            entries,
+            tokens,
+            cost,
+        },
+        effects: EffectTotals {
+            recorded,
+            completed,
+        },
         run,
         steps,
     }))
@@ -104,12 +132,38 @@ pub async fn show(settings: &Settings, run_id: &str, as_json: bool) -> anyhow::R
         return Ok(());
     }
     let run = &r.run;
-    println!("run {}  workflow {} v{}  status {}", run.run_id, run.workflow, run.workflow_version, run.status);
-    println!("created {}  updated {}  finished {}", run.created_at, run.updated_at, run.finished_at.map(|t| t.to_string()).unwrap_or("-".into()));
-    println!("steps done {}  attempts {}  next {}", r.steps_done, r.attempts, run.step.as_deref().unwrap_or("-"));
-    println!("journal entries {} (tokens {}, cost {:.4})  effects {} recorded, {} completed", r.journal.entries, r.journal.tokens, r.journal.cost, r.effects.recorded, r.effects.completed);
+    println!(
+        "run {}  workflow {} v{}  status {}",
+        run.run_id, run.workflow, run.workflow_version, run.status
+    );
+    println!(
+        "created {}  updated {}  finished {}",
+        run.created_at,
+        run.updated_at,
+        run.finished_at.map(|t| t.to_string()).unwrap_or("-".into())
+    );
+    println!(
+        "steps done {}  attempts {}  next {}",
+        r.steps_done,
+        r.attempts,
+        run.step.as_deref().unwrap_or("-")
+    );
+    println!(
+        "journal entries {} (tokens {}, cost {:.4})  effects {} recorded, {} completed",
+        r.journal.entries,
+        r.journal.tokens,
+        r.journal.cost,
+        r.effects.recorded,
+        r.effects.completed
+    );
     if let Some(owner) = &run.lease_owner {
-        println!("lease held by {owner} until {}  fence {}", run.lease_expires_at.map(|t| t.to_string()).unwrap_or_default(), run.fence);
+        println!(
+            "lease held by {owner} until {}  fence {}",
+            run.lease_expires_at
+                .map(|t| t.to_string())
+                .unwrap_or_default(),
+            run.fence
+        );
     }
     if let Some(error) = &run.error {
         println!("error: {error}");
@@ -119,16 +173,27 @@ pub async fn show(settings: &Settings, run_id: &str, as_json: bool) -> anyhow::R
     if skip > 0 {
         println!("... {skip} earlier steps (all of them with --json)");
     }
-    println!("{:>6}  {:<24} {:>8}  {:>10}", "seq", "step", "attempts", "ms");
+    println!(
+        "{:>6}  {:<24} {:>8}  {:>10}",
+        "seq", "step", "attempts", "ms"
+    );
     for s in &r.steps[skip..] {
-        let ms = s.finished_at.map(|f| (f - s.started_at).num_milliseconds().to_string()).unwrap_or("running".into());
+        let ms = s
+            .finished_at
+            .map(|f| (f - s.started_at).num_milliseconds().to_string())
+            .unwrap_or("running".into());
         println!("{:>6}  {:<24} {:>8}  {:>10}", s.seq, s.step, s.attempts, ms);
     }
     Ok(())
 }
 
 /// `run list [--status S] [--json]`.
-pub async fn list(settings: &Settings, status: Option<&str>, as_json: bool, limit: i64) -> anyhow::Result<()> {
+pub async fn list(
+    settings: &Settings,
+    status: Option<&str>,
+    as_json: bool,
+    limit: i64,
+) -> anyhow::Result<()> {
     let status: Option<RunStatus> = status.map(str::parse).transpose()?;
     let pool = store::connect(&settings.database).await?;
     let rows = runs::list(&pool, status, limit).await?;
@@ -137,12 +202,23 @@ pub async fn list(settings: &Settings, status: Option<&str>, as_json: bool, limi
         return Ok(());
     }
     if rows.is_empty() {
-        println!("no runs{}", status.map(|s| format!(" with status {s}")).unwrap_or_default());
+        println!(
+            "no runs{}",
+            status
+                .map(|s| format!(" with status {s}"))
+                .unwrap_or_default()
+        );
         return Ok(());
     }
-    println!("{:<32} {:<16} {:<14} {:>6}  {}", "run", "workflow", "status", "next", "updated");
+    println!(
+        "{:<32} {:<16} {:<14} {:>6}  updated",
+        "run", "workflow", "status", "next"
+    );
     for r in rows {
-        println!("{:<32} {:<16} {:<14} {:>6}  {}", r.run_id, r.workflow, r.status, r.step_seq, r.updated_at);
+        println!(
+            "{:<32} {:<16} {:<14} {:>6}  {}",
+            r.run_id, r.workflow, r.status, r.step_seq, r.updated_at
+        );
     }
     Ok(())
 }

@@ -23,13 +23,22 @@ pub struct Components {
 
 impl Components {
     /// Everything in one process.
-    pub const ALL: Self = Self { worker: true, relay: true, supervisor: true };
+    pub const ALL: Self = Self {
+        worker: true,
+        relay: true,
+        supervisor: true,
+    };
 }
 
 /// Runs the chosen components until SIGTERM or Ctrl-C, then stops consuming, lets in-flight
 /// steps finish (or abandons them uncommitted) and returns.
-pub async fn serve(settings: Settings, registry: Registry, components: Components) -> anyhow::Result<()> {
-    let failpoints = Failpoints::from_env().map_err(|e| anyhow::anyhow!("TRAILMARK_FAILPOINTS: {e}"))?;
+pub async fn serve(
+    settings: Settings,
+    registry: Registry,
+    components: Components,
+) -> anyhow::Result<()> {
+    let failpoints =
+        Failpoints::from_env().map_err(|e| anyhow::anyhow!("TRAILMARK_FAILPOINTS: {e}"))?;
     let engine = Engine::new(settings, registry, failpoints).await?;
     let shutdown = CancellationToken::new();
     tokio::spawn(wait_for_signal(shutdown.clone()));
@@ -37,7 +46,11 @@ pub async fn serve(settings: Settings, registry: Registry, components: Component
 }
 
 /// Runs components on an existing engine (tests embed this).
-pub async fn run_components(engine: Arc<Engine>, c: Components, shutdown: CancellationToken) -> anyhow::Result<()> {
+pub async fn run_components(
+    engine: Arc<Engine>,
+    c: Components,
+    shutdown: CancellationToken,
+) -> anyhow::Result<()> {
     let mut tasks = tokio::task::JoinSet::new();
     if c.worker {
         tasks.spawn(worker::run(engine.clone(), shutdown.clone()).map_err_into());

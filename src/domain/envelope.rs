@@ -82,7 +82,10 @@ fn empty_object() -> Value {
 
 fn decode<T: serde::de::DeserializeOwned>(body: &[u8], limit: usize) -> Result<T, DecodeError> {
     if body.len() > limit {
-        return Err(DecodeError::Oversized { size: body.len(), limit });
+        return Err(DecodeError::Oversized {
+            size: body.len(),
+            limit,
+        });
     }
     // Read the version first, so a future envelope is reported as such rather than as garbage.
     let raw: Value =
@@ -98,7 +101,12 @@ fn decode<T: serde::de::DeserializeOwned>(body: &[u8], limit: usize) -> Result<T
 impl RunStartEvent {
     /// Builds a version-1 event.
     pub fn new(run_id: RunId, workflow: impl Into<String>, input: Value) -> Self {
-        Self { v: 1, run_id, workflow: workflow.into(), input }
+        Self {
+            v: 1,
+            run_id,
+            workflow: workflow.into(),
+            input,
+        }
     }
     /// Parses a body, refusing oversized, malformed and future-version events.
     pub fn decode(body: &[u8], limit: usize) -> Result<Self, DecodeError> {
@@ -127,7 +135,8 @@ mod tests {
 
     #[test]
     fn run_start_event_decodes_and_defaults_input() {
-        let e = RunStartEvent::decode(br#"{"v":1,"run_id":"r1","workflow":"chain"}"#, 1024).unwrap();
+        let e =
+            RunStartEvent::decode(br#"{"v":1,"run_id":"r1","workflow":"chain"}"#, 1024).unwrap();
         assert_eq!(e.run_id.as_str(), "r1");
         assert_eq!(e.input, serde_json::json!({}));
     }
@@ -135,11 +144,23 @@ mod tests {
     #[test]
     fn bad_bodies_get_distinct_reasons() {
         let big = vec![b' '; 2048];
-        assert_eq!(RunStartEvent::decode(&big, 1024).unwrap_err().code(), "oversized");
-        assert_eq!(RunStartEvent::decode(b"{nope", 1024).unwrap_err().code(), "undecodable");
+        assert_eq!(
+            RunStartEvent::decode(&big, 1024).unwrap_err().code(),
+            "oversized"
+        );
+        assert_eq!(
+            RunStartEvent::decode(b"{nope", 1024).unwrap_err().code(),
+            "undecodable"
+        );
         let v2 = br#"{"v":2,"run_id":"r1","workflow":"chain"}"#;
-        assert_eq!(RunStartEvent::decode(v2, 1024).unwrap_err().code(), "unsupported_version");
+        assert_eq!(
+            RunStartEvent::decode(v2, 1024).unwrap_err().code(),
+            "unsupported_version"
+        );
         let bad_id = br#"{"v":1,"run_id":"has space","workflow":"chain"}"#;
-        assert_eq!(RunStartEvent::decode(bad_id, 1024).unwrap_err().code(), "undecodable");
+        assert_eq!(
+            RunStartEvent::decode(bad_id, 1024).unwrap_err().code(),
+            "undecodable"
+        );
     }
 }

@@ -29,7 +29,10 @@ fn check(what: &'static str, raw: &str) -> Result<(), IdError> {
     if ok {
         Ok(())
     } else {
-        Err(IdError::Invalid { what, value: raw.chars().take(60).collect() })
+        Err(IdError::Invalid {
+            what,
+            value: raw.chars().take(60).collect(),
+        })
     }
 }
 
@@ -115,13 +118,14 @@ impl IdempotencyKey {
     }
     /// Validates a raw key (same alphabet as run ids, up to 400 characters).
     pub fn parse(raw: &str) -> Result<Self, IdError> {
-        let ok = !raw.is_empty()
-            && raw.len() <= 400
-            && raw.chars().all(|c| c.is_ascii_graphic());
+        let ok = !raw.is_empty() && raw.len() <= 400 && raw.chars().all(|c| c.is_ascii_graphic());
         if ok {
             Ok(Self(raw.to_owned()))
         } else {
-            Err(IdError::Invalid { what: "idempotency key", value: raw.chars().take(60).collect() })
+            Err(IdError::Invalid {
+                what: "idempotency key",
+                value: raw.chars().take(60).collect(),
+            })
         }
     }
     /// The key as text.
@@ -164,6 +168,9 @@ mod tests {
     #[test]
     fn keys_are_built_from_stable_ids() {
         let run = RunId::parse("r1").unwrap();
-        assert_eq!(IdempotencyKey::for_step(&run, "post", "inv-7:1").as_str(), "r1:post:inv-7:1");
+        assert_eq!(
+            IdempotencyKey::for_step(&run, "post", "inv-7:1").as_str(),
+            "r1:post:inv-7:1"
+        );
     }
 }

@@ -5,6 +5,8 @@ mod envelope;
 mod ids;
 mod status;
 
-pub use envelope::{DecodeError, RUN_START_ROUTING_KEY, RunStartEvent, STEP_ROUTING_KEY, StepMessage};
+pub use envelope::{
+    DecodeError, RUN_START_ROUTING_KEY, RunStartEvent, STEP_ROUTING_KEY, StepMessage,
+};
 pub use ids::{Fence, IdError, IdempotencyKey, MessageId, RunId};
 pub use status::RunStatus;

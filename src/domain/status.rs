@@ -56,7 +56,10 @@ impl RunStatus {
 
     /// True when no step will run again without an operator decision.
     pub fn is_terminal(self) -> bool {
-        matches!(self, Self::Succeeded | Self::Compensated | Self::Failed | Self::Cancelled)
+        matches!(
+            self,
+            Self::Succeeded | Self::Compensated | Self::Failed | Self::Cancelled
+        )
     }
 
     /// Whether a worker may execute steps of a run in this status.
@@ -73,7 +76,9 @@ impl fmt::Display for RunStatus {
 
 /// An unknown status name.
 #[derive(Debug, thiserror::Error)]
-#[error("unknown run status {0:?}: expected one of running, waiting, needs_review, compensating, succeeded, compensated, failed, cancelled")]
+#[error(
+    "unknown run status {0:?}: expected one of running, waiting, needs_review, compensating, succeeded, compensated, failed, cancelled"
+)]
 pub struct UnknownStatus(String);
 
 impl FromStr for RunStatus {

@@ -58,7 +58,11 @@ pub async fn run(engine: Arc<Engine>, shutdown: CancellationToken) -> Result<(),
 async fn session(engine: &Arc<Engine>, shutdown: &CancellationToken) -> Result<(), Error> {
     let settings = &engine.settings;
     let conn = broker::connect(&settings.broker, &format!("relay-{}", engine.worker_id)).await?;
-    let publisher = Publisher::open(&conn, Duration::from_millis(settings.broker.confirm_timeout_ms)).await?;
+    let publisher = Publisher::open(
+        &conn,
+        Duration::from_millis(settings.broker.confirm_timeout_ms),
+    )
+    .await?;
     let mut listener = PgListener::connect_with(&engine.pool).await?;
     listener.listen(NOTIFY_CHANNEL).await?;
     let poll = Duration::from_millis(settings.relay.poll_interval_ms);
@@ -69,7 +73,12 @@ async fn session(engine: &Arc<Engine>, shutdown: &CancellationToken) -> Result<(
                 return Ok(());
             }
         }
-        outbox::prune(&engine.pool, settings.relay.retention_secs as f64, PRUNE_BATCH).await?;
+        outbox::prune(
+            &engine.pool,
+            settings.relay.retention_secs as f64,
+            PRUNE_BATCH,
+        )
+        .await?;
         tokio::select! {
             _ = shutdown.cancelled() => return Ok(()),
             // A listener error (database restart) just falls back to polling; the next drain
@@ -101,11 +110,17 @@ pub async fn drain_batch(engine: &Engine, publisher: &Publisher) -> Result<usize
             }
         }
     }
-    engine.failpoints.hit("relay.after_confirm").map_err(|e| store::Error::Unavailable(e.to_string()))?;
+    engine
+        .failpoints
+        .hit("relay.after_confirm")
+        .map_err(|e| store::Error::Unavailable(e.to_string()))?;
     outbox::mark_published(&mut *tx, &ok).await?;
     outbox::mark_failed(&mut *tx, &failed).await?;
     tx.commit().await?;
-    engine.stats.relayed.fetch_add(ok.len() as u64, std::sync::atomic::Ordering::Relaxed);
+    engine
+        .stats
+        .relayed
+        .fetch_add(ok.len() as u64, std::sync::atomic::Ordering::Relaxed);
     if let Some(e) = first_error {
         // A refused message stays in the outbox and is tried again; a dead channel reconnects.
         tracing::error!(error = %e, failed = failed.len(), "relay could not publish some outbox rows");
@@ -115,7 +130,8 @@ pub async fn drain_batch(engine: &Engine, publisher: &Publisher) -> Result<usize
 }
 
 fn to_outgoing(row: &outbox::OutboxRow) -> Outgoing {
-    let headers: std::collections::BTreeMap<String, String> = serde_json::from_value(row.headers.clone()).unwrap_or_default();
+    let headers: std::collections::BTreeMap<String, String> =
+        serde_json::from_value(row.headers.clone()).unwrap_or_default();
     Outgoing {
         message_id: row.message_id.to_string(),
         exchange: row.exchange.clone(),

@@ -69,7 +69,10 @@ pub async fn begin(
     .fetch_optional(db)
     .await?;
     let Some(row) = row else {
-        return Err(Error::FencedOut { run_id: run_id.to_string(), fence: fence.0 });
+        return Err(Error::FencedOut {
+            run_id: run_id.to_string(),
+            fence: fence.0,
+        });
     };
     if row.request_hash != request_hash {
         return Err(Error::Conflict {
@@ -98,10 +101,10 @@ pub async fn complete(db: impl PgExecutor<'_>, key: &IdempotencyKey, result: &Va
 
 /// Counts (all, completed) effects of a run, for `run show`.
 pub async fn totals(db: impl PgExecutor<'_>, run_id: &str) -> Result<(i64, i64)> {
-    Ok(sqlx::query_as(
-        "SELECT count(*), count(result) FROM trailmark.effects WHERE run_id = $1",
+    Ok(
+        sqlx::query_as("SELECT count(*), count(result) FROM trailmark.effects WHERE run_id = $1")
+            .bind(run_id)
+            .fetch_one(db)
+            .await?,
     )
-    .bind(run_id)
-    .fetch_one(db)
-    .await?)
 }

@@ -29,7 +29,12 @@ pub struct JournalEntry {
 }
 
 /// The recorded answer for call `call_no` of step `seq`, if any.
-pub async fn get(db: impl PgExecutor<'_>, run_id: &RunId, seq: i32, call_no: i32) -> Result<Option<JournalEntry>> {
+pub async fn get(
+    db: impl PgExecutor<'_>,
+    run_id: &RunId,
+    seq: i32,
+    call_no: i32,
+) -> Result<Option<JournalEntry>> {
     Ok(sqlx::query_as(
         "SELECT seq, call_no, kind, request_hash, response, tokens, cost, latency_ms
            FROM trailmark.journal WHERE run_id = $1 AND seq = $2 AND call_no = $3",

@@ -22,7 +22,9 @@ pub enum Error {
     #[error("database error: {0}")]
     Database(#[from] sqlx::Error),
     /// A newer lease holder owns the run: roll back and drop the work.
-    #[error("run {run_id}: fenced out (fence {fence} is no longer current); a newer worker owns the run")]
+    #[error(
+        "run {run_id}: fenced out (fence {fence} is no longer current); a newer worker owns the run"
+    )]
     FencedOut {
         /// The run.
         run_id: String,
@@ -30,7 +32,9 @@ pub enum Error {
         fence: i64,
     },
     /// The same idempotency key was used with a different request.
-    #[error("idempotency key {key} was already used with a different request (stored hash {stored}, new hash {new}); fix the key recipe or the request, then resume")]
+    #[error(
+        "idempotency key {key} was already used with a different request (stored hash {stored}, new hash {new}); fix the key recipe or the request, then resume"
+    )]
     Conflict {
         /// The reused key.
         key: String,
@@ -85,14 +89,18 @@ pub async fn ensure_database(settings: &DatabaseSettings) -> Result<()> {
     let name = target.get_database().unwrap_or("postgres").to_owned();
     let admin = target.clone().database("postgres");
     let mut conn = admin.connect().await.map_err(|e| down(settings, &e))?;
-    let exists: bool = sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_database WHERE datname = $1)")
-        .bind(&name)
-        .fetch_one(&mut conn)
-        .await?;
+    let exists: bool =
+        sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_database WHERE datname = $1)")
+            .bind(&name)
+            .fetch_one(&mut conn)
+            .await?;
     if !exists {
         // Identifiers cannot be bound; the name is quoted by doubling any quote in it.
         let sql = format!("CREATE DATABASE \"{}\"", name.replace('"', "\"\""));
-        if let Err(e) = sqlx::query(sqlx::AssertSqlSafe(sql)).execute(&mut conn).await {
+        if let Err(e) = sqlx::query(sqlx::AssertSqlSafe(sql))
+            .execute(&mut conn)
+            .await
+        {
             // Another process may have created it between our check and our create.
             let raced = e.as_database_error().and_then(|d| d.code()).as_deref() == Some("42P04");
             if !raced {
@@ -115,7 +123,10 @@ pub async fn migrate(pool: &PgPool) -> Result<()> {
 pub fn is_transient(e: &sqlx::Error) -> bool {
     matches!(
         e,
-        sqlx::Error::Io(_) | sqlx::Error::PoolTimedOut | sqlx::Error::PoolClosed | sqlx::Error::Protocol(_)
+        sqlx::Error::Io(_)
+            | sqlx::Error::PoolTimedOut
+            | sqlx::Error::PoolClosed
+            | sqlx::Error::Protocol(_)
     ) || e
         .as_database_error()
         .and_then(|d| d.code())

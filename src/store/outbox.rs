@@ -47,8 +47,10 @@ pub async fn insert(db: impl PgExecutor<'_>, messages: &[OutgoingMessage]) -> Re
     let ids: Vec<uuid::Uuid> = messages.iter().map(|m| m.message_id.0).collect();
     let exchanges: Vec<&str> = messages.iter().map(|m| m.exchange.as_str()).collect();
     let keys: Vec<&str> = messages.iter().map(|m| m.routing_key.as_str()).collect();
-    let headers: Vec<serde_json::Value> =
-        messages.iter().map(|m| serde_json::to_value(&m.headers).expect("string map")).collect();
+    let headers: Vec<serde_json::Value> = messages
+        .iter()
+        .map(|m| serde_json::to_value(&m.headers).expect("string map"))
+        .collect();
     let bodies: Vec<&[u8]> = messages.iter().map(|m| m.body.as_slice()).collect();
     sqlx::query(
         "INSERT INTO trailmark.outbox (message_id, exchange, routing_key, headers, body)

@@ -82,14 +82,20 @@ pub async fn insert(db: impl PgExecutor<'_>, run: &NewRun<'_>) -> Result<bool> {
 
 /// Reads one run.
 pub async fn get(db: impl PgExecutor<'_>, run_id: &str) -> Result<Option<RunRow>> {
-    Ok(sqlx::query_as("SELECT * FROM trailmark.runs WHERE run_id = $1")
-        .bind(run_id)
-        .fetch_optional(db)
-        .await?)
+    Ok(
+        sqlx::query_as("SELECT * FROM trailmark.runs WHERE run_id = $1")
+            .bind(run_id)
+            .fetch_optional(db)
+            .await?,
+    )
 }
 
 /// Lists runs, newest first, optionally by status.
-pub async fn list(db: impl PgExecutor<'_>, status: Option<RunStatus>, limit: i64) -> Result<Vec<RunRow>> {
+pub async fn list(
+    db: impl PgExecutor<'_>,
+    status: Option<RunStatus>,
+    limit: i64,
+) -> Result<Vec<RunRow>> {
     Ok(sqlx::query_as(
         "SELECT * FROM trailmark.runs WHERE ($1::text IS NULL OR status = $1)
          ORDER BY created_at DESC, run_id LIMIT $2",
@@ -146,7 +152,12 @@ pub async fn claim(
 }
 
 /// Extends a held lease; `false` means the fence moved on (the caller must stop).
-pub async fn heartbeat(db: impl PgExecutor<'_>, run_id: &RunId, fence: Fence, lease_secs: f64) -> Result<bool> {
+pub async fn heartbeat(
+    db: impl PgExecutor<'_>,
+    run_id: &RunId,
+    fence: Fence,
+    lease_secs: f64,
+) -> Result<bool> {
     let done = sqlx::query(
         "UPDATE trailmark.runs SET lease_expires_at = now() + make_interval(secs => $3)
           WHERE run_id = $1 AND fence = $2 AND lease_owner IS NOT NULL",
@@ -174,7 +185,12 @@ pub struct Advance<'a> {
 }
 
 /// Moves the run past `seq` and releases the lease, only while `fence` is current.
-pub async fn advance(db: impl PgExecutor<'_>, run_id: &RunId, fence: Fence, to: &Advance<'_>) -> Result<()> {
+pub async fn advance(
+    db: impl PgExecutor<'_>,
+    run_id: &RunId,
+    fence: Fence,
+    to: &Advance<'_>,
+) -> Result<()> {
     let done = sqlx::query(
         "UPDATE trailmark.runs
             SET step_seq = step_seq + CASE WHEN $4 IN ('running', 'compensating', 'succeeded', 'compensated') THEN 1 ELSE 0 END,
@@ -195,7 +211,10 @@ pub async fn advance(db: impl PgExecutor<'_>, run_id: &RunId, fence: Fence, to: 
     if done.rows_affected() == 1 {
         Ok(())
     } else {
-        Err(Error::FencedOut { run_id: run_id.to_string(), fence: fence.0 })
+        Err(Error::FencedOut {
+            run_id: run_id.to_string(),
+            fence: fence.0,
+        })
     }
 }
 
@@ -209,13 +228,18 @@ pub async fn lock_fence(db: impl PgExecutor<'_>, run_id: &RunId, fence: Fence) -
             .await?;
     match found {
         Some(f) if f == fence.0 => Ok(()),
-        _ => Err(Error::FencedOut { run_id: run_id.to_string(), fence: fence.0 }),
+        _ => Err(Error::FencedOut {
+            run_id: run_id.to_string(),
+            fence: fence.0,
+        }),
     }
 }
 
 /// Counts runs by status, for metrics and `run list`.
 pub async fn count_by_status(db: impl PgExecutor<'_>) -> Result<Vec<(String, i64)>> {
-    Ok(sqlx::query_as("SELECT status, count(*) FROM trailmark.runs GROUP BY status ORDER BY status")
-        .fetch_all(db)
-        .await?)
+    Ok(sqlx::query_as(
+        "SELECT status, count(*) FROM trailmark.runs GROUP BY status ORDER BY status",
+    )
+    .fetch_all(db)
+    .await?)
 }

@@ -26,7 +26,12 @@ pub struct StepRow {
 }
 
 /// Records one more attempt at `seq` and returns the attempt number (1-based).
-pub async fn begin_attempt(db: impl PgExecutor<'_>, run_id: &RunId, seq: i32, step: &str) -> Result<i32> {
+pub async fn begin_attempt(
+    db: impl PgExecutor<'_>,
+    run_id: &RunId,
+    seq: i32,
+    step: &str,
+) -> Result<i32> {
     Ok(sqlx::query_scalar(
         "INSERT INTO trailmark.steps (run_id, seq, step, attempts) VALUES ($1, $2, $3, 1)
          ON CONFLICT (run_id, seq) DO UPDATE SET attempts = trailmark.steps.attempts + 1
@@ -40,7 +45,12 @@ pub async fn begin_attempt(db: impl PgExecutor<'_>, run_id: &RunId, seq: i32, st
 }
 
 /// Writes the step's output: the checkpoint.
-pub async fn finish(db: impl PgExecutor<'_>, run_id: &RunId, seq: i32, output: &Value) -> Result<()> {
+pub async fn finish(
+    db: impl PgExecutor<'_>,
+    run_id: &RunId,
+    seq: i32,
+    output: &Value,
+) -> Result<()> {
     sqlx::query("UPDATE trailmark.steps SET output = $3, finished_at = now() WHERE run_id = $1 AND seq = $2")
         .bind(run_id.as_str())
         .bind(seq)
@@ -51,7 +61,12 @@ pub async fn finish(db: impl PgExecutor<'_>, run_id: &RunId, seq: i32, output: &
 }
 
 /// The newest committed output of the step named `step` before position `before`.
-pub async fn latest_output(db: impl PgExecutor<'_>, run_id: &RunId, step: &str, before: i32) -> Result<Option<Value>> {
+pub async fn latest_output(
+    db: impl PgExecutor<'_>,
+    run_id: &RunId,
+    step: &str,
+    before: i32,
+) -> Result<Option<Value>> {
     Ok(sqlx::query_scalar(
         "SELECT output FROM trailmark.steps WHERE run_id = $1 AND step = $2 AND seq < $3
            AND finished_at IS NOT NULL ORDER BY seq DESC LIMIT 1",

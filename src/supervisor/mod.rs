@@ -55,12 +55,24 @@ pub async fn recover_expired(engine: &Engine) -> store::Result<usize> {
     .await?;
     let mut messages = Vec::with_capacity(expired.len());
     for run in &expired {
-        let Ok(run_id) = RunId::parse(&run.run_id) else { continue };
+        let Ok(run_id) = RunId::parse(&run.run_id) else {
+            continue;
+        };
         tracing::warn!(run.id = %run_id, step = %run.step, seq = run.step_seq, "lease expired without progress; re-queueing the step");
-        messages.push(step_message(engine, &run_id, &run.workflow, run.workflow_version, &run.step, run.step_seq));
+        messages.push(step_message(
+            engine,
+            &run_id,
+            &run.workflow,
+            run.workflow_version,
+            &run.step,
+            run.step_seq,
+        ));
     }
     outbox::insert(&mut *tx, &messages).await?;
     tx.commit().await?;
-    engine.stats.lease_recoveries.fetch_add(expired.len() as u64, std::sync::atomic::Ordering::Relaxed);
+    engine
+        .stats
+        .lease_recoveries
+        .fetch_add(expired.len() as u64, std::sync::atomic::Ordering::Relaxed);
     Ok(expired.len())
 }

@@ -33,13 +33,23 @@ pub(super) enum Ending {
 }
 
 /// Commits the step; `Ok(false)` means another delivery of the same message committed first.
-pub(super) async fn commit(engine: &Arc<Engine>, msg: &StepMessage, fence: Fence, ending: Ending) -> store::Result<bool> {
+pub(super) async fn commit(
+    engine: &Arc<Engine>,
+    msg: &StepMessage,
+    fence: Fence,
+    ending: Ending,
+) -> store::Result<bool> {
     let fp = &engine.failpoints;
     let mut tx = engine.pool.begin().await?;
     // The fenced update goes first: it takes the run's row lock, so two committers of the same
     // run serialise here and the loser sees zero rows.
     match &ending {
-        Ending::Advance { output, next, status, sent } => {
+        Ending::Advance {
+            output,
+            next,
+            status,
+            sent,
+        } => {
             let done = next.is_none();
             let to = runs::Advance {
                 seq: msg.seq,
@@ -83,7 +93,11 @@ pub(super) async fn commit(engine: &Arc<Engine>, msg: &StepMessage, fence: Fence
 }
 
 /// Gives the lease back without advancing (the step will be retried from a delay queue).
-pub(super) async fn release(engine: &Arc<Engine>, run_id: &RunId, fence: Fence) -> store::Result<()> {
+pub(super) async fn release(
+    engine: &Arc<Engine>,
+    run_id: &RunId,
+    fence: Fence,
+) -> store::Result<()> {
     sqlx::query(
         "UPDATE trailmark.runs SET lease_owner = NULL, lease_expires_at = NULL, updated_at = now()
           WHERE run_id = $1 AND fence = $2",
@@ -96,7 +110,14 @@ pub(super) async fn release(engine: &Arc<Engine>, run_id: &RunId, fence: Fence) 
 }
 
 /// The outbox row of a step message for `step` at position `seq` of a run.
-pub fn step_message(engine: &Engine, run_id: &RunId, workflow: &str, version: i32, step: &str, seq: i32) -> OutgoingMessage {
+pub fn step_message(
+    engine: &Engine,
+    run_id: &RunId,
+    workflow: &str,
+    version: i32,
+    step: &str,
+    seq: i32,
+) -> OutgoingMessage {
     let msg = StepMessage {
         v: 1,
         message_id: MessageId::new(),
@@ -120,7 +141,14 @@ pub fn step_message(engine: &Engine, run_id: &RunId, workflow: &str, version: i3
 }
 
 fn next_message(engine: &Engine, msg: &StepMessage, next: &str) -> OutgoingMessage {
-    step_message(engine, &msg.run_id, &msg.workflow, msg.version, next, msg.seq + 1)
+    step_message(
+        engine,
+        &msg.run_id,
+        &msg.workflow,
+        msg.version,
+        next,
+        msg.seq + 1,
+    )
 }
 
 fn infra(e: impl std::fmt::Display) -> store::Error {

@@ -35,7 +35,9 @@ impl Heartbeat {
                     }
                     // The database may come back before the lease runs out; the commit's fence
                     // check is what finally decides.
-                    Err(e) => tracing::warn!(run.id = %run_id, error = %e, "heartbeat failed; will try again"),
+                    Err(e) => {
+                        tracing::warn!(run.id = %run_id, error = %e, "heartbeat failed; will try again")
+                    }
                 }
             }
         });

@@ -55,27 +55,51 @@ pub async fn run(engine: Arc<Engine>, shutdown: CancellationToken) -> Result<(),
     // In-flight steps get one lease period to finish; after that their leases are void anyway.
     let grace = engine.settings.worker.lease();
     if tokio::time::timeout(grace, tracker.wait()).await.is_err() {
-        tracing::warn!(in_flight = tracker.len(), "shutdown: abandoning unfinished steps uncommitted");
+        tracing::warn!(
+            in_flight = tracker.len(),
+            "shutdown: abandoning unfinished steps uncommitted"
+        );
     }
     Ok(())
 }
 
-async fn session(engine: &Arc<Engine>, shutdown: &CancellationToken, tracker: &TaskTracker) -> Result<(), broker::Error> {
+async fn session(
+    engine: &Arc<Engine>,
+    shutdown: &CancellationToken,
+    tracker: &TaskTracker,
+) -> Result<(), broker::Error> {
     let settings = &engine.settings;
     let conn = broker::connect(&settings.broker, &format!("worker-{}", engine.worker_id)).await?;
-    let publisher = Publisher::open(&conn, Duration::from_millis(settings.broker.confirm_timeout_ms)).await?;
+    let publisher = Publisher::open(
+        &conn,
+        Duration::from_millis(settings.broker.confirm_timeout_ms),
+    )
+    .await?;
     engine.topology.declare(publisher.channel()).await?;
     let channel = conn.create_channel().await?;
-    channel.basic_qos(settings.worker.concurrency, BasicQosOptions::default()).await?;
+    channel
+        .basic_qos(settings.worker.concurrency, BasicQosOptions::default())
+        .await?;
     let tag = |kind: &str| format!("{kind}-{}", engine.worker_id);
     let steps = channel
-        .basic_consume(engine.topology.steps_queue().into(), tag("steps").into(), BasicConsumeOptions::default(), FieldTable::default())
+        .basic_consume(
+            engine.topology.steps_queue().into(),
+            tag("steps").into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
         .await?;
     let starts = channel
-        .basic_consume(engine.topology.run_start_queue().into(), tag("starts").into(), BasicConsumeOptions::default(), FieldTable::default())
+        .basic_consume(
+            engine.topology.run_start_queue().into(),
+            tag("starts").into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
         .await?;
     tracing::info!(worker = %engine.worker_id, "worker consuming");
-    let mut deliveries = futures_util::stream::select(steps.map(|d| (true, d)), starts.map(|d| (false, d)));
+    let mut deliveries =
+        futures_util::stream::select(steps.map(|d| (true, d)), starts.map(|d| (false, d)));
     let permits = Arc::new(Semaphore::new(settings.worker.concurrency as usize));
     let outcome = loop {
         let next = tokio::select! {
@@ -83,10 +107,16 @@ async fn session(engine: &Arc<Engine>, shutdown: &CancellationToken, tracker: &T
             _ = shutdown.cancelled() => break Ok(()),
         };
         let Some((is_step, delivery)) = next else {
-            break Err(broker::Error::Unavailable("consumer stream ended (connection closed)".into()));
+            break Err(broker::Error::Unavailable(
+                "consumer stream ended (connection closed)".into(),
+            ));
         };
         let delivery = delivery?;
-        let permit = permits.clone().acquire_owned().await.expect("semaphore never closed");
+        let permit = permits
+            .clone()
+            .acquire_owned()
+            .await
+            .expect("semaphore never closed");
         let (engine, publisher, stop) = (engine.clone(), publisher.clone(), shutdown.clone());
         tracker.spawn(async move {
             handle(&engine, &publisher, delivery, is_step, &stop).await;
@@ -95,7 +125,9 @@ async fn session(engine: &Arc<Engine>, shutdown: &CancellationToken, tracker: &T
     };
     // Stop taking new deliveries; unacked prefetched ones return to the queue when we close.
     for t in [tag("steps"), tag("starts")] {
-        let _ = channel.basic_cancel(t.into(), BasicCancelOptions::default()).await;
+        let _ = channel
+            .basic_cancel(t.into(), BasicCancelOptions::default())
+            .await;
     }
     if outcome.is_ok() {
         tracker.close();
@@ -108,7 +140,13 @@ async fn session(engine: &Arc<Engine>, shutdown: &CancellationToken, tracker: &T
 
 /// Processes one delivery to its disposition, retrying infrastructure failures in place
 /// (the message stays unacknowledged, so nothing is lost if we die meanwhile).
-async fn handle(engine: &Arc<Engine>, publisher: &Publisher, delivery: Delivery, is_step: bool, shutdown: &CancellationToken) {
+async fn handle(
+    engine: &Arc<Engine>,
+    publisher: &Publisher,
+    delivery: Delivery,
+    is_step: bool,
+    shutdown: &CancellationToken,
+) {
     let mut backoff = Duration::from_millis(100);
     let owner = format!("{}/{}", engine.worker_id, uuid::Uuid::new_v4().simple());
     loop {

@@ -47,7 +47,12 @@ pub enum Disposition {
 
 /// Applies `disposition` to `delivery`. If a publish fails, the delivery is left unacknowledged
 /// and the broker redelivers it when the channel closes: nothing is lost.
-pub(super) async fn settle(engine: &Arc<Engine>, publisher: &Publisher, delivery: &Delivery, disposition: Disposition) {
+pub(super) async fn settle(
+    engine: &Arc<Engine>,
+    publisher: &Publisher,
+    delivery: &Delivery,
+    disposition: Disposition,
+) {
     let moved = match &disposition {
         Disposition::Done => Ok(()),
         Disposition::Duplicate => {
@@ -67,7 +72,9 @@ pub(super) async fn settle(engine: &Arc<Engine>, publisher: &Publisher, delivery
         Disposition::DeadLetter { reason, detail } => {
             Stats::bump(&engine.stats.dead_lettered);
             tracing::warn!(reason, detail = %detail, "message dead-lettered");
-            publisher.publish(&dead_letter(engine, delivery, reason, detail)).await
+            publisher
+                .publish(&dead_letter(engine, delivery, reason, detail))
+                .await
         }
     };
     if let Err(e) = moved {
@@ -81,7 +88,12 @@ pub(super) async fn settle(engine: &Arc<Engine>, publisher: &Publisher, delivery
 }
 
 fn message_id(delivery: &Delivery) -> String {
-    delivery.properties.message_id().as_ref().map(|m| m.to_string()).unwrap_or_default()
+    delivery
+        .properties
+        .message_id()
+        .as_ref()
+        .map(|m| m.to_string())
+        .unwrap_or_default()
 }
 
 fn delayed(engine: &Engine, delivery: &Delivery, delay: Duration) -> Outgoing {
@@ -98,26 +110,46 @@ fn dead_letter(engine: &Engine, delivery: &Delivery, reason: &str, detail: &str)
     let headers = delivery.properties.headers().as_ref();
     let mut map: BTreeMap<String, String> = headers_to_map(headers);
     // Quorum queues count earlier deliveries in x-delivery-count; this one adds one.
-    let earlier: u64 = header_str(headers, "x-delivery-count").and_then(|c| c.parse().ok()).unwrap_or(0);
+    let earlier: u64 = header_str(headers, "x-delivery-count")
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
     let queue = if delivery.routing_key.as_str() == crate::domain::RUN_START_ROUTING_KEY {
         engine.topology.run_start_queue()
     } else {
         engine.topology.steps_queue()
     };
     map.insert(dead_letter_headers::REASON.into(), reason.into());
-    map.insert(dead_letter_headers::DETAIL.into(), detail.chars().take(1000).collect());
+    map.insert(
+        dead_letter_headers::DETAIL.into(),
+        detail.chars().take(1000).collect(),
+    );
     map.insert(dead_letter_headers::QUEUE.into(), queue);
-    map.insert(dead_letter_headers::FAILED_AT.into(), chrono::Utc::now().to_rfc3339());
-    map.insert(dead_letter_headers::DELIVERIES.into(), (earlier + 1).to_string());
+    map.insert(
+        dead_letter_headers::FAILED_AT.into(),
+        chrono::Utc::now().to_rfc3339(),
+    );
+    map.insert(
+        dead_letter_headers::DELIVERIES.into(),
+        (earlier + 1).to_string(),
+    );
     let mut id = message_id(delivery);
     if id.is_empty() {
         // The DLQ tooling needs a handle on every message.
         id = uuid::Uuid::new_v4().to_string();
     }
-    Outgoing { message_id: id, exchange: engine.topology.dlx(), routing_key: String::new(), headers: map_to_headers(&map), body: delivery.data.clone() }
+    Outgoing {
+        message_id: id,
+        exchange: engine.topology.dlx(),
+        routing_key: String::new(),
+        headers: map_to_headers(&map),
+        body: delivery.data.clone(),
+    }
 }
 
 /// Shorthand used by processors.
 pub(super) fn dead(reason: &'static str, detail: impl Into<String>) -> Disposition {
-    Disposition::DeadLetter { reason, detail: detail.into() }
+    Disposition::DeadLetter {
+        reason,
+        detail: detail.into(),
+    }
 }

@@ -13,24 +13,40 @@ use crate::engine::{Engine, Stats};
 use crate::store::{self, inbox, outbox, runs};
 
 /// Creates the run unless it exists; `Err` means infrastructure failed and the delivery is retried.
-pub(super) async fn process(engine: &Arc<Engine>, delivery: &Delivery) -> store::Result<Disposition> {
-    let event = match RunStartEvent::decode(&delivery.data, engine.settings.worker.max_message_bytes) {
-        Ok(e) => e,
-        Err(e) => return Ok(dead(e.code(), e.to_string())),
-    };
+pub(super) async fn process(
+    engine: &Arc<Engine>,
+    delivery: &Delivery,
+) -> store::Result<Disposition> {
+    let event =
+        match RunStartEvent::decode(&delivery.data, engine.settings.worker.max_message_bytes) {
+            Ok(e) => e,
+            Err(e) => return Ok(dead(e.code(), e.to_string())),
+        };
     let span = tracing::info_span!("run_start", run.id = %event.run_id, workflow = %event.workflow);
     start(engine, delivery, event).instrument(span).await
 }
 
-async fn start(engine: &Arc<Engine>, delivery: &Delivery, event: RunStartEvent) -> store::Result<Disposition> {
+async fn start(
+    engine: &Arc<Engine>,
+    delivery: &Delivery,
+    event: RunStartEvent,
+) -> store::Result<Disposition> {
     let Some(workflow) = engine.registry.get(&event.workflow) else {
-        return Ok(dead("unknown_workflow", format!(
-            "run {}: workflow {:?} is not registered (known: {}); fix the publisher or deploy the workflow, then requeue",
-            event.run_id, event.workflow, engine.registry.names().join(", ")
-        )));
+        return Ok(dead(
+            "unknown_workflow",
+            format!(
+                "run {}: workflow {:?} is not registered (known: {}); fix the publisher or deploy the workflow, then requeue",
+                event.run_id,
+                event.workflow,
+                engine.registry.names().join(", ")
+            ),
+        ));
     };
     let Some(first) = workflow.first_step() else {
-        return Ok(dead("unknown_step", format!("workflow {} has no steps", workflow.name)));
+        return Ok(dead(
+            "unknown_step",
+            format!("workflow {} has no steps", workflow.name),
+        ));
     };
     // Upstream services may omit message_id; the run id alone still makes the start idempotent.
     let message_id = delivery
@@ -46,13 +62,26 @@ async fn start(engine: &Arc<Engine>, delivery: &Delivery, event: RunStartEvent) 
         tx.rollback().await?;
         return Ok(Disposition::Duplicate);
     }
-    let new = runs::NewRun { run_id: &event.run_id, workflow: &workflow.name, version: workflow.version, first_step: first, input: &event.input };
+    let new = runs::NewRun {
+        run_id: &event.run_id,
+        workflow: &workflow.name,
+        version: workflow.version,
+        first_step: first,
+        input: &event.input,
+    };
     if !runs::insert(&mut *tx, &new).await? {
         tx.commit().await?;
         tracing::info!("run already exists; start event ignored");
         return Ok(Disposition::Duplicate);
     }
-    let first_message = step_message(engine, &event.run_id, &workflow.name, workflow.version, first, 0);
+    let first_message = step_message(
+        engine,
+        &event.run_id,
+        &workflow.name,
+        workflow.version,
+        first,
+        0,
+    );
     outbox::insert(&mut *tx, &[first_message]).await?;
     tx.commit().await?;
     Stats::bump(&engine.stats.runs_started);

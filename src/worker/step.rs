@@ -8,10 +8,10 @@ use futures_util::FutureExt;
 use lapin::message::Delivery;
 use tracing::Instrument;
 
+use super::STEP_CONSUMER;
 use super::commit::{self, Ending};
 use super::lease::Heartbeat;
 use super::outcome::{Disposition, dead};
-use super::STEP_CONSUMER;
 use crate::domain::{RunStatus, StepMessage};
 use crate::engine::{Engine, Stats};
 use crate::store::{self, inbox, runs, steps};
@@ -21,7 +21,11 @@ use crate::workflow::{StepContext, StepDef, StepError, StepOutcome, Workflow};
 const MAX_ATTEMPTS: i32 = 5;
 
 /// Processes a step delivery; `Err` means infrastructure failed and the delivery should be retried.
-pub(super) async fn process(engine: &Arc<Engine>, delivery: &Delivery, owner: &str) -> store::Result<Disposition> {
+pub(super) async fn process(
+    engine: &Arc<Engine>,
+    delivery: &Delivery,
+    owner: &str,
+) -> store::Result<Disposition> {
     let msg = match StepMessage::decode(&delivery.data, engine.settings.worker.max_message_bytes) {
         Ok(m) => m,
         Err(e) => return Ok(dead(e.code(), e.to_string())),
@@ -31,23 +35,39 @@ pub(super) async fn process(engine: &Arc<Engine>, delivery: &Delivery, owner: &s
     process_message(engine, msg, owner).instrument(span).await
 }
 
-async fn process_message(engine: &Arc<Engine>, msg: StepMessage, owner: &str) -> store::Result<Disposition> {
+async fn process_message(
+    engine: &Arc<Engine>,
+    msg: StepMessage,
+    owner: &str,
+) -> store::Result<Disposition> {
     let Some(workflow) = engine.registry.get(&msg.workflow) else {
-        return Ok(dead("unknown_workflow", format!(
-            "run {}: workflow {:?} is not registered in this worker (known: {}); deploy it, then requeue",
-            msg.run_id, msg.workflow, engine.registry.names().join(", ")
-        )));
+        return Ok(dead(
+            "unknown_workflow",
+            format!(
+                "run {}: workflow {:?} is not registered in this worker (known: {}); deploy it, then requeue",
+                msg.run_id,
+                msg.workflow,
+                engine.registry.names().join(", ")
+            ),
+        ));
     };
     if workflow.version != msg.version {
-        return Ok(dead("unknown_version", format!(
-            "run {}: message is for {} v{}, this worker runs v{}; deploy that version, then requeue",
-            msg.run_id, msg.workflow, msg.version, workflow.version
-        )));
+        return Ok(dead(
+            "unknown_version",
+            format!(
+                "run {}: message is for {} v{}, this worker runs v{}; deploy that version, then requeue",
+                msg.run_id, msg.workflow, msg.version, workflow.version
+            ),
+        ));
     }
     let Some(step) = workflow.find(&msg.step).cloned() else {
-        return Ok(dead("unknown_step", format!(
-            "run {}: workflow {} v{} has no step {:?}", msg.run_id, msg.workflow, msg.version, msg.step
-        )));
+        return Ok(dead(
+            "unknown_step",
+            format!(
+                "run {}: workflow {} v{} has no step {:?}",
+                msg.run_id, msg.workflow, msg.version, msg.step
+            ),
+        ));
     };
     if inbox::seen(&engine.pool, STEP_CONSUMER, msg.message_id).await? {
         return Ok(Disposition::Duplicate);
@@ -97,21 +117,33 @@ async fn claim(engine: &Arc<Engine>, msg: &StepMessage, owner: &str) -> store::R
 
 async fn why_not_claimed(engine: &Arc<Engine>, msg: &StepMessage) -> store::Result<Disposition> {
     let Some(run) = runs::get(&engine.pool, msg.run_id.as_str()).await? else {
-        return Ok(dead("unknown_run", format!("run {} does not exist in this database", msg.run_id)));
+        return Ok(dead(
+            "unknown_run",
+            format!("run {} does not exist in this database", msg.run_id),
+        ));
     };
     let status = run.status();
     if !status.accepts_steps() {
         return Ok(Disposition::Stale(format!("run is {status}")));
     }
     if run.step_seq != msg.seq {
-        return Ok(Disposition::Stale(format!("run is at position {}, message is for {}", run.step_seq, msg.seq)));
+        return Ok(Disposition::Stale(format!(
+            "run is at position {}, message is for {}",
+            run.step_seq, msg.seq
+        )));
     }
     // Another live worker holds the lease: wait in a delay queue rather than spin.
-    Ok(Disposition::Delay(Duration::from_millis(engine.settings.worker.busy_retry_ms)))
+    Ok(Disposition::Delay(Duration::from_millis(
+        engine.settings.worker.busy_retry_ms,
+    )))
 }
 
 /// Runs the handler under a heartbeat; a lost lease or a panic becomes an error, never a crash.
-async fn execute(engine: &Arc<Engine>, step: &StepDef, ctx: StepContext) -> Result<StepOutcome, StepError> {
+async fn execute(
+    engine: &Arc<Engine>,
+    step: &StepDef,
+    ctx: StepContext,
+) -> Result<StepOutcome, StepError> {
     let heartbeat = Heartbeat::start(engine, ctx.run_id().clone(), ctx.fence());
     let run = AssertUnwindSafe((step.handler)(ctx)).catch_unwind();
     let result = tokio::select! {
@@ -132,12 +164,22 @@ async fn finish(
 ) -> store::Result<Disposition> {
     let ending = match result {
         Ok(outcome) => match workflow.resolve_next(&msg.step, &outcome.next) {
-            Ok(next) => Ending::Advance { output: outcome.output, next, status, sent: ctx.take_outgoing() },
+            Ok(next) => Ending::Advance {
+                output: outcome.output,
+                next,
+                status,
+                sent: ctx.take_outgoing(),
+            },
             Err(e) => review(ctx, &e),
         },
-        Err(StepError::FencedOut) => return Ok(Disposition::Stale("fenced out while executing".into())),
+        Err(StepError::FencedOut) => {
+            return Ok(Disposition::Stale("fenced out while executing".into()));
+        }
         Err(StepError::Infrastructure(e)) => return Err(store::Error::Unavailable(e)),
-        Err(StepError::Temporary { reason, retry_after }) if ctx.attempt() < MAX_ATTEMPTS => {
+        Err(StepError::Temporary {
+            reason,
+            retry_after,
+        }) if ctx.attempt() < MAX_ATTEMPTS => {
             let delay = retry_after.unwrap_or(Duration::from_secs(1 << ctx.attempt().min(8)));
             tracing::warn!(reason = %reason, delay_ms = delay.as_millis() as u64, "step failed temporarily; retrying later");
             commit::release(engine, &msg.run_id, ctx.fence()).await?;
@@ -151,7 +193,9 @@ async fn finish(
             Ok(Disposition::Done)
         }
         Ok(false) => Ok(Disposition::Duplicate),
-        Err(store::Error::FencedOut { .. }) => Ok(Disposition::Stale("fenced out at commit".into())),
+        Err(store::Error::FencedOut { .. }) => {
+            Ok(Disposition::Stale("fenced out at commit".into()))
+        }
         Err(e) => Err(e),
     }
 }
@@ -160,7 +204,10 @@ fn review(ctx: &StepContext, e: &StepError) -> Ending {
     tracing::error!(error = %e, "step failed; run needs review");
     let note = format!(
         "run {} stopped at step {} (position {}, attempt {}): {e}",
-        ctx.run_id(), ctx.step(), ctx.seq(), ctx.attempt()
+        ctx.run_id(),
+        ctx.step(),
+        ctx.seq(),
+        ctx.attempt()
     );
     Ending::Review { error: note }
 }

@@ -1,10 +1,10 @@
 //! What a step handler can do: read earlier outputs, ask the model (journaled), and make keyed
 //! outside writes (effects) — each recorded so that a replayed step repeats nothing.
 
-use std::future::Future;
 use std::collections::BTreeMap;
-use std::sync::{Arc, Mutex};
+use std::future::Future;
 use std::sync::atomic::{AtomicI32, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use backon::{ExponentialBuilder, Retryable};
@@ -12,10 +12,10 @@ use serde_json::Value;
 use sqlx::PgPool;
 
 use super::StepError;
+use crate::domain::MessageId;
 use crate::domain::{Fence, IdempotencyKey, RunId};
 use crate::failpoint::Failpoints;
 use crate::model::{self, ChatAnswer, ChatRequest, ModelClient};
-use crate::domain::MessageId;
 use crate::store::outbox::OutgoingMessage;
 use crate::store::{self, effects, journal};
 
@@ -74,7 +74,9 @@ impl StepContext {
             outgoing: Mutex::new(Vec::new()),
             services,
         };
-        Self { inner: Arc::new(inner) }
+        Self {
+            inner: Arc::new(inner),
+        }
     }
 
     /// The run.
@@ -142,7 +144,11 @@ impl StepContext {
 
     /// Triggers the named failpoint (tests and drills; a no-op unless configured).
     pub fn failpoint(&self, name: &str) -> Result<(), StepError> {
-        self.inner.services.failpoints.hit(name).map_err(|e| StepError::Infrastructure(e.to_string()))
+        self.inner
+            .services
+            .failpoints
+            .hit(name)
+            .map_err(|e| StepError::Infrastructure(e.to_string()))
     }
 
     /// Asks the model, or returns the journaled answer when this call was made before.
@@ -175,7 +181,10 @@ impl StepContext {
         let services = &self.inner.services;
         let Some(client) = services.model.as_ref() else {
             let started = Instant::now();
-            let content = crate::standin::model_server::standin_answer(request, services.standin_answer_bytes);
+            let content = crate::standin::model_server::standin_answer(
+                request,
+                services.standin_answer_bytes,
+            );
             return Ok(ChatAnswer {
                 completion_tokens: content.len().div_ceil(4) as u64,
                 content,
@@ -207,43 +216,78 @@ impl StepContext {
     /// the intent is recorded (with this step's fence) before the call and the result after.
     /// A replay returns the recorded result; a key reused with another request is a conflict.
     #[tracing::instrument(skip_all, fields(key = %key))]
-    pub async fn effect<F, Fut>(&self, key: &IdempotencyKey, request: &Value, call: F) -> Result<Value, StepError>
+    pub async fn effect<F, Fut>(
+        &self,
+        key: &IdempotencyKey,
+        request: &Value,
+        call: F,
+    ) -> Result<Value, StepError>
     where
         F: FnOnce(IdempotencyKey) -> Fut,
         Fut: Future<Output = Result<Value, StepError>>,
     {
         let hash = store::hash_json(request);
-        let known = effects::begin(self.pool(), key, self.run_id(), self.seq(), &hash, self.fence()).await?;
+        let known = effects::begin(
+            self.pool(),
+            key,
+            self.run_id(),
+            self.seq(),
+            &hash,
+            self.fence(),
+        )
+        .await?;
         match known {
             effects::Known::Done(result) => return Ok(result),
             // The call may have happened before a crash: call again under the same key and let the
             // receiving store's unique key make the repeat harmless.
-            effects::Known::Unknown => tracing::info!("effect outcome unknown after a restart; calling again under the same key"),
+            effects::Known::Unknown => tracing::info!(
+                "effect outcome unknown after a restart; calling again under the same key"
+            ),
             effects::Known::New => {}
         }
         let started = Instant::now();
         let result = call(key.clone()).await?;
+        // A crash here is the "unknown outcome" case: the call happened, its result is not known.
+        self.failpoint("effect.after_call")?;
         effects::complete(self.pool(), key, &result).await?;
-        tracing::debug!(latency_ms = started.elapsed().as_millis() as u64, "effect done");
+        tracing::debug!(
+            latency_ms = started.elapsed().as_millis() as u64,
+            "effect done"
+        );
         Ok(result)
     }
 }
 
-fn replayed(entry: journal::JournalEntry, hash: &str, ctx: &StepContext) -> Result<ChatAnswer, StepError> {
+fn replayed(
+    entry: journal::JournalEntry,
+    hash: &str,
+    ctx: &StepContext,
+) -> Result<ChatAnswer, StepError> {
     if entry.request_hash != hash {
         return Err(StepError::Unknown(format!(
             "run {} step {} (seq {}) model call {}: the request differs from the journaled one; the step is not deterministic, so its recorded answer cannot be reused",
-            ctx.run_id(), ctx.step(), ctx.seq(), entry.call_no
+            ctx.run_id(),
+            ctx.step(),
+            ctx.seq(),
+            entry.call_no
         )));
     }
-    serde_json::from_value(entry.response)
-        .map_err(|e| StepError::Unknown(format!("journal entry {} of run {} is unreadable: {e}", entry.call_no, ctx.run_id())))
+    serde_json::from_value(entry.response).map_err(|e| {
+        StepError::Unknown(format!(
+            "journal entry {} of run {} is unreadable: {e}",
+            entry.call_no,
+            ctx.run_id()
+        ))
+    })
 }
 
 fn classify_model_error(e: model::Error) -> StepError {
     match e {
         model::Error::Auth { .. } => StepError::Auth(e.to_string()),
-        model::Error::RateLimited { retry_after } => StepError::Temporary { reason: e.to_string(), retry_after },
+        model::Error::RateLimited { retry_after } => StepError::Temporary {
+            reason: e.to_string(),
+            retry_after,
+        },
         e if e.is_temporary() => StepError::temporary(e.to_string()),
         e => StepError::Unknown(e.to_string()),
     }

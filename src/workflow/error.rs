@@ -33,7 +33,10 @@ pub enum StepError {
 impl StepError {
     /// A temporary error with no requested delay.
     pub fn temporary(reason: impl Into<String>) -> Self {
-        Self::Temporary { reason: reason.into(), retry_after: None }
+        Self::Temporary {
+            reason: reason.into(),
+            retry_after: None,
+        }
     }
 }
 

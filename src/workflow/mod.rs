@@ -13,8 +13,8 @@ use std::sync::Arc;
 
 use serde_json::Value;
 
-pub use context::StepContext;
 pub(crate) use context::Services;
+pub use context::StepContext;
 pub use error::{ResultExt, StepError};
 
 /// What a step does to the outside world; recovery rules follow from it (DESIGN.md §2).
@@ -56,15 +56,24 @@ pub struct StepOutcome {
 impl StepOutcome {
     /// Output, then the next declared step.
     pub fn next(output: Value) -> Self {
-        Self { output, next: Next::Continue }
+        Self {
+            output,
+            next: Next::Continue,
+        }
     }
     /// Output, then the named step.
     pub fn goto(output: Value, step: impl Into<String>) -> Self {
-        Self { output, next: Next::Goto(step.into()) }
+        Self {
+            output,
+            next: Next::Goto(step.into()),
+        }
     }
     /// Output, and the run is done.
     pub fn finish(output: Value) -> Self {
-        Self { output, next: Next::Finish }
+        Self {
+            output,
+            next: Next::Finish,
+        }
     }
 }
 
@@ -99,7 +108,11 @@ pub struct Workflow {
 impl Workflow {
     /// An empty workflow.
     pub fn new(name: impl Into<String>, version: i32) -> Self {
-        Self { name: name.into(), version, steps: Vec::new() }
+        Self {
+            name: name.into(),
+            version,
+            steps: Vec::new(),
+        }
     }
 
     /// Adds a step (builder style).
@@ -109,7 +122,11 @@ impl Workflow {
         Fut: Future<Output = Result<StepOutcome, StepError>> + Send + 'static,
     {
         let handler: Handler = Arc::new(move |ctx| Box::pin(handler(ctx)));
-        self.steps.push(StepDef { name: name.to_owned(), kind, handler });
+        self.steps.push(StepDef {
+            name: name.to_owned(),
+            kind,
+            handler,
+        });
         self
     }
 
@@ -129,7 +146,9 @@ impl Workflow {
             Next::Finish => Ok(None),
             Next::Continue => {
                 let pos = self.steps.iter().position(|s| s.name == current);
-                Ok(pos.and_then(|p| self.steps.get(p + 1)).map(|s| s.name.clone()))
+                Ok(pos
+                    .and_then(|p| self.steps.get(p + 1))
+                    .map(|s| s.name.clone()))
             }
             Next::Goto(name) if self.find(name).is_some() => Ok(Some(name.clone())),
             Next::Goto(name) => Err(StepError::Unknown(format!(
@@ -154,7 +173,8 @@ impl Registry {
 
     /// Registers a workflow; a later registration of the same name replaces it.
     pub fn register(&mut self, workflow: Workflow) -> &mut Self {
-        self.workflows.insert(workflow.name.clone(), Arc::new(workflow));
+        self.workflows
+            .insert(workflow.name.clone(), Arc::new(workflow));
         self
     }
 

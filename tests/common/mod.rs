@@ -27,11 +27,13 @@ pub struct TestEnv {
 }
 
 fn base_url() -> String {
-    std::env::var("TRAILMARK_TEST_PG").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432".into())
+    std::env::var("TRAILMARK_TEST_PG")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432".into())
 }
 
 fn amqp_url() -> String {
-    std::env::var("TRAILMARK_TEST_AMQP").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into())
+    std::env::var("TRAILMARK_TEST_AMQP")
+        .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into())
 }
 
 impl TestEnv {
@@ -50,14 +52,28 @@ impl TestEnv {
         settings.worker.busy_retry_ms = 1000;
         settings.relay.poll_interval_ms = 200;
         settings.supervisor.interval_ms = 250;
-        store::ensure_database(&settings.database).await.expect("create test database");
-        let pool = store::connect(&settings.database).await.expect("connect test database");
+        store::ensure_database(&settings.database)
+            .await
+            .expect("create test database");
+        let pool = store::connect(&settings.database)
+            .await
+            .expect("connect test database");
         store::migrate(&pool).await.expect("migrate");
-        let conn = broker::connect(&settings.broker, "test-setup").await.expect("connect RabbitMQ");
+        let conn = broker::connect(&settings.broker, "test-setup")
+            .await
+            .expect("connect RabbitMQ");
         let ch = conn.create_channel().await.expect("channel");
-        Topology::new(&prefix, settings.broker.delivery_limit).declare(&ch).await.expect("declare topology");
+        Topology::new(&prefix, settings.broker.delivery_limit)
+            .declare(&ch)
+            .await
+            .expect("declare topology");
         let _ = conn.close(200, "setup done".into()).await;
-        Self { settings, pool, db_name, prefix }
+        Self {
+            settings,
+            pool,
+            db_name,
+            prefix,
+        }
     }
 
     pub fn topology(&self) -> Topology {
@@ -66,7 +82,13 @@ impl TestEnv {
 
     /// An engine with the built-in workflows (plus `extra`) and the given failpoints.
     pub fn engine_with(&self, registry: Registry, failpoints: Failpoints) -> Arc<Engine> {
-        Engine::with_pool(self.settings.clone(), registry, failpoints, self.pool.clone()).expect("engine")
+        Engine::with_pool(
+            self.settings.clone(),
+            registry,
+            failpoints,
+            self.pool.clone(),
+        )
+        .expect("engine")
     }
 
     pub fn engine(&self) -> Arc<Engine> {
@@ -77,7 +99,10 @@ impl TestEnv {
     pub fn spawn(&self, engine: Arc<Engine>, components: Components) -> Running {
         let shutdown = CancellationToken::new();
         let handle = tokio::spawn(run_components(engine, components, shutdown.clone()));
-        Running { shutdown, handle: Some(handle) }
+        Running {
+            shutdown,
+            handle: Some(handle),
+        }
     }
 
     pub fn spawn_all(&self, engine: Arc<Engine>) -> Running {
@@ -103,8 +128,12 @@ impl TestEnv {
     }
 
     pub async fn publish_all(&self, msgs: &[Outgoing]) {
-        let conn = broker::connect(&self.settings.broker, "test-publisher").await.expect("connect");
-        let publisher = Publisher::open(&conn, Duration::from_secs(10)).await.expect("publisher");
+        let conn = broker::connect(&self.settings.broker, "test-publisher")
+            .await
+            .expect("connect");
+        let publisher = Publisher::open(&conn, Duration::from_secs(10))
+            .await
+            .expect("publisher");
         for r in publisher.publish_all(msgs).await {
             r.expect("publish confirmed");
         }
@@ -112,7 +141,12 @@ impl TestEnv {
     }
 
     /// Waits (polling the database, bounded) until the run reaches `status`.
-    pub async fn wait_status(&self, run_id: &str, status: RunStatus, within: Duration) -> runs::RunRow {
+    pub async fn wait_status(
+        &self,
+        run_id: &str,
+        status: RunStatus,
+        within: Duration,
+    ) -> runs::RunRow {
         let deadline = Instant::now() + within;
         loop {
             if let Some(run) = runs::get(&self.pool, run_id).await.expect("read run")
@@ -120,8 +154,15 @@ impl TestEnv {
             {
                 return run;
             }
-            assert!(Instant::now() < deadline, "run {run_id} did not reach {status} within {within:?}: {:?}",
-                runs::get(&self.pool, run_id).await.ok().flatten().map(|r| (r.status, r.step_seq, r.error)));
+            assert!(
+                Instant::now() < deadline,
+                "run {run_id} did not reach {status} within {within:?}: {:?}",
+                runs::get(&self.pool, run_id)
+                    .await
+                    .ok()
+                    .flatten()
+                    .map(|r| (r.status, r.step_seq, r.error))
+            );
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
     }
@@ -134,13 +175,20 @@ impl TestEnv {
     {
         let deadline = Instant::now() + within;
         while !probe().await {
-            assert!(Instant::now() < deadline, "timed out after {within:?} waiting for {what}");
+            assert!(
+                Instant::now() < deadline,
+                "timed out after {within:?} waiting for {what}"
+            );
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
     }
 
     pub async fn scalar(&self, sql: &'static str, run_id: &str) -> i64 {
-        sqlx::query_scalar(sql).bind(run_id).fetch_one(&self.pool).await.expect(sql)
+        sqlx::query_scalar(sql)
+            .bind(run_id)
+            .fetch_one(&self.pool)
+            .await
+            .expect(sql)
     }
 
     /// (rows, distinct references) in `chain_ledger` for a run.
@@ -154,7 +202,11 @@ impl TestEnv {
 
     /// Committed steps of a run.
     pub async fn steps_done(&self, run_id: &str) -> i64 {
-        self.scalar("SELECT count(*) FROM trailmark.steps WHERE run_id = $1 AND finished_at IS NOT NULL", run_id).await
+        self.scalar(
+            "SELECT count(*) FROM trailmark.steps WHERE run_id = $1 AND finished_at IS NOT NULL",
+            run_id,
+        )
+        .await
     }
 
     /// The `trailmark` binary with this environment's settings.
@@ -164,8 +216,14 @@ impl TestEnv {
             .env("DATABASE_URL", &self.settings.database.url)
             .env("AMQP_URL", &self.settings.broker.url)
             .env("TRAILMARK__BROKER__PREFIX", &self.prefix)
-            .env("TRAILMARK__WORKER__LEASE_SECS", self.settings.worker.lease_secs.to_string())
-            .env("TRAILMARK__WORKER__HEARTBEAT_SECS", self.settings.worker.heartbeat_secs.to_string())
+            .env(
+                "TRAILMARK__WORKER__LEASE_SECS",
+                self.settings.worker.lease_secs.to_string(),
+            )
+            .env(
+                "TRAILMARK__WORKER__HEARTBEAT_SECS",
+                self.settings.worker.heartbeat_secs.to_string(),
+            )
             .env("TRAILMARK__RELAY__POLL_INTERVAL_MS", "200")
             .env("TRAILMARK__SUPERVISOR__INTERVAL_MS", "250")
             .env("RUST_LOG", "warn")
@@ -179,7 +237,11 @@ impl TestEnv {
         if let Some(fp) = failpoints {
             cmd.env("TRAILMARK_FAILPOINTS", fp);
         }
-        let child = cmd.stdout(Stdio::null()).stderr(Stdio::inherit()).spawn().expect("spawn trailmark serve");
+        let child = cmd
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("spawn trailmark serve");
         ChildGuard(Some(child))
     }
 
@@ -187,7 +249,9 @@ impl TestEnv {
         if let Ok(conn) = broker::connect(&settings.broker, "test-teardown").await
             && let Ok(ch) = conn.create_channel().await
         {
-            let _ = Topology::new(&prefix, settings.broker.delivery_limit).delete(&ch).await;
+            let _ = Topology::new(&prefix, settings.broker.delivery_limit)
+                .delete(&ch)
+                .await;
             let _ = conn.close(200, "teardown".into()).await;
         }
         let mut admin = settings.database.clone();
@@ -202,10 +266,17 @@ impl TestEnv {
 impl Drop for TestEnv {
     /// Drops the database and deletes the topology, even when the test failed.
     fn drop(&mut self) {
-        let (settings, db, prefix) = (self.settings.clone(), self.db_name.clone(), self.prefix.clone());
+        let (settings, db, prefix) = (
+            self.settings.clone(),
+            self.db_name.clone(),
+            self.prefix.clone(),
+        );
         // Drop cannot await; a helper thread with its own runtime does the async teardown.
         let _ = std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("runtime");
             rt.block_on(Self::teardown(settings, db, prefix));
         })
         .join();
@@ -222,7 +293,9 @@ impl Running {
     pub async fn stop(mut self) {
         self.shutdown.cancel();
         if let Some(h) = self.handle.take() {
-            h.await.expect("components task").expect("components ended cleanly");
+            h.await
+                .expect("components task")
+                .expect("components ended cleanly");
         }
     }
 }
