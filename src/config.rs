@@ -29,6 +29,8 @@ pub struct Settings {
     pub relay: RelaySettings,
     /// Lease and stuck-run supervisor.
     pub supervisor: SupervisorSettings,
+    /// Timeouts, budgets, loop detection, circuit breakers.
+    pub guards: GuardSettings,
     /// The OpenAI-compatible model endpoint.
     #[serde(default)]
     pub model: ModelSettings,
@@ -71,6 +73,33 @@ pub struct WorkerSettings {
     pub busy_retry_ms: u64,
     /// Largest body accepted; larger ones are dead-lettered unread.
     pub max_message_bytes: usize,
+    /// In-process retries of a temporary failure, per call, under the same key.
+    pub call_retries: usize,
+    /// Claims of one step before the run goes to needs_review (a crash loop ends too).
+    pub max_attempts: i32,
+    /// First delay of a delayed step retry; doubles per attempt.
+    pub retry_base_ms: u64,
+    /// Soft timeout of one step execution.
+    pub step_timeout_secs: u64,
+}
+
+/// Limits that stop a run before it loops or spends without bound (DESIGN.md §6).
+#[derive(Debug, Clone, Deserialize)]
+pub struct GuardSettings {
+    /// Hard timeout of a run in seconds (0 = none).
+    pub run_timeout_secs: u64,
+    /// Default per-run budget of tool calls (0 = unlimited).
+    pub max_tool_calls: u64,
+    /// Default per-run budget of model tokens (0 = unlimited).
+    pub max_model_tokens: u64,
+    /// Default per-run budget of cost (0 = unlimited).
+    pub max_cost: f64,
+    /// Identical tool requests per run before it counts as a loop.
+    pub repeat_limit: u64,
+    /// Consecutive failures that open a tool's circuit breaker.
+    pub breaker_failures: u32,
+    /// How long an open breaker refuses calls before one probe.
+    pub breaker_open_secs: u64,
 }
 
 /// How the relay drains the outbox.
@@ -128,6 +157,9 @@ impl Settings {
                 "worker.heartbeat_secs ({}) must be at least 1 and below worker.lease_secs ({})",
                 self.worker.heartbeat_secs, self.worker.lease_secs
             )));
+        }
+        if self.worker.max_attempts < 1 {
+            return Err(Error("worker.max_attempts must be at least 1".into()));
         }
         if self.worker.concurrency == 0 {
             return Err(Error("worker.concurrency must be at least 1".into()));

@@ -2,6 +2,7 @@
 //! counters. Every long-running component takes an `Arc<Engine>` and a shutdown token.
 
 use std::sync::Arc;
+use std::time::Duration;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use sqlx::PgPool;
@@ -9,6 +10,7 @@ use sqlx::PgPool;
 use crate::broker::Topology;
 use crate::config::Settings;
 use crate::failpoint::Failpoints;
+use crate::guard::Breakers;
 use crate::model::ModelClient;
 use crate::workflow::{Registry, Services};
 
@@ -95,10 +97,18 @@ impl Engine {
         } else {
             None
         };
+        let fallback_model = match (&model, settings.model.fallback_model.is_empty()) {
+            (Some(client), false) => client.fallback(),
+            _ => None,
+        };
+        let guards = &settings.guards;
         let services = Arc::new(Services {
             pool: pool.clone(),
             model,
+            fallback_model,
             failpoints: failpoints.clone(),
+            breakers: Breakers::new(guards.breaker_failures, Duration::from_secs(guards.breaker_open_secs)),
+            settings: settings.clone(),
             standin_answer_bytes: 64,
         });
         let topology = Topology::new(&settings.broker.prefix, settings.broker.delivery_limit);

@@ -13,6 +13,7 @@
 //! | [`worker`] | delivery -> dedup -> lease -> handler -> one commit -> ack |
 //! | [`relay`] | outbox -> RabbitMQ with publisher confirms |
 //! | [`supervisor`] | expired leases -> the step re-queued through the outbox |
+//! | [`guard`] | budgets, repeated-action detection, circuit breakers |
 //! | [`engine`] | the shared state a process's components run on |
 //! | [`model`] | OpenAI-compatible chat-completions client |
 //! | [`standin`] | stand-in outside systems for tests, drills and the demo |
@@ -36,6 +37,7 @@ pub mod config;
 pub mod domain;
 pub mod engine;
 pub mod failpoint;
+pub mod guard;
 pub mod model;
 pub mod relay;
 pub mod standin;

@@ -221,6 +221,7 @@ async fn commit_with_an_older_fence_is_refused_and_changes_nothing() {
         status: RunStatus::Running,
         output: None,
         error: None,
+        handover: None,
     };
     let stale = runs::advance(&env.pool, &run_id, a.fence(), &to).await;
     assert!(
@@ -237,7 +238,7 @@ async fn commit_with_an_older_fence_is_refused_and_changes_nothing() {
         "stale commit moved the run"
     );
     let key = IdempotencyKey::parse("r-fence:link:0").unwrap();
-    let fenced = effects::begin(&env.pool, &key, &run_id, 0, "h", a.fence()).await;
+    let fenced = effects::begin(&env.pool, &key, "ledger", &run_id, 0, "h", a.fence()).await;
     assert!(matches!(fenced, Err(store::Error::FencedOut { .. })));
     assert_eq!(
         env.scalar(
@@ -284,18 +285,18 @@ async fn reused_key_with_a_different_request_is_a_conflict() {
         .unwrap()
         .unwrap();
     let key = IdempotencyKey::parse("r-key:post:inv-1").unwrap();
-    let first = effects::begin(&env.pool, &key, &run_id, 0, "hash-a", claim.fence())
+    let first = effects::begin(&env.pool, &key, "ledger", &run_id, 0, "hash-a", claim.fence())
         .await
         .unwrap();
     assert!(matches!(first, effects::Known::New));
-    let again = effects::begin(&env.pool, &key, &run_id, 0, "hash-a", claim.fence())
+    let again = effects::begin(&env.pool, &key, "ledger", &run_id, 0, "hash-a", claim.fence())
         .await
         .unwrap();
     assert!(
         matches!(again, effects::Known::Unknown),
         "same key, same request: outcome unknown, call again"
     );
-    match effects::begin(&env.pool, &key, &run_id, 0, "hash-b", claim.fence()).await {
+    match effects::begin(&env.pool, &key, "ledger", &run_id, 0, "hash-b", claim.fence()).await {
         Err(e @ store::Error::Conflict { .. }) => {
             assert!(e.to_string().contains("r-key:post:inv-1"), "{e}")
         }

@@ -38,14 +38,15 @@ pub enum Known {
 pub async fn begin(
     db: &sqlx::PgPool,
     key: &IdempotencyKey,
+    tool: &str,
     run_id: &RunId,
     seq: i32,
     request_hash: &str,
     fence: Fence,
 ) -> Result<Known> {
     let inserted = sqlx::query(
-        "INSERT INTO trailmark.effects (idempotency_key, run_id, seq, request_hash, fence)
-         SELECT $1, $2, $3, $4, $5 FROM trailmark.runs WHERE run_id = $2 AND fence = $5
+        "INSERT INTO trailmark.effects (idempotency_key, run_id, seq, request_hash, fence, tool)
+         SELECT $1, $2, $3, $4, $5, $6 FROM trailmark.runs WHERE run_id = $2 AND fence = $5
          ON CONFLICT (idempotency_key) DO NOTHING",
     )
     .bind(key.as_str())
@@ -53,6 +54,7 @@ pub async fn begin(
     .bind(seq)
     .bind(request_hash)
     .bind(fence.0)
+    .bind(tool)
     .execute(db)
     .await?
     .rows_affected()
@@ -107,4 +109,43 @@ pub async fn totals(db: impl PgExecutor<'_>, run_id: &str) -> Result<(i64, i64)>
             .fetch_one(db)
             .await?,
     )
+}
+
+/// For a call not yet made under `key`: the run's tool calls so far, and how many of them were
+/// `tool` with the same request hash (both excluding `key`, so a replay never counts twice).
+pub async fn usage(db: impl PgExecutor<'_>, run_id: &RunId, key: &IdempotencyKey, tool: &str, request_hash: &str) -> Result<(i64, i64)> {
+    Ok(sqlx::query_as(
+        "SELECT count(*), count(*) FILTER (WHERE tool = $3 AND request_hash = $4)
+           FROM trailmark.effects WHERE run_id = $1 AND idempotency_key <> $2",
+    )
+    .bind(run_id.as_str())
+    .bind(key.as_str())
+    .bind(tool)
+    .bind(request_hash)
+    .fetch_one(db)
+    .await?)
+}
+
+/// One effect of a run, for the handover note.
+#[derive(Debug, Clone, Serialize, sqlx::FromRow)]
+pub struct EffectSummary {
+    /// The key.
+    pub idempotency_key: String,
+    /// The tool.
+    pub tool: String,
+    /// Position of the step that made it.
+    pub seq: i32,
+    /// Whether its result is known (false: the call may or may not have happened).
+    pub completed: bool,
+}
+
+/// Every effect of a run, oldest first.
+pub async fn list(db: impl PgExecutor<'_>, run_id: &str) -> Result<Vec<EffectSummary>> {
+    Ok(sqlx::query_as(
+        "SELECT idempotency_key, tool, seq, result IS NOT NULL AS completed FROM trailmark.effects
+          WHERE run_id = $1 ORDER BY created_at, idempotency_key",
+    )
+    .bind(run_id)
+    .fetch_all(db)
+    .await?)
 }

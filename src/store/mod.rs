@@ -5,6 +5,7 @@ pub mod effects;
 pub mod inbox;
 pub mod journal;
 pub mod outbox;
+pub mod parked;
 pub mod runs;
 pub mod steps;
 

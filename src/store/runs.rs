@@ -29,6 +29,8 @@ pub struct RunRow {
     pub output: Option<Value>,
     /// Last error or handover reason.
     pub error: Option<String>,
+    /// The handover note while the run needs review.
+    pub handover: Option<Value>,
     /// Worker holding the lease.
     pub lease_owner: Option<String>,
     /// Lease expiry (database clock).
@@ -116,6 +118,8 @@ pub struct Claim {
     pub status: String,
     /// Run input.
     pub input: Value,
+    /// Seconds since the run was created (database clock), for the run's hard timeout.
+    pub age_secs: f64,
 }
 
 impl Claim {
@@ -141,7 +145,7 @@ pub async fn claim(
                 fence = fence + 1, updated_at = now()
           WHERE run_id = $1 AND step_seq = $2 AND status IN ('running', 'compensating')
             AND (lease_owner IS NULL OR lease_expires_at < now() OR lease_owner = $3)
-      RETURNING fence, status, input",
+      RETURNING fence, status, input, EXTRACT(EPOCH FROM now() - created_at)::float8 AS age_secs",
     )
     .bind(run_id.as_str())
     .bind(seq)
@@ -182,6 +186,8 @@ pub struct Advance<'a> {
     pub output: Option<&'a Value>,
     /// Error text for review/failed states.
     pub error: Option<&'a str>,
+    /// Handover note, when the run goes to a person.
+    pub handover: Option<&'a Value>,
 }
 
 /// Moves the run past `seq` and releases the lease, only while `fence` is current.
@@ -194,7 +200,7 @@ pub async fn advance(
     let done = sqlx::query(
         "UPDATE trailmark.runs
             SET step_seq = step_seq + CASE WHEN $4 IN ('running', 'compensating', 'succeeded', 'compensated') THEN 1 ELSE 0 END,
-                step = $3, status = $4, output = COALESCE($5, output), error = $6,
+                step = $3, status = $4, output = COALESCE($5, output), error = $6, handover = $8,
                 lease_owner = NULL, lease_expires_at = NULL, updated_at = now(),
                 finished_at = CASE WHEN $4 IN ('succeeded', 'compensated', 'failed', 'cancelled') THEN now() END
           WHERE run_id = $1 AND fence = $2 AND step_seq = $7",
@@ -206,6 +212,7 @@ pub async fn advance(
     .bind(to.output)
     .bind(to.error)
     .bind(to.seq)
+    .bind(to.handover)
     .execute(db)
     .await?;
     if done.rows_affected() == 1 {

@@ -1,5 +1,5 @@
-//! The step transaction (DESIGN.md §4 step 5): inbox row, fenced run advance, checkpoint and
-//! next-step outbox rows, all or nothing.
+//! The step transaction (DESIGN.md §4 step 5): inbox row, fenced run advance, checkpoint,
+//! parked items and outbox rows (next step and outside messages), all or nothing.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -10,7 +10,8 @@ use super::STEP_CONSUMER;
 use crate::domain::{Fence, MessageId, RunId, RunStatus, STEP_ROUTING_KEY, StepMessage};
 use crate::engine::Engine;
 use crate::store::outbox::OutgoingMessage;
-use crate::store::{self, inbox, outbox, runs, steps};
+use crate::store::{self, inbox, outbox, parked, runs, steps};
+use crate::workflow::Parked;
 
 /// How a step execution ends.
 pub(super) enum Ending {
@@ -24,32 +25,26 @@ pub(super) enum Ending {
         status: RunStatus,
         /// Outside messages the step queued with `ctx.send`.
         sent: Vec<OutgoingMessage>,
+        /// Items the step parked.
+        parked: Vec<Parked>,
     },
     /// Stop the run for a person; the step is not advanced.
     Review {
-        /// The handover text.
+        /// One-line reason.
         error: String,
+        /// The handover note.
+        note: Value,
     },
 }
 
 /// Commits the step; `Ok(false)` means another delivery of the same message committed first.
-pub(super) async fn commit(
-    engine: &Arc<Engine>,
-    msg: &StepMessage,
-    fence: Fence,
-    ending: Ending,
-) -> store::Result<bool> {
+pub(super) async fn commit(engine: &Arc<Engine>, msg: &StepMessage, fence: Fence, ending: Ending) -> store::Result<bool> {
     let fp = &engine.failpoints;
     let mut tx = engine.pool.begin().await?;
     // The fenced update goes first: it takes the run's row lock, so two committers of the same
     // run serialise here and the loser sees zero rows.
     match &ending {
-        Ending::Advance {
-            output,
-            next,
-            status,
-            sent,
-        } => {
+        Ending::Advance { output, next, status, sent, parked: items } => {
             let done = next.is_none();
             let to = runs::Advance {
                 seq: msg.seq,
@@ -61,9 +56,11 @@ pub(super) async fn commit(
                 },
                 output: if done { Some(output) } else { None },
                 error: None,
+                handover: None,
             };
             runs::advance(&mut *tx, &msg.run_id, fence, &to).await?;
             steps::finish(&mut *tx, &msg.run_id, msg.seq, output).await?;
+            parked::insert(&mut tx, &msg.run_id, msg.seq, &msg.step, items).await?;
             fp.hit("step.after_checkpoint").map_err(infra)?;
             let mut messages = sent.clone();
             if let Some(next) = next {
@@ -71,13 +68,14 @@ pub(super) async fn commit(
             }
             outbox::insert(&mut *tx, &messages).await?;
         }
-        Ending::Review { error } => {
+        Ending::Review { error, note } => {
             let to = runs::Advance {
                 seq: msg.seq,
                 next_step: Some(&msg.step),
                 status: RunStatus::NeedsReview,
                 output: None,
                 error: Some(error),
+                handover: Some(note),
             };
             runs::advance(&mut *tx, &msg.run_id, fence, &to).await?;
         }
@@ -93,11 +91,7 @@ pub(super) async fn commit(
 }
 
 /// Gives the lease back without advancing (the step will be retried from a delay queue).
-pub(super) async fn release(
-    engine: &Arc<Engine>,
-    run_id: &RunId,
-    fence: Fence,
-) -> store::Result<()> {
+pub(super) async fn release(engine: &Arc<Engine>, run_id: &RunId, fence: Fence) -> store::Result<()> {
     sqlx::query(
         "UPDATE trailmark.runs SET lease_owner = NULL, lease_expires_at = NULL, updated_at = now()
           WHERE run_id = $1 AND fence = $2",
@@ -110,14 +104,7 @@ pub(super) async fn release(
 }
 
 /// The outbox row of a step message for `step` at position `seq` of a run.
-pub fn step_message(
-    engine: &Engine,
-    run_id: &RunId,
-    workflow: &str,
-    version: i32,
-    step: &str,
-    seq: i32,
-) -> OutgoingMessage {
+pub fn step_message(engine: &Engine, run_id: &RunId, workflow: &str, version: i32, step: &str, seq: i32) -> OutgoingMessage {
     let msg = StepMessage {
         v: 1,
         message_id: MessageId::new(),
@@ -141,14 +128,7 @@ pub fn step_message(
 }
 
 fn next_message(engine: &Engine, msg: &StepMessage, next: &str) -> OutgoingMessage {
-    step_message(
-        engine,
-        &msg.run_id,
-        &msg.workflow,
-        msg.version,
-        next,
-        msg.seq + 1,
-    )
+    step_message(engine, &msg.run_id, &msg.workflow, msg.version, next, msg.seq + 1)
 }
 
 fn infra(e: impl std::fmt::Display) -> store::Error {

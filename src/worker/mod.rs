@@ -6,6 +6,7 @@
 //! turns into a no-op.
 
 mod commit;
+mod handover;
 mod lease;
 mod outcome;
 mod run_start;

@@ -10,22 +10,18 @@ use tracing::Instrument;
 
 use super::STEP_CONSUMER;
 use super::commit::{self, Ending};
+use super::handover;
 use super::lease::Heartbeat;
 use super::outcome::{Disposition, dead};
 use crate::domain::{RunStatus, StepMessage};
 use crate::engine::{Engine, Stats};
+use crate::guard::Budget;
 use crate::store::{self, inbox, runs, steps};
-use crate::workflow::{StepContext, StepDef, StepError, StepOutcome, Workflow};
-
-/// Attempts at one step position before the run is handed to a person.
-const MAX_ATTEMPTS: i32 = 5;
+use crate::workflow::{Position, StepContext, StepDef, StepError, StepOutcome, Workflow};
 
 /// Processes a step delivery; `Err` means infrastructure failed and the delivery should be retried.
-pub(super) async fn process(
-    engine: &Arc<Engine>,
-    delivery: &Delivery,
-    owner: &str,
-) -> store::Result<Disposition> {
+pub(super) async fn process(engine: &Arc<Engine>, delivery: &Delivery, owner: &str) -> store::Result<Disposition> {
+    engine.failpoints.hit("worker.received").map_err(infra)?;
     let msg = match StepMessage::decode(&delivery.data, engine.settings.worker.max_message_bytes) {
         Ok(m) => m,
         Err(e) => return Ok(dead(e.code(), e.to_string())),
@@ -35,63 +31,61 @@ pub(super) async fn process(
     process_message(engine, msg, owner).instrument(span).await
 }
 
-async fn process_message(
-    engine: &Arc<Engine>,
-    msg: StepMessage,
-    owner: &str,
-) -> store::Result<Disposition> {
-    let Some(workflow) = engine.registry.get(&msg.workflow) else {
-        return Ok(dead(
-            "unknown_workflow",
-            format!(
-                "run {}: workflow {:?} is not registered in this worker (known: {}); deploy it, then requeue",
-                msg.run_id,
-                msg.workflow,
-                engine.registry.names().join(", ")
-            ),
-        ));
-    };
-    if workflow.version != msg.version {
-        return Ok(dead(
-            "unknown_version",
-            format!(
-                "run {}: message is for {} v{}, this worker runs v{}; deploy that version, then requeue",
-                msg.run_id, msg.workflow, msg.version, workflow.version
-            ),
-        ));
-    }
-    let Some(step) = workflow.find(&msg.step).cloned() else {
-        return Ok(dead(
-            "unknown_step",
-            format!(
-                "run {}: workflow {} v{} has no step {:?}",
-                msg.run_id, msg.workflow, msg.version, msg.step
-            ),
-        ));
+async fn process_message(engine: &Arc<Engine>, msg: StepMessage, owner: &str) -> store::Result<Disposition> {
+    let (workflow, step) = match resolve(engine, &msg) {
+        Ok(found) => found,
+        Err(poison) => return Ok(poison),
     };
     if inbox::seen(&engine.pool, STEP_CONSUMER, msg.message_id).await? {
         return Ok(Disposition::Duplicate);
     }
-    let (ctx, claim_status) = match claim(engine, &msg, owner).await? {
-        Claimed::Yes(ctx, status) => (ctx, status),
+    let (ctx, claim_status, age_secs) = match claim(engine, &workflow, &msg, owner).await? {
+        Claimed::Yes { ctx, status, age_secs } => (ctx, status, age_secs),
         Claimed::No(d) => return Ok(d),
     };
     let span = tracing::Span::current();
     span.record("attempt", ctx.attempt());
     span.record("fence", ctx.fence().0);
-    Stats::bump(&engine.stats.handler_runs);
-    let result = execute(engine, &step, ctx.clone()).await;
+    let result = match refuse_before_running(engine, &ctx, age_secs) {
+        Some(stop) => Err(stop),
+        None => {
+            Stats::bump(&engine.stats.handler_runs);
+            execute(engine, &step, ctx.clone()).await
+        }
+    };
     finish(engine, &workflow, &msg, &ctx, claim_status, result).await
 }
 
+fn resolve(engine: &Engine, msg: &StepMessage) -> Result<(Arc<Workflow>, StepDef), Disposition> {
+    let Some(workflow) = engine.registry.get(&msg.workflow) else {
+        return Err(dead("unknown_workflow", format!(
+            "run {}: workflow {:?} is not registered in this worker (known: {}); deploy it, then requeue",
+            msg.run_id, msg.workflow, engine.registry.names().join(", ")
+        )));
+    };
+    if workflow.version != msg.version {
+        return Err(dead("unknown_version", format!(
+            "run {}: message is for {} v{}, this worker runs v{}; deploy that version, then requeue",
+            msg.run_id, msg.workflow, msg.version, workflow.version
+        )));
+    }
+    let Some(step) = workflow.find(&msg.step).cloned() else {
+        return Err(dead("unknown_step", format!(
+            "run {}: workflow {} v{} has no step {:?}",
+            msg.run_id, msg.workflow, msg.version, msg.step
+        )));
+    };
+    Ok((workflow, step))
+}
+
 enum Claimed {
-    Yes(StepContext, RunStatus),
+    Yes { ctx: StepContext, status: RunStatus, age_secs: f64 },
     No(Disposition),
 }
 
 /// Takes the run's lease and counts the attempt, in one short transaction of its own so the
 /// raised fence is durable before any outside call is made.
-async fn claim(engine: &Arc<Engine>, msg: &StepMessage, owner: &str) -> store::Result<Claimed> {
+async fn claim(engine: &Arc<Engine>, workflow: &Workflow, msg: &StepMessage, owner: &str) -> store::Result<Claimed> {
     let lease = engine.settings.worker.lease_secs as f64;
     let mut tx = engine.pool.begin().await?;
     let Some(claim) = runs::claim(&mut *tx, &msg.run_id, msg.seq, owner, lease).await? else {
@@ -102,114 +96,116 @@ async fn claim(engine: &Arc<Engine>, msg: &StepMessage, owner: &str) -> store::R
     engine.failpoints.hit("step.after_claim").map_err(infra)?;
     tx.commit().await?;
     let status = claim.status.parse().unwrap_or(RunStatus::Running);
-    let ctx = StepContext::new(
-        engine.services.clone(),
-        msg.run_id.clone(),
-        &msg.workflow,
-        &msg.step,
-        msg.seq,
+    let pos = Position {
+        run_id: msg.run_id.clone(),
+        workflow: msg.workflow.clone(),
+        step: msg.step.clone(),
+        seq: msg.seq,
         attempt,
-        claim.fence(),
-        claim.input,
-    );
-    Ok(Claimed::Yes(ctx, status))
+        fence: claim.fence(),
+        budget: workflow.budget.unwrap_or_else(|| Budget::from_settings(&engine.settings.guards)),
+        input: claim.input,
+    };
+    let ctx = StepContext::new(engine.services.clone(), pos);
+    Ok(Claimed::Yes { ctx, status, age_secs: claim.age_secs })
 }
 
 async fn why_not_claimed(engine: &Arc<Engine>, msg: &StepMessage) -> store::Result<Disposition> {
     let Some(run) = runs::get(&engine.pool, msg.run_id.as_str()).await? else {
-        return Ok(dead(
-            "unknown_run",
-            format!("run {} does not exist in this database", msg.run_id),
-        ));
+        return Ok(dead("unknown_run", format!("run {} does not exist in this database", msg.run_id)));
     };
     let status = run.status();
     if !status.accepts_steps() {
         return Ok(Disposition::Stale(format!("run is {status}")));
     }
     if run.step_seq != msg.seq {
-        return Ok(Disposition::Stale(format!(
-            "run is at position {}, message is for {}",
-            run.step_seq, msg.seq
-        )));
+        return Ok(Disposition::Stale(format!("run is at position {}, message is for {}", run.step_seq, msg.seq)));
     }
     // Another live worker holds the lease: wait in a delay queue rather than spin.
-    Ok(Disposition::Delay(Duration::from_millis(
-        engine.settings.worker.busy_retry_ms,
-    )))
+    Ok(Disposition::Delay(Duration::from_millis(engine.settings.worker.busy_retry_ms)))
 }
 
-/// Runs the handler under a heartbeat; a lost lease or a panic becomes an error, never a crash.
-async fn execute(
-    engine: &Arc<Engine>,
-    step: &StepDef,
-    ctx: StepContext,
-) -> Result<StepOutcome, StepError> {
+/// Guards checked before the handler runs: the attempt cap (so a step that kills its worker
+/// every time still ends) and the run's hard timeout.
+fn refuse_before_running(engine: &Engine, ctx: &StepContext, age_secs: f64) -> Option<StepError> {
+    let max = engine.settings.worker.max_attempts;
+    if ctx.attempt() > max {
+        return Some(StepError::Guard(format!(
+            "step {} was claimed {} times without finishing (worker.max_attempts = {max}); it may be crashing its worker or failing every time",
+            ctx.step(),
+            ctx.attempt() - 1
+        )));
+    }
+    let limit = engine.settings.guards.run_timeout_secs;
+    if limit > 0 && age_secs > limit as f64 {
+        return Some(StepError::Guard(format!(
+            "run timed out: it started {age_secs:.0} s ago, guards.run_timeout_secs is {limit}"
+        )));
+    }
+    None
+}
+
+/// Runs the handler under a heartbeat and the step's soft timeout; a lost lease or a panic
+/// becomes an error, never a crash.
+async fn execute(engine: &Arc<Engine>, step: &StepDef, ctx: StepContext) -> Result<StepOutcome, StepError> {
     let heartbeat = Heartbeat::start(engine, ctx.run_id().clone(), ctx.fence());
+    let timeout = Duration::from_secs(engine.settings.worker.step_timeout_secs);
     let run = AssertUnwindSafe((step.handler)(ctx)).catch_unwind();
     let result = tokio::select! {
-        r = run => r.unwrap_or_else(|panic| Err(StepError::Unknown(format!("step handler panicked: {}", panic_text(&panic))))),
+        r = tokio::time::timeout(timeout, run) => match r {
+            Ok(Ok(result)) => result,
+            Ok(Err(panic)) => Err(StepError::Unknown(format!("step handler panicked: {}", panic_text(&panic)))),
+            Err(_) => Err(StepError::temporary(format!("step timed out after {} s (worker.step_timeout_secs)", timeout.as_secs()))),
+        },
         _ = heartbeat.lost() => Err(StepError::FencedOut),
     };
     heartbeat.stop();
     result
 }
 
-async fn finish(
-    engine: &Arc<Engine>,
-    workflow: &Workflow,
-    msg: &StepMessage,
-    ctx: &StepContext,
-    status: RunStatus,
-    result: Result<StepOutcome, StepError>,
-) -> store::Result<Disposition> {
-    let ending = match result {
+async fn finish(engine: &Arc<Engine>, workflow: &Workflow, msg: &StepMessage, ctx: &StepContext, status: RunStatus, result: Result<StepOutcome, StepError>) -> store::Result<Disposition> {
+    let max = engine.settings.worker.max_attempts;
+    let failure = match result {
         Ok(outcome) => match workflow.resolve_next(&msg.step, &outcome.next) {
-            Ok(next) => Ending::Advance {
-                output: outcome.output,
-                next,
-                status,
-                sent: ctx.take_outgoing(),
-            },
-            Err(e) => review(ctx, &e),
+            Ok(next) => {
+                let (sent, parked) = ctx.take_pending();
+                let ending = Ending::Advance { output: outcome.output, next, status, sent, parked };
+                return commit_ending(engine, msg, ctx, ending).await;
+            }
+            Err(e) => e,
         },
-        Err(StepError::FencedOut) => {
-            return Ok(Disposition::Stale("fenced out while executing".into()));
-        }
+        Err(StepError::FencedOut) => return Ok(Disposition::Stale("fenced out while executing".into())),
         Err(StepError::Infrastructure(e)) => return Err(store::Error::Unavailable(e)),
-        Err(StepError::Temporary {
-            reason,
-            retry_after,
-        }) if ctx.attempt() < MAX_ATTEMPTS => {
-            let delay = retry_after.unwrap_or(Duration::from_secs(1 << ctx.attempt().min(8)));
+        Err(StepError::Temporary { reason, retry_after }) if ctx.attempt() < max => {
+            let base = engine.settings.worker.retry_base_ms;
+            let delay = retry_after.unwrap_or(Duration::from_millis(base.saturating_mul(1 << (ctx.attempt() - 1).clamp(0, 16))));
             tracing::warn!(reason = %reason, delay_ms = delay.as_millis() as u64, "step failed temporarily; retrying later");
             commit::release(engine, &msg.run_id, ctx.fence()).await?;
             return Ok(Disposition::Delay(delay));
         }
-        Err(e) => review(ctx, &e),
+        Err(StepError::Temporary { reason, .. }) => StepError::Guard(format!(
+            "step {} failed temporarily {} times (worker.max_attempts); last error: {reason}",
+            msg.step,
+            ctx.attempt()
+        )),
+        Err(e) => e,
     };
+    tracing::error!(error = %failure, class = failure.class(), "step failed; run needs review");
+    let note = handover::note(engine, msg, ctx.attempt(), &failure).await?;
+    let error = format!("run {} stopped at step {} (position {}, attempt {}): {failure}", ctx.run_id(), ctx.step(), ctx.seq(), ctx.attempt());
+    commit_ending(engine, msg, ctx, Ending::Review { error, note }).await
+}
+
+async fn commit_ending(engine: &Arc<Engine>, msg: &StepMessage, ctx: &StepContext, ending: Ending) -> store::Result<Disposition> {
     match commit::commit(engine, msg, ctx.fence(), ending).await {
         Ok(true) => {
             Stats::bump(&engine.stats.steps_committed);
             Ok(Disposition::Done)
         }
         Ok(false) => Ok(Disposition::Duplicate),
-        Err(store::Error::FencedOut { .. }) => {
-            Ok(Disposition::Stale("fenced out at commit".into()))
-        }
+        Err(store::Error::FencedOut { .. }) => Ok(Disposition::Stale("fenced out at commit".into())),
         Err(e) => Err(e),
     }
-}
-
-fn review(ctx: &StepContext, e: &StepError) -> Ending {
-    tracing::error!(error = %e, "step failed; run needs review");
-    let note = format!(
-        "run {} stopped at step {} (position {}, attempt {}): {e}",
-        ctx.run_id(),
-        ctx.step(),
-        ctx.seq(),
-        ctx.attempt()
-    );
-    Ending::Review { error: note }
 }
 
 fn infra(e: impl std::fmt::Display) -> store::Error {

@@ -19,6 +19,9 @@ pub enum StepError {
     /// An idempotency key reused with a different request.
     #[error("{0}")]
     Conflict(String),
+    /// A guard stopped the run: budget exhausted, repeated action, run timeout.
+    #[error("{0}")]
+    Guard(String),
     /// Anything not understood: stop and hand over.
     #[error("{0}")]
     Unknown(String),
@@ -31,6 +34,19 @@ pub enum StepError {
 }
 
 impl StepError {
+    /// The class name shown in handover notes and logs.
+    pub fn class(&self) -> &'static str {
+        match self {
+            Self::Temporary { .. } => "temporary",
+            Self::Auth(_) => "tool_auth",
+            Self::Conflict(_) => "conflict",
+            Self::Guard(_) => "guard",
+            Self::Unknown(_) => "unknown",
+            Self::FencedOut => "fenced_out",
+            Self::Infrastructure(_) => "infrastructure",
+        }
+    }
+
     /// A temporary error with no requested delay.
     pub fn temporary(reason: impl Into<String>) -> Self {
         Self::Temporary {

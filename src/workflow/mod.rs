@@ -4,7 +4,9 @@
 //! and which step comes next, so fixed pipelines and model-driven loops are written the same way.
 
 mod context;
+mod effect;
 mod error;
+mod model_call;
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -13,8 +15,9 @@ use std::sync::Arc;
 
 use serde_json::Value;
 
-pub(crate) use context::Services;
-pub use context::StepContext;
+pub use context::{Parked, StepContext};
+pub(crate) use context::{Position, Services};
+pub use effect::{Lookup, Tool};
 pub use error::{ResultExt, StepError};
 
 /// What a step does to the outside world; recovery rules follow from it (DESIGN.md §2).
@@ -103,16 +106,20 @@ pub struct Workflow {
     pub version: i32,
     /// Steps in declaration order; the first one starts every run.
     pub steps: Vec<StepDef>,
+    /// Per-run budget; `None` uses the configured default.
+    pub budget: Option<crate::guard::Budget>,
 }
 
 impl Workflow {
     /// An empty workflow.
     pub fn new(name: impl Into<String>, version: i32) -> Self {
-        Self {
-            name: name.into(),
-            version,
-            steps: Vec::new(),
-        }
+        Self { name: name.into(), version, steps: Vec::new(), budget: None }
+    }
+
+    /// Sets this workflow's per-run budget (builder style).
+    pub fn with_budget(mut self, budget: crate::guard::Budget) -> Self {
+        self.budget = Some(budget);
+        self
     }
 
     /// Adds a step (builder style).

@@ -1,0 +1,110 @@
+//! A circuit breaker per tool, per process: after N consecutive failures the tool is not called
+//! for a while (a temporary error with a delay), then one probe decides whether it closes.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+/// What the breaker says about a call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Decision {
+    /// Call the tool.
+    Allow,
+    /// Do not call; try again after this long.
+    Refuse(Duration),
+}
+
+#[derive(Debug, Default)]
+struct State {
+    failures: u32,
+    open_until: Option<Instant>,
+    probing: bool,
+}
+
+/// Breakers for every tool this process calls.
+#[derive(Debug)]
+pub struct Breakers {
+    threshold: u32,
+    open_for: Duration,
+    tools: Mutex<HashMap<String, State>>,
+}
+
+impl Breakers {
+    /// Opens after `threshold` consecutive failures (0 disables), for `open_for`.
+    pub fn new(threshold: u32, open_for: Duration) -> Self {
+        Self { threshold, open_for, tools: Mutex::new(HashMap::new()) }
+    }
+
+    /// Whether `tool` may be called at `now`; after the open period one caller gets the probe.
+    pub fn check(&self, tool: &str, now: Instant) -> Decision {
+        if self.threshold == 0 {
+            return Decision::Allow;
+        }
+        let mut tools = self.tools.lock().expect("breaker lock");
+        let state = tools.entry(tool.to_owned()).or_default();
+        match state.open_until {
+            None => Decision::Allow,
+            Some(until) if now < until => Decision::Refuse(until - now),
+            Some(_) if state.probing => Decision::Refuse(self.open_for.min(Duration::from_secs(1))),
+            Some(_) => {
+                state.probing = true;
+                Decision::Allow
+            }
+        }
+    }
+
+    /// Records the outcome of a call that was allowed.
+    pub fn record(&self, tool: &str, ok: bool, now: Instant) {
+        if self.threshold == 0 {
+            return;
+        }
+        let mut tools = self.tools.lock().expect("breaker lock");
+        let state = tools.entry(tool.to_owned()).or_default();
+        if ok {
+            *state = State::default();
+            return;
+        }
+        state.failures += 1;
+        if state.probing || state.failures >= self.threshold {
+            if state.open_until.is_none() || state.probing {
+                tracing::warn!(tool, failures = state.failures, "circuit breaker open");
+            }
+            state.open_until = Some(now + self.open_for);
+            state.probing = false;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn opens_after_threshold_probes_once_then_closes_on_success() {
+        let b = Breakers::new(3, Duration::from_secs(10));
+        let t0 = Instant::now();
+        for _ in 0..3 {
+            assert_eq!(b.check("ledger", t0), Decision::Allow);
+            b.record("ledger", false, t0);
+        }
+        assert_eq!(b.check("ledger", t0 + Duration::from_secs(4)), Decision::Refuse(Duration::from_secs(6)));
+        assert_eq!(b.check("stock", t0), Decision::Allow, "breakers are per tool");
+        let later = t0 + Duration::from_secs(11);
+        assert_eq!(b.check("ledger", later), Decision::Allow, "one probe after the open period");
+        assert!(matches!(b.check("ledger", later), Decision::Refuse(_)), "only one probe at a time");
+        b.record("ledger", true, later);
+        assert_eq!(b.check("ledger", later), Decision::Allow);
+    }
+
+    #[test]
+    fn a_failed_probe_reopens_at_once() {
+        let b = Breakers::new(2, Duration::from_secs(5));
+        let t0 = Instant::now();
+        b.record("mail", false, t0);
+        b.record("mail", false, t0);
+        let later = t0 + Duration::from_secs(6);
+        assert_eq!(b.check("mail", later), Decision::Allow);
+        b.record("mail", false, later);
+        assert_eq!(b.check("mail", later), Decision::Refuse(Duration::from_secs(5)));
+    }
+}

@@ -1,0 +1,118 @@
+//! `ctx.model()`: every answer journaled word for word the moment it arrives; a replayed step
+//! reads the journal instead of paying again.
+
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use backon::{ExponentialBuilder, Retryable};
+
+use super::{StepContext, StepError};
+use crate::guard;
+use crate::model::{self, ChatAnswer, ChatRequest, ModelClient};
+use crate::store::{self, journal};
+
+impl StepContext {
+    /// Asks the model, or returns the journaled answer when this call was made before.
+    /// Temporary failures (429 honouring `Retry-After`, 5xx, timeouts, malformed bodies) are
+    /// retried in-process; then the fallback model is tried if configured. Auth errors stop the
+    /// run at once; a body still malformed after the retries goes to review.
+    #[tracing::instrument(skip_all, fields(call_no))]
+    pub async fn model(&self, request: &ChatRequest) -> Result<ChatAnswer, StepError> {
+        let call_no = self.inner.calls.fetch_add(1, Ordering::SeqCst);
+        tracing::Span::current().record("call_no", call_no);
+        let request_json = serde_json::to_value(request).expect("chat request serialises");
+        let hash = store::hash_json(&request_json);
+        if let Some(entry) = journal::get(self.pool(), self.run_id(), self.seq(), call_no).await? {
+            return replayed(entry, &hash, self);
+        }
+        guard::check_model_budget(self.pool(), self.run_id(), &self.inner.pos.budget).await?;
+        let answer = self.call_model(request).await?;
+        let entry = journal::JournalEntry {
+            seq: self.seq(),
+            call_no,
+            kind: "model".into(),
+            request_hash: hash,
+            response: serde_json::to_value(&answer).expect("answer serialises"),
+            tokens: (answer.prompt_tokens + answer.completion_tokens) as i64,
+            cost: answer.cost,
+            latency_ms: answer.latency_ms as i64,
+        };
+        // Committed on its own, right now: a crash later in the step keeps the paid answer.
+        journal::insert(self.pool(), self.run_id(), &entry).await?;
+        tracing::info!(tokens = entry.tokens, cost = entry.cost, latency_ms = entry.latency_ms, model = %answer.model, "model answered");
+        Ok(answer)
+    }
+
+    async fn call_model(&self, request: &ChatRequest) -> Result<ChatAnswer, StepError> {
+        let services = self.services();
+        let Some(primary) = services.model.as_ref() else {
+            return Ok(standin(request, services.standin_answer_bytes));
+        };
+        let retries = services.settings.worker.call_retries;
+        match ask(primary, request, retries).await {
+            Err(e) if e.is_temporary() && services.fallback_model.is_some() => {
+                let fallback = services.fallback_model.as_ref().expect("checked above");
+                tracing::warn!(error = %e, fallback = fallback.model(), "primary model failed; asking the fallback model");
+                ask(fallback, request, retries).await.map_err(classify)
+            }
+            other => other.map_err(classify),
+        }
+    }
+}
+
+async fn ask(client: &ModelClient, request: &ChatRequest, retries: usize) -> Result<ChatAnswer, model::Error> {
+    let policy = ExponentialBuilder::default()
+        .with_jitter()
+        .with_min_delay(Duration::from_millis(100))
+        .with_max_delay(Duration::from_secs(5))
+        .with_max_times(retries);
+    (|| client.chat(request))
+        .retry(policy)
+        .when(model::Error::is_temporary)
+        // Honour the server's Retry-After when it asks for longer than our own backoff.
+        .adjust(|e, delay| match e {
+            model::Error::RateLimited { retry_after: Some(asked) } => delay.map(|d| d.max(*asked)),
+            _ => delay,
+        })
+        .notify(|e, delay| tracing::warn!(error = %e, retry_in_ms = delay.as_millis() as u64, "model call failed; retrying"))
+        .await
+}
+
+fn standin(request: &ChatRequest, bytes: usize) -> ChatAnswer {
+    let started = Instant::now();
+    let content = crate::standin::model_server::standin_answer(request, bytes);
+    ChatAnswer {
+        completion_tokens: model::estimate_tokens(&content),
+        prompt_tokens: request.estimated_prompt_tokens(),
+        content,
+        model: "stand-in".into(),
+        cost: 0.0,
+        latency_ms: started.elapsed().as_millis() as u64,
+    }
+}
+
+fn replayed(entry: journal::JournalEntry, hash: &str, ctx: &StepContext) -> Result<ChatAnswer, StepError> {
+    if entry.request_hash != hash {
+        return Err(StepError::Unknown(format!(
+            "run {} step {} (seq {}) model call {}: the request differs from the journaled one; the step is not deterministic, so its recorded answer cannot be reused",
+            ctx.run_id(),
+            ctx.step(),
+            ctx.seq(),
+            entry.call_no
+        )));
+    }
+    serde_json::from_value(entry.response).map_err(|e| {
+        StepError::Unknown(format!("journal entry {} of run {} is unreadable: {e}", entry.call_no, ctx.run_id()))
+    })
+}
+
+fn classify(e: model::Error) -> StepError {
+    match e {
+        model::Error::Auth { .. } | model::Error::Config(_) => StepError::Auth(e.to_string()),
+        model::Error::RateLimited { retry_after } => StepError::Temporary { reason: e.to_string(), retry_after },
+        // Still malformed after the retries: not a passing fault, a person should look.
+        model::Error::Malformed(_) => StepError::Unknown(e.to_string()),
+        e if e.is_temporary() => StepError::temporary(e.to_string()),
+        e => StepError::Unknown(e.to_string()),
+    }
+}
