@@ -58,6 +58,8 @@ pub struct BrokerSettings {
     pub delivery_limit: u32,
     /// How long to wait for a publisher confirm before treating the publish as failed.
     pub confirm_timeout_ms: u64,
+    /// AMQP heartbeat in seconds (unless the URL sets one); 0 leaves it to the server.
+    pub heartbeat_secs: u16,
 }
 
 /// How a worker process consumes.

@@ -113,3 +113,45 @@ async fn killed_between_a_write_and_its_record_the_ledger_key_absorbs_the_repeat
     // ledger's unique reference turned it into a no-op.
     assert_eq!(result["created"], json!(false));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_frozen_past_its_lease_cannot_write_when_it_wakes() {
+    use std::io::{BufRead, BufReader};
+    let env = TestEnv::new().await;
+    let mut frozen = env.command(&["serve"]);
+    frozen.env("RUST_LOG", "warn,trailmark=info").stdout(std::process::Stdio::null()).stderr(std::process::Stdio::piped());
+    let mut frozen = common::ChildGuard(Some(frozen.spawn().unwrap()));
+    let stderr = frozen.0.as_mut().unwrap().stderr.take().unwrap();
+    let (lines_tx, lines) = std::sync::mpsc::channel::<String>();
+    std::thread::spawn(move || BufReader::new(stderr).lines().map_while(Result::ok).for_each(|l| drop(lines_tx.send(l))));
+
+    env.start_run("chain", "r-frozen", json!({"steps": 3, "step_delay_ms": 2500})).await;
+    env.wait_until("the first worker inside step 2", WAIT, || async {
+        let run = trailmark::store::runs::get(&env.pool, "r-frozen").await.unwrap();
+        run.is_some_and(|r| r.step_seq == 1 && r.lease_owner.is_some())
+    })
+    .await;
+    let pid = frozen.pid() as i32;
+    // SAFETY: signalling our own child process.
+    unsafe { libc::kill(pid, libc::SIGSTOP) };
+    let _second = env.spawn_process(None);
+    env.wait_status("r-frozen", RunStatus::Succeeded, WAIT).await;
+    unsafe { libc::kill(pid, libc::SIGCONT) };
+
+    // The woken worker must notice it was fenced out, by heartbeat, effect or commit.
+    let deadline = std::time::Instant::now() + WAIT;
+    let refusal = loop {
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        match lines.recv_timeout(left) {
+            Ok(l) if l.contains("lease lost") || l.contains("fenced out") => break l,
+            Ok(_) => continue,
+            Err(e) => panic!("the woken worker never reported being fenced out: {e}"),
+        }
+    };
+    assert!(refusal.contains("r-frozen"), "{refusal}");
+    assert_eq!(env.chain_ledger("r-frozen").await, (3, 3));
+    let seq1 = env.scalar("SELECT attempts::bigint FROM trailmark.steps WHERE run_id = $1 AND seq = 1", "r-frozen").await;
+    assert_eq!(seq1, 2, "the second worker re-ran the frozen step");
+    let run = trailmark::store::runs::get(&env.pool, "r-frozen").await.unwrap().unwrap();
+    assert_eq!((run.status(), run.step_seq), (RunStatus::Succeeded, 3), "the stale worker changed the run");
+}

@@ -7,6 +7,7 @@ mod topology;
 
 use std::time::Duration;
 
+use lapin::uri::AMQPUri;
 use lapin::{Connection, ConnectionProperties};
 
 pub use headers::{header_str, headers_to_map, map_to_headers};
@@ -47,13 +48,20 @@ pub enum Error {
 pub type Result<T> = std::result::Result<T, Error>;
 
 /// Opens a connection, naming it after the process so it is recognisable in the broker's UI.
+/// The AMQP heartbeat is `broker.heartbeat_secs` unless the URL sets one: a frozen process (a
+/// long GC-like pause, SIGSTOP) stops heartbeating, so the broker closes its connection and hands
+/// its unacknowledged messages to live consumers instead of leaving them with a sleeper.
 pub async fn connect(settings: &BrokerSettings, name: &str) -> Result<Connection> {
-    let props =
-        ConnectionProperties::default().with_connection_name(format!("trailmark-{name}").into());
-    Connection::connect(&settings.url, props).await.map_err(|e| {
+    let unavailable = |why: String| {
         Error::Unavailable(format!(
-            "cannot connect to RabbitMQ at {}: {e}. Is it running? Start it with `rabbitmq-server -detached`, or set AMQP_URL",
+            "cannot connect to RabbitMQ at {}: {why}. Is it running? Start it with `rabbitmq-server -detached`, or set AMQP_URL",
             redact_url(&settings.url)
         ))
-    })
+    };
+    let mut uri: AMQPUri = settings.url.parse().map_err(|e: String| unavailable(format!("invalid AMQP URL ({e})")))?;
+    if uri.query.heartbeat.is_none() && settings.heartbeat_secs > 0 {
+        uri.query.heartbeat = Some(settings.heartbeat_secs);
+    }
+    let props = ConnectionProperties::default().with_connection_name(format!("trailmark-{name}").into());
+    Connection::connect_uri(uri, props).await.map_err(|e| unavailable(e.to_string()))
 }

@@ -9,7 +9,7 @@ use serde_json::{Value, json};
 use crate::broker::{self, Outgoing, Publisher};
 use crate::config::Settings;
 use crate::domain::{RUN_START_ROUTING_KEY, RunId, RunStartEvent, RunStatus};
-use crate::store::{self, effects, journal, runs, steps};
+use crate::store::{self, effects, journal, parked, runs, steps};
 use crate::workflow::Registry;
 
 /// Publishes a run-start event exactly as an upstream service would.
@@ -72,6 +72,8 @@ pub struct RunReport {
     pub journal: JournalTotals,
     /// Effects recorded and completed.
     pub effects: EffectTotals,
+    /// Items set aside with their reasons.
+    pub parked: Vec<parked::ParkedRow>,
     /// Every checkpoint.
     pub steps: Vec<steps::StepRow>,
 }
@@ -116,6 +118,7 @@ pub async fn report(pool: &sqlx::PgPool, run_id: &str) -> anyhow::Result<Option<
             recorded,
             completed,
         },
+        parked: parked::list(pool, run_id).await?,
         run,
         steps,
     }))
@@ -167,6 +170,15 @@ pub async fn show(settings: &Settings, run_id: &str, as_json: bool) -> anyhow::R
     }
     if let Some(error) = &run.error {
         println!("error: {error}");
+    }
+    if let Some(note) = &run.handover {
+        print_handover(note);
+    }
+    if !r.parked.is_empty() {
+        println!("parked items ({}):", r.parked.len());
+        for p in &r.parked {
+            println!("  {}  (step {}, position {}): {}", p.item, p.step, p.seq, p.reason);
+        }
     }
     const SHOWN: usize = 20;
     let skip = r.steps.len().saturating_sub(SHOWN);
@@ -221,4 +233,18 @@ pub async fn list(
         );
     }
     Ok(())
+}
+
+fn print_handover(note: &Value) {
+    let text = |k: &str| note[k].as_str().map(str::to_owned).unwrap_or_else(|| note[k].to_string());
+    let keys = |k: &str| {
+        let list: Vec<String> = note[k].as_array().into_iter().flatten().filter_map(|e| e["key"].as_str().map(str::to_owned)).collect();
+        if list.is_empty() { "none".to_owned() } else { format!("{} ({})", list.len(), list.join(", ")) }
+    };
+    println!("handover note (written {}):", text("written_at"));
+    println!("  failed step   {} (position {}, attempt {})", text("failed_step"), note["seq"], note["attempt"]);
+    println!("  error [{}]  {}", text("error_class"), text("error"));
+    println!("  effects done  {}", keys("effects_committed"));
+    println!("  outcome unknown  {}", keys("effects_unknown"));
+    println!("  next          {}", text("next"));
 }

@@ -47,6 +47,7 @@ impl TestEnv {
         settings.database.max_connections = 12;
         settings.broker.url = amqp_url();
         settings.broker.prefix = prefix.clone();
+        settings.broker.heartbeat_secs = 2;
         settings.worker.lease_secs = 3;
         settings.worker.heartbeat_secs = 1;
         settings.worker.busy_retry_ms = 1000;
@@ -216,6 +217,7 @@ impl TestEnv {
             .env("DATABASE_URL", &self.settings.database.url)
             .env("AMQP_URL", &self.settings.broker.url)
             .env("TRAILMARK__BROKER__PREFIX", &self.prefix)
+            .env("TRAILMARK__BROKER__HEARTBEAT_SECS", self.settings.broker.heartbeat_secs.to_string())
             .env(
                 "TRAILMARK__WORKER__LEASE_SECS",
                 self.settings.worker.lease_secs.to_string(),
