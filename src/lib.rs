@@ -17,7 +17,8 @@
 //! | [`engine`] | the shared state a process's components run on |
 //! | [`model`] | OpenAI-compatible chat-completions client |
 //! | [`standin`] | stand-in outside systems for tests, drills and the demo |
-//! | [`builtin`] | the `chain` workflow |
+//! | [`builtin`] | the `chain` workflow and the reference `reconcile` workflow |
+//! | [`reference`] | the nightly invoice reconciliation (DESIGN.md §12), its stand-in outside systems and `trailmark demo` |
 //! | [`cli`] | operator commands behind the `trailmark` binary |
 //!
 //! # The promises (DESIGN.md §1)
@@ -39,6 +40,7 @@ pub mod engine;
 pub mod failpoint;
 pub mod guard;
 pub mod model;
+pub mod reference;
 pub mod relay;
 pub mod standin;
 pub mod store;

@@ -34,6 +34,8 @@ enum Command {
         #[command(subcommand)]
         command: RunCommand,
     },
+    /// The reference scenario end to end: a worker killed in step 7, a fresh one resumes, figures.
+    Demo(cli::demo::DemoArgs),
     /// Run the stand-in OpenAI-compatible model server (for drills and demos).
     ModelServer {
         /// Port on 127.0.0.1 (0 picks a free one).
@@ -146,6 +148,7 @@ async fn dispatch(cli: Cli) -> anyhow::Result<()> {
                 limit,
             } => cli::run::list(&settings, status.as_deref(), json, limit).await,
         },
+        Command::Demo(args) => cli::demo::run(&settings, args).await,
         Command::ModelServer { .. } => unreachable!("handled above"),
     }
 }

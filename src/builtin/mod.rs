@@ -1,4 +1,5 @@
-//! Workflows that ship with trailmark: `chain`, for smoke tests, drills and benchmarks.
+//! Workflows that ship with trailmark: `chain`, for smoke tests, drills and benchmarks, and
+//! `reconcile`, the reference scenario (see [`crate::reference`]).
 
 pub mod chain;
 
@@ -8,5 +9,6 @@ use crate::workflow::Registry;
 pub fn registry() -> Registry {
     let mut r = Registry::new();
     r.register(chain::workflow());
+    r.register(crate::reference::workflow::workflow());
     r
 }
