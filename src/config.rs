@@ -120,6 +120,8 @@ pub struct RelaySettings {
 pub struct SupervisorSettings {
     /// Scan period.
     pub interval_ms: u64,
+    /// How long a run may wait for a person before it is escalated to needs_review (0 = forever).
+    pub human_timeout_secs: u64,
 }
 
 impl Settings {

@@ -14,6 +14,7 @@
 //! | [`relay`] | outbox -> RabbitMQ with publisher confirms |
 //! | [`supervisor`] | expired leases -> the step re-queued through the outbox |
 //! | [`guard`] | budgets, repeated-action detection, circuit breakers |
+//! | [`operator`] | operator decisions: resume, resume after fix, undo, cancel, approve, reject |
 //! | [`engine`] | the shared state a process's components run on |
 //! | [`model`] | OpenAI-compatible chat-completions client |
 //! | [`standin`] | stand-in outside systems for tests, drills and the demo |
@@ -40,6 +41,7 @@ pub mod engine;
 pub mod failpoint;
 pub mod guard;
 pub mod model;
+pub mod operator;
 pub mod reference;
 pub mod relay;
 pub mod standin;

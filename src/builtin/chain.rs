@@ -20,7 +20,25 @@ pub const STEP: &str = "link";
 
 /// The `chain` workflow definition.
 pub fn workflow() -> Workflow {
-    Workflow::new(NAME, 1).step(STEP, StepKind::Write, link)
+    Workflow::new(NAME, 1)
+        .step(STEP, StepKind::Write, link)
+        .key_recipe("run_id:link:position")
+        .compensate("posts a reversal row `undo:<reference>` per link", unlink)
+}
+
+/// Compensation of one link: a reversal row that points at the original (nothing is deleted).
+async fn unlink(ctx: StepContext) -> Result<StepOutcome, StepError> {
+    let target = ctx.undo().cloned().ok_or_else(|| StepError::Unknown("unlink runs only as a compensation".into()))?;
+    let original = IdempotencyKey::for_step(ctx.run_id(), STEP, &target.seq.to_string());
+    let reference = format!("undo:{}:{}", ctx.run_id(), target.seq);
+    let payload = format!("reversal of {}:{}", ctx.run_id(), target.seq);
+    let write = json!({ "reference": reference, "payload": payload });
+    let (pool, run_id) = (ctx.pool().clone(), ctx.run_id().clone());
+    let result = ctx
+        .effect(&original.undo_of(), &write, |_key| async move { post(&pool, &run_id, target.seq, &reference, &payload).await })
+        .await?;
+    ctx.failpoint("chain.after_reversal")?;
+    Ok(StepOutcome::next(json!({ "reversed": target.seq, "ledger": result })))
 }
 
 struct Params {

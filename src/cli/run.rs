@@ -9,7 +9,7 @@ use serde_json::{Value, json};
 use crate::broker::{self, Outgoing, Publisher};
 use crate::config::Settings;
 use crate::domain::{RUN_START_ROUTING_KEY, RunId, RunStartEvent, RunStatus};
-use crate::store::{self, effects, journal, parked, runs, steps};
+use crate::store::{self, decisions, effects, journal, parked, runs, steps};
 use crate::workflow::Registry;
 
 /// Publishes a run-start event exactly as an upstream service would.
@@ -74,6 +74,8 @@ pub struct RunReport {
     pub effects: EffectTotals,
     /// Items set aside with their reasons.
     pub parked: Vec<parked::ParkedRow>,
+    /// Operator decisions, oldest first (the timeline's human part).
+    pub decisions: Vec<decisions::DecisionRow>,
     /// Every checkpoint.
     pub steps: Vec<steps::StepRow>,
 }
@@ -119,6 +121,7 @@ pub async fn report(pool: &sqlx::PgPool, run_id: &str) -> anyhow::Result<Option<
             completed,
         },
         parked: parked::list(pool, run_id).await?,
+        decisions: decisions::list(pool, run_id).await?,
         run,
         steps,
     }))
@@ -173,6 +176,11 @@ pub async fn show(settings: &Settings, run_id: &str, as_json: bool) -> anyhow::R
     }
     if let Some(note) = &run.handover {
         print_handover(note);
+    }
+    for d in &r.decisions {
+        let version = if d.version_before != d.version_after { format!(" (v{} -> v{})", d.version_before, d.version_after) } else { String::new() };
+        let step = d.step.as_deref().map(|s| format!(" step {s}")).unwrap_or_default();
+        println!("decision {} {}{step} by {}: {} -> {}{version}: {}", d.created_at, d.action, d.actor, d.status_before, d.status_after, d.reason);
     }
     if !r.parked.is_empty() {
         println!("parked items ({}):", r.parked.len());

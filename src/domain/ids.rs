@@ -116,7 +116,11 @@ impl IdempotencyKey {
     pub fn for_step(run: &RunId, step: &str, logical_input: &str) -> Self {
         Self(format!("{run}:{step}:{logical_input}"))
     }
-    /// Validates a raw key (same alphabet as run ids, up to 400 characters).
+    /// The key of the compensation of the write made under `self`: `undo:<key>`.
+    pub fn undo_of(&self) -> Self {
+        Self(format!("undo:{}", self.0))
+    }
+    /// Validates a raw key (printable ASCII, up to 400 characters).
     pub fn parse(raw: &str) -> Result<Self, IdError> {
         let ok = !raw.is_empty() && raw.len() <= 400 && raw.chars().all(|c| c.is_ascii_graphic());
         if ok {

@@ -1,6 +1,7 @@
 //! All SQL. Every function takes an executor, so the caller that began a transaction owns it
 //! (the step commit in `worker` is the one place that puts several of them in one transaction).
 
+pub mod decisions;
 pub mod effects;
 pub mod inbox;
 pub mod journal;

@@ -29,8 +29,10 @@ pub struct RunRow {
     pub output: Option<Value>,
     /// Last error or handover reason.
     pub error: Option<String>,
-    /// The handover note while the run needs review.
+    /// The handover note while the run needs review (or what a person must decide while waiting).
     pub handover: Option<Value>,
+    /// The undo plan, once an undo was decided.
+    pub undo: Option<Value>,
     /// Worker holding the lease.
     pub lease_owner: Option<String>,
     /// Lease expiry (database clock).
@@ -120,6 +122,8 @@ pub struct Claim {
     pub input: Value,
     /// Seconds since the run was created (database clock), for the run's hard timeout.
     pub age_secs: f64,
+    /// The undo plan while compensating.
+    pub undo: Option<Value>,
 }
 
 impl Claim {
@@ -145,7 +149,7 @@ pub async fn claim(
                 fence = fence + 1, updated_at = now()
           WHERE run_id = $1 AND step_seq = $2 AND status IN ('running', 'compensating')
             AND (lease_owner IS NULL OR lease_expires_at < now() OR lease_owner = $3)
-      RETURNING fence, status, input, EXTRACT(EPOCH FROM now() - created_at)::float8 AS age_secs",
+      RETURNING fence, status, input, EXTRACT(EPOCH FROM now() - created_at)::float8 AS age_secs, undo",
     )
     .bind(run_id.as_str())
     .bind(seq)

@@ -22,6 +22,9 @@ pub async fn run(engine: Arc<Engine>, shutdown: CancellationToken) -> Result<(),
             Ok(n) => tracing::info!(runs = n, "re-queued steps of runs whose lease expired"),
             Err(e) => tracing::warn!(error = %e, "supervisor scan failed; will try again"),
         }
+        if let Err(e) = escalate_waiting(&engine).await {
+            tracing::warn!(error = %e, "supervisor scan of waiting runs failed; will try again");
+        }
         tokio::select! {
             _ = shutdown.cancelled() => return Ok(()),
             _ = tokio::time::sleep(period) => {}
@@ -75,4 +78,45 @@ pub async fn recover_expired(engine: &Engine) -> store::Result<usize> {
         .lease_recoveries
         .fetch_add(expired.len() as u64, std::sync::atomic::Ordering::Relaxed);
     Ok(expired.len())
+}
+
+/// Escalates runs that waited for a person longer than `supervisor.human_timeout_secs` to
+/// needs_review, keeping what they wait for in the note and recording the escalation.
+pub async fn escalate_waiting(engine: &Engine) -> store::Result<usize> {
+    let limit = engine.settings.supervisor.human_timeout_secs;
+    if limit == 0 {
+        return Ok(0);
+    }
+    let mut tx = engine.pool.begin().await?;
+    let late: Vec<(String, Option<serde_json::Value>, i32, Option<String>, i32)> = sqlx::query_as(
+        "UPDATE trailmark.runs r SET status = 'needs_review', updated_at = now(),
+                handover = jsonb_build_object('waiting_for', r.handover, 'error_class', 'human_timeout',
+                    'error', format('no decision within %s s; approve or reject, or resume to ask again', $1::bigint))
+           FROM (SELECT run_id FROM trailmark.runs WHERE status = 'waiting'
+                  AND updated_at < now() - make_interval(secs => $1::float8) LIMIT 100 FOR UPDATE SKIP LOCKED) w
+          WHERE r.run_id = w.run_id
+      RETURNING r.run_id, r.handover, r.step_seq, r.step, r.workflow_version",
+    )
+    .bind(limit as i64)
+    .fetch_all(&mut *tx)
+    .await?;
+    for (run_id, note, seq, step, version) in &late {
+        tracing::warn!(run.id = %run_id, "no decision in time; run escalated to needs_review");
+        let d = crate::store::decisions::NewDecision {
+            run_id,
+            action: "timeout",
+            actor: "supervisor",
+            reason: "no decision within supervisor.human_timeout_secs",
+            step: step.as_deref(),
+            seq: Some(*seq),
+            status_before: "waiting",
+            status_after: "needs_review",
+            version_before: *version,
+            version_after: *version,
+            details: note.as_ref().unwrap_or(&serde_json::Value::Null),
+        };
+        crate::store::decisions::insert(&mut *tx, &d).await?;
+    }
+    tx.commit().await?;
+    Ok(late.len())
 }

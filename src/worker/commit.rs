@@ -28,6 +28,11 @@ pub(super) enum Ending {
         /// Items the step parked.
         parked: Vec<Parked>,
     },
+    /// Wait for a person (a human step's question, or a frozen step's evidence).
+    Wait {
+        /// What the person must decide, with the evidence.
+        note: Value,
+    },
     /// Stop the run for a person; the step is not advanced.
     Review {
         /// One-line reason.
@@ -67,6 +72,18 @@ pub(super) async fn commit(engine: &Arc<Engine>, msg: &StepMessage, fence: Fence
                 messages.push(next_message(engine, msg, next));
             }
             outbox::insert(&mut *tx, &messages).await?;
+        }
+        Ending::Wait { note } => {
+            let to = runs::Advance {
+                seq: msg.seq,
+                next_step: Some(&msg.step),
+                status: RunStatus::Waiting,
+                output: None,
+                error: None,
+                handover: Some(note),
+            };
+            runs::advance(&mut *tx, &msg.run_id, fence, &to).await?;
+            steps::set_question(&mut *tx, &msg.run_id, msg.seq, note).await?;
         }
         Ending::Review { error, note } => {
             let to = runs::Advance {

@@ -17,7 +17,8 @@ use crate::domain::{RunStatus, StepMessage};
 use crate::engine::{Engine, Stats};
 use crate::guard::Budget;
 use crate::store::{self, inbox, runs, steps};
-use crate::workflow::{Position, StepContext, StepDef, StepError, StepOutcome, Workflow};
+use crate::store::decisions;
+use crate::workflow::{Next, Position, StepContext, StepDef, StepError, StepOutcome, UndoTarget, Workflow, parse_undo_step, undo_step_name};
 
 /// Processes a step delivery; `Err` means infrastructure failed and the delivery should be retried.
 pub(super) async fn process(engine: &Arc<Engine>, delivery: &Delivery, owner: &str) -> store::Result<Disposition> {
@@ -39,21 +40,48 @@ async fn process_message(engine: &Arc<Engine>, msg: StepMessage, owner: &str) ->
     if inbox::seen(&engine.pool, STEP_CONSUMER, msg.message_id).await? {
         return Ok(Disposition::Duplicate);
     }
-    let (ctx, claim_status, age_secs) = match claim(engine, &workflow, &msg, owner).await? {
-        Claimed::Yes { ctx, status, age_secs } => (ctx, status, age_secs),
+    let claimed = match claim(engine, &workflow, &msg, owner).await? {
+        Claimed::Yes(c) => c,
         Claimed::No(d) => return Ok(d),
     };
+    let ctx = &claimed.ctx;
     let span = tracing::Span::current();
     span.record("attempt", ctx.attempt());
     span.record("fence", ctx.fence().0);
-    let result = match refuse_before_running(engine, &ctx, age_secs) {
-        Some(stop) => Err(stop),
-        None => {
-            Stats::bump(&engine.stats.handler_runs);
-            execute(engine, &step, ctx.clone()).await
-        }
-    };
-    finish(engine, &workflow, &msg, &ctx, claim_status, result).await
+    if let Some(stop) = refuse_before_running(engine, ctx, claimed.age_secs) {
+        return finish(engine, &workflow, &msg, &claimed, Err(stop)).await;
+    }
+    if step.freeze_unless_clear
+        && let Some(evidence) = doubt(engine, &msg).await?
+    {
+        tracing::warn!("items in doubt: step frozen until a person approves");
+        return commit_ending(engine, &msg, ctx, Ending::Wait { note: evidence }).await;
+    }
+    Stats::bump(&engine.stats.handler_runs);
+    let result = execute(engine, &step, ctx.clone()).await;
+    finish(engine, &workflow, &msg, &claimed, result).await
+}
+
+/// Evidence of doubt before a frozen step: parked items and effects of unknown outcome, unless a
+/// person already approved running this position.
+async fn doubt(engine: &Engine, msg: &StepMessage) -> store::Result<Option<serde_json::Value>> {
+    let run_id = msg.run_id.as_str();
+    if decisions::approved(&engine.pool, run_id, msg.seq).await? {
+        return Ok(None);
+    }
+    let parked = crate::store::parked::list(&engine.pool, run_id).await?;
+    let unknown: Vec<_> = crate::store::effects::list(&engine.pool, run_id).await?.into_iter().filter(|e| !e.completed).collect();
+    if parked.is_empty() && unknown.is_empty() {
+        return Ok(None);
+    }
+    Ok(Some(serde_json::json!({
+        "waiting_for": "approval",
+        "step": msg.step,
+        "seq": msg.seq,
+        "why": format!("step {} only runs when no item of the run is in doubt; approve to run it anyway, or reject", msg.step),
+        "parked": parked,
+        "effects_unknown": unknown,
+    })))
 }
 
 fn resolve(engine: &Engine, msg: &StepMessage) -> Result<(Arc<Workflow>, StepDef), Disposition> {
@@ -69,7 +97,17 @@ fn resolve(engine: &Engine, msg: &StepMessage) -> Result<(Arc<Workflow>, StepDef
             msg.run_id, msg.workflow, msg.version, workflow.version
         )));
     }
-    let Some(step) = workflow.find(&msg.step).cloned() else {
+    // A compensation travels as `undo:<step>@<seq>` and runs the step's declared compensation.
+    let (name, undo) = match parse_undo_step(&msg.step) {
+        Some((original, _)) => (original, true),
+        None => (msg.step.as_str(), false),
+    };
+    let found = workflow.find(name).and_then(|def| match (undo, &def.compensation) {
+        (false, _) => Some(def.clone()),
+        (true, Some(c)) => Some(StepDef { name: msg.step.clone(), handler: c.handler.clone(), ..def.clone() }),
+        (true, None) => None,
+    });
+    let Some(step) = found else {
         return Err(dead("unknown_step", format!(
             "run {}: workflow {} v{} has no step {:?}",
             msg.run_id, msg.workflow, msg.version, msg.step
@@ -78,8 +116,15 @@ fn resolve(engine: &Engine, msg: &StepMessage) -> Result<(Arc<Workflow>, StepDef
     Ok((workflow, step))
 }
 
+struct ClaimedStep {
+    ctx: StepContext,
+    status: RunStatus,
+    age_secs: f64,
+    plan: Option<serde_json::Value>,
+}
+
 enum Claimed {
-    Yes { ctx: StepContext, status: RunStatus, age_secs: f64 },
+    Yes(ClaimedStep),
     No(Disposition),
 }
 
@@ -96,6 +141,7 @@ async fn claim(engine: &Arc<Engine>, workflow: &Workflow, msg: &StepMessage, own
     engine.failpoints.hit("step.after_claim").map_err(infra)?;
     tx.commit().await?;
     let status = claim.status.parse().unwrap_or(RunStatus::Running);
+    let undo = undo_target(engine, msg, claim.undo.as_ref()).await?;
     let pos = Position {
         run_id: msg.run_id.clone(),
         workflow: msg.workflow.clone(),
@@ -105,9 +151,27 @@ async fn claim(engine: &Arc<Engine>, workflow: &Workflow, msg: &StepMessage, own
         fence: claim.fence(),
         budget: workflow.budget.unwrap_or_else(|| Budget::from_settings(&engine.settings.guards)),
         input: claim.input,
+        undo,
     };
     let ctx = StepContext::new(engine.services.clone(), pos);
-    Ok(Claimed::Yes { ctx, status, age_secs: claim.age_secs })
+    Ok(Claimed::Yes(ClaimedStep { ctx, status, age_secs: claim.age_secs, plan: claim.undo }))
+}
+
+/// For a compensation: the original step's checkpoint and the operator's scope.
+async fn undo_target(engine: &Engine, msg: &StepMessage, plan: Option<&serde_json::Value>) -> store::Result<Option<UndoTarget>> {
+    let Some((step, seq)) = parse_undo_step(&msg.step) else { return Ok(None) };
+    let output = steps::output_at(&engine.pool, &msg.run_id, seq).await?.unwrap_or_default();
+    let scope = plan.and_then(|p| p.get("scope")).cloned().unwrap_or_else(|| serde_json::json!({}));
+    Ok(Some(UndoTarget { step: step.to_owned(), seq, output, scope }))
+}
+
+/// The compensation after `current` in the undo plan (newest first), or `None` when done.
+fn next_compensation(plan: Option<&serde_json::Value>, current: &str) -> Option<String> {
+    let (_, seq) = parse_undo_step(current)?;
+    let targets = plan?.get("targets")?.as_array()?;
+    let pos = targets.iter().position(|t| t["seq"].as_i64() == Some(seq as i64))?;
+    let next = targets.get(pos + 1)?;
+    Some(undo_step_name(next["step"].as_str()?, next["seq"].as_i64()? as i32))
 }
 
 async fn why_not_claimed(engine: &Arc<Engine>, msg: &StepMessage) -> store::Result<Disposition> {
@@ -163,10 +227,15 @@ async fn execute(engine: &Arc<Engine>, step: &StepDef, ctx: StepContext) -> Resu
     result
 }
 
-async fn finish(engine: &Arc<Engine>, workflow: &Workflow, msg: &StepMessage, ctx: &StepContext, status: RunStatus, result: Result<StepOutcome, StepError>) -> store::Result<Disposition> {
+async fn finish(engine: &Arc<Engine>, workflow: &Workflow, msg: &StepMessage, claimed: &ClaimedStep, result: Result<StepOutcome, StepError>) -> store::Result<Disposition> {
+    let (ctx, status) = (&claimed.ctx, claimed.status);
     let max = engine.settings.worker.max_attempts;
     let failure = match result {
-        Ok(outcome) => match workflow.resolve_next(&msg.step, &outcome.next) {
+        Ok(StepOutcome { output, next: Next::Wait }) => {
+            let note = serde_json::json!({ "waiting_for": "decision", "step": msg.step, "seq": msg.seq, "question": output });
+            return commit_ending(engine, msg, ctx, Ending::Wait { note }).await;
+        }
+        Ok(outcome) => match next_step(workflow, msg, claimed, &outcome.next) {
             Ok(next) => {
                 let (sent, parked) = ctx.take_pending();
                 let ending = Ending::Advance { output: outcome.output, next, status, sent, parked };
@@ -194,6 +263,14 @@ async fn finish(engine: &Arc<Engine>, workflow: &Workflow, msg: &StepMessage, ct
     let note = handover::note(engine, msg, ctx.attempt(), &failure).await?;
     let error = format!("run {} stopped at step {} (position {}, attempt {}): {failure}", ctx.run_id(), ctx.step(), ctx.seq(), ctx.attempt());
     commit_ending(engine, msg, ctx, Ending::Review { error, note }).await
+}
+
+/// The step after this one: the next compensation while undoing, else the workflow's choice.
+fn next_step(workflow: &Workflow, msg: &StepMessage, claimed: &ClaimedStep, next: &Next) -> Result<Option<String>, StepError> {
+    if parse_undo_step(&msg.step).is_some() {
+        return Ok(next_compensation(claimed.plan.as_ref(), &msg.step));
+    }
+    workflow.resolve_next(&msg.step, next)
 }
 
 async fn commit_ending(engine: &Arc<Engine>, msg: &StepMessage, ctx: &StepContext, ending: Ending) -> store::Result<Disposition> {

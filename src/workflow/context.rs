@@ -39,6 +39,19 @@ pub struct Parked {
     pub reason: String,
 }
 
+/// The step a compensation undoes, with its checkpointed output and the undo's scope.
+#[derive(Debug, Clone)]
+pub struct UndoTarget {
+    /// The original step's name.
+    pub step: String,
+    /// Its position in the run.
+    pub seq: i32,
+    /// Its checkpointed output (what it did).
+    pub output: Value,
+    /// The operator's scope (`{}` for a full undo), e.g. `{"supplier": "S-07"}`.
+    pub scope: Value,
+}
+
 /// Where a step execution is: who, which position, under which fence.
 pub(crate) struct Position {
     pub run_id: RunId,
@@ -49,6 +62,7 @@ pub(crate) struct Position {
     pub fence: Fence,
     pub input: Value,
     pub budget: Budget,
+    pub undo: Option<UndoTarget>,
 }
 
 /// The handle a step handler works through. Cheap to clone.
@@ -104,6 +118,10 @@ impl StepContext {
     /// The run's input.
     pub fn input(&self) -> &Value {
         &self.inner.pos.input
+    }
+    /// For a compensation: the step being undone and the undo's scope.
+    pub fn undo(&self) -> Option<&UndoTarget> {
+        self.inner.pos.undo.as_ref()
     }
     /// Trailmark's database, for handlers of built-in workflows.
     pub fn pool(&self) -> &PgPool {

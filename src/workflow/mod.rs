@@ -3,7 +3,9 @@
 //! A handler receives a [`StepContext`] and returns a [`StepOutcome`]: its output (the checkpoint)
 //! and which step comes next, so fixed pipelines and model-driven loops are written the same way.
 
+pub mod contract;
 mod context;
+mod definition;
 mod effect;
 mod error;
 mod model_call;
@@ -17,6 +19,8 @@ use serde_json::Value;
 
 pub use context::{Parked, StepContext};
 pub(crate) use context::{Position, Services};
+pub use context::UndoTarget;
+pub use definition::{Compensation, StepDef, Workflow, parse_undo_step, undo_step_name};
 pub use effect::{Lookup, Tool};
 pub use error::{ResultExt, StepError};
 
@@ -45,6 +49,8 @@ pub enum Next {
     Goto(String),
     /// End the run successfully now.
     Finish,
+    /// Wait for a person (human steps): the output is what they must decide.
+    Wait,
 }
 
 /// A handler's result: the checkpointed output and the next step.
@@ -78,6 +84,10 @@ impl StepOutcome {
             next: Next::Finish,
         }
     }
+    /// A human step's question: the run waits in `waiting` until approved or rejected.
+    pub fn wait(question: Value) -> Self {
+        Self { output: question, next: Next::Wait }
+    }
 }
 
 /// The boxed future a handler returns.
@@ -85,86 +95,6 @@ pub type StepFuture = Pin<Box<dyn Future<Output = Result<StepOutcome, StepError>
 
 /// A step handler: any `Fn(StepContext) -> StepFuture`.
 pub type Handler = Arc<dyn Fn(StepContext) -> StepFuture + Send + Sync>;
-
-/// One declared step.
-#[derive(Clone)]
-pub struct StepDef {
-    /// Name, unique within the workflow.
-    pub name: String,
-    /// Declared kind.
-    pub kind: StepKind,
-    /// The code.
-    pub handler: Handler,
-}
-
-/// A named, versioned workflow.
-#[derive(Clone)]
-pub struct Workflow {
-    /// Name used in run-start events.
-    pub name: String,
-    /// Version recorded on each run; a step message for an unknown version is dead-lettered.
-    pub version: i32,
-    /// Steps in declaration order; the first one starts every run.
-    pub steps: Vec<StepDef>,
-    /// Per-run budget; `None` uses the configured default.
-    pub budget: Option<crate::guard::Budget>,
-}
-
-impl Workflow {
-    /// An empty workflow.
-    pub fn new(name: impl Into<String>, version: i32) -> Self {
-        Self { name: name.into(), version, steps: Vec::new(), budget: None }
-    }
-
-    /// Sets this workflow's per-run budget (builder style).
-    pub fn with_budget(mut self, budget: crate::guard::Budget) -> Self {
-        self.budget = Some(budget);
-        self
-    }
-
-    /// Adds a step (builder style).
-    pub fn step<F, Fut>(mut self, name: &str, kind: StepKind, handler: F) -> Self
-    where
-        F: Fn(StepContext) -> Fut + Send + Sync + 'static,
-        Fut: Future<Output = Result<StepOutcome, StepError>> + Send + 'static,
-    {
-        let handler: Handler = Arc::new(move |ctx| Box::pin(handler(ctx)));
-        self.steps.push(StepDef {
-            name: name.to_owned(),
-            kind,
-            handler,
-        });
-        self
-    }
-
-    /// The step called `name`.
-    pub fn find(&self, name: &str) -> Option<&StepDef> {
-        self.steps.iter().find(|s| s.name == name)
-    }
-
-    /// The first step's name.
-    pub fn first_step(&self) -> Option<&str> {
-        self.steps.first().map(|s| s.name.as_str())
-    }
-
-    /// Resolves `next` after `current` to a step name, or `None` when the run ends.
-    pub fn resolve_next(&self, current: &str, next: &Next) -> Result<Option<String>, StepError> {
-        match next {
-            Next::Finish => Ok(None),
-            Next::Continue => {
-                let pos = self.steps.iter().position(|s| s.name == current);
-                Ok(pos
-                    .and_then(|p| self.steps.get(p + 1))
-                    .map(|s| s.name.clone()))
-            }
-            Next::Goto(name) if self.find(name).is_some() => Ok(Some(name.clone())),
-            Next::Goto(name) => Err(StepError::Unknown(format!(
-                "step {current} chose next step {name:?}, which workflow {} v{} does not declare",
-                self.name, self.version
-            ))),
-        }
-    }
-}
 
 /// The workflows a process can execute.
 #[derive(Clone, Default)]

@@ -217,7 +217,10 @@ impl TestEnv {
             .env("DATABASE_URL", &self.settings.database.url)
             .env("AMQP_URL", &self.settings.broker.url)
             .env("TRAILMARK__BROKER__PREFIX", &self.prefix)
-            .env("TRAILMARK__BROKER__HEARTBEAT_SECS", self.settings.broker.heartbeat_secs.to_string())
+            .env(
+                "TRAILMARK__BROKER__HEARTBEAT_SECS",
+                self.settings.broker.heartbeat_secs.to_string(),
+            )
             .env(
                 "TRAILMARK__WORKER__LEASE_SECS",
                 self.settings.worker.lease_secs.to_string(),

@@ -1,0 +1,161 @@
+//! Operator decisions as durable state (DESIGN.md §8): resume, resume after a fix, undo, cancel,
+//! approve and reject. Each is one transaction that checks the run's status, changes the run,
+//! records who/when/what/why with the status before and after, and queues the next step
+//! message through the outbox. None restarts a run from zero.
+
+mod human;
+mod resume;
+mod undo;
+
+use serde_json::{Value, json};
+use sqlx::{PgConnection, Postgres, Transaction};
+
+pub use human::{approve, reject};
+pub use resume::resume;
+pub use undo::undo;
+
+use crate::domain::{RunId, RunStatus};
+use crate::engine::Engine;
+use crate::store::decisions::{self, NewDecision};
+use crate::store::{self, outbox, runs};
+use crate::worker::step_message;
+
+/// Why a decision was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// No such run.
+    #[error("run {0} not found: list runs with `trailmark run list`")]
+    NotFound(String),
+    /// The decision does not fit the run's state.
+    #[error("cannot {action} run {run_id}: {why}")]
+    Refused {
+        /// The run.
+        run_id: String,
+        /// The decision.
+        action: &'static str,
+        /// What is in the way and what to do instead.
+        why: String,
+    },
+    /// The database failed; nothing was changed.
+    #[error(transparent)]
+    Store(#[from] store::Error),
+}
+
+impl From<sqlx::Error> for Error {
+    fn from(e: sqlx::Error) -> Self {
+        Self::Store(e.into())
+    }
+}
+
+/// Shorthand for operator results.
+pub type Result<T> = std::result::Result<T, Error>;
+
+/// Who decides and why; both are recorded with the decision.
+#[derive(Debug, Clone)]
+pub struct Decider {
+    /// The person (or system) deciding.
+    pub actor: String,
+    /// Their reason, in their words.
+    pub reason: String,
+}
+
+/// What a decision did, for the operator's terminal.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Outcome {
+    /// The run.
+    pub run_id: String,
+    /// The decision.
+    pub action: String,
+    /// Status before.
+    pub status_before: String,
+    /// Status after.
+    pub status_after: String,
+    /// One line on what happens next.
+    pub next: String,
+}
+
+/// Locks the run row for the decision's transaction.
+async fn lock(tx: &mut PgConnection, run_id: &str) -> Result<runs::RunRow> {
+    sqlx::query_as("SELECT * FROM trailmark.runs WHERE run_id = $1 FOR UPDATE")
+        .bind(run_id)
+        .fetch_optional(tx)
+        .await?
+        .ok_or_else(|| Error::NotFound(run_id.to_owned()))
+}
+
+fn refused(run: &runs::RunRow, action: &'static str, why: impl Into<String>) -> Error {
+    Error::Refused { run_id: run.run_id.clone(), action, why: why.into() }
+}
+
+/// Moves the run to `status` at (`step`, `seq`) on `version`, voids any lease (fence + 1) and
+/// clears the error and handover note (the decision row keeps them).
+async fn set_run(tx: &mut PgConnection, run: &runs::RunRow, status: RunStatus, step: Option<&str>, seq: i32, version: i32) -> Result<()> {
+    sqlx::query(
+        "UPDATE trailmark.runs SET status = $2, step = $3, step_seq = $4, workflow_version = $5,
+                fence = fence + 1, lease_owner = NULL, lease_expires_at = NULL, error = NULL,
+                handover = NULL, updated_at = now(),
+                finished_at = CASE WHEN $2 IN ('succeeded', 'compensated', 'failed', 'cancelled') THEN now() END
+          WHERE run_id = $1",
+    )
+    .bind(&run.run_id)
+    .bind(status.as_str())
+    .bind(step)
+    .bind(seq)
+    .bind(version)
+    .execute(tx)
+    .await?;
+    Ok(())
+}
+
+/// Queues the message of `step` at `seq` for the run.
+async fn enqueue(tx: &mut PgConnection, engine: &Engine, run: &runs::RunRow, step: &str, seq: i32, version: i32) -> Result<()> {
+    let run_id = RunId::parse(&run.run_id).map_err(|e| refused(run, "queue", e.to_string()))?;
+    let msg = step_message(engine, &run_id, &run.workflow, version, step, seq);
+    outbox::insert(tx, &[msg]).await?;
+    Ok(())
+}
+
+/// Records the decision and commits; returns the outcome.
+#[allow(clippy::too_many_arguments)]
+async fn record(
+    mut tx: Transaction<'_, Postgres>,
+    run: &runs::RunRow,
+    action: &'static str,
+    who: &Decider,
+    after: RunStatus,
+    step: Option<(&str, i32)>,
+    version_after: i32,
+    details: Value,
+    next: String,
+) -> Result<Outcome> {
+    let d = NewDecision {
+        run_id: &run.run_id,
+        action,
+        actor: &who.actor,
+        reason: &who.reason,
+        step: step.map(|(s, _)| s),
+        seq: step.map(|(_, q)| q),
+        status_before: &run.status,
+        status_after: after.as_str(),
+        version_before: run.workflow_version,
+        version_after,
+        details: &details,
+    };
+    decisions::insert(&mut *tx, &d).await?;
+    tx.commit().await?;
+    tracing::info!(run.id = %run.run_id, action, actor = %who.actor, before = %run.status, after = %after, "operator decision recorded");
+    Ok(Outcome { run_id: run.run_id.clone(), action: action.into(), status_before: run.status.clone(), status_after: after.as_str().into(), next })
+}
+
+/// Stops a run for good; an in-flight step is fenced out and commits nothing.
+pub async fn cancel(engine: &Engine, run_id: &str, who: &Decider) -> Result<Outcome> {
+    let mut tx = engine.pool.begin().await?;
+    let run = lock(&mut tx, run_id).await?;
+    if run.status().is_terminal() {
+        return Err(refused(&run, "cancel", format!("it is already {}", run.status)));
+    }
+    set_run(&mut tx, &run, RunStatus::Cancelled, run.step.as_deref(), run.step_seq, run.workflow_version).await?;
+    let details = json!({ "handover": run.handover, "error": run.error });
+    let next = "nothing: the run is cancelled; `trailmark run undo` can still reverse its writes".into();
+    record(tx, &run, "cancel", who, RunStatus::Cancelled, None, run.workflow_version, details, next).await
+}

@@ -1,0 +1,109 @@
+//! Operator decisions: who decided what about a run, when, why, and what it changed.
+
+use chrono::{DateTime, Utc};
+use serde::Serialize;
+use serde_json::Value;
+use sqlx::PgExecutor;
+
+use super::Result;
+
+/// A decision to record.
+pub struct NewDecision<'a> {
+    /// The run.
+    pub run_id: &'a str,
+    /// `resume`, `resume_after_fix`, `undo`, `cancel`, `approve`, `reject`, `timeout`.
+    pub action: &'a str,
+    /// Who (from `--actor` or `operator.actor`).
+    pub actor: &'a str,
+    /// Why, in the operator's words.
+    pub reason: &'a str,
+    /// The step it concerns, if one.
+    pub step: Option<&'a str>,
+    /// Its position.
+    pub seq: Option<i32>,
+    /// Status before.
+    pub status_before: &'a str,
+    /// Status after.
+    pub status_after: &'a str,
+    /// Workflow version before.
+    pub version_before: i32,
+    /// Workflow version after (differs after a resume on newly deployed code).
+    pub version_after: i32,
+    /// Anything else worth keeping (the handover note answered, the undo scope).
+    pub details: &'a Value,
+}
+
+/// A recorded decision.
+#[derive(Debug, Clone, Serialize, sqlx::FromRow)]
+pub struct DecisionRow {
+    /// Order.
+    pub id: i64,
+    /// What.
+    pub action: String,
+    /// Who.
+    pub actor: String,
+    /// Why.
+    pub reason: String,
+    /// Which step.
+    pub step: Option<String>,
+    /// Which position.
+    pub seq: Option<i32>,
+    /// Status before.
+    pub status_before: String,
+    /// Status after.
+    pub status_after: String,
+    /// Version before.
+    pub version_before: i32,
+    /// Version after.
+    pub version_after: i32,
+    /// Details.
+    pub details: Value,
+    /// When.
+    pub created_at: DateTime<Utc>,
+}
+
+/// Records a decision in the caller's transaction.
+pub async fn insert(db: impl PgExecutor<'_>, d: &NewDecision<'_>) -> Result<()> {
+    sqlx::query(
+        "INSERT INTO trailmark.decisions (run_id, action, actor, reason, step, seq, status_before, status_after,
+                                          version_before, version_after, details)
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)",
+    )
+    .bind(d.run_id)
+    .bind(d.action)
+    .bind(d.actor)
+    .bind(d.reason)
+    .bind(d.step)
+    .bind(d.seq)
+    .bind(d.status_before)
+    .bind(d.status_after)
+    .bind(d.version_before)
+    .bind(d.version_after)
+    .bind(d.details)
+    .execute(db)
+    .await?;
+    Ok(())
+}
+
+/// A run's decisions, oldest first.
+pub async fn list(db: impl PgExecutor<'_>, run_id: &str) -> Result<Vec<DecisionRow>> {
+    Ok(sqlx::query_as(
+        "SELECT id, action, actor, reason, step, seq, status_before, status_after, version_before,
+                version_after, details, created_at
+           FROM trailmark.decisions WHERE run_id = $1 ORDER BY id",
+    )
+    .bind(run_id)
+    .fetch_all(db)
+    .await?)
+}
+
+/// Whether a person approved running position `seq` of the run (a frozen step).
+pub async fn approved(db: impl PgExecutor<'_>, run_id: &str, seq: i32) -> Result<bool> {
+    Ok(sqlx::query_scalar(
+        "SELECT EXISTS (SELECT 1 FROM trailmark.decisions WHERE run_id = $1 AND seq = $2 AND action = 'approve')",
+    )
+    .bind(run_id)
+    .bind(seq)
+    .fetch_one(db)
+    .await?)
+}

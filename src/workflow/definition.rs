@@ -1,0 +1,160 @@
+//! Workflow definitions: named, versioned lists of steps with declared kinds, compensations,
+//! key recipes and the rules for when a person must decide.
+
+use std::future::Future;
+use std::sync::Arc;
+
+use super::{Handler, Next, StepContext, StepError, StepKind, StepOutcome};
+use crate::guard::Budget;
+
+/// How to undo a `write` or `message` step: a handler that posts reversals (new entries that point
+/// at the originals; nothing is deleted), each under the key `undo:<original key>`.
+#[derive(Clone)]
+pub struct Compensation {
+    /// What it does, for `trailmark contract` (e.g. "posts a reversal entry per adjustment").
+    pub note: String,
+    /// The code; it reads the original step through `ctx.undo()`.
+    pub handler: Handler,
+}
+
+/// One declared step.
+#[derive(Clone)]
+pub struct StepDef {
+    /// Name, unique within the workflow.
+    pub name: String,
+    /// Declared kind.
+    pub kind: StepKind,
+    /// The code.
+    pub handler: Handler,
+    /// How to undo it (write and message steps).
+    pub compensation: Option<Compensation>,
+    /// How its idempotency keys are built, for `trailmark contract` (e.g. `run_id:invoice_no:line:kind`).
+    pub key_recipe: Option<String>,
+    /// Run only when no item of the run is in doubt (nothing parked, no effect of unknown
+    /// outcome); otherwise wait for a person with the evidence attached.
+    pub freeze_unless_clear: bool,
+    /// Where a rejected human step sends the run (`None`: the run is cancelled).
+    pub on_reject: Option<String>,
+}
+
+/// A named, versioned workflow.
+#[derive(Clone)]
+pub struct Workflow {
+    /// Name used in run-start events.
+    pub name: String,
+    /// Version recorded on each run; a step message for an unknown version is dead-lettered.
+    pub version: i32,
+    /// Steps in declaration order; the first one starts every run.
+    pub steps: Vec<StepDef>,
+    /// Per-run budget; `None` uses the configured default.
+    pub budget: Option<Budget>,
+}
+
+fn boxed<F, Fut>(handler: F) -> Handler
+where
+    F: Fn(StepContext) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = Result<StepOutcome, StepError>> + Send + 'static,
+{
+    Arc::new(move |ctx| Box::pin(handler(ctx)))
+}
+
+impl Workflow {
+    /// An empty workflow.
+    pub fn new(name: impl Into<String>, version: i32) -> Self {
+        Self { name: name.into(), version, steps: Vec::new(), budget: None }
+    }
+
+    /// Sets this workflow's per-run budget (builder style).
+    pub fn with_budget(mut self, budget: Budget) -> Self {
+        self.budget = Some(budget);
+        self
+    }
+
+    /// Adds a step (builder style).
+    pub fn step<F, Fut>(mut self, name: &str, kind: StepKind, handler: F) -> Self
+    where
+        F: Fn(StepContext) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Result<StepOutcome, StepError>> + Send + 'static,
+    {
+        self.steps.push(StepDef {
+            name: name.to_owned(),
+            kind,
+            handler: boxed(handler),
+            compensation: None,
+            key_recipe: None,
+            freeze_unless_clear: false,
+            on_reject: None,
+        });
+        self
+    }
+
+    fn last(&mut self) -> &mut StepDef {
+        self.steps.last_mut().expect("declare a step before its compensation, key recipe or rules")
+    }
+
+    /// Declares how to undo the step added last.
+    pub fn compensate<F, Fut>(mut self, note: &str, handler: F) -> Self
+    where
+        F: Fn(StepContext) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Result<StepOutcome, StepError>> + Send + 'static,
+    {
+        self.last().compensation = Some(Compensation { note: note.to_owned(), handler: boxed(handler) });
+        self
+    }
+
+    /// Documents how the step added last builds its idempotency keys.
+    pub fn key_recipe(mut self, recipe: &str) -> Self {
+        self.last().key_recipe = Some(recipe.to_owned());
+        self
+    }
+
+    /// Freezes the step added last unless no item of the run is in doubt.
+    pub fn freeze_unless_clear(mut self) -> Self {
+        self.last().freeze_unless_clear = true;
+        self
+    }
+
+    /// Sends the run to `step` when the human step added last is rejected.
+    pub fn on_reject(mut self, step: &str) -> Self {
+        self.last().on_reject = Some(step.to_owned());
+        self
+    }
+
+    /// The step called `name`.
+    pub fn find(&self, name: &str) -> Option<&StepDef> {
+        self.steps.iter().find(|s| s.name == name)
+    }
+
+    /// The first step's name.
+    pub fn first_step(&self) -> Option<&str> {
+        self.steps.first().map(|s| s.name.as_str())
+    }
+
+    /// Resolves `next` after `current` to a step name, or `None` when the run ends.
+    pub fn resolve_next(&self, current: &str, next: &Next) -> Result<Option<String>, StepError> {
+        match next {
+            Next::Finish => Ok(None),
+            Next::Continue | Next::Wait => {
+                let pos = self.steps.iter().position(|s| s.name == current);
+                Ok(pos.and_then(|p| self.steps.get(p + 1)).map(|s| s.name.clone()))
+            }
+            Next::Goto(name) if self.find(name).is_some() => Ok(Some(name.clone())),
+            Next::Goto(name) => Err(StepError::Unknown(format!(
+                "step {current} chose next step {name:?}, which workflow {} v{} does not declare",
+                self.name, self.version
+            ))),
+        }
+    }
+}
+
+/// The step name of the compensation of `step` at position `seq`, as it travels in messages.
+pub fn undo_step_name(step: &str, seq: i32) -> String {
+    format!("undo:{step}@{seq}")
+}
+
+/// Parses an undo step name back into the original step and its position.
+pub fn parse_undo_step(name: &str) -> Option<(&str, i32)> {
+    let rest = name.strip_prefix("undo:")?;
+    let (step, seq) = rest.rsplit_once('@')?;
+    Some((step, seq.parse().ok()?))
+}
