@@ -38,7 +38,7 @@ pub struct RefEnv {
 
 impl RefEnv {
     pub async fn new() -> Self {
-        let env = TestEnv::new().await;
+        let mut env = TestEnv::new().await;
         let trailmark: PgConnectOptions = env
             .settings
             .database
@@ -64,6 +64,8 @@ impl RefEnv {
         let model = ModelServer::start(opts)
             .await
             .expect("start the model server");
+        // In-process engines of this test ask the same model as its child processes.
+        env.settings.model.base_url = model.base_url();
         Self {
             env,
             outside,
