@@ -329,3 +329,25 @@ async fn decisions_that_do_not_fit_the_status_are_refused_by_the_cli() {
     assert!(text.contains("key run_id:link:position") && text.contains("reversal"), "{text}");
     running.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_left_waiting_past_the_human_timeout_is_escalated_to_review() {
+    let env = TestEnv::new().await;
+    let mut settings = env.settings.clone();
+    settings.supervisor.human_timeout_secs = 1;
+    let mut registry = Registry::new();
+    registry.register(approval());
+    let engine = Engine::with_pool(settings, registry, Failpoints::default(), env.pool.clone()).unwrap();
+    let running = env.spawn_all(engine.clone());
+    env.start_run("approval", "r-late", json!({})).await;
+    let run = env.wait_status("r-late", RunStatus::NeedsReview, WAIT).await;
+    let note = run.handover.unwrap();
+    assert_eq!(note["error_class"], "human_timeout");
+    assert_eq!(note["waiting_for"]["question"]["question"], "pay the supplier?");
+    let d = decisions::list(&env.pool, "r-late").await.unwrap();
+    assert_eq!((d[0].action.as_str(), d[0].actor.as_str()), ("timeout", "supervisor"));
+    // Resuming asks the person again.
+    operator::resume(&engine, "r-late", &who("back from holiday"), false).await.unwrap();
+    env.wait_status("r-late", RunStatus::Waiting, WAIT).await;
+    running.stop().await;
+}

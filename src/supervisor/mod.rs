@@ -80,6 +80,15 @@ pub async fn recover_expired(engine: &Engine) -> store::Result<usize> {
     Ok(expired.len())
 }
 
+#[derive(sqlx::FromRow)]
+struct Late {
+    run_id: String,
+    handover: Option<serde_json::Value>,
+    step_seq: i32,
+    step: Option<String>,
+    workflow_version: i32,
+}
+
 /// Escalates runs that waited for a person longer than `supervisor.human_timeout_secs` to
 /// needs_review, keeping what they wait for in the note and recording the escalation.
 pub async fn escalate_waiting(engine: &Engine) -> store::Result<usize> {
@@ -88,7 +97,7 @@ pub async fn escalate_waiting(engine: &Engine) -> store::Result<usize> {
         return Ok(0);
     }
     let mut tx = engine.pool.begin().await?;
-    let late: Vec<(String, Option<serde_json::Value>, i32, Option<String>, i32)> = sqlx::query_as(
+    let late: Vec<Late> = sqlx::query_as(
         "UPDATE trailmark.runs r SET status = 'needs_review', updated_at = now(),
                 handover = jsonb_build_object('waiting_for', r.handover, 'error_class', 'human_timeout',
                     'error', format('no decision within %s s; approve or reject, or resume to ask again', $1::bigint))
@@ -100,20 +109,20 @@ pub async fn escalate_waiting(engine: &Engine) -> store::Result<usize> {
     .bind(limit as i64)
     .fetch_all(&mut *tx)
     .await?;
-    for (run_id, note, seq, step, version) in &late {
-        tracing::warn!(run.id = %run_id, "no decision in time; run escalated to needs_review");
+    for run in &late {
+        tracing::warn!(run.id = %run.run_id, "no decision in time; run escalated to needs_review");
         let d = crate::store::decisions::NewDecision {
-            run_id,
+            run_id: &run.run_id,
             action: "timeout",
             actor: "supervisor",
             reason: "no decision within supervisor.human_timeout_secs",
-            step: step.as_deref(),
-            seq: Some(*seq),
+            step: run.step.as_deref(),
+            seq: Some(run.step_seq),
             status_before: "waiting",
             status_after: "needs_review",
-            version_before: *version,
-            version_after: *version,
-            details: note.as_ref().unwrap_or(&serde_json::Value::Null),
+            version_before: run.workflow_version,
+            version_after: run.workflow_version,
+            details: run.handover.as_ref().unwrap_or(&serde_json::Value::Null),
         };
         crate::store::decisions::insert(&mut *tx, &d).await?;
     }
