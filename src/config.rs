@@ -107,6 +107,9 @@ pub struct GuardSettings {
 /// How the relay drains the outbox.
 #[derive(Debug, Clone, Deserialize)]
 pub struct RelaySettings {
+    /// How long the relay leaves rows alone that their committing worker publishes itself
+    /// (0: workers do not publish; the relay does everything).
+    pub eager_grace_ms: i64,
     /// Rows claimed and published per transaction.
     pub batch_size: i64,
     /// Poll period when no NOTIFY arrives.

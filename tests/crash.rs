@@ -98,6 +98,21 @@ async fn kill_inside_step_100_and_resume(
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_after_a_commit_before_publishing_the_relay_delivers_the_next_step() {
+    let env = TestEnv::new().await;
+    // Step 50 commits, then its worker dies before it publishes step 51 and acks step 50.
+    let mut first = env.spawn_process(Some("step.after_commit=kill@50"));
+    env.start_run("chain", "r-unpublished", json!({"steps": 100})).await;
+    let status = tokio::task::spawn_blocking(move || first.wait()).await.unwrap();
+    assert_eq!(status.signal(), Some(9), "{status:?}");
+    assert_eq!(env.steps_done("r-unpublished").await, 50);
+    let _second = env.spawn_process(None);
+    env.wait_status("r-unpublished", RunStatus::Succeeded, WAIT).await;
+    assert_eq!(env.chain_ledger("r-unpublished").await, (100, 100));
+    assert_eq!(attempts(&env, "r-unpublished").await, (100, 0), "no step ran twice");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killed_after_a_recorded_write_the_resumed_step_reuses_the_recorded_result() {
     let env = TestEnv::new().await;
     let result = kill_inside_step_100_and_resume(&env, "r-after-write", "chain.after_write").await;

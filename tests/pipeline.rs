@@ -170,7 +170,10 @@ async fn relay_crash_between_confirm_and_mark_publishes_twice_consumes_once() {
     let failpoints = Failpoints::default();
     // The first batch is confirmed by the broker, then the relay fails before marking it.
     failpoints.set("relay.after_confirm", Action::Error, Some(1));
-    let engine = env.engine_with(trailmark::builtin::registry(), failpoints);
+    // Relay only (no eager publishing by the worker), so every message passes the failpoint.
+    let mut settings = env.settings.clone();
+    settings.relay.eager_grace_ms = 0;
+    let engine = trailmark::engine::Engine::with_pool(settings, trailmark::builtin::registry(), failpoints, env.pool.clone()).unwrap();
     let running = env.spawn_all(engine.clone());
     env.start_run("chain", "r-relay", json!({"steps": 3})).await;
     env.wait_status("r-relay", RunStatus::Succeeded, WAIT).await;

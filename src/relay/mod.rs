@@ -6,6 +6,7 @@
 //! NOTIFY wakes the relay early; polling is the safety net. No "last id" is ever tracked,
 //! because ids do not commit in order.
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -98,7 +99,7 @@ pub async fn drain_batch(engine: &Engine, publisher: &Publisher) -> Result<usize
         tx.commit().await?;
         return Ok(0);
     }
-    let messages: Vec<Outgoing> = rows.iter().map(to_outgoing).collect();
+    let messages: Vec<Outgoing> = rows.iter().map(row_to_outgoing).collect();
     let results = publisher.publish_all(&messages).await;
     let (mut ok, mut failed, mut first_error) = (Vec::new(), Vec::new(), None);
     for (row, result) in rows.iter().zip(results) {
@@ -129,14 +130,24 @@ pub async fn drain_batch(engine: &Engine, publisher: &Publisher) -> Result<usize
     Ok(ok.len())
 }
 
-fn to_outgoing(row: &outbox::OutboxRow) -> Outgoing {
-    let headers: std::collections::BTreeMap<String, String> =
-        serde_json::from_value(row.headers.clone()).unwrap_or_default();
+fn row_to_outgoing(row: &outbox::OutboxRow) -> Outgoing {
+    let headers: BTreeMap<String, String> = serde_json::from_value(row.headers.clone()).unwrap_or_default();
     Outgoing {
         message_id: row.message_id.to_string(),
         exchange: row.exchange.clone(),
         routing_key: row.routing_key.clone(),
         headers: broker::map_to_headers(&headers),
         body: row.body.clone(),
+    }
+}
+
+/// The AMQP form of an outbox message (used by workers that publish their own commits).
+pub fn to_outgoing(m: &outbox::OutgoingMessage) -> Outgoing {
+    Outgoing {
+        message_id: m.message_id.to_string(),
+        exchange: m.exchange.clone(),
+        routing_key: m.routing_key.clone(),
+        headers: broker::map_to_headers(&m.headers),
+        body: m.body.clone(),
     }
 }

@@ -20,6 +20,8 @@ pub struct OutgoingMessage {
     pub headers: BTreeMap<String, String>,
     /// Body.
     pub body: Vec<u8>,
+    /// How long the relay leaves the row alone, because its committer publishes it itself.
+    pub relay_after_ms: i64,
 }
 
 /// A claimed outbox row.
@@ -52,15 +54,18 @@ pub async fn insert(db: impl PgExecutor<'_>, messages: &[OutgoingMessage]) -> Re
         .map(|m| serde_json::to_value(&m.headers).expect("string map"))
         .collect();
     let bodies: Vec<&[u8]> = messages.iter().map(|m| m.body.as_slice()).collect();
+    let delays: Vec<f64> = messages.iter().map(|m| m.relay_after_ms as f64 / 1000.0).collect();
     sqlx::query(
-        "INSERT INTO trailmark.outbox (message_id, exchange, routing_key, headers, body)
-         SELECT * FROM UNNEST($1::uuid[], $2::text[], $3::text[], $4::jsonb[], $5::bytea[])",
+        "INSERT INTO trailmark.outbox (message_id, exchange, routing_key, headers, body, available_at)
+         SELECT m, x, k, h, b, now() + make_interval(secs => d)
+           FROM UNNEST($1::uuid[], $2::text[], $3::text[], $4::jsonb[], $5::bytea[], $6::float8[]) AS u(m, x, k, h, b, d)",
     )
     .bind(ids)
     .bind(exchanges)
     .bind(keys)
     .bind(headers)
     .bind(bodies)
+    .bind(delays)
     .execute(db)
     .await?;
     Ok(())
@@ -70,7 +75,8 @@ pub async fn insert(db: impl PgExecutor<'_>, messages: &[OutgoingMessage]) -> Re
 pub async fn claim(db: impl PgExecutor<'_>, limit: i64) -> Result<Vec<OutboxRow>> {
     Ok(sqlx::query_as(
         "SELECT id, message_id, exchange, routing_key, headers, body FROM trailmark.outbox
-          WHERE published_at IS NULL ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED",
+          WHERE published_at IS NULL AND available_at <= now()
+          ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED",
     )
     .bind(limit)
     .fetch_all(db)
@@ -83,6 +89,18 @@ pub async fn mark_published(db: impl PgExecutor<'_>, ids: &[i64]) -> Result<()> 
         .bind(ids)
         .execute(db)
         .await?;
+    Ok(())
+}
+
+/// Marks rows published by the worker that committed them (eager publish).
+pub async fn mark_published_ids(db: impl PgExecutor<'_>, message_ids: &[uuid::Uuid]) -> Result<()> {
+    sqlx::query(
+        "UPDATE trailmark.outbox SET published_at = now(), attempts = attempts + 1
+          WHERE message_id = ANY($1) AND published_at IS NULL",
+    )
+    .bind(message_ids)
+    .execute(db)
+    .await?;
     Ok(())
 }
 

@@ -42,8 +42,11 @@ pub(super) enum Ending {
     },
 }
 
-/// Commits the step; `Ok(false)` means another delivery of the same message committed first.
-pub(super) async fn commit(engine: &Arc<Engine>, msg: &StepMessage, fence: Fence, ending: Ending) -> store::Result<bool> {
+/// Commits the step and returns the outbox messages it queued (for eager publishing);
+/// `Ok(None)` means another delivery of the same message committed first.
+pub(super) async fn commit(engine: &Arc<Engine>, msg: &StepMessage, fence: Fence, ending: Ending) -> store::Result<Option<Vec<OutgoingMessage>>> {
+    let grace = engine.settings.relay.eager_grace_ms;
+    let mut queued = Vec::new();
     let fp = &engine.failpoints;
     let mut tx = engine.pool.begin().await?;
     // The fenced update goes first: it takes the run's row lock, so two committers of the same
@@ -67,11 +70,14 @@ pub(super) async fn commit(engine: &Arc<Engine>, msg: &StepMessage, fence: Fence
             steps::finish(&mut *tx, &msg.run_id, msg.seq, output).await?;
             parked::insert(&mut tx, &msg.run_id, msg.seq, &msg.step, items).await?;
             fp.hit("step.after_checkpoint").map_err(infra)?;
-            let mut messages = sent.clone();
+            queued = sent.clone();
             if let Some(next) = next {
-                messages.push(next_message(engine, msg, next));
+                queued.push(next_message(engine, msg, next));
             }
-            outbox::insert(&mut *tx, &messages).await?;
+            for m in &mut queued {
+                m.relay_after_ms = grace;
+            }
+            outbox::insert(&mut *tx, &queued).await?;
         }
         Ending::Wait { note } => {
             let to = runs::Advance {
@@ -99,12 +105,13 @@ pub(super) async fn commit(engine: &Arc<Engine>, msg: &StepMessage, fence: Fence
     }
     if !inbox::record(&mut *tx, STEP_CONSUMER, msg.message_id).await? {
         tx.rollback().await?;
-        return Ok(false);
+        return Ok(None);
     }
     fp.hit("step.before_commit").map_err(infra)?;
     tx.commit().await?;
     fp.hit("step.after_commit").map_err(infra)?;
-    Ok(true)
+    // With eager publishing off, the relay publishes at once and there is nothing to hand back.
+    Ok(Some(if grace > 0 { queued } else { Vec::new() }))
 }
 
 /// Gives the lease back without advancing (the step will be retried from a delay queue).
@@ -141,6 +148,7 @@ pub fn step_message(engine: &Engine, run_id: &RunId, workflow: &str, version: i3
         routing_key: STEP_ROUTING_KEY.to_owned(),
         headers,
         body: msg.encode(),
+        relay_after_ms: 0,
     }
 }
 

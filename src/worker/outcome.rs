@@ -10,6 +10,7 @@ use lapin::options::BasicAckOptions;
 
 use crate::broker::{Outgoing, Publisher, header_str, headers_to_map, map_to_headers};
 use crate::engine::{Engine, Stats};
+use crate::store::outbox::OutgoingMessage;
 
 /// Header names trailmark adds to dead letters.
 pub mod dead_letter_headers {
@@ -30,6 +31,9 @@ pub mod dead_letter_headers {
 pub enum Disposition {
     /// Work committed (or nothing to do): acknowledge.
     Done,
+    /// Work committed with these outbox messages: publish them now (the relay is the safety net
+    /// if this fails or we die first), then acknowledge.
+    Committed(Vec<OutgoingMessage>),
     /// Already processed: acknowledge and count.
     Duplicate,
     /// The run moved on, is not executable, or we were fenced out: acknowledge and log.
@@ -55,6 +59,10 @@ pub(super) async fn settle(
 ) {
     let moved = match &disposition {
         Disposition::Done => Ok(()),
+        Disposition::Committed(messages) => {
+            publish_committed(engine, publisher, messages).await;
+            Ok(())
+        }
         Disposition::Duplicate => {
             Stats::bump(&engine.stats.duplicates);
             tracing::debug!("duplicate delivery dropped");
@@ -84,6 +92,29 @@ pub(super) async fn settle(
     if let Err(e) = delivery.acker.ack(BasicAckOptions::default()).await {
         // The work is committed; the redelivery this causes is dropped by the inbox.
         tracing::warn!(error = %e, "ack failed after commit; the redelivery will be dropped as a duplicate");
+    }
+}
+
+/// Publishes just-committed outbox rows and marks the confirmed ones. A failure here costs only
+/// latency: the rows become available to the relay after `relay.eager_grace_ms`.
+async fn publish_committed(engine: &Engine, publisher: &Publisher, messages: &[OutgoingMessage]) {
+    if messages.is_empty() {
+        return;
+    }
+    let outgoing: Vec<Outgoing> = messages.iter().map(crate::relay::to_outgoing).collect();
+    let results = publisher.publish_all(&outgoing).await;
+    let confirmed: Vec<uuid::Uuid> = messages
+        .iter()
+        .zip(&results)
+        .filter(|(_, r)| r.is_ok())
+        .map(|(m, _)| m.message_id.0)
+        .collect();
+    if let Some(Err(e)) = results.iter().find(|r| r.is_err()) {
+        tracing::warn!(error = %e, "eager publish failed; the relay will publish after the grace period");
+    }
+    if let Err(e) = crate::store::outbox::mark_published_ids(&engine.pool, &confirmed).await {
+        // Unmarked rows are published again by the relay: a duplicate the inbox drops.
+        tracing::warn!(error = %e, "could not mark eagerly published rows");
     }
 }
 

@@ -74,17 +74,12 @@ async fn start(
         tracing::info!("run already exists; start event ignored");
         return Ok(Disposition::Duplicate);
     }
-    let first_message = step_message(
-        engine,
-        &event.run_id,
-        &workflow.name,
-        workflow.version,
-        first,
-        0,
-    );
-    outbox::insert(&mut *tx, &[first_message]).await?;
+    let mut first_message = step_message(engine, &event.run_id, &workflow.name, workflow.version, first, 0);
+    first_message.relay_after_ms = engine.settings.relay.eager_grace_ms;
+    outbox::insert(&mut *tx, std::slice::from_ref(&first_message)).await?;
     tx.commit().await?;
     Stats::bump(&engine.stats.runs_started);
     tracing::info!("run started");
-    Ok(Disposition::Done)
+    let eager = if engine.settings.relay.eager_grace_ms > 0 { vec![first_message] } else { Vec::new() };
+    Ok(Disposition::Committed(eager))
 }

@@ -275,11 +275,11 @@ fn next_step(workflow: &Workflow, msg: &StepMessage, claimed: &ClaimedStep, next
 
 async fn commit_ending(engine: &Arc<Engine>, msg: &StepMessage, ctx: &StepContext, ending: Ending) -> store::Result<Disposition> {
     match commit::commit(engine, msg, ctx.fence(), ending).await {
-        Ok(true) => {
+        Ok(Some(queued)) => {
             Stats::bump(&engine.stats.steps_committed);
-            Ok(Disposition::Done)
+            Ok(Disposition::Committed(queued))
         }
-        Ok(false) => Ok(Disposition::Duplicate),
+        Ok(None) => Ok(Disposition::Duplicate),
         Err(store::Error::FencedOut { .. }) => Ok(Disposition::Stale("fenced out at commit".into())),
         Err(e) => Err(e),
     }

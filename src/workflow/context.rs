@@ -165,6 +165,7 @@ impl StepContext {
             routing_key: routing_key.to_owned(),
             headers,
             body,
+            relay_after_ms: 0,
         };
         self.inner.outgoing.lock().expect("outgoing lock").push(msg);
     }
