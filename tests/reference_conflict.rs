@@ -24,6 +24,7 @@ fn entry(reference: &str, amount_cents: i64) -> Entry {
         kind: "qty".into(),
         supplier: "SUP01".into(),
         amount_cents,
+        reverses: None,
     }
 }
 
@@ -155,7 +156,8 @@ async fn a_note_delivered_twice_is_recorded_once_at_the_sink() {
             notes: 1,
             duplicate_notes: 0,
             repeats_ignored: 1,
-            summaries: 0
+            summaries: 0,
+            withdrawals: 0
         }
     );
 }

@@ -102,7 +102,8 @@ async fn killed_before_entry_24_the_resumed_run_posts_each_adjustment_once() {
             notes: suppliers(&night),
             duplicate_notes: 0,
             repeats_ignored: 0,
-            summaries: 1
+            summaries: 1,
+            withdrawals: 0
         }
     );
 }
@@ -231,7 +232,8 @@ async fn killed_inside_step_9_no_supplier_gets_a_note_twice() {
             notes: expected,
             duplicate_notes: 0,
             repeats_ignored: 0,
-            summaries: 1
+            summaries: 1,
+            withdrawals: 0
         }
     );
     let bodies: Vec<String> = sqlx::query_scalar(

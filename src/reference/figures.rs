@@ -13,7 +13,7 @@ use super::night::Night;
 use super::workflow::{self as reconcile, STEPS};
 use super::{Result, invoices, ledger, mail, stock};
 use crate::store::{runs, steps};
-use crate::workflow::StepKind;
+use crate::workflow::{StepKind, parse_undo_step};
 
 /// Everything the demo reports about one run.
 #[derive(Debug, Clone, Serialize)]
@@ -89,9 +89,10 @@ pub async fn measure(
     figures.steps = rows
         .iter()
         .map(|s| {
+            let base = parse_undo_step(&s.step).map_or(s.step.as_str(), |(step, _)| step);
             let kind = STEPS
                 .iter()
-                .find(|(name, _)| *name == s.step)
+                .find(|(name, _)| *name == base)
                 .map_or(StepKind::Read, |(_, k)| *k);
             StepFigure {
                 number: s.seq + 1,
@@ -132,8 +133,11 @@ pub async fn outside_figures(outside: &PgPool, night: &Night, run_id: &str) -> R
     })
 }
 
-/// One line about what a step's checkpoint records.
+/// One line about what a step's checkpoint records (a compensation reads like its step).
 fn describe(step: &str, output: &Value) -> String {
+    if let Some((original, _)) = parse_undo_step(step) {
+        return format!("undo: {}", describe(original, output));
+    }
     fn read<T: serde::de::DeserializeOwned>(v: &Value) -> Option<T> {
         serde_json::from_value(v.clone()).ok()
     }

@@ -24,8 +24,11 @@ pub struct Entry {
     pub kind: String,
     /// Supplier code.
     pub supplier: String,
-    /// Amount claimed back, in cents.
+    /// Amount claimed back, in cents (negative for a reversal).
     pub amount_cents: i64,
+    /// For a reversal: the reference of the entry it reverses (nothing is ever deleted).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reverses: Option<String>,
 }
 
 /// What a post did.
@@ -46,8 +49,8 @@ pub async fn post(pool: &PgPool, entry: &Entry, fence: Option<i64>) -> Result<Po
         check_fence(&mut tx, "ledger", &entry.run_id, fence).await?;
     }
     let inserted = sqlx::query(
-        "INSERT INTO reference.entries (reference, run_id, invoice_no, line, kind, supplier, amount_cents, fence)
-         VALUES ($1, $2, $3, $4, $5, $6, $7, $8) ON CONFLICT (reference) DO NOTHING",
+        "INSERT INTO reference.entries (reference, run_id, invoice_no, line, kind, supplier, amount_cents, fence, reverses)
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9) ON CONFLICT (reference) DO NOTHING",
     )
     .bind(&entry.reference)
     .bind(&entry.run_id)
@@ -57,6 +60,7 @@ pub async fn post(pool: &PgPool, entry: &Entry, fence: Option<i64>) -> Result<Po
     .bind(&entry.supplier)
     .bind(entry.amount_cents)
     .bind(fence)
+    .bind(&entry.reverses)
     .execute(&mut *tx)
     .await?
     .rows_affected()

@@ -170,6 +170,7 @@ pub fn entry(run_id: &str, m: &Mismatch) -> Entry {
         kind: m.kind.clone(),
         supplier: m.matched.item.supplier.clone(),
         amount_cents: m.amount_cents,
+        reverses: None,
     }
 }
 
@@ -251,5 +252,45 @@ pub fn summary(
             cents(total)
         ),
         body,
+    }
+}
+
+/// The note that takes a debit note back after an undo; it names the claim it withdraws.
+pub fn withdrawal(run_id: &str, night_id: &str, supplier: &str, lines: &[&Mismatch]) -> Mail {
+    let claim = claim(night_id, supplier);
+    let name = generate::supplier(supplier).map_or(supplier, |s| s.name);
+    let total: i64 = lines.iter().map(|m| m.amount_cents).sum();
+    let body = format!(
+        "To {name},\n\nWe withdraw claim {claim} ({} line(s), {}). Our ledger entries for it have been reversed; please disregard the debit note.\n",
+        lines.len(),
+        cents(total)
+    );
+    Mail {
+        kind: "withdrawal".into(),
+        run_id: run_id.to_owned(),
+        claim: claim.clone(),
+        recipient: format!("accounts@{}.example", supplier.to_lowercase()),
+        subject: format!("Withdrawal of debit note {claim}"),
+        body,
+    }
+}
+
+/// The correction the finance head gets when part of a reconciliation is undone.
+pub fn correction(run_id: &str, night_id: &str, scope: &str, reversed: &[&Mismatch]) -> Mail {
+    let total: i64 = reversed.iter().map(|m| m.amount_cents).sum();
+    Mail {
+        kind: "summary_correction".into(),
+        run_id: run_id.to_owned(),
+        claim: format!("SUMMARY-{night_id}"),
+        recipient: "finance-head@distributor.example".into(),
+        subject: format!(
+            "Correction to reconciliation {night_id}: {} adjustments reversed",
+            reversed.len()
+        ),
+        body: format!(
+            "Reconciliation {run_id} of the night {night_id}: the adjustments of {scope} were reversed ({} entries, {}).\n",
+            reversed.len(),
+            cents(total)
+        ),
     }
 }

@@ -121,15 +121,18 @@ pub struct SinkCounts {
     pub repeats_ignored: i64,
     /// Summaries recorded.
     pub summaries: i64,
+    /// Withdrawal notes recorded (an undo takes a debit note back).
+    pub withdrawals: i64,
 }
 
 /// Counts a run's notes at the sink.
 pub async fn counts(pool: &PgPool, run_id: &str) -> Result<SinkCounts> {
-    let (notes, duplicate_notes, repeats_ignored, summaries): (i64, i64, i64, i64) = sqlx::query_as(
+    let (notes, duplicate_notes, repeats_ignored, summaries, withdrawals): (i64, i64, i64, i64, i64) = sqlx::query_as(
         "SELECT count(*) FILTER (WHERE kind = 'debit_note'),
                 count(*) FILTER (WHERE kind = 'debit_note') - count(DISTINCT claim) FILTER (WHERE kind = 'debit_note'),
                 COALESCE(sum(deliveries - 1), 0)::bigint,
-                count(*) FILTER (WHERE kind = 'summary')
+                count(*) FILTER (WHERE kind = 'summary'),
+                count(*) FILTER (WHERE kind = 'withdrawal')
            FROM reference.mail_messages WHERE run_id = $1",
     )
     .bind(run_id)
@@ -140,6 +143,7 @@ pub async fn counts(pool: &PgPool, run_id: &str) -> Result<SinkCounts> {
         duplicate_notes,
         repeats_ignored,
         summaries,
+        withdrawals,
     })
 }
 

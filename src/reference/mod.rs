@@ -16,6 +16,7 @@
 //! | [`mail`] | the mail sender (a consumer) and the mail sink that records notes by key |
 //! | [`logic`] | matching, comparing and flagging: pure functions both versions share |
 //! | [`checkpoints`] | what each step checkpoints, typed |
+//! | [`undo`] | the compensations: reversal entries, released stock, withdrawal notes |
 //! | [`workflow`] | the ten steps of `reconcile`, with declared kinds |
 //! | [`naive`] | the first version from the story: no checkpoint, plain inserts |
 //! | [`race`] | two workers posting the same entries: check-then-post versus the unique key |
@@ -37,6 +38,7 @@ pub mod orders;
 pub mod outside;
 pub mod race;
 pub mod stock;
+pub mod undo;
 pub mod workflow;
 
 use crate::workflow::StepError;

@@ -46,6 +46,9 @@ CREATE TABLE IF NOT EXISTS reference.entries (
     line INTEGER NOT NULL, kind TEXT NOT NULL, supplier TEXT NOT NULL,
     amount_cents BIGINT NOT NULL, fence BIGINT, created_at TIMESTAMPTZ NOT NULL DEFAULT now());
 CREATE INDEX IF NOT EXISTS entries_run_idx ON reference.entries (run_id);
+-- Reversals point at what they reverse (added after the first release; idempotent).
+ALTER TABLE reference.entries ADD COLUMN IF NOT EXISTS reverses TEXT;
+ALTER TABLE reference.stock_adjustments ADD COLUMN IF NOT EXISTS reverses TEXT;
 -- The highest fencing token each run has shown the ledger and stock stores.
 CREATE TABLE IF NOT EXISTS reference.run_fences (
     run_id TEXT PRIMARY KEY, fence BIGINT NOT NULL);

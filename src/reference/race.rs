@@ -185,6 +185,7 @@ fn entry(try_id: &str, i: u32) -> Entry {
         kind: "qty".into(),
         supplier: "SUP01".into(),
         amount_cents: 100 * i64::from(i),
+        reverses: None,
     }
 }
 

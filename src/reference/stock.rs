@@ -75,8 +75,11 @@ pub struct Adjustment {
     pub po_no: String,
     /// Line.
     pub line: i32,
-    /// Units put on hold.
+    /// Units put on hold (negative: released again by a reversal).
     pub qty: i32,
+    /// For a reversal: the reference of the adjustment it reverses.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reverses: Option<String>,
 }
 
 /// Applies an adjustment once: `true` when it was applied now, `false` when it was already there.
@@ -85,8 +88,8 @@ pub async fn adjust(pool: &PgPool, adj: &Adjustment, fence: i64) -> Result<bool>
     let mut tx = pool.begin().await?;
     check_fence(&mut tx, "stock", &adj.run_id, fence).await?;
     let inserted = sqlx::query(
-        "INSERT INTO reference.stock_adjustments (reference, run_id, night, po_no, line, qty, fence)
-         VALUES ($1, $2, $3, $4, $5, $6, $7) ON CONFLICT (reference) DO NOTHING",
+        "INSERT INTO reference.stock_adjustments (reference, run_id, night, po_no, line, qty, fence, reverses)
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8) ON CONFLICT (reference) DO NOTHING",
     )
     .bind(&adj.reference)
     .bind(&adj.run_id)
@@ -95,6 +98,7 @@ pub async fn adjust(pool: &PgPool, adj: &Adjustment, fence: i64) -> Result<bool>
     .bind(adj.line)
     .bind(adj.qty)
     .bind(fence)
+    .bind(&adj.reverses)
     .execute(&mut *tx)
     .await?
     .rows_affected()

@@ -22,7 +22,7 @@ use super::checkpoints::{
     StockRead, Write, WriteOutcome, Writes, prior,
 };
 use super::night::Night;
-use super::{extract, invoices, ledger, logic, mail, orders, outside, stock};
+use super::{extract, invoices, ledger, logic, mail, orders, outside, stock, undo};
 use crate::domain::IdempotencyKey;
 use crate::workflow::{Lookup, StepContext, StepError, StepKind, StepOutcome, Tool, Workflow};
 
@@ -73,18 +73,38 @@ pub fn workflow() -> Workflow {
         .step(COMPARE, StepKind::Read, compare)
         .step(FLAG, StepKind::Read, flag)
         .step(POST, StepKind::Write, post_adjustments)
+        .key_recipe("run_id:invoice_no:line:kind (the ledger's reference, its primary key)")
+        .compensate(
+            "posts a reversal entry undo:<key> per adjustment in scope",
+            undo::reverse_entries,
+        )
         .step(UPDATE_STOCK, StepKind::Write, update_stock)
+        .key_recipe("run_id:invoice_no:line:kind:stock")
+        .compensate(
+            "posts a reversal adjustment per adjustment in scope, releasing the units",
+            undo::reverse_stock,
+        )
         .step(SEND_NOTES, StepKind::Message, send_notes)
+        .key_recipe("run_id:send_debit_notes:supplier")
+        .compensate(
+            "sends one withdrawal note per supplier in scope, naming the claim",
+            undo::withdraw_notes,
+        )
         .step(SEND_SUMMARY, StepKind::Message, send_summary)
+        .key_recipe("run_id:send_summary:finance-head")
+        .compensate(
+            "sends the finance head a correction naming the scope",
+            undo::correct_summary,
+        )
 }
 
 /// The night from the run's input and a pool on the outside database.
-async fn setup(ctx: &StepContext) -> Result<(Night, PgPool), StepError> {
+pub(super) async fn setup(ctx: &StepContext) -> Result<(Night, PgPool), StepError> {
     let night = Night::from_input(ctx.input())?;
     Ok((night, outside::pool_for(ctx.pool()).await?))
 }
 
-fn next(output: impl Serialize) -> Result<StepOutcome, StepError> {
+pub(super) fn next(output: impl Serialize) -> Result<StepOutcome, StepError> {
     Ok(StepOutcome::next(
         serde_json::to_value(output).expect("checkpoints serialise"),
     ))
@@ -229,6 +249,7 @@ async fn update_stock(ctx: StepContext) -> Result<StepOutcome, StepError> {
             po_no: m.matched.item.po_no.clone(),
             line: m.matched.item.line,
             qty: m.disputed_qty,
+            reverses: None,
         };
         let request = serde_json::to_value(&adj).expect("adjustments serialise");
         let key = adj.reference.clone();
@@ -251,7 +272,7 @@ async fn update_stock(ctx: StepContext) -> Result<StepOutcome, StepError> {
 /// whether it created something now. It may run more than once (retries under the same key):
 /// both stores enforce the key, so they are declared idempotent and a call with an unknown
 /// outcome after a crash is simply made again.
-async fn keyed<W, Fut>(
+pub(super) async fn keyed<W, Fut>(
     ctx: &StepContext,
     tool: &str,
     key: &str,
