@@ -25,7 +25,7 @@ pub struct DemoArgs {
     /// Which night.
     #[command(flatten)]
     pub night: NightArgs,
-    /// Kill the first worker when this entry of step 7 is about to be posted (23 committed).
+    /// Kill the first worker when this entry of step 7 is about to be posted (24: 23 committed).
     #[arg(long, default_value_t = 24)]
     pub crash_at_entry: u32,
     /// Let the worker live: the run finishes without a crash.
