@@ -17,6 +17,15 @@ use trailmark::store::{self, effects, runs};
 
 const WAIT: Duration = Duration::from_secs(60);
 
+/// Creates a one-step `chain` run directly in the store (no start event, no step message).
+async fn insert_chain_run(env: &TestEnv, id: &str) -> RunId {
+    let run_id = RunId::parse(id).unwrap();
+    let input = json!({"steps": 1});
+    let new = runs::NewRun { run_id: &run_id, workflow: "chain", version: 1, first_step: "link", input: &input };
+    assert!(runs::insert(&env.pool, &new).await.unwrap(), "run {id} already existed");
+    run_id
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn chain_run_succeeds_with_one_ledger_row_per_step() {
     let env = TestEnv::new().await;
@@ -118,16 +127,7 @@ async fn failure_between_checkpoint_and_outbox_leaves_neither_then_completes() {
 async fn same_step_message_delivered_twice_changes_nothing() {
     let env = TestEnv::new().await;
     let engine = env.engine();
-    let run_id = RunId::parse("r-dup").unwrap();
-    let input = json!({"steps": 1});
-    let new = runs::NewRun {
-        run_id: &run_id,
-        workflow: "chain",
-        version: 1,
-        first_step: "link",
-        input: &input,
-    };
-    assert!(runs::insert(&env.pool, &new).await.unwrap());
+    let run_id = insert_chain_run(&env, "r-dup").await;
     let msg = StepMessage {
         v: 1,
         message_id: MessageId::new(),
@@ -198,16 +198,7 @@ async fn relay_crash_between_confirm_and_mark_publishes_twice_consumes_once() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn commit_with_an_older_fence_is_refused_and_changes_nothing() {
     let env = TestEnv::new().await;
-    let run_id = RunId::parse("r-fence").unwrap();
-    let input = json!({});
-    let new = runs::NewRun {
-        run_id: &run_id,
-        workflow: "chain",
-        version: 1,
-        first_step: "link",
-        input: &input,
-    };
-    runs::insert(&env.pool, &new).await.unwrap();
+    let run_id = insert_chain_run(&env, "r-fence").await;
     // Worker A claims with a lease that expires at once; worker B takes over.
     let a = runs::claim(&env.pool, &run_id, 0, "worker-a", 0.0)
         .await
@@ -273,16 +264,7 @@ async fn commit_with_an_older_fence_is_refused_and_changes_nothing() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reused_key_with_a_different_request_is_a_conflict() {
     let env = TestEnv::new().await;
-    let run_id = RunId::parse("r-key").unwrap();
-    let input = json!({});
-    let new = runs::NewRun {
-        run_id: &run_id,
-        workflow: "chain",
-        version: 1,
-        first_step: "link",
-        input: &input,
-    };
-    runs::insert(&env.pool, &new).await.unwrap();
+    let run_id = insert_chain_run(&env, "r-key").await;
     let claim = runs::claim(&env.pool, &run_id, 0, "w", 30.0)
         .await
         .unwrap()

@@ -66,58 +66,32 @@ impl Topology {
         format!("{}.delay.{tier}ms", self.prefix)
     }
 
-    fn work_queue_args(&self) -> FieldTable {
+    /// A quorum queue that dead-letters at least once to `exchange` (which needs
+    /// `x-overflow=reject-publish`), plus `extra` arguments.
+    fn quorum_args(exchange: String, extra: Vec<(&str, AMQPValue)>) -> FieldTable {
+        let text = |s: &str| AMQPValue::LongString(s.into());
         let mut args = FieldTable::default();
-        args.insert(
-            "x-queue-type".into(),
-            AMQPValue::LongString("quorum".into()),
-        );
-        args.insert(
-            "x-delivery-limit".into(),
-            AMQPValue::LongInt(self.delivery_limit as i32),
-        );
-        args.insert(
-            "x-dead-letter-exchange".into(),
-            AMQPValue::LongString(self.dlx().into()),
-        );
-        args.insert(
-            "x-dead-letter-strategy".into(),
-            AMQPValue::LongString("at-least-once".into()),
-        );
-        args.insert(
-            "x-overflow".into(),
-            AMQPValue::LongString("reject-publish".into()),
-        );
+        args.insert("x-queue-type".into(), text("quorum"));
+        args.insert("x-dead-letter-exchange".into(), text(&exchange));
+        args.insert("x-dead-letter-strategy".into(), text("at-least-once"));
+        args.insert("x-overflow".into(), text("reject-publish"));
+        for (key, value) in extra {
+            args.insert(key.into(), value);
+        }
         args
     }
 
+    fn work_queue_args(&self) -> FieldTable {
+        let limit = AMQPValue::LongInt(self.delivery_limit as i32);
+        Self::quorum_args(self.dlx(), vec![("x-delivery-limit", limit)])
+    }
+
     fn delay_queue_args(&self, ttl_ms: u64) -> FieldTable {
-        let mut args = FieldTable::default();
-        args.insert(
-            "x-queue-type".into(),
-            AMQPValue::LongString("quorum".into()),
-        );
-        args.insert(
-            "x-message-ttl".into(),
-            AMQPValue::LongLongInt(ttl_ms as i64),
-        );
-        args.insert(
-            "x-dead-letter-exchange".into(),
-            AMQPValue::LongString(self.steps_exchange().into()),
-        );
-        args.insert(
-            "x-dead-letter-routing-key".into(),
-            AMQPValue::LongString(STEP_ROUTING_KEY.into()),
-        );
-        args.insert(
-            "x-dead-letter-strategy".into(),
-            AMQPValue::LongString("at-least-once".into()),
-        );
-        args.insert(
-            "x-overflow".into(),
-            AMQPValue::LongString("reject-publish".into()),
-        );
-        args
+        let extra = vec![
+            ("x-message-ttl", AMQPValue::LongLongInt(ttl_ms as i64)),
+            ("x-dead-letter-routing-key", AMQPValue::LongString(STEP_ROUTING_KEY.into())),
+        ];
+        Self::quorum_args(self.steps_exchange(), extra)
     }
 
     /// Declares everything; safe to call from every process at every start.
