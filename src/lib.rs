@@ -12,6 +12,7 @@
 //! | [`workflow`] | the API for writing workflows: steps, kinds, context, next-step choice |
 //! | [`worker`] | delivery -> dedup -> lease -> handler -> one commit -> ack |
 //! | [`relay`] | outbox -> RabbitMQ with publisher confirms |
+//! | [`dlq`] | the dead-letter queue for operators: list, show, requeue, purge |
 //! | [`supervisor`] | expired leases -> the step re-queued through the outbox |
 //! | [`guard`] | budgets, repeated-action detection, circuit breakers |
 //! | [`operator`] | operator decisions: resume, resume after fix, undo, cancel, approve, reject |
@@ -36,6 +37,7 @@ pub mod broker;
 pub mod builtin;
 pub mod cli;
 pub mod config;
+pub mod dlq;
 pub mod domain;
 pub mod engine;
 pub mod failpoint;

@@ -24,6 +24,10 @@ pub mod dead_letter_headers {
     pub const FAILED_AT: &str = "x-trailmark-failed-at";
     /// How many times it had been delivered.
     pub const DELIVERIES: &str = "x-trailmark-deliveries";
+    /// The exchange it was delivered from (empty: the default exchange, e.g. after a requeue).
+    pub const EXCHANGE: &str = "x-trailmark-exchange";
+    /// The routing key it was delivered with.
+    pub const ROUTING_KEY: &str = "x-trailmark-routing-key";
 }
 
 /// The result of processing one delivery.
@@ -144,7 +148,11 @@ fn dead_letter(engine: &Engine, delivery: &Delivery, reason: &str, detail: &str)
     let earlier: u64 = header_str(headers, "x-delivery-count")
         .and_then(|c| c.parse().ok())
         .unwrap_or(0);
-    let queue = if delivery.routing_key.as_str() == crate::domain::RUN_START_ROUTING_KEY {
+    // A requeued message comes through the default exchange, keyed by its queue's name.
+    let key = delivery.routing_key.as_str();
+    let queue = if key == crate::domain::RUN_START_ROUTING_KEY
+        || key == engine.topology.run_start_queue()
+    {
         engine.topology.run_start_queue()
     } else {
         engine.topology.steps_queue()
@@ -155,6 +163,11 @@ fn dead_letter(engine: &Engine, delivery: &Delivery, reason: &str, detail: &str)
         detail.chars().take(1000).collect(),
     );
     map.insert(dead_letter_headers::QUEUE.into(), queue);
+    map.insert(
+        dead_letter_headers::EXCHANGE.into(),
+        delivery.exchange.to_string(),
+    );
+    map.insert(dead_letter_headers::ROUTING_KEY.into(), key.to_owned());
     map.insert(
         dead_letter_headers::FAILED_AT.into(),
         chrono::Utc::now().to_rfc3339(),
