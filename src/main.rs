@@ -45,6 +45,11 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Inspect, requeue and purge dead letters (poison messages and crash loops).
+    Dlq {
+        #[command(subcommand)]
+        command: cli::dlq::DlqCommand,
+    },
     /// Run the stand-in OpenAI-compatible model server (for drills and demos).
     ModelServer {
         /// Port on 127.0.0.1 (0 picks a free one).
@@ -233,6 +238,7 @@ async fn dispatch(cli: Cli) -> anyhow::Result<()> {
         },
         Command::Demo(args) => cli::demo::run(&settings, args).await,
         Command::Contract { workflow, json } => cli::decide::print_contract(&registry, &workflow, json),
+        Command::Dlq { command } => cli::dlq::run(&settings, command).await,
         Command::ModelServer { .. } => unreachable!("handled above"),
     }
 }

@@ -3,6 +3,7 @@
 
 pub mod decide;
 pub mod demo;
+pub mod dlq;
 pub mod migrate;
 pub mod run;
 pub mod serve;
