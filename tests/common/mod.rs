@@ -39,6 +39,12 @@ fn amqp_url() -> String {
 impl TestEnv {
     /// A fresh database (migrated) and a fresh topology prefix. Short leases keep crash tests fast.
     pub async fn new() -> Self {
+        Self::with(|_| {}).await
+    }
+
+    /// Like [`TestEnv::new`], with settings changed before the database and topology are
+    /// created (the work queues are declared with `settings.broker.delivery_limit`).
+    pub async fn with(customize: impl FnOnce(&mut Settings)) -> Self {
         let tag = uuid::Uuid::new_v4().simple().to_string()[..12].to_owned();
         let db_name = format!("tm_test_{tag}");
         let prefix = format!("tmtest-{tag}");
@@ -53,6 +59,7 @@ impl TestEnv {
         settings.worker.busy_retry_ms = 1000;
         settings.relay.poll_interval_ms = 200;
         settings.supervisor.interval_ms = 250;
+        customize(&mut settings);
         store::ensure_database(&settings.database)
             .await
             .expect("create test database");
@@ -231,6 +238,14 @@ impl TestEnv {
             )
             .env("TRAILMARK__RELAY__POLL_INTERVAL_MS", "200")
             .env("TRAILMARK__SUPERVISOR__INTERVAL_MS", "250")
+            .env(
+                "TRAILMARK__BROKER__DELIVERY_LIMIT",
+                self.settings.broker.delivery_limit.to_string(),
+            )
+            .env(
+                "TRAILMARK__WORKER__MAX_MESSAGE_BYTES",
+                self.settings.worker.max_message_bytes.to_string(),
+            )
             .env("RUST_LOG", "warn")
             .env_remove("TRAILMARK_FAILPOINTS");
         cmd
