@@ -71,6 +71,9 @@ pub struct Engine {
     pub stats: Stats,
     /// Identifies this process in leases and connection names.
     pub worker_id: String,
+    /// Backend pid of this process's presence connection (0: none yet); stored with every lease
+    /// so that other workers can tell at once when this process has died.
+    pub presence_pid: std::sync::atomic::AtomicI32,
     pub(crate) services: Arc<Services>,
 }
 
@@ -126,6 +129,7 @@ impl Engine {
             failpoints,
             stats: Stats::default(),
             worker_id,
+            presence_pid: Default::default(),
             services,
         }))
     }

@@ -170,3 +170,34 @@ async fn a_worker_frozen_past_its_lease_cannot_write_when_it_wakes() {
     let run = trailmark::store::runs::get(&env.pool, "r-frozen").await.unwrap().unwrap();
     assert_eq!((run.status(), run.step_seq), (RunStatus::Succeeded, 3), "the stale worker changed the run");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_workers_lease_is_taken_over_at_once_by_a_live_worker() {
+    let mut env = TestEnv::new().await;
+    // A long lease: recovery must not wait for it to expire.
+    env.settings.worker.lease_secs = 60;
+    env.settings.worker.heartbeat_secs = 5;
+    let mut workers = [env.spawn_process(None), env.spawn_process(None)];
+    env.start_run("chain", "r-takeover", json!({"steps": 40, "step_delay_ms": 300})).await;
+    env.wait_until("ten steps done and one in flight", WAIT, || async {
+        let run = trailmark::store::runs::get(&env.pool, "r-takeover").await.unwrap();
+        run.is_some_and(|r| r.step_seq >= 10 && r.lease_owner.is_some())
+    })
+    .await;
+    let run = trailmark::store::runs::get(&env.pool, "r-takeover").await.unwrap().unwrap();
+    // Lease owners read `<host>-<pid>-<tag>/<delivery>`.
+    let process = run.lease_owner.as_deref().unwrap().split('/').next().unwrap();
+    let holder: u32 = process.rsplit('-').nth(1).unwrap().parse().unwrap();
+    let victim = workers.iter_mut().find(|w| w.pid() == holder).expect("the lease holder is one of ours");
+    victim.kill9();
+    let expiry = run.lease_expires_at.unwrap();
+    env.wait_status("r-takeover", RunStatus::Succeeded, WAIT).await;
+    let taken_over: chrono::DateTime<chrono::Utc> =
+        sqlx::query_scalar("SELECT finished_at FROM trailmark.steps WHERE run_id = 'r-takeover' AND seq = $1")
+            .bind(run.step_seq)
+            .fetch_one(&env.pool)
+            .await
+            .unwrap();
+    assert!(taken_over < expiry - chrono::Duration::seconds(30), "step {} finished at {taken_over}, its dead holder's lease ran to {expiry}", run.step_seq);
+    assert_eq!(env.chain_ledger("r-takeover").await, (40, 40));
+}

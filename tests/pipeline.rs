@@ -200,11 +200,11 @@ async fn commit_with_an_older_fence_is_refused_and_changes_nothing() {
     let env = TestEnv::new().await;
     let run_id = insert_chain_run(&env, "r-fence").await;
     // Worker A claims with a lease that expires at once; worker B takes over.
-    let a = runs::claim(&env.pool, &run_id, 0, "worker-a", 0.0)
+    let a = runs::claim(&env.pool, &run_id, 0, "worker-a", 0.0, None)
         .await
         .unwrap()
         .expect("A claims");
-    let b = runs::claim(&env.pool, &run_id, 0, "worker-b", 30.0)
+    let b = runs::claim(&env.pool, &run_id, 0, "worker-b", 30.0, None)
         .await
         .unwrap()
         .expect("B claims after expiry");
@@ -265,7 +265,7 @@ async fn commit_with_an_older_fence_is_refused_and_changes_nothing() {
 async fn reused_key_with_a_different_request_is_a_conflict() {
     let env = TestEnv::new().await;
     let run_id = insert_chain_run(&env, "r-key").await;
-    let claim = runs::claim(&env.pool, &run_id, 0, "w", 30.0)
+    let claim = runs::claim(&env.pool, &run_id, 0, "w", 30.0, None)
         .await
         .unwrap()
         .unwrap();

@@ -85,6 +85,11 @@ pub async fn connect(settings: &DatabaseSettings) -> Result<PgPool> {
     Ok(pool)
 }
 
+/// One connection outside the pool, for a process's presence (see `worker::presence`).
+pub async fn connect_one(settings: &DatabaseSettings) -> Result<sqlx::PgConnection> {
+    options(settings)?.connect().await.map_err(|e| down(settings, &e))
+}
+
 /// Creates the database named in the URL when it is missing (connecting to `postgres` first).
 pub async fn ensure_database(settings: &DatabaseSettings) -> Result<()> {
     let target = options(settings)?;

@@ -35,6 +35,8 @@ pub struct RunRow {
     pub undo: Option<Value>,
     /// Worker holding the lease.
     pub lease_owner: Option<String>,
+    /// Backend pid of the holder's presence connection.
+    pub lease_pid: Option<i32>,
     /// Lease expiry (database clock).
     pub lease_expires_at: Option<DateTime<Utc>>,
     /// Current fencing token.
@@ -142,19 +144,25 @@ pub async fn claim(
     seq: i32,
     owner: &str,
     lease_secs: f64,
+    presence_pid: Option<i32>,
 ) -> Result<Option<Claim>> {
+    // A lease is free when released, expired, ours, or held by a process whose presence
+    // connection is gone (it died: kill -9 closes its sockets, so Postgres ends its backend).
     Ok(sqlx::query_as(
         "UPDATE trailmark.runs
             SET lease_owner = $3, lease_expires_at = now() + make_interval(secs => $4),
-                fence = fence + 1, updated_at = now()
+                lease_pid = $5, fence = fence + 1, updated_at = now()
           WHERE run_id = $1 AND step_seq = $2 AND status IN ('running', 'compensating')
-            AND (lease_owner IS NULL OR lease_expires_at < now() OR lease_owner = $3)
+            AND (lease_owner IS NULL OR lease_expires_at < now() OR lease_owner = $3
+                 OR (lease_pid IS NOT NULL
+                     AND NOT EXISTS (SELECT 1 FROM pg_stat_activity WHERE pid = lease_pid)))
       RETURNING fence, status, input, EXTRACT(EPOCH FROM now() - created_at)::float8 AS age_secs, undo",
     )
     .bind(run_id.as_str())
     .bind(seq)
     .bind(owner)
     .bind(lease_secs)
+    .bind(presence_pid)
     .fetch_optional(db)
     .await?)
 }

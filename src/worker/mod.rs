@@ -9,6 +9,7 @@ mod commit;
 mod handover;
 mod lease;
 mod outcome;
+mod presence;
 mod run_start;
 mod step;
 
@@ -38,6 +39,7 @@ pub const RUN_START_CONSUMER: &str = "run-start";
 /// steps have finished (or were abandoned uncommitted when the lease ran out).
 pub async fn run(engine: Arc<Engine>, shutdown: CancellationToken) -> Result<(), broker::Error> {
     let tracker = TaskTracker::new();
+    let presence = tokio::spawn(presence::hold(engine.clone(), shutdown.clone()));
     let mut backoff = Duration::from_millis(200);
     while !shutdown.is_cancelled() {
         match session(&engine, &shutdown, &tracker).await {
@@ -61,6 +63,8 @@ pub async fn run(engine: Arc<Engine>, shutdown: CancellationToken) -> Result<(),
             "shutdown: abandoning unfinished steps uncommitted"
         );
     }
+    // The presence connection goes last: in-flight leases stay ours until their steps end.
+    let _ = presence.await;
     Ok(())
 }
 

@@ -133,7 +133,7 @@ enum Claimed {
 async fn claim(engine: &Arc<Engine>, workflow: &Workflow, msg: &StepMessage, owner: &str) -> store::Result<Claimed> {
     let lease = engine.settings.worker.lease_secs as f64;
     let mut tx = engine.pool.begin().await?;
-    let Some(claim) = runs::claim(&mut *tx, &msg.run_id, msg.seq, owner, lease).await? else {
+    let Some(claim) = runs::claim(&mut *tx, &msg.run_id, msg.seq, owner, lease, super::presence::pid(engine)).await? else {
         tx.rollback().await?;
         return Ok(Claimed::No(why_not_claimed(engine, msg).await?));
     };
