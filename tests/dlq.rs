@@ -1,101 +1,24 @@
-//! Poison messages and the dead-letter queue against the real servers: what reaches the DLQ and
-//! why, that good work keeps flowing, that requeue goes through the normal pipeline (so a repeat
-//! changes nothing), and that the operator commands refuse what they should.
+//! Poison messages against the real servers: what reaches the DLQ and why while good work keeps
+//! flowing, a requeued message that runs once, and a message that kills its worker every time.
 
 mod common;
+mod dlq_support;
 
 use std::collections::BTreeMap;
 use std::os::unix::process::ExitStatusExt;
-use std::process::{Output, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use common::{ChildGuard, TestEnv};
+use dlq_support::{WAIT, cli, dead_letters, depth, message, step_body, wait_dlq_depth};
 use serde_json::{Value, json};
-use trailmark::broker::{self, Outgoing};
-use trailmark::dlq::{DeadLetter, DeadLetteredBy, Dlq, Selection, quiet};
-use trailmark::domain::{
-    MessageId, RUN_START_ROUTING_KEY, RunId, RunStartEvent, RunStatus, STEP_ROUTING_KEY,
-    StepMessage,
-};
+use trailmark::broker::Outgoing;
+use trailmark::dlq::DeadLetteredBy;
+use trailmark::domain::{RUN_START_ROUTING_KEY, RunId, RunStartEvent, RunStatus, STEP_ROUTING_KEY};
 use trailmark::failpoint::Failpoints;
 use trailmark::store::runs;
 use trailmark::workflow::{StepKind, StepOutcome, Workflow};
-
-const WAIT: Duration = Duration::from_secs(120);
-
-/// Every dead letter in the environment's DLQ (nothing is removed).
-async fn dead_letters(env: &TestEnv) -> Vec<DeadLetter> {
-    let dlq = Dlq::connect(&env.settings.broker).await.expect("dlq");
-    let listing = dlq.list(100_000, &quiet).await.expect("list");
-    dlq.close().await;
-    listing.letters
-}
-
-/// Ready messages in `queue`.
-async fn depth(env: &TestEnv, queue: &str) -> u32 {
-    let conn = broker::connect(&env.settings.broker, "test-depth")
-        .await
-        .expect("connect");
-    let ch = conn.create_channel().await.expect("channel");
-    let passive = lapin::options::QueueDeclareOptions {
-        passive: true,
-        durable: true,
-        ..Default::default()
-    };
-    let q = ch
-        .queue_declare(queue.into(), passive, Default::default())
-        .await
-        .expect("queue exists");
-    let _ = conn.close(200, "done".into()).await;
-    q.message_count()
-}
-
-async fn wait_dlq_depth(env: &TestEnv, n: u32) {
-    let dlq = env.topology().dlq();
-    env.wait_until(&format!("{n} messages in the DLQ"), WAIT, || async {
-        depth(env, &dlq).await == n
-    })
-    .await;
-}
-
-/// Runs the binary with no terminal on stdin; returns (exit code, stdout, stderr).
-async fn cli(env: &TestEnv, args: &[&str]) -> (i32, String, String) {
-    let mut cmd = env.command(args);
-    cmd.stdin(Stdio::null());
-    let out: Output = tokio::task::spawn_blocking(move || cmd.output().expect("run trailmark"))
-        .await
-        .unwrap();
-    (
-        out.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
-}
-
-fn message(exchange: String, routing_key: &str, id: &str, body: Vec<u8>) -> Outgoing {
-    Outgoing {
-        message_id: id.to_owned(),
-        exchange,
-        routing_key: routing_key.into(),
-        headers: Default::default(),
-        body,
-    }
-}
-
-fn step_body(run_id: &str, workflow: &str, v: u64) -> Vec<u8> {
-    let msg = StepMessage {
-        v,
-        message_id: MessageId::new(),
-        run_id: RunId::parse(run_id).unwrap(),
-        workflow: workflow.into(),
-        version: 1,
-        step: "link".into(),
-        seq: 0,
-    };
-    msg.encode()
-}
 
 /// Poison message `i` (kind `i % 4`), alternating between the run-start and steps exchanges.
 /// Returns the message and the reason and queue it must be dead-lettered with.
@@ -140,6 +63,31 @@ fn poison(env: &TestEnv, i: usize) -> (Outgoing, &'static str, String) {
     (msg, reason, queue)
 }
 
+/// 1,000 run-start events for one-step `chain` runs with a poison message after every tenth,
+/// and what each poison message must be dead-lettered with: id -> (reason, source queue).
+fn good_and_poison(env: &TestEnv) -> (Vec<Outgoing>, BTreeMap<String, (String, String)>) {
+    let runs_exchange = env.topology().runs_exchange();
+    let mut batch = Vec::new();
+    let mut expected = BTreeMap::new();
+    for i in 0..1000 {
+        let run_id = RunId::parse(&format!("good-{i:04}")).unwrap();
+        let event = RunStartEvent::new(run_id, "chain", json!({"steps": 1}));
+        let id = uuid::Uuid::new_v4().to_string();
+        batch.push(message(
+            runs_exchange.clone(),
+            RUN_START_ROUTING_KEY,
+            &id,
+            event.encode(),
+        ));
+        if i % 10 == 9 {
+            let (msg, reason, queue) = poison(env, i / 10);
+            expected.insert(msg.message_id.clone(), (reason.to_owned(), queue));
+            batch.push(msg);
+        }
+    }
+    (batch, expected)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hundred_poison_messages_of_four_kinds_reach_the_dlq_and_a_thousand_good_runs_succeed() {
     let env = TestEnv::with(|s| {
@@ -148,27 +96,7 @@ async fn hundred_poison_messages_of_four_kinds_reach_the_dlq_and_a_thousand_good
     })
     .await;
     let t = env.topology();
-    let mut batch = Vec::new();
-    let mut expected = BTreeMap::new();
-    for i in 0..1000 {
-        let event = RunStartEvent::new(
-            RunId::parse(&format!("good-{i:04}")).unwrap(),
-            "chain",
-            json!({"steps": 1}),
-        );
-        let id = uuid::Uuid::new_v4().to_string();
-        batch.push(message(
-            t.runs_exchange(),
-            RUN_START_ROUTING_KEY,
-            &id,
-            event.encode(),
-        ));
-        if i % 10 == 9 {
-            let (msg, reason, queue) = poison(&env, i / 10);
-            expected.insert(msg.message_id.clone(), (reason.to_owned(), queue));
-            batch.push(msg);
-        }
-    }
+    let (batch, expected) = good_and_poison(&env);
     env.publish_all(&batch).await;
     let started = Instant::now();
     let engine = env.engine();
@@ -245,78 +173,6 @@ async fn hundred_poison_messages_of_four_kinds_reach_the_dlq_and_a_thousand_good
     assert_eq!(listing["depth"], 100);
     assert_eq!(listing["letters"].as_array().unwrap().len(), 10);
     assert_eq!(depth(&env, &t.dlq()).await, 100, "listing removed nothing");
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn requeue_by_reason_sends_each_back_to_its_queue_and_a_still_broken_one_returns() {
-    let env = TestEnv::new().await;
-    let t = env.topology();
-    let v2 = |run: &str| json!({"v": 2, "run_id": run, "workflow": "chain"}).to_string();
-    let msgs = [
-        message(
-            t.runs_exchange(),
-            RUN_START_ROUTING_KEY,
-            "a-1",
-            v2("r-a").into_bytes(),
-        ),
-        message(
-            t.steps_exchange(),
-            STEP_ROUTING_KEY,
-            "a-2",
-            step_body("r-b", "chain", 2),
-        ),
-        message(
-            t.steps_exchange(),
-            STEP_ROUTING_KEY,
-            "a-3",
-            b"\xff\xfe".to_vec(),
-        ),
-    ];
-    env.publish_all(&msgs).await;
-    let running = env.spawn_all(env.engine());
-    wait_dlq_depth(&env, 3).await;
-
-    let (code, out, err) = cli(&env, &["dlq", "requeue", "--reason", "unsupported_version"]).await;
-    assert_eq!(code, 0, "{err}");
-    assert!(out.contains("requeued 2 of 3"), "{out}");
-    assert!(
-        out.contains(&format!("1 to {}", t.run_start_queue())),
-        "{out}"
-    );
-    assert!(out.contains(&format!("1 to {}", t.steps_queue())), "{out}");
-    // Still version 2: the worker dead-letters both again, from the queue they were sent to.
-    env.wait_until("both back in the DLQ as requeued once", WAIT, || async {
-        dead_letters(&env)
-            .await
-            .iter()
-            .filter(|l| l.requeued == 1)
-            .count()
-            == 2
-    })
-    .await;
-    let letters = dead_letters(&env).await;
-    let seen: BTreeMap<_, _> = letters
-        .iter()
-        .map(|l| {
-            (
-                l.id.as_str(),
-                (l.reason.as_str(), l.queue.clone().unwrap(), l.requeued),
-            )
-        })
-        .collect();
-    let want = BTreeMap::from([
-        ("a-1", ("unsupported_version", t.run_start_queue(), 1)),
-        ("a-2", ("unsupported_version", t.steps_queue(), 1)),
-        ("a-3", ("undecodable", t.steps_queue(), 0)),
-    ]);
-    assert_eq!(seen, want);
-    let (code, out, _) = cli(&env, &["dlq", "requeue", "--reason", "nothing_like_this"]).await;
-    assert_eq!(code, 0);
-    assert!(
-        out.contains("requeued 0 of 3") && out.contains("no dead letter has reason"),
-        "{out}"
-    );
-    running.stop().await;
 }
 
 /// A one-step workflow that counts its executions.
@@ -514,111 +370,4 @@ async fn message_that_kills_the_worker_every_time_reaches_the_dlq_through_the_de
     assert_eq!(env.chain_ledger("r-crashy").await, (1, 1));
     assert_eq!(depth(&env, &t.dlq()).await, 0);
     running.stop().await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn purge_refuses_without_a_terminal_purges_with_yes_and_unknown_ids_are_named() {
-    let env = TestEnv::new().await;
-    let t = env.topology();
-    let garbage: Vec<_> = (0..3)
-        .map(|i| {
-            message(
-                t.steps_exchange(),
-                STEP_ROUTING_KEY,
-                &format!("g-{i}"),
-                vec![0x80, i],
-            )
-        })
-        .collect();
-    env.publish_all(&garbage).await;
-    let running = env.spawn_all(env.engine());
-    wait_dlq_depth(&env, 3).await;
-    running.stop().await;
-
-    let (code, out, err) = cli(&env, &["dlq", "show", "g-1"]).await;
-    assert_eq!(code, 0, "{err}");
-    assert!(
-        out.contains("reason      undecodable") && out.contains("2 bytes, not UTF-8 JSON"),
-        "{out}"
-    );
-    assert!(out.contains("hex: 8001"), "{out}");
-
-    let (code, _, err) = cli(&env, &["dlq", "purge", "--all"]).await;
-    assert_eq!(code, 1);
-    assert!(
-        err.contains("refusing to purge all 3 dead letters") && err.contains("--yes"),
-        "{err}"
-    );
-    assert_eq!(depth(&env, &t.dlq()).await, 3, "refused, yet purged");
-
-    let (code, out, err) = cli(&env, &["dlq", "purge", "g-1", "--yes"]).await;
-    assert_eq!(code, 0, "{err}");
-    assert!(out.contains("purged 1 dead letters"), "{out}");
-    let mut left: Vec<_> = dead_letters(&env).await.into_iter().map(|l| l.id).collect();
-    left.sort();
-    assert_eq!(left, ["g-0", "g-2"], "only g-1 was removed");
-
-    let (code, out, err) = cli(&env, &["dlq", "purge", "--all", "--yes"]).await;
-    assert_eq!(code, 0, "{err}");
-    assert!(out.contains("purged 2 dead letters"), "{out}");
-    assert_eq!(depth(&env, &t.dlq()).await, 0);
-
-    let (code, _, err) = cli(&env, &["dlq", "show", "nope"]).await;
-    assert_eq!(code, 1);
-    let expected = format!(
-        "no dead letter with id nope in {}; list them with `trailmark dlq list`",
-        t.dlq()
-    );
-    assert!(err.contains(&expected), "{err}");
-    let (code, out, _) = cli(&env, &["dlq", "list"]).await;
-    assert_eq!(
-        (code, out.trim()),
-        (0, format!("{} is empty", t.dlq()).as_str())
-    );
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn back_to_back_passes_each_see_every_message() {
-    let env = TestEnv::new().await;
-    let t = env.topology();
-    let headers = broker::map_to_headers(&BTreeMap::from([
-        ("x-trailmark-reason".to_owned(), "undecodable".to_owned()),
-        ("x-trailmark-queue".to_owned(), t.steps_queue()),
-    ]));
-    let letters: Vec<_> = (0..300)
-        .map(|i| Outgoing {
-            headers: headers.clone(),
-            ..message(t.dlx(), "", &format!("d-{i:03}"), b"{".to_vec())
-        })
-        .collect();
-    env.publish_all(&letters).await;
-    wait_dlq_depth(&env, 300).await;
-    // A quorum queue takes a closed channel's messages back a moment after the close; every
-    // pass must still see all of them, and a purge right after a show must find its message.
-    let dlq = Dlq::connect(&env.settings.broker).await.unwrap();
-    for pass in 0..4 {
-        let listing = dlq.list(10_000, &quiet).await.unwrap();
-        assert_eq!(
-            (listing.depth, listing.letters.len()),
-            (300, 300),
-            "pass {pass}"
-        );
-    }
-    for (n, id) in ["d-299", "d-000"].into_iter().enumerate() {
-        let shown = dlq.show(id, &quiet).await.unwrap();
-        assert_eq!(shown.letter.reason, "undecodable");
-        let purged = dlq.purge(&Selection::Id(id.into()), &quiet).await.unwrap();
-        assert_eq!(
-            (purged.purged, purged.left, purged.unseen),
-            (1, 299 - n as u32, 0),
-            "{id}"
-        );
-        let again = dlq.purge(&Selection::Id(id.into()), &quiet).await;
-        assert!(
-            matches!(again, Err(trailmark::dlq::Error::NotFound { .. })),
-            "{id}: {again:?}"
-        );
-    }
-    assert_eq!(dlq.depth().await.unwrap(), 298);
-    dlq.close().await;
 }

@@ -6,7 +6,7 @@ use anyhow::{Context, bail};
 use clap::{ArgGroup, Subcommand};
 
 use crate::config::Settings;
-use crate::dlq::{BodyView, DeadLetter, Dlq, Listing, Requeued, Selection, Shown};
+use crate::dlq::{BodyView, DeadLetter, DeadLetteredBy, Dlq, Listing, Requeued, Selection, Shown};
 
 /// The `dlq` subcommands.
 #[derive(Debug, Subcommand)]
@@ -57,7 +57,9 @@ pub enum DlqCommand {
 
 /// Runs one `dlq` subcommand.
 pub async fn run(settings: &Settings, command: DlqCommand) -> anyhow::Result<()> {
-    let dlq = Dlq::connect(&settings.broker).await?;
+    let dlq = Dlq::connect(&settings.broker)
+        .await
+        .map_err(unwrap_broker)?;
     let result = match command {
         DlqCommand::List { json, limit } => list(&dlq, json, limit).await,
         DlqCommand::Show { id, json } => show(&dlq, &id, json).await,
@@ -66,6 +68,15 @@ pub async fn run(settings: &Settings, command: DlqCommand) -> anyhow::Result<()>
     };
     dlq.close().await;
     result
+}
+
+/// A broker failure is reported as the broker error itself, so that `main` recognises a server
+/// that is down (exit code 2).
+fn unwrap_broker(e: crate::dlq::Error) -> anyhow::Error {
+    match e {
+        crate::dlq::Error::Broker(b) => b.into(),
+        other => other.into(),
+    }
 }
 
 fn selection(id: Option<String>, all: bool, reason: Option<String>) -> Selection {
@@ -82,7 +93,7 @@ fn progress(taken: u32, depth: u32) {
 }
 
 async fn list(dlq: &Dlq, json: bool, limit: usize) -> anyhow::Result<()> {
-    let listing = dlq.list(limit, &progress).await?;
+    let listing = dlq.list(limit, &progress).await.map_err(unwrap_broker)?;
     if json {
         println!("{}", serde_json::to_string_pretty(&listing)?);
         return Ok(());
@@ -133,7 +144,7 @@ fn short(text: &str, max: usize) -> String {
 }
 
 async fn show(dlq: &Dlq, id: &str, json: bool) -> anyhow::Result<()> {
-    let shown = dlq.show(id, &progress).await?;
+    let shown = dlq.show(id, &progress).await.map_err(unwrap_broker)?;
     if json {
         println!("{}", serde_json::to_string_pretty(&shown)?);
         return Ok(());
@@ -146,7 +157,12 @@ fn print_shown(s: &Shown) {
     let d = &s.letter;
     let opt = |v: &Option<String>| v.clone().unwrap_or("-".into());
     println!("id          {}", d.id);
-    println!("reason      {} (dead-lettered by {:?})", d.reason, d.by);
+    let by = match d.by {
+        DeadLetteredBy::Worker => "a worker",
+        DeadLetteredBy::Broker => "RabbitMQ",
+        DeadLetteredBy::Unknown => "unknown",
+    };
+    println!("reason      {} (dead-lettered by {by})", d.reason);
     println!("detail      {}", opt(&d.detail));
     println!("queue       {}", opt(&d.queue));
     println!(
@@ -179,7 +195,7 @@ fn print_shown(s: &Shown) {
 }
 
 async fn requeue(dlq: &Dlq, which: &Selection) -> anyhow::Result<()> {
-    let r = dlq.requeue(which, &progress).await?;
+    let r = dlq.requeue(which, &progress).await.map_err(unwrap_broker)?;
     print_requeued(dlq, which, &r);
     let stuck = r.failed.len() + r.no_source_queue.len();
     if stuck > 0 {
@@ -233,10 +249,10 @@ fn print_requeued(dlq: &Dlq, which: &Selection, r: &Requeued) {
 async fn purge(dlq: &Dlq, which: &Selection, yes: bool) -> anyhow::Result<()> {
     let plan = match which {
         Selection::Id(id) => {
-            let s = dlq.show(id, &progress).await?;
+            let s = dlq.show(id, &progress).await.map_err(unwrap_broker)?;
             describe_one(&s.letter, &dlq.queue())
         }
-        _ => match dlq.depth().await? {
+        _ => match dlq.depth().await.map_err(unwrap_broker)? {
             0 => {
                 println!("{} is empty; nothing to purge", dlq.queue());
                 return Ok(());
@@ -247,7 +263,7 @@ async fn purge(dlq: &Dlq, which: &Selection, yes: bool) -> anyhow::Result<()> {
     if !yes {
         confirm(&plan).await?;
     }
-    let purged = dlq.purge(which, &progress).await?;
+    let purged = dlq.purge(which, &progress).await.map_err(unwrap_broker)?;
     println!("purged {} dead letters from {}", purged.purged, dlq.queue());
     if purged.unseen > 0 {
         println!(

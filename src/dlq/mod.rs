@@ -26,9 +26,10 @@ use crate::config::BrokerSettings;
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     /// RabbitMQ is unreachable, or the connection failed mid-pass (messages taken and not yet
-    /// handled go back to the DLQ by themselves).
+    /// handled go back to the DLQ by themselves). Displayed as the broker error itself, which
+    /// is not repeated as a source.
     #[error("{0}")]
-    Broker(#[source] broker::Error),
+    Broker(broker::Error),
     /// No message with this id is in the DLQ.
     #[error(
         "no dead letter with id {id} in {queue}{}; list them with `trailmark dlq list` (the id is the first column)",
