@@ -129,3 +129,69 @@ fn an_undo_scope_that_selects_nothing_or_is_not_understood_is_refused() {
     let err = undo::select(&all, &json!({"vendor": "SUP03"})).unwrap_err();
     assert!(err.contains("vendor"), "{err}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_undo_reverses_every_entry_releases_all_stock_and_withdraws_each_note_once() {
+    let mut r = RefEnv::new().await;
+    r.start_mail_sender();
+    let night = RefEnv::night(312, 40);
+    let run_id = night.run_id().to_string();
+    let engine = r
+        .env
+        .engine_with(trailmark::builtin::registry(), Failpoints::default());
+    let running = r.env.spawn_all(engine.clone());
+    r.start(&night).await;
+    r.env.wait_status(&run_id, RunStatus::Succeeded, WAIT).await;
+    let disputed = || async {
+        sqlx::query_scalar::<_, i64>("SELECT COALESCE(sum(disputed_qty), 0)::bigint FROM reference.stock_received WHERE night = $1")
+            .bind(night.id())
+            .fetch_one(&r.outside)
+            .await
+            .unwrap()
+    };
+    assert!(disputed().await > 0, "the run put units on hold");
+    let suppliers = expected_mismatches(&night)
+        .iter()
+        .map(|m| m.matched.item.supplier.clone())
+        .collect::<std::collections::BTreeSet<_>>()
+        .len() as i64;
+    let notes = r.wait_sink(&run_id, suppliers, 1).await.notes;
+    assert_eq!(notes, suppliers, "one debit note per over-billed supplier");
+
+    let who = Decider {
+        actor: "maria.ops".into(),
+        reason: "the whole night was run against the wrong price list".into(),
+    };
+    operator::undo(&engine, &run_id, &who, json!({}))
+        .await
+        .unwrap();
+    r.env
+        .wait_status(&run_id, RunStatus::Compensated, WAIT)
+        .await;
+
+    let (rows, reversals, sum): (i64, i64, i64) = sqlx::query_as(
+        "SELECT count(*), count(reverses), COALESCE(sum(amount_cents), 0)::bigint FROM reference.entries WHERE run_id = $1",
+    )
+    .bind(&run_id)
+    .fetch_one(&r.outside)
+    .await
+    .unwrap();
+    assert_eq!(
+        (rows, reversals, sum),
+        (80, 40, 0),
+        "40 entries, 40 reversals, nothing left standing"
+    );
+    assert_eq!(disputed().await, 0, "stock is back where it started");
+    r.env
+        .wait_until("every withdrawal reached the sink", WAIT, || async {
+            mail::counts(&r.outside, &run_id).await.unwrap().withdrawals >= notes
+        })
+        .await;
+    let sink = mail::counts(&r.outside, &run_id).await.unwrap();
+    assert_eq!(
+        (sink.withdrawals, sink.duplicate_notes),
+        (notes, 0),
+        "one withdrawal per debit note"
+    );
+    running.stop().await;
+}
