@@ -23,6 +23,7 @@ use lapin::types::FieldTable;
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
+use tracing::Instrument;
 
 use crate::broker::{self, Publisher};
 use crate::engine::Engine;
@@ -143,9 +144,18 @@ async fn session(
     outcome
 }
 
+/// Processes one delivery inside a span that carries its ids (filled in once decoded).
+async fn handle(engine: &Arc<Engine>, publisher: &Publisher, delivery: Delivery, is_step: bool, shutdown: &CancellationToken) {
+    use tracing::field::Empty;
+    let id = delivery.properties.message_id().as_ref().map(|m| m.to_string()).unwrap_or_default();
+    let span = tracing::info_span!("delivery", message.id = %id, run.id = Empty, workflow = Empty, step = Empty,
+        seq = Empty, attempt = Empty, fence = Empty);
+    handle_in_span(engine, publisher, delivery, is_step, shutdown).instrument(span).await
+}
+
 /// Processes one delivery to its disposition, retrying infrastructure failures in place
 /// (the message stays unacknowledged, so nothing is lost if we die meanwhile).
-async fn handle(
+async fn handle_in_span(
     engine: &Arc<Engine>,
     publisher: &Publisher,
     delivery: Delivery,

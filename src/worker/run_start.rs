@@ -3,7 +3,6 @@
 use std::sync::Arc;
 
 use lapin::message::Delivery;
-use tracing::Instrument;
 
 use super::RUN_START_CONSUMER;
 use super::commit::step_message;
@@ -22,8 +21,10 @@ pub(super) async fn process(
             Ok(e) => e,
             Err(e) => return Ok(dead(e.code(), e.to_string())),
         };
-    let span = tracing::info_span!("run_start", run.id = %event.run_id, workflow = %event.workflow);
-    start(engine, delivery, event).instrument(span).await
+    let span = tracing::Span::current();
+    span.record("run.id", tracing::field::display(&event.run_id));
+    span.record("workflow", event.workflow.as_str());
+    start(engine, delivery, event).await
 }
 
 async fn start(
@@ -74,12 +75,23 @@ async fn start(
         tracing::info!("run already exists; start event ignored");
         return Ok(Disposition::Duplicate);
     }
-    let mut first_message = step_message(engine, &event.run_id, &workflow.name, workflow.version, first, 0);
+    let mut first_message = step_message(
+        engine,
+        &event.run_id,
+        &workflow.name,
+        workflow.version,
+        first,
+        0,
+    );
     first_message.relay_after_ms = engine.settings.relay.eager_grace_ms;
     outbox::insert(&mut *tx, std::slice::from_ref(&first_message)).await?;
     tx.commit().await?;
     Stats::bump(&engine.stats.runs_started);
     tracing::info!("run started");
-    let eager = if engine.settings.relay.eager_grace_ms > 0 { vec![first_message] } else { Vec::new() };
+    let eager = if engine.settings.relay.eager_grace_ms > 0 {
+        vec![first_message]
+    } else {
+        Vec::new()
+    };
     Ok(Disposition::Committed(eager))
 }

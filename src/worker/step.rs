@@ -6,7 +6,6 @@ use std::time::Duration;
 
 use futures_util::FutureExt;
 use lapin::message::Delivery;
-use tracing::Instrument;
 
 use super::STEP_CONSUMER;
 use super::commit::{self, Ending};
@@ -16,23 +15,39 @@ use super::outcome::{Disposition, dead};
 use crate::domain::{RunStatus, StepMessage};
 use crate::engine::{Engine, Stats};
 use crate::guard::Budget;
-use crate::store::{self, inbox, runs, steps};
 use crate::store::decisions;
-use crate::workflow::{Next, Position, StepContext, StepDef, StepError, StepOutcome, UndoTarget, Workflow, parse_undo_step, undo_step_name};
+use crate::store::{self, inbox, runs, steps};
+use crate::workflow::{
+    Next, Position, StepContext, StepDef, StepError, StepOutcome, UndoTarget, Workflow,
+    parse_undo_step, undo_step_name,
+};
 
 /// Processes a step delivery; `Err` means infrastructure failed and the delivery should be retried.
-pub(super) async fn process(engine: &Arc<Engine>, delivery: &Delivery, owner: &str) -> store::Result<Disposition> {
+pub(super) async fn process(
+    engine: &Arc<Engine>,
+    delivery: &Delivery,
+    owner: &str,
+) -> store::Result<Disposition> {
     engine.failpoints.hit("worker.received").map_err(infra)?;
     let msg = match StepMessage::decode(&delivery.data, engine.settings.worker.max_message_bytes) {
         Ok(m) => m,
         Err(e) => return Ok(dead(e.code(), e.to_string())),
     };
-    let span = tracing::info_span!("step", run.id = %msg.run_id, workflow = %msg.workflow, step = %msg.step,
-        seq = msg.seq, message.id = %msg.message_id, attempt = tracing::field::Empty, fence = tracing::field::Empty);
-    process_message(engine, msg, owner).instrument(span).await
+    // The delivery's span (opened by `handle`) gets the step's ids, so every line logged while
+    // processing and settling this delivery carries them.
+    let span = tracing::Span::current();
+    span.record("run.id", tracing::field::display(&msg.run_id));
+    span.record("workflow", msg.workflow.as_str());
+    span.record("step", msg.step.as_str());
+    span.record("seq", msg.seq);
+    process_message(engine, msg, owner).await
 }
 
-async fn process_message(engine: &Arc<Engine>, msg: StepMessage, owner: &str) -> store::Result<Disposition> {
+async fn process_message(
+    engine: &Arc<Engine>,
+    msg: StepMessage,
+    owner: &str,
+) -> store::Result<Disposition> {
     let (workflow, step) = match resolve(engine, &msg) {
         Ok(found) => found,
         Err(poison) => return Ok(poison),
@@ -70,7 +85,11 @@ async fn doubt(engine: &Engine, msg: &StepMessage) -> store::Result<Option<serde
         return Ok(None);
     }
     let parked = crate::store::parked::list(&engine.pool, run_id).await?;
-    let unknown: Vec<_> = crate::store::effects::list(&engine.pool, run_id).await?.into_iter().filter(|e| !e.completed).collect();
+    let unknown: Vec<_> = crate::store::effects::list(&engine.pool, run_id)
+        .await?
+        .into_iter()
+        .filter(|e| !e.completed)
+        .collect();
     if parked.is_empty() && unknown.is_empty() {
         return Ok(None);
     }
@@ -86,32 +105,49 @@ async fn doubt(engine: &Engine, msg: &StepMessage) -> store::Result<Option<serde
 
 fn resolve(engine: &Engine, msg: &StepMessage) -> Result<(Arc<Workflow>, StepDef), Disposition> {
     let Some(workflow) = engine.registry.get(&msg.workflow) else {
-        return Err(dead("unknown_workflow", format!(
-            "run {}: workflow {:?} is not registered in this worker (known: {}); deploy it, then requeue",
-            msg.run_id, msg.workflow, engine.registry.names().join(", ")
-        )));
+        return Err(dead(
+            "unknown_workflow",
+            format!(
+                "run {}: workflow {:?} is not registered in this worker (known: {}); deploy it, then requeue",
+                msg.run_id,
+                msg.workflow,
+                engine.registry.names().join(", ")
+            ),
+        ));
     };
     if workflow.version != msg.version {
-        return Err(dead("unknown_version", format!(
-            "run {}: message is for {} v{}, this worker runs v{}; deploy that version, then requeue",
-            msg.run_id, msg.workflow, msg.version, workflow.version
-        )));
+        return Err(dead(
+            "unknown_version",
+            format!(
+                "run {}: message is for {} v{}, this worker runs v{}; deploy that version, then requeue",
+                msg.run_id, msg.workflow, msg.version, workflow.version
+            ),
+        ));
     }
     // A compensation travels as `undo:<step>@<seq>` and runs the step's declared compensation.
     let (name, undo) = match parse_undo_step(&msg.step) {
         Some((original, _)) => (original, true),
         None => (msg.step.as_str(), false),
     };
-    let found = workflow.find(name).and_then(|def| match (undo, &def.compensation) {
-        (false, _) => Some(def.clone()),
-        (true, Some(c)) => Some(StepDef { name: msg.step.clone(), handler: c.handler.clone(), ..def.clone() }),
-        (true, None) => None,
-    });
+    let found = workflow
+        .find(name)
+        .and_then(|def| match (undo, &def.compensation) {
+            (false, _) => Some(def.clone()),
+            (true, Some(c)) => Some(StepDef {
+                name: msg.step.clone(),
+                handler: c.handler.clone(),
+                ..def.clone()
+            }),
+            (true, None) => None,
+        });
     let Some(step) = found else {
-        return Err(dead("unknown_step", format!(
-            "run {}: workflow {} v{} has no step {:?}",
-            msg.run_id, msg.workflow, msg.version, msg.step
-        )));
+        return Err(dead(
+            "unknown_step",
+            format!(
+                "run {}: workflow {} v{} has no step {:?}",
+                msg.run_id, msg.workflow, msg.version, msg.step
+            ),
+        ));
     };
     Ok((workflow, step))
 }
@@ -130,10 +166,24 @@ enum Claimed {
 
 /// Takes the run's lease and counts the attempt, in one short transaction of its own so the
 /// raised fence is durable before any outside call is made.
-async fn claim(engine: &Arc<Engine>, workflow: &Workflow, msg: &StepMessage, owner: &str) -> store::Result<Claimed> {
+async fn claim(
+    engine: &Arc<Engine>,
+    workflow: &Workflow,
+    msg: &StepMessage,
+    owner: &str,
+) -> store::Result<Claimed> {
     let lease = engine.settings.worker.lease_secs as f64;
     let mut tx = engine.pool.begin().await?;
-    let Some(claim) = runs::claim(&mut *tx, &msg.run_id, msg.seq, owner, lease, super::presence::pid(engine)).await? else {
+    let Some(claim) = runs::claim(
+        &mut *tx,
+        &msg.run_id,
+        msg.seq,
+        owner,
+        lease,
+        super::presence::pid(engine),
+    )
+    .await?
+    else {
         tx.rollback().await?;
         return Ok(Claimed::No(why_not_claimed(engine, msg).await?));
     };
@@ -149,44 +199,80 @@ async fn claim(engine: &Arc<Engine>, workflow: &Workflow, msg: &StepMessage, own
         seq: msg.seq,
         attempt,
         fence: claim.fence(),
-        budget: workflow.budget.unwrap_or_else(|| Budget::from_settings(&engine.settings.guards)),
+        budget: workflow
+            .budget
+            .unwrap_or_else(|| Budget::from_settings(&engine.settings.guards)),
         input: claim.input,
         undo,
     };
     let ctx = StepContext::new(engine.services.clone(), pos);
-    Ok(Claimed::Yes(ClaimedStep { ctx, status, age_secs: claim.age_secs, plan: claim.undo }))
+    Ok(Claimed::Yes(ClaimedStep {
+        ctx,
+        status,
+        age_secs: claim.age_secs,
+        plan: claim.undo,
+    }))
 }
 
 /// For a compensation: the original step's checkpoint and the operator's scope.
-async fn undo_target(engine: &Engine, msg: &StepMessage, plan: Option<&serde_json::Value>) -> store::Result<Option<UndoTarget>> {
-    let Some((step, seq)) = parse_undo_step(&msg.step) else { return Ok(None) };
-    let output = steps::output_at(&engine.pool, &msg.run_id, seq).await?.unwrap_or_default();
-    let scope = plan.and_then(|p| p.get("scope")).cloned().unwrap_or_else(|| serde_json::json!({}));
-    Ok(Some(UndoTarget { step: step.to_owned(), seq, output, scope }))
+async fn undo_target(
+    engine: &Engine,
+    msg: &StepMessage,
+    plan: Option<&serde_json::Value>,
+) -> store::Result<Option<UndoTarget>> {
+    let Some((step, seq)) = parse_undo_step(&msg.step) else {
+        return Ok(None);
+    };
+    let output = steps::output_at(&engine.pool, &msg.run_id, seq)
+        .await?
+        .unwrap_or_default();
+    let scope = plan
+        .and_then(|p| p.get("scope"))
+        .cloned()
+        .unwrap_or_else(|| serde_json::json!({}));
+    Ok(Some(UndoTarget {
+        step: step.to_owned(),
+        seq,
+        output,
+        scope,
+    }))
 }
 
 /// The compensation after `current` in the undo plan (newest first), or `None` when done.
 fn next_compensation(plan: Option<&serde_json::Value>, current: &str) -> Option<String> {
     let (_, seq) = parse_undo_step(current)?;
     let targets = plan?.get("targets")?.as_array()?;
-    let pos = targets.iter().position(|t| t["seq"].as_i64() == Some(seq as i64))?;
+    let pos = targets
+        .iter()
+        .position(|t| t["seq"].as_i64() == Some(seq as i64))?;
     let next = targets.get(pos + 1)?;
-    Some(undo_step_name(next["step"].as_str()?, next["seq"].as_i64()? as i32))
+    Some(undo_step_name(
+        next["step"].as_str()?,
+        next["seq"].as_i64()? as i32,
+    ))
 }
 
 async fn why_not_claimed(engine: &Arc<Engine>, msg: &StepMessage) -> store::Result<Disposition> {
     let Some(run) = runs::get(&engine.pool, msg.run_id.as_str()).await? else {
-        return Ok(dead("unknown_run", format!("run {} does not exist in this database", msg.run_id)));
+        return Ok(dead(
+            "unknown_run",
+            format!("run {} does not exist in this database", msg.run_id),
+        ));
     };
     let status = run.status();
     if !status.accepts_steps() {
         return Ok(Disposition::Stale(format!("run is {status}")));
     }
     if run.step_seq != msg.seq {
-        return Ok(Disposition::Stale(format!("run is at position {}, message is for {}", run.step_seq, msg.seq)));
+        return Ok(Disposition::Stale(format!(
+            "run is at position {}, message is for {}",
+            run.step_seq, msg.seq
+        )));
     }
     // Another live worker holds the lease: wait in a delay queue rather than spin.
-    Ok(Disposition::Delay(Duration::from_millis(engine.settings.worker.busy_retry_ms)))
+    Ok(Disposition::Delay(Duration::from_millis(
+        engine.settings.worker.busy_retry_ms,
+    )))
 }
 
 /// Guards checked before the handler runs: the attempt cap (so a step that kills its worker
@@ -211,7 +297,11 @@ fn refuse_before_running(engine: &Engine, ctx: &StepContext, age_secs: f64) -> O
 
 /// Runs the handler under a heartbeat and the step's soft timeout; a lost lease or a panic
 /// becomes an error, never a crash.
-async fn execute(engine: &Arc<Engine>, step: &StepDef, ctx: StepContext) -> Result<StepOutcome, StepError> {
+async fn execute(
+    engine: &Arc<Engine>,
+    step: &StepDef,
+    ctx: StepContext,
+) -> Result<StepOutcome, StepError> {
     let heartbeat = Heartbeat::start(engine, ctx.run_id().clone(), ctx.fence());
     let timeout = Duration::from_secs(engine.settings.worker.step_timeout_secs);
     let run = AssertUnwindSafe((step.handler)(ctx)).catch_unwind();
@@ -227,27 +317,49 @@ async fn execute(engine: &Arc<Engine>, step: &StepDef, ctx: StepContext) -> Resu
     result
 }
 
-async fn finish(engine: &Arc<Engine>, workflow: &Workflow, msg: &StepMessage, claimed: &ClaimedStep, result: Result<StepOutcome, StepError>) -> store::Result<Disposition> {
+async fn finish(
+    engine: &Arc<Engine>,
+    workflow: &Workflow,
+    msg: &StepMessage,
+    claimed: &ClaimedStep,
+    result: Result<StepOutcome, StepError>,
+) -> store::Result<Disposition> {
     let (ctx, status) = (&claimed.ctx, claimed.status);
     let max = engine.settings.worker.max_attempts;
     let failure = match result {
-        Ok(StepOutcome { output, next: Next::Wait }) => {
+        Ok(StepOutcome {
+            output,
+            next: Next::Wait,
+        }) => {
             let note = serde_json::json!({ "waiting_for": "decision", "step": msg.step, "seq": msg.seq, "question": output });
             return commit_ending(engine, msg, ctx, Ending::Wait { note }).await;
         }
         Ok(outcome) => match next_step(workflow, msg, claimed, &outcome.next) {
             Ok(next) => {
                 let (sent, parked) = ctx.take_pending();
-                let ending = Ending::Advance { output: outcome.output, next, status, sent, parked };
+                let ending = Ending::Advance {
+                    output: outcome.output,
+                    next,
+                    status,
+                    sent,
+                    parked,
+                };
                 return commit_ending(engine, msg, ctx, ending).await;
             }
             Err(e) => e,
         },
-        Err(StepError::FencedOut) => return Ok(Disposition::Stale("fenced out while executing".into())),
+        Err(StepError::FencedOut) => {
+            return Ok(Disposition::Stale("fenced out while executing".into()));
+        }
         Err(StepError::Infrastructure(e)) => return Err(store::Error::Unavailable(e)),
-        Err(StepError::Temporary { reason, retry_after }) if ctx.attempt() < max => {
+        Err(StepError::Temporary {
+            reason,
+            retry_after,
+        }) if ctx.attempt() < max => {
             let base = engine.settings.worker.retry_base_ms;
-            let delay = retry_after.unwrap_or(Duration::from_millis(base.saturating_mul(1 << (ctx.attempt() - 1).clamp(0, 16))));
+            let delay = retry_after.unwrap_or(Duration::from_millis(
+                base.saturating_mul(1 << (ctx.attempt() - 1).clamp(0, 16)),
+            ));
             tracing::warn!(reason = %reason, delay_ms = delay.as_millis() as u64, "step failed temporarily; retrying later");
             commit::release(engine, &msg.run_id, ctx.fence()).await?;
             return Ok(Disposition::Delay(delay));
@@ -261,26 +373,44 @@ async fn finish(engine: &Arc<Engine>, workflow: &Workflow, msg: &StepMessage, cl
     };
     tracing::error!(error = %failure, class = failure.class(), "step failed; run needs review");
     let note = handover::note(engine, msg, ctx.attempt(), &failure).await?;
-    let error = format!("run {} stopped at step {} (position {}, attempt {}): {failure}", ctx.run_id(), ctx.step(), ctx.seq(), ctx.attempt());
+    let error = format!(
+        "run {} stopped at step {} (position {}, attempt {}): {failure}",
+        ctx.run_id(),
+        ctx.step(),
+        ctx.seq(),
+        ctx.attempt()
+    );
     commit_ending(engine, msg, ctx, Ending::Review { error, note }).await
 }
 
 /// The step after this one: the next compensation while undoing, else the workflow's choice.
-fn next_step(workflow: &Workflow, msg: &StepMessage, claimed: &ClaimedStep, next: &Next) -> Result<Option<String>, StepError> {
+fn next_step(
+    workflow: &Workflow,
+    msg: &StepMessage,
+    claimed: &ClaimedStep,
+    next: &Next,
+) -> Result<Option<String>, StepError> {
     if parse_undo_step(&msg.step).is_some() {
         return Ok(next_compensation(claimed.plan.as_ref(), &msg.step));
     }
     workflow.resolve_next(&msg.step, next)
 }
 
-async fn commit_ending(engine: &Arc<Engine>, msg: &StepMessage, ctx: &StepContext, ending: Ending) -> store::Result<Disposition> {
+async fn commit_ending(
+    engine: &Arc<Engine>,
+    msg: &StepMessage,
+    ctx: &StepContext,
+    ending: Ending,
+) -> store::Result<Disposition> {
     match commit::commit(engine, msg, ctx.fence(), ending).await {
         Ok(Some(queued)) => {
             Stats::bump(&engine.stats.steps_committed);
             Ok(Disposition::Committed(queued))
         }
         Ok(None) => Ok(Disposition::Duplicate),
-        Err(store::Error::FencedOut { .. }) => Ok(Disposition::Stale("fenced out at commit".into())),
+        Err(store::Error::FencedOut { .. }) => {
+            Ok(Disposition::Stale("fenced out at commit".into()))
+        }
         Err(e) => Err(e),
     }
 }
