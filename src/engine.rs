@@ -2,8 +2,8 @@
 //! counters. Every long-running component takes an `Arc<Engine>` and a shutdown token.
 
 use std::sync::Arc;
-use std::time::Duration;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
 
 use sqlx::PgPool;
 
@@ -110,7 +110,10 @@ impl Engine {
             model,
             fallback_model,
             failpoints: failpoints.clone(),
-            breakers: Breakers::new(guards.breaker_failures, Duration::from_secs(guards.breaker_open_secs)),
+            breakers: Breakers::new(
+                guards.breaker_failures,
+                Duration::from_secs(guards.breaker_open_secs),
+            ),
             settings: settings.clone(),
             standin_answer_bytes: 64,
         });

@@ -9,7 +9,10 @@ use common::TestEnv;
 use trailmark::domain::RunStatus;
 
 fn text(out: &Output) -> (String, String) {
-    (String::from_utf8_lossy(&out.stdout).into_owned(), String::from_utf8_lossy(&out.stderr).into_owned())
+    (
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -21,29 +24,59 @@ async fn documented_quickstart_migrates_twice_starts_twice_and_shows_a_succeeded
     }
     let _serve = env.spawn_process(None);
     for _ in 0..2 {
-        let out = env.command(&["run", "start", "chain", "--run-id", "r1", "--input", r#"{"steps":50}"#]).output().unwrap();
+        let out = env
+            .command(&[
+                "run",
+                "start",
+                "chain",
+                "--run-id",
+                "r1",
+                "--input",
+                r#"{"steps":50}"#,
+            ])
+            .output()
+            .unwrap();
         assert!(out.status.success(), "run start: {:?}", text(&out));
     }
-    env.wait_status("r1", RunStatus::Succeeded, Duration::from_secs(60)).await;
-    let out = env.command(&["run", "show", "r1", "--json"]).output().unwrap();
+    env.wait_status("r1", RunStatus::Succeeded, Duration::from_secs(60))
+        .await;
+    let out = env
+        .command(&["run", "show", "r1", "--json"])
+        .output()
+        .unwrap();
     assert!(out.status.success(), "{:?}", text(&out));
-    let report: serde_json::Value = serde_json::from_slice(&out.stdout).expect("run show --json prints JSON");
+    let report: serde_json::Value =
+        serde_json::from_slice(&out.stdout).expect("run show --json prints JSON");
     assert_eq!(report["status"], "succeeded");
     assert_eq!(report["steps_done"], 50);
     assert_eq!(report["journal"]["entries"], 50);
     assert_eq!(report["effects"]["completed"], 50);
-    let out = env.command(&["run", "list", "--status", "succeeded", "--json"]).output().unwrap();
+    let out = env
+        .command(&["run", "list", "--status", "succeeded", "--json"])
+        .output()
+        .unwrap();
     let runs: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    assert_eq!(runs.as_array().map(Vec::len), Some(1), "the same run id started twice is one run");
+    assert_eq!(
+        runs.as_array().map(Vec::len),
+        Some(1),
+        "the same run id started twice is one run"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unreachable_servers_give_one_clear_line_without_the_password_and_exit_2() {
     let env = TestEnv::new().await;
-    let out = env.command(&["run", "list"]).env("DATABASE_URL", "postgres://postgres:hunter2@127.0.0.1:1/x").output().unwrap();
+    let out = env
+        .command(&["run", "list"])
+        .env("DATABASE_URL", "postgres://postgres:hunter2@127.0.0.1:1/x")
+        .output()
+        .unwrap();
     let (_, err) = text(&out);
     assert_eq!(out.status.code(), Some(2), "{err}");
-    assert!(err.contains("cannot connect to Postgres") && err.contains("pg_ctlcluster"), "{err}");
+    assert!(
+        err.contains("cannot connect to Postgres") && err.contains("pg_ctlcluster"),
+        "{err}"
+    );
     assert!(!err.contains("hunter2"), "password leaked: {err}");
     assert_eq!(err.trim().lines().count(), 1, "one line expected: {err}");
 
@@ -54,7 +87,10 @@ async fn unreachable_servers_give_one_clear_line_without_the_password_and_exit_2
         .unwrap();
     let (_, err) = text(&out);
     assert_eq!(out.status.code(), Some(2), "{err}");
-    assert!(err.contains("cannot connect to RabbitMQ") && err.contains("rabbitmq-server -detached"), "{err}");
+    assert!(
+        err.contains("cannot connect to RabbitMQ") && err.contains("rabbitmq-server -detached"),
+        "{err}"
+    );
     assert!(!err.contains("hunter2"), "password leaked: {err}");
 }
 
@@ -62,9 +98,18 @@ async fn unreachable_servers_give_one_clear_line_without_the_password_and_exit_2
 async fn bad_requests_are_refused_with_what_to_do() {
     let env = TestEnv::new().await;
     let cases: [(&[&str], &str); 4] = [
-        (&["run", "start", "nope", "--run-id", "r3"], "unknown workflow \"nope\""),
-        (&["run", "start", "chain", "--run-id", "has space"], "invalid run id"),
-        (&["run", "start", "chain", "--run-id", "r3", "--input", "{bad"], "--input is not valid JSON"),
+        (
+            &["run", "start", "nope", "--run-id", "r3"],
+            "unknown workflow \"nope\"",
+        ),
+        (
+            &["run", "start", "chain", "--run-id", "has space"],
+            "invalid run id",
+        ),
+        (
+            &["run", "start", "chain", "--run-id", "r3", "--input", "{bad"],
+            "--input is not valid JSON",
+        ),
         (&["run", "show", "missing"], "run missing not found"),
     ];
     for (args, expected) in cases {

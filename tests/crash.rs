@@ -102,14 +102,22 @@ async fn killed_after_a_commit_before_publishing_the_relay_delivers_the_next_ste
     let env = TestEnv::new().await;
     // Step 50 commits, then its worker dies before it publishes step 51 and acks step 50.
     let mut first = env.spawn_process(Some("step.after_commit=kill@50"));
-    env.start_run("chain", "r-unpublished", json!({"steps": 100})).await;
-    let status = tokio::task::spawn_blocking(move || first.wait()).await.unwrap();
+    env.start_run("chain", "r-unpublished", json!({"steps": 100}))
+        .await;
+    let status = tokio::task::spawn_blocking(move || first.wait())
+        .await
+        .unwrap();
     assert_eq!(status.signal(), Some(9), "{status:?}");
     assert_eq!(env.steps_done("r-unpublished").await, 50);
     let _second = env.spawn_process(None);
-    env.wait_status("r-unpublished", RunStatus::Succeeded, WAIT).await;
+    env.wait_status("r-unpublished", RunStatus::Succeeded, WAIT)
+        .await;
     assert_eq!(env.chain_ledger("r-unpublished").await, (100, 100));
-    assert_eq!(attempts(&env, "r-unpublished").await, (100, 0), "no step ran twice");
+    assert_eq!(
+        attempts(&env, "r-unpublished").await,
+        (100, 0),
+        "no step ran twice"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -134,15 +142,30 @@ async fn a_worker_frozen_past_its_lease_cannot_write_when_it_wakes() {
     use std::io::{BufRead, BufReader};
     let env = TestEnv::new().await;
     let mut frozen = env.command(&["serve"]);
-    frozen.env("RUST_LOG", "warn,trailmark=info").stdout(std::process::Stdio::null()).stderr(std::process::Stdio::piped());
+    frozen
+        .env("RUST_LOG", "warn,trailmark=info")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped());
     let mut frozen = common::ChildGuard(Some(frozen.spawn().unwrap()));
     let stderr = frozen.0.as_mut().unwrap().stderr.take().unwrap();
     let (lines_tx, lines) = std::sync::mpsc::channel::<String>();
-    std::thread::spawn(move || BufReader::new(stderr).lines().map_while(Result::ok).for_each(|l| drop(lines_tx.send(l))));
+    std::thread::spawn(move || {
+        BufReader::new(stderr)
+            .lines()
+            .map_while(Result::ok)
+            .for_each(|l| drop(lines_tx.send(l)))
+    });
 
-    env.start_run("chain", "r-frozen", json!({"steps": 3, "step_delay_ms": 2500})).await;
+    env.start_run(
+        "chain",
+        "r-frozen",
+        json!({"steps": 3, "step_delay_ms": 2500}),
+    )
+    .await;
     env.wait_until("the first worker inside step 2", WAIT, || async {
-        let run = trailmark::store::runs::get(&env.pool, "r-frozen").await.unwrap();
+        let run = trailmark::store::runs::get(&env.pool, "r-frozen")
+            .await
+            .unwrap();
         run.is_some_and(|r| r.step_seq == 1 && r.lease_owner.is_some())
     })
     .await;
@@ -150,7 +173,8 @@ async fn a_worker_frozen_past_its_lease_cannot_write_when_it_wakes() {
     // SAFETY: signalling our own child process.
     unsafe { libc::kill(pid, libc::SIGSTOP) };
     let _second = env.spawn_process(None);
-    env.wait_status("r-frozen", RunStatus::Succeeded, WAIT).await;
+    env.wait_status("r-frozen", RunStatus::Succeeded, WAIT)
+        .await;
     unsafe { libc::kill(pid, libc::SIGCONT) };
 
     // The woken worker must notice it was fenced out, by heartbeat, effect or commit.
@@ -165,10 +189,22 @@ async fn a_worker_frozen_past_its_lease_cannot_write_when_it_wakes() {
     };
     assert!(refusal.contains("r-frozen"), "{refusal}");
     assert_eq!(env.chain_ledger("r-frozen").await, (3, 3));
-    let seq1 = env.scalar("SELECT attempts::bigint FROM trailmark.steps WHERE run_id = $1 AND seq = 1", "r-frozen").await;
+    let seq1 = env
+        .scalar(
+            "SELECT attempts::bigint FROM trailmark.steps WHERE run_id = $1 AND seq = 1",
+            "r-frozen",
+        )
+        .await;
     assert_eq!(seq1, 2, "the second worker re-ran the frozen step");
-    let run = trailmark::store::runs::get(&env.pool, "r-frozen").await.unwrap().unwrap();
-    assert_eq!((run.status(), run.step_seq), (RunStatus::Succeeded, 3), "the stale worker changed the run");
+    let run = trailmark::store::runs::get(&env.pool, "r-frozen")
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        (run.status(), run.step_seq),
+        (RunStatus::Succeeded, 3),
+        "the stale worker changed the run"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -178,26 +214,51 @@ async fn a_killed_workers_lease_is_taken_over_at_once_by_a_live_worker() {
     env.settings.worker.lease_secs = 60;
     env.settings.worker.heartbeat_secs = 5;
     let mut workers = [env.spawn_process(None), env.spawn_process(None)];
-    env.start_run("chain", "r-takeover", json!({"steps": 40, "step_delay_ms": 300})).await;
+    env.start_run(
+        "chain",
+        "r-takeover",
+        json!({"steps": 40, "step_delay_ms": 300}),
+    )
+    .await;
     env.wait_until("ten steps done and one in flight", WAIT, || async {
-        let run = trailmark::store::runs::get(&env.pool, "r-takeover").await.unwrap();
+        let run = trailmark::store::runs::get(&env.pool, "r-takeover")
+            .await
+            .unwrap();
         run.is_some_and(|r| r.step_seq >= 10 && r.lease_owner.is_some())
     })
     .await;
-    let run = trailmark::store::runs::get(&env.pool, "r-takeover").await.unwrap().unwrap();
+    let run = trailmark::store::runs::get(&env.pool, "r-takeover")
+        .await
+        .unwrap()
+        .unwrap();
     // Lease owners read `<host>-<pid>-<tag>/<delivery>`.
-    let process = run.lease_owner.as_deref().unwrap().split('/').next().unwrap();
+    let process = run
+        .lease_owner
+        .as_deref()
+        .unwrap()
+        .split('/')
+        .next()
+        .unwrap();
     let holder: u32 = process.rsplit('-').nth(1).unwrap().parse().unwrap();
-    let victim = workers.iter_mut().find(|w| w.pid() == holder).expect("the lease holder is one of ours");
+    let victim = workers
+        .iter_mut()
+        .find(|w| w.pid() == holder)
+        .expect("the lease holder is one of ours");
     victim.kill9();
     let expiry = run.lease_expires_at.unwrap();
-    env.wait_status("r-takeover", RunStatus::Succeeded, WAIT).await;
-    let taken_over: chrono::DateTime<chrono::Utc> =
-        sqlx::query_scalar("SELECT finished_at FROM trailmark.steps WHERE run_id = 'r-takeover' AND seq = $1")
-            .bind(run.step_seq)
-            .fetch_one(&env.pool)
-            .await
-            .unwrap();
-    assert!(taken_over < expiry - chrono::Duration::seconds(30), "step {} finished at {taken_over}, its dead holder's lease ran to {expiry}", run.step_seq);
+    env.wait_status("r-takeover", RunStatus::Succeeded, WAIT)
+        .await;
+    let taken_over: chrono::DateTime<chrono::Utc> = sqlx::query_scalar(
+        "SELECT finished_at FROM trailmark.steps WHERE run_id = 'r-takeover' AND seq = $1",
+    )
+    .bind(run.step_seq)
+    .fetch_one(&env.pool)
+    .await
+    .unwrap();
+    assert!(
+        taken_over < expiry - chrono::Duration::seconds(30),
+        "step {} finished at {taken_over}, its dead holder's lease ran to {expiry}",
+        run.step_seq
+    );
     assert_eq!(env.chain_ledger("r-takeover").await, (40, 40));
 }

@@ -15,12 +15,15 @@ use trailmark::engine::Engine;
 use trailmark::failpoint::Failpoints;
 use trailmark::guard::Budget;
 use trailmark::standin::model_server::{ModelServer, ModelServerOptions, Scripted};
-use trailmark::workflow::{Lookup, Registry, StepContext, StepError, StepKind, StepOutcome, Tool, Workflow};
+use trailmark::workflow::{
+    Lookup, Registry, StepContext, StepError, StepKind, StepOutcome, Tool, Workflow,
+};
 
 const WAIT: Duration = Duration::from_secs(60);
 
 fn start(env: &TestEnv, settings: Settings, registry: Registry) -> (Arc<Engine>, Running) {
-    let engine = Engine::with_pool(settings, registry, Failpoints::default(), env.pool.clone()).expect("engine");
+    let engine = Engine::with_pool(settings, registry, Failpoints::default(), env.pool.clone())
+        .expect("engine");
     let running = env.spawn_all(engine.clone());
     (engine, running)
 }
@@ -34,7 +37,12 @@ fn with_model(env: &TestEnv, server: &ModelServer) -> Settings {
 }
 
 async fn model_server(script: Vec<Scripted>) -> ModelServer {
-    ModelServer::start(ModelServerOptions { script, ..Default::default() }).await.expect("model server")
+    ModelServer::start(ModelServerOptions {
+        script,
+        ..Default::default()
+    })
+    .await
+    .expect("model server")
 }
 
 /// A keyed table the test workflows write to, standing in for a ledger that enforces its key.
@@ -56,7 +64,10 @@ async fn post(pool: &sqlx::PgPool, reference: &str, amount: i64) -> Result<Value
 }
 
 async fn ledger_rows(env: &TestEnv) -> i64 {
-    sqlx::query_scalar("SELECT count(*) FROM test_ledger").fetch_one(&env.pool).await.unwrap()
+    sqlx::query_scalar("SELECT count(*) FROM test_ledger")
+        .fetch_one(&env.pool)
+        .await
+        .unwrap()
 }
 
 fn key(ctx: &StepContext, item: &str) -> IdempotencyKey {
@@ -67,10 +78,21 @@ fn key(ctx: &StepContext, item: &str) -> IdempotencyKey {
 async fn model_500_then_200_gives_one_journal_entry_and_two_calls() {
     let env = TestEnv::new().await;
     let server = model_server(vec![Scripted::Status(500)]).await;
-    let (_engine, running) = start(&env, with_model(&env, &server), trailmark::builtin::registry());
+    let (_engine, running) = start(
+        &env,
+        with_model(&env, &server),
+        trailmark::builtin::registry(),
+    );
     env.start_run("chain", "r-500", json!({"steps": 1})).await;
     env.wait_status("r-500", RunStatus::Succeeded, WAIT).await;
-    assert_eq!(env.scalar("SELECT count(*) FROM trailmark.journal WHERE run_id = $1", "r-500").await, 1);
+    assert_eq!(
+        env.scalar(
+            "SELECT count(*) FROM trailmark.journal WHERE run_id = $1",
+            "r-500"
+        )
+        .await,
+        1
+    );
     assert_eq!((server.calls(), server.answered()), (2, 1));
     running.stop().await;
 }
@@ -78,12 +100,23 @@ async fn model_500_then_200_gives_one_journal_entry_and_two_calls() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rate_limit_retry_waits_at_least_the_servers_retry_after() {
     let env = TestEnv::new().await;
-    let server = model_server(vec![Scripted::RateLimited { retry_after_secs: 1 }]).await;
-    let (_engine, running) = start(&env, with_model(&env, &server), trailmark::builtin::registry());
+    let server = model_server(vec![Scripted::RateLimited {
+        retry_after_secs: 1,
+    }])
+    .await;
+    let (_engine, running) = start(
+        &env,
+        with_model(&env, &server),
+        trailmark::builtin::registry(),
+    );
     let started = Instant::now();
     env.start_run("chain", "r-429", json!({"steps": 1})).await;
     env.wait_status("r-429", RunStatus::Succeeded, WAIT).await;
-    assert!(started.elapsed() >= Duration::from_secs(1), "retried after {:?}, before Retry-After", started.elapsed());
+    assert!(
+        started.elapsed() >= Duration::from_secs(1),
+        "retried after {:?}, before Retry-After",
+        started.elapsed()
+    );
     assert_eq!((server.calls(), server.answered()), (2, 1));
     running.stop().await;
 }
@@ -92,7 +125,11 @@ async fn rate_limit_retry_waits_at_least_the_servers_retry_after() {
 async fn refused_model_credentials_stop_the_run_at_once_without_retries() {
     let env = TestEnv::new().await;
     let server = model_server(vec![Scripted::Status(401)]).await;
-    let (_engine, running) = start(&env, with_model(&env, &server), trailmark::builtin::registry());
+    let (_engine, running) = start(
+        &env,
+        with_model(&env, &server),
+        trailmark::builtin::registry(),
+    );
     env.start_run("chain", "r-401", json!({"steps": 3})).await;
     let run = env.wait_status("r-401", RunStatus::NeedsReview, WAIT).await;
     assert_eq!(server.calls(), 1, "an auth failure is never retried");
@@ -103,7 +140,8 @@ async fn refused_model_credentials_stop_the_run_at_once_without_retries() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn tool_answering_after_the_client_timeout_is_retried_under_the_same_key_without_a_duplicate() {
+async fn tool_answering_after_the_client_timeout_is_retried_under_the_same_key_without_a_duplicate()
+{
     let env = TestEnv::new().await;
     ledger(&env).await;
     let calls = Arc::new(AtomicU64::new(0));
@@ -124,11 +162,21 @@ async fn tool_answering_after_the_client_timeout_is_retried_under_the_same_key_w
                         }
                         r
                     };
-                    tokio::time::timeout(Duration::from_millis(300), slow).await.map_err(|_| StepError::temporary("ledger answered after 300 ms"))?
+                    tokio::time::timeout(Duration::from_millis(300), slow)
+                        .await
+                        .map_err(|_| StepError::temporary("ledger answered after 300 ms"))?
                 }
             };
             let lookup = |_k| async { Ok(Lookup::CannotTell) };
-            let result = ctx.tool_effect(&Tool::idempotent("ledger"), &key(&ctx, "inv-1"), &json!({"amount": 100}), call, lookup).await?;
+            let result = ctx
+                .tool_effect(
+                    &Tool::idempotent("ledger"),
+                    &key(&ctx, "inv-1"),
+                    &json!({"amount": 100}),
+                    call,
+                    lookup,
+                )
+                .await?;
             Ok(StepOutcome::finish(result))
         }
     });
@@ -137,9 +185,17 @@ async fn tool_answering_after_the_client_timeout_is_retried_under_the_same_key_w
     let (_engine, running) = start(&env, env.settings.clone(), registry);
     env.start_run("slow-tool", "r-slow", json!({})).await;
     let run = env.wait_status("r-slow", RunStatus::Succeeded, WAIT).await;
-    assert_eq!(calls.load(Ordering::SeqCst), 2, "one timed-out call, one retry");
+    assert_eq!(
+        calls.load(Ordering::SeqCst),
+        2,
+        "one timed-out call, one retry"
+    );
     assert_eq!(ledger_rows(&env).await, 1);
-    assert_eq!(run.output.unwrap()["created"], json!(false), "the retry was recognised by the ledger's key");
+    assert_eq!(
+        run.output.unwrap()["created"],
+        json!(false),
+        "the retry was recognised by the ledger's key"
+    );
     running.stop().await;
 }
 
@@ -157,7 +213,10 @@ async fn an_unreadable_item_is_parked_and_the_others_are_processed() {
             }
             let pool = ctx.pool().clone();
             let reference = key(&ctx, &item).to_string();
-            ctx.effect(&key(&ctx, &item), &json!({"amount": i}), |_| async move { post(&pool, &reference, i).await }).await?;
+            ctx.effect(&key(&ctx, &item), &json!({"amount": i}), |_| async move {
+                post(&pool, &reference, i).await
+            })
+            .await?;
             posted += 1;
         }
         Ok(StepOutcome::finish(json!({ "posted": posted })))
@@ -169,9 +228,14 @@ async fn an_unreadable_item_is_parked_and_the_others_are_processed() {
     let run = env.wait_status("r-park", RunStatus::Succeeded, WAIT).await;
     assert_eq!(run.output.unwrap()["posted"], 311);
     assert_eq!(ledger_rows(&env).await, 311);
-    let parked = trailmark::store::parked::list(&env.pool, "r-park").await.unwrap();
+    let parked = trailmark::store::parked::list(&env.pool, "r-park")
+        .await
+        .unwrap();
     assert_eq!(parked.len(), 1);
-    assert_eq!((parked[0].item.as_str(), parked[0].reason.as_str()), ("inv-017", "scan unreadable: page 2 is blank"));
+    assert_eq!(
+        (parked[0].item.as_str(), parked[0].reason.as_str()),
+        ("inv-017", "scan unreadable: page 2 is blank")
+    );
     running.stop().await;
 }
 
@@ -179,9 +243,20 @@ async fn an_unreadable_item_is_parked_and_the_others_are_processed() {
 async fn a_ledger_rejecting_every_write_stops_the_run_in_review_after_the_cap() {
     let env = TestEnv::new().await;
     let wf = Workflow::new("rejected", 1).step("post", StepKind::Write, |ctx| async move {
-        let call = |_k| async { Err::<Value, _>(StepError::temporary("ledger refused the entry: 503 service unavailable")) };
+        let call = |_k| async {
+            Err::<Value, _>(StepError::temporary(
+                "ledger refused the entry: 503 service unavailable",
+            ))
+        };
         let lookup = |_k| async { Ok(Lookup::CannotTell) };
-        ctx.tool_effect(&Tool::idempotent("ledger"), &key(&ctx, "inv-1"), &json!({"amount": 5}), call, lookup).await?;
+        ctx.tool_effect(
+            &Tool::idempotent("ledger"),
+            &key(&ctx, "inv-1"),
+            &json!({"amount": 5}),
+            call,
+            lookup,
+        )
+        .await?;
         Ok(StepOutcome::finish(json!({})))
     });
     let mut registry = Registry::new();
@@ -192,13 +267,28 @@ async fn a_ledger_rejecting_every_write_stops_the_run_in_review_after_the_cap() 
     settings.worker.retry_base_ms = 100;
     let (_engine, running) = start(&env, settings, registry);
     env.start_run("rejected", "r-reject", json!({})).await;
-    let run = env.wait_status("r-reject", RunStatus::NeedsReview, WAIT).await;
+    let run = env
+        .wait_status("r-reject", RunStatus::NeedsReview, WAIT)
+        .await;
     let note = run.handover.expect("handover note");
     assert_eq!(note["failed_step"], "post");
     assert_eq!(note["attempt"], 2);
-    assert!(note["error"].as_str().unwrap().contains("503 service unavailable"), "{note}");
+    assert!(
+        note["error"]
+            .as_str()
+            .unwrap()
+            .contains("503 service unavailable"),
+        "{note}"
+    );
     assert_eq!(note["effects_committed"], json!([]), "no entry was posted");
-    assert_eq!(env.scalar("SELECT attempts::bigint FROM trailmark.steps WHERE run_id = $1", "r-reject").await, 2);
+    assert_eq!(
+        env.scalar(
+            "SELECT attempts::bigint FROM trailmark.steps WHERE run_id = $1",
+            "r-reject"
+        )
+        .await,
+        2
+    );
     running.stop().await;
 }
 
@@ -212,9 +302,20 @@ fn looping(name: &str, n: i32, tool: &'static str, request: fn(i32) -> Value) ->
             async move { post(&pool, &reference, 1).await }
         };
         let lookup = |_k| async { Ok(Lookup::CannotTell) };
-        ctx.tool_effect(&Tool::idempotent(tool), &key(&ctx, &ctx.seq().to_string()), &request(ctx.seq()), call, lookup).await?;
+        ctx.tool_effect(
+            &Tool::idempotent(tool),
+            &key(&ctx, &ctx.seq().to_string()),
+            &request(ctx.seq()),
+            call,
+            lookup,
+        )
+        .await?;
         let out = json!({ "seq": ctx.seq() });
-        if ctx.seq() + 1 >= n { Ok(StepOutcome::finish(out)) } else { Ok(StepOutcome::goto(out, "act")) }
+        if ctx.seq() + 1 >= n {
+            Ok(StepOutcome::finish(out))
+        } else {
+            Ok(StepOutcome::goto(out, "act"))
+        }
     })
 }
 
@@ -222,12 +323,17 @@ fn looping(name: &str, n: i32, tool: &'static str, request: fn(i32) -> Value) ->
 async fn a_budget_of_5_tool_calls_stops_a_10_call_run_at_the_6th_without_truncating() {
     let env = TestEnv::new().await;
     ledger(&env).await;
-    let wf = looping("ten", 10, "ledger", |seq| json!({ "entry": seq })).with_budget(Budget { max_tool_calls: 5, ..Default::default() });
+    let wf = looping("ten", 10, "ledger", |seq| json!({ "entry": seq })).with_budget(Budget {
+        max_tool_calls: 5,
+        ..Default::default()
+    });
     let mut registry = Registry::new();
     registry.register(wf);
     let (_engine, running) = start(&env, env.settings.clone(), registry);
     env.start_run("ten", "r-budget", json!({})).await;
-    let run = env.wait_status("r-budget", RunStatus::NeedsReview, WAIT).await;
+    let run = env
+        .wait_status("r-budget", RunStatus::NeedsReview, WAIT)
+        .await;
     assert_eq!(run.step_seq, 5, "stopped at the 6th call");
     assert_eq!(env.steps_done("r-budget").await, 5);
     assert_eq!(ledger_rows(&env).await, 5);
@@ -241,18 +347,30 @@ async fn a_budget_of_5_tool_calls_stops_a_10_call_run_at_the_6th_without_truncat
 async fn the_same_action_repeated_beyond_the_limit_goes_to_review_naming_the_action() {
     let env = TestEnv::new().await;
     ledger(&env).await;
-    let wf = looping("stuck", 50, "search", |_| json!({ "q": "overdue invoices for ACME" }));
+    let wf = looping(
+        "stuck",
+        50,
+        "search",
+        |_| json!({ "q": "overdue invoices for ACME" }),
+    );
     let mut registry = Registry::new();
     registry.register(wf);
     let mut settings = env.settings.clone();
     settings.guards.repeat_limit = 3;
     let (_engine, running) = start(&env, settings, registry);
     env.start_run("stuck", "r-loop", json!({})).await;
-    let run = env.wait_status("r-loop", RunStatus::NeedsReview, WAIT).await;
+    let run = env
+        .wait_status("r-loop", RunStatus::NeedsReview, WAIT)
+        .await;
     assert_eq!(run.step_seq, 3);
     let note = run.handover.unwrap();
     let error = note["error"].as_str().unwrap();
-    assert!(error.contains("repeated action") && error.contains("search") && error.contains("overdue invoices for ACME"), "{error}");
+    assert!(
+        error.contains("repeated action")
+            && error.contains("search")
+            && error.contains("overdue invoices for ACME"),
+        "{error}"
+    );
     running.stop().await;
 }
 
@@ -268,10 +386,18 @@ async fn a_panicking_handler_puts_the_run_in_review_and_the_worker_lives_on() {
     let mut registry = Registry::new();
     registry.register(wf);
     let (_engine, running) = start(&env, env.settings.clone(), registry);
-    env.start_run("panics", "r-panic", json!({"panic": true})).await;
-    let run = env.wait_status("r-panic", RunStatus::NeedsReview, WAIT).await;
-    assert!(run.error.unwrap().contains("index out of bounds in invoice parser"));
-    env.start_run("panics", "r-fine", json!({"panic": false})).await;
+    env.start_run("panics", "r-panic", json!({"panic": true}))
+        .await;
+    let run = env
+        .wait_status("r-panic", RunStatus::NeedsReview, WAIT)
+        .await;
+    assert!(
+        run.error
+            .unwrap()
+            .contains("index out of bounds in invoice parser")
+    );
+    env.start_run("panics", "r-fine", json!({"panic": false}))
+        .await;
     env.wait_status("r-fine", RunStatus::Succeeded, WAIT).await;
     running.stop().await;
 }
@@ -282,10 +408,17 @@ async fn a_run_past_its_hard_timeout_goes_to_review() {
     let mut settings = env.settings.clone();
     settings.guards.run_timeout_secs = 1;
     let (_engine, running) = start(&env, settings, trailmark::builtin::registry());
-    env.start_run("chain", "r-late", json!({"steps": 5, "step_delay_ms": 600})).await;
-    let run = env.wait_status("r-late", RunStatus::NeedsReview, WAIT).await;
+    env.start_run("chain", "r-late", json!({"steps": 5, "step_delay_ms": 600}))
+        .await;
+    let run = env
+        .wait_status("r-late", RunStatus::NeedsReview, WAIT)
+        .await;
     assert!(run.error.unwrap().contains("run timed out"));
-    assert!(run.step_seq >= 1 && run.step_seq < 5, "stopped mid-run at {}", run.step_seq);
+    assert!(
+        run.step_seq >= 1 && run.step_seq < 5,
+        "stopped mid-run at {}",
+        run.step_seq
+    );
     running.stop().await;
 }
 
@@ -312,7 +445,9 @@ async fn a_step_past_its_soft_timeout_is_cancelled_and_retried() {
 
 /// A non-idempotent tool whose first call's outcome is lost (the process fails between the call
 /// and recording its result); `lookup` decides what the retried step does.
-async fn unknown_outcome_run(lookup_says: Lookup) -> (TestEnv, u64, trailmark::store::runs::RunRow) {
+async fn unknown_outcome_run(
+    lookup_says: Lookup,
+) -> (TestEnv, u64, trailmark::store::runs::RunRow) {
     let env = TestEnv::new().await;
     let calls = Arc::new(AtomicU64::new(0));
     let counter = calls.clone();
@@ -324,21 +459,37 @@ async fn unknown_outcome_run(lookup_says: Lookup) -> (TestEnv, u64, trailmark::s
                 async { Ok(json!({ "sent": true })) }
             };
             let lookup = |_k| async move { Ok(answer) };
-            ctx.tool_effect(&Tool::not_idempotent("mail"), &key(&ctx, "note-1"), &json!({"to": "acme"}), call, lookup).await?;
+            ctx.tool_effect(
+                &Tool::not_idempotent("mail"),
+                &key(&ctx, "note-1"),
+                &json!({"to": "acme"}),
+                call,
+                lookup,
+            )
+            .await?;
             Ok(StepOutcome::finish(json!({})))
         }
     });
     let mut registry = Registry::new();
     registry.register(wf);
     let failpoints = Failpoints::default();
-    failpoints.set("effect.after_call", trailmark::failpoint::Action::Error, Some(1));
-    let engine = Engine::with_pool(env.settings.clone(), registry, failpoints, env.pool.clone()).unwrap();
+    failpoints.set(
+        "effect.after_call",
+        trailmark::failpoint::Action::Error,
+        Some(1),
+    );
+    let engine =
+        Engine::with_pool(env.settings.clone(), registry, failpoints, env.pool.clone()).unwrap();
     let running = env.spawn_all(engine);
     env.start_run("mailer", "r-unknown", json!({})).await;
     let deadline = Instant::now() + WAIT;
     let run = loop {
-        let run = trailmark::store::runs::get(&env.pool, "r-unknown").await.unwrap();
-        if let Some(run) = run.filter(|r| r.status().is_terminal() || r.status() == RunStatus::NeedsReview) {
+        let run = trailmark::store::runs::get(&env.pool, "r-unknown")
+            .await
+            .unwrap();
+        if let Some(run) =
+            run.filter(|r| r.status().is_terminal() || r.status() == RunStatus::NeedsReview)
+        {
             break run;
         }
         assert!(Instant::now() < deadline, "run did not settle");
@@ -352,7 +503,10 @@ async fn unknown_outcome_run(lookup_says: Lookup) -> (TestEnv, u64, trailmark::s
 async fn unknown_outcome_of_a_non_idempotent_tool_is_resolved_by_its_lookup() {
     let (_env, calls, run) = unknown_outcome_run(Lookup::Done(json!({ "sent": true }))).await;
     assert_eq!(run.status(), RunStatus::Succeeded);
-    assert_eq!(calls, 1, "the lookup found the first call; it was not repeated");
+    assert_eq!(
+        calls, 1,
+        "the lookup found the first call; it was not repeated"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -361,6 +515,12 @@ async fn unknown_outcome_that_the_lookup_cannot_tell_goes_to_review_with_the_key
     assert_eq!(run.status(), RunStatus::NeedsReview);
     assert_eq!(calls, 1, "never guess: no second call");
     let note = run.handover.unwrap();
-    assert!(note["error"].as_str().unwrap().contains("r-unknown:send:note-1"), "{note}");
+    assert!(
+        note["error"]
+            .as_str()
+            .unwrap()
+            .contains("r-unknown:send:note-1"),
+        "{note}"
+    );
     assert_eq!(note["effects_unknown"][0]["key"], "r-unknown:send:note-1");
 }

@@ -20,13 +20,22 @@ use trailmark::workflow::{Registry, StepContext, StepError, StepKind, StepOutcom
 const WAIT: Duration = Duration::from_secs(90);
 
 fn who(reason: &str) -> Decider {
-    Decider { actor: "maria.ops".into(), reason: reason.into() }
+    Decider {
+        actor: "maria.ops".into(),
+        reason: reason.into(),
+    }
 }
 
 fn engine(env: &TestEnv, wf: Workflow) -> Arc<Engine> {
     let mut registry = Registry::new();
     registry.register(wf);
-    Engine::with_pool(env.settings.clone(), registry, Failpoints::default(), env.pool.clone()).unwrap()
+    Engine::with_pool(
+        env.settings.clone(),
+        registry,
+        Failpoints::default(),
+        env.pool.clone(),
+    )
+    .unwrap()
 }
 
 fn serve(env: &TestEnv, wf: Workflow) -> (Arc<Engine>, Running) {
@@ -43,10 +52,19 @@ async fn ledger(env: &TestEnv) {
     .execute(&env.pool)
     .await
     .unwrap();
-    sqlx::query("CREATE TABLE outbox_mail (key TEXT PRIMARY KEY, body TEXT NOT NULL)").execute(&env.pool).await.unwrap();
+    sqlx::query("CREATE TABLE outbox_mail (key TEXT PRIMARY KEY, body TEXT NOT NULL)")
+        .execute(&env.pool)
+        .await
+        .unwrap();
 }
 
-async fn insert(pool: &sqlx::PgPool, reference: &str, supplier: &str, amount: i64, reverses: Option<&str>) -> Result<Value, StepError> {
+async fn insert(
+    pool: &sqlx::PgPool,
+    reference: &str,
+    supplier: &str,
+    amount: i64,
+    reverses: Option<&str>,
+) -> Result<Value, StepError> {
     sqlx::query("INSERT INTO payables VALUES ($1, $2, $3, $4) ON CONFLICT (reference) DO NOTHING")
         .bind(reference)
         .bind(supplier)
@@ -68,7 +86,13 @@ async fn mail(pool: &sqlx::PgPool, key: &str, body: &str) -> Result<Value, StepE
     Ok(json!({ "key": key }))
 }
 
-const ITEMS: [(&str, &str, i64); 5] = [("a1", "S-01", 10), ("a2", "S-07", 20), ("a3", "S-07", 30), ("a4", "S-02", 40), ("a5", "S-07", 50)];
+const ITEMS: [(&str, &str, i64); 5] = [
+    ("a1", "S-01", 10),
+    ("a2", "S-07", 20),
+    ("a3", "S-07", 30),
+    ("a4", "S-02", 40),
+    ("a5", "S-07", 50),
+];
 
 /// Posts five payables, then mails the suppliers; both are undoable.
 fn payables() -> Workflow {
@@ -78,7 +102,10 @@ fn payables() -> Workflow {
                 let key = IdempotencyKey::for_step(ctx.run_id(), "post", item);
                 let pool = ctx.pool().clone();
                 let reference = key.to_string();
-                ctx.effect(&key, &json!({"amount": amount}), |_| async move { insert(&pool, &reference, supplier, amount, None).await }).await?;
+                ctx.effect(&key, &json!({"amount": amount}), |_| async move {
+                    insert(&pool, &reference, supplier, amount, None).await
+                })
+                .await?;
             }
             Ok(StepOutcome::next(json!({ "posted": ITEMS.len() })))
         })
@@ -91,7 +118,11 @@ fn payables() -> Workflow {
                     continue;
                 }
                 let original = IdempotencyKey::for_step(ctx.run_id(), "post", item);
-                let (pool, reference, orig) = (ctx.pool().clone(), original.undo_of().to_string(), original.to_string());
+                let (pool, reference, orig) = (
+                    ctx.pool().clone(),
+                    original.undo_of().to_string(),
+                    original.to_string(),
+                );
                 ctx.effect(&original.undo_of(), &json!({"amount": -amount}), |_| async move {
                     insert(&pool, &reference, supplier, -amount, Some(&orig)).await
                 })
@@ -103,20 +134,31 @@ fn payables() -> Workflow {
         .step("notify", StepKind::Message, |ctx| async move {
             let key = IdempotencyKey::for_step(ctx.run_id(), "notify", "all");
             let (pool, k) = (ctx.pool().clone(), key.to_string());
-            ctx.effect(&key, &json!({}), |_| async move { mail(&pool, &k, "debit notes").await }).await?;
+            ctx.effect(&key, &json!({}), |_| async move {
+                mail(&pool, &k, "debit notes").await
+            })
+            .await?;
             Ok(StepOutcome::next(json!({})))
         })
         .key_recipe("run_id:notify:all")
         .compensate("sends one withdrawal note", |ctx| async move {
             let original = IdempotencyKey::for_step(ctx.run_id(), "notify", "all");
             let (pool, k) = (ctx.pool().clone(), original.undo_of().to_string());
-            ctx.effect(&original.undo_of(), &json!({}), |_| async move { mail(&pool, &k, "withdrawal of the debit notes").await }).await?;
+            ctx.effect(&original.undo_of(), &json!({}), |_| async move {
+                mail(&pool, &k, "withdrawal of the debit notes").await
+            })
+            .await?;
             Ok(StepOutcome::next(json!({})))
         })
 }
 
 async fn payables_sum(env: &TestEnv) -> (i64, i64, i64) {
-    sqlx::query_as("SELECT count(*), count(reverses), COALESCE(sum(amount), 0)::bigint FROM payables").fetch_one(&env.pool).await.unwrap()
+    sqlx::query_as(
+        "SELECT count(*), count(reverses), COALESCE(sum(amount), 0)::bigint FROM payables",
+    )
+    .fetch_one(&env.pool)
+    .await
+    .unwrap()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -126,11 +168,30 @@ async fn full_undo_reverses_every_write_newest_first_and_ends_compensated() {
     let (engine, running) = serve(&env, payables());
     env.start_run("payables", "r-undo", json!({})).await;
     env.wait_status("r-undo", RunStatus::Succeeded, WAIT).await;
-    operator::undo(&engine, "r-undo", &who("supplier disputes everything"), json!({})).await.unwrap();
-    env.wait_status("r-undo", RunStatus::Compensated, WAIT).await;
-    assert_eq!(payables_sum(&env).await, (10, 5, 0), "5 originals + 5 reversals summing to 0");
-    let mails: Vec<String> = sqlx::query_scalar("SELECT key FROM outbox_mail ORDER BY key").fetch_all(&env.pool).await.unwrap();
-    assert_eq!(mails, vec!["r-undo:notify:all", "undo:r-undo:notify:all"], "one withdrawal");
+    operator::undo(
+        &engine,
+        "r-undo",
+        &who("supplier disputes everything"),
+        json!({}),
+    )
+    .await
+    .unwrap();
+    env.wait_status("r-undo", RunStatus::Compensated, WAIT)
+        .await;
+    assert_eq!(
+        payables_sum(&env).await,
+        (10, 5, 0),
+        "5 originals + 5 reversals summing to 0"
+    );
+    let mails: Vec<String> = sqlx::query_scalar("SELECT key FROM outbox_mail ORDER BY key")
+        .fetch_all(&env.pool)
+        .await
+        .unwrap();
+    assert_eq!(
+        mails,
+        vec!["r-undo:notify:all", "undo:r-undo:notify:all"],
+        "one withdrawal"
+    );
     let order: Vec<String> = sqlx::query_scalar("SELECT step FROM trailmark.steps WHERE run_id = 'r-undo' AND step LIKE 'undo:%' ORDER BY seq")
         .fetch_all(&env.pool)
         .await
@@ -146,14 +207,33 @@ async fn scoped_undo_reverses_only_the_selected_supplier() {
     let (engine, running) = serve(&env, payables());
     env.start_run("payables", "r-scope", json!({})).await;
     env.wait_status("r-scope", RunStatus::Succeeded, WAIT).await;
-    operator::undo(&engine, "r-scope", &who("S-07 says its mismatches were wrong"), json!({"supplier": "S-07"})).await.unwrap();
-    env.wait_status("r-scope", RunStatus::Compensated, WAIT).await;
-    let reversed: Vec<String> = sqlx::query_scalar("SELECT reverses FROM payables WHERE reverses IS NOT NULL ORDER BY reverses").fetch_all(&env.pool).await.unwrap();
-    assert_eq!(reversed, vec!["r-scope:post:a2", "r-scope:post:a3", "r-scope:post:a5"]);
+    operator::undo(
+        &engine,
+        "r-scope",
+        &who("S-07 says its mismatches were wrong"),
+        json!({"supplier": "S-07"}),
+    )
+    .await
+    .unwrap();
+    env.wait_status("r-scope", RunStatus::Compensated, WAIT)
+        .await;
+    let reversed: Vec<String> = sqlx::query_scalar(
+        "SELECT reverses FROM payables WHERE reverses IS NOT NULL ORDER BY reverses",
+    )
+    .fetch_all(&env.pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        reversed,
+        vec!["r-scope:post:a2", "r-scope:post:a3", "r-scope:post:a5"]
+    );
     assert_eq!(payables_sum(&env).await.2, 10 + 40, "S-01 and S-02 stand");
     let decisions = decisions::list(&env.pool, "r-scope").await.unwrap();
     assert_eq!(decisions.len(), 1);
-    assert_eq!((decisions[0].action.as_str(), decisions[0].actor.as_str()), ("undo", "maria.ops"));
+    assert_eq!(
+        (decisions[0].action.as_str(), decisions[0].actor.as_str()),
+        ("undo", "maria.ops")
+    );
     assert_eq!(decisions[0].details["scope"], json!({"supplier": "S-07"}));
     running.stop().await;
 }
@@ -162,16 +242,24 @@ async fn scoped_undo_reverses_only_the_selected_supplier() {
 fn fragile(broken: Arc<AtomicBool>, version: i32) -> Workflow {
     Workflow::new("fragile", version)
         .step("ask", StepKind::Model, |ctx| async move {
-            let a = ctx.model(&ChatRequest::new(vec![ChatMessage::user("classify invoice 7")])).await?;
+            let a = ctx
+                .model(&ChatRequest::new(vec![ChatMessage::user(
+                    "classify invoice 7",
+                )]))
+                .await?;
             Ok(StepOutcome::next(json!({ "answer": a.content })))
         })
         .step("post", StepKind::Write, move |ctx: StepContext| {
             let broken = broken.clone();
             async move {
                 if broken.load(Ordering::SeqCst) {
-                    return Err(StepError::Unknown("ledger rejected the entry: account 4711 is closed".into()));
+                    return Err(StepError::Unknown(
+                        "ledger rejected the entry: account 4711 is closed".into(),
+                    ));
                 }
-                Ok(StepOutcome::finish(json!({ "posted": true, "workflow": ctx.workflow() })))
+                Ok(StepOutcome::finish(
+                    json!({ "posted": true, "workflow": ctx.workflow() }),
+                ))
             }
         })
 }
@@ -182,16 +270,52 @@ async fn forced_review_then_resume_finishes_without_repeating_completed_steps() 
     let broken = Arc::new(AtomicBool::new(true));
     let (engine, running) = serve(&env, fragile(broken.clone(), 1));
     env.start_run("fragile", "r-resume", json!({})).await;
-    let run = env.wait_status("r-resume", RunStatus::NeedsReview, WAIT).await;
-    assert!(run.handover.unwrap()["error"].as_str().unwrap().contains("account 4711 is closed"));
+    let run = env
+        .wait_status("r-resume", RunStatus::NeedsReview, WAIT)
+        .await;
+    assert!(
+        run.handover.unwrap()["error"]
+            .as_str()
+            .unwrap()
+            .contains("account 4711 is closed")
+    );
     broken.store(false, Ordering::SeqCst);
-    let out = operator::resume(&engine, "r-resume", &who("account reopened by finance"), false).await.unwrap();
-    assert_eq!((out.status_before.as_str(), out.status_after.as_str()), ("needs_review", "running"));
-    env.wait_status("r-resume", RunStatus::Succeeded, WAIT).await;
-    let attempts: Vec<(String, i32)> = sqlx::query_as("SELECT step, attempts FROM trailmark.steps WHERE run_id = 'r-resume' ORDER BY seq").fetch_all(&env.pool).await.unwrap();
-    assert_eq!(attempts, vec![("ask".into(), 1), ("post".into(), 2)], "the model step did not run again");
-    assert_eq!(env.scalar("SELECT count(*) FROM trailmark.journal WHERE run_id = $1", "r-resume").await, 1);
-    let err = operator::resume(&engine, "r-resume", &who("again"), false).await.unwrap_err();
+    let out = operator::resume(
+        &engine,
+        "r-resume",
+        &who("account reopened by finance"),
+        false,
+    )
+    .await
+    .unwrap();
+    assert_eq!(
+        (out.status_before.as_str(), out.status_after.as_str()),
+        ("needs_review", "running")
+    );
+    env.wait_status("r-resume", RunStatus::Succeeded, WAIT)
+        .await;
+    let attempts: Vec<(String, i32)> = sqlx::query_as(
+        "SELECT step, attempts FROM trailmark.steps WHERE run_id = 'r-resume' ORDER BY seq",
+    )
+    .fetch_all(&env.pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        attempts,
+        vec![("ask".into(), 1), ("post".into(), 2)],
+        "the model step did not run again"
+    );
+    assert_eq!(
+        env.scalar(
+            "SELECT count(*) FROM trailmark.journal WHERE run_id = $1",
+            "r-resume"
+        )
+        .await,
+        1
+    );
+    let err = operator::resume(&engine, "r-resume", &who("again"), false)
+        .await
+        .unwrap_err();
     assert!(err.to_string().contains("it is succeeded"), "{err}");
     running.stop().await;
 }
@@ -204,39 +328,72 @@ async fn resume_after_fix_continues_on_the_new_version_and_records_it() {
     let broken_v1 = Arc::new(AtomicBool::new(true));
     let mut registry = Registry::new();
     registry.register(fragile(broken_v1, 1));
-    let v1 = Engine::with_pool(settings.clone(), registry, Failpoints::default(), env.pool.clone()).unwrap();
+    let v1 = Engine::with_pool(
+        settings.clone(),
+        registry,
+        Failpoints::default(),
+        env.pool.clone(),
+    )
+    .unwrap();
     let running = env.spawn_all(v1.clone());
     env.start_run("fragile", "r-fix", json!({})).await;
     env.wait_status("r-fix", RunStatus::NeedsReview, WAIT).await;
-    let refused = operator::resume(&v1, "r-fix", &who("try again"), false).await.unwrap_err();
+    let refused = operator::resume(&v1, "r-fix", &who("try again"), false)
+        .await
+        .unwrap_err();
     assert!(refused.to_string().contains("--after-fix"), "{refused}");
     running.stop().await;
 
     // Deploy v2 with the fix: a new engine with the fixed handler.
     let mut registry = Registry::new();
     registry.register(fragile(Arc::new(AtomicBool::new(false)), 2));
-    let v2 = Engine::with_pool(settings, registry, Failpoints::default(), env.pool.clone()).unwrap();
+    let v2 =
+        Engine::with_pool(settings, registry, Failpoints::default(), env.pool.clone()).unwrap();
     let running = env.spawn_all(v2.clone());
-    operator::resume(&v2, "r-fix", &who("deployed fix for closed accounts"), true).await.unwrap();
+    operator::resume(&v2, "r-fix", &who("deployed fix for closed accounts"), true)
+        .await
+        .unwrap();
     let run = env.wait_status("r-fix", RunStatus::Succeeded, WAIT).await;
     assert_eq!(run.workflow_version, 2);
     let d = decisions::list(&env.pool, "r-fix").await.unwrap();
     assert_eq!(d.len(), 1);
-    assert_eq!((d[0].action.as_str(), d[0].version_before, d[0].version_after), ("resume_after_fix", 1, 2));
-    assert_eq!(env.scalar("SELECT count(*) FROM trailmark.journal WHERE run_id = $1", "r-fix").await, 1);
+    assert_eq!(
+        (
+            d[0].action.as_str(),
+            d[0].version_before,
+            d[0].version_after
+        ),
+        ("resume_after_fix", 1, 2)
+    );
+    assert_eq!(
+        env.scalar(
+            "SELECT count(*) FROM trailmark.journal WHERE run_id = $1",
+            "r-fix"
+        )
+        .await,
+        1
+    );
     running.stop().await;
 }
 
 fn approval() -> Workflow {
     Workflow::new("approval", 1)
-        .step("prepare", StepKind::Read, |_ctx| async move { Ok(StepOutcome::next(json!({ "total": 1234 }))) })
+        .step("prepare", StepKind::Read, |_ctx| async move {
+            Ok(StepOutcome::next(json!({ "total": 1234 })))
+        })
         .step("sign_off", StepKind::Human, |ctx| async move {
             let total = ctx.output_of("prepare").await?.unwrap_or_default()["total"].clone();
-            Ok(StepOutcome::wait(json!({ "question": "pay the supplier?", "total": total })))
+            Ok(StepOutcome::wait(
+                json!({ "question": "pay the supplier?", "total": total }),
+            ))
         })
         .on_reject("fallback")
-        .step("pay", StepKind::Write, |_ctx| async move { Ok(StepOutcome::finish(json!({ "paid": true }))) })
-        .step("fallback", StepKind::Read, |_ctx| async move { Ok(StepOutcome::finish(json!({ "paid": false }))) })
+        .step("pay", StepKind::Write, |_ctx| async move {
+            Ok(StepOutcome::finish(json!({ "paid": true })))
+        })
+        .step("fallback", StepKind::Read, |_ctx| async move {
+            Ok(StepOutcome::finish(json!({ "paid": false })))
+        })
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -248,17 +405,48 @@ async fn approve_and_reject_of_a_human_step_continue_or_divert_and_show_in_the_t
         let run = env.wait_status(run_id, RunStatus::Waiting, WAIT).await;
         assert_eq!(run.handover.unwrap()["question"]["total"], 1234);
     }
-    let wrong = operator::approve(&engine, "r-yes", "pay", &who("x")).await.unwrap_err();
-    assert!(wrong.to_string().contains("waits at step sign_off"), "{wrong}");
-    operator::approve(&engine, "r-yes", "sign_off", &who("amount matches the PO")).await.unwrap();
-    operator::reject(&engine, "r-no", "sign_off", &who("duplicate invoice")).await.unwrap();
-    assert_eq!(env.wait_status("r-yes", RunStatus::Succeeded, WAIT).await.output.unwrap()["paid"], true);
-    assert_eq!(env.wait_status("r-no", RunStatus::Succeeded, WAIT).await.output.unwrap()["paid"], false);
+    let wrong = operator::approve(&engine, "r-yes", "pay", &who("x"))
+        .await
+        .unwrap_err();
+    assert!(
+        wrong.to_string().contains("waits at step sign_off"),
+        "{wrong}"
+    );
+    operator::approve(&engine, "r-yes", "sign_off", &who("amount matches the PO"))
+        .await
+        .unwrap();
+    operator::reject(&engine, "r-no", "sign_off", &who("duplicate invoice"))
+        .await
+        .unwrap();
+    assert_eq!(
+        env.wait_status("r-yes", RunStatus::Succeeded, WAIT)
+            .await
+            .output
+            .unwrap()["paid"],
+        true
+    );
+    assert_eq!(
+        env.wait_status("r-no", RunStatus::Succeeded, WAIT)
+            .await
+            .output
+            .unwrap()["paid"],
+        false
+    );
     let out = env.command(&["run", "show", "r-no"]).output().unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
-    assert!(text.contains("reject step sign_off by maria.ops") && text.contains("duplicate invoice"), "{text}");
+    assert!(
+        text.contains("reject step sign_off by maria.ops") && text.contains("duplicate invoice"),
+        "{text}"
+    );
     let d = decisions::list(&env.pool, "r-yes").await.unwrap();
-    assert_eq!((d[0].action.as_str(), d[0].reason.as_str(), d[0].status_after.as_str()), ("approve", "amount matches the PO", "running"));
+    assert_eq!(
+        (
+            d[0].action.as_str(),
+            d[0].reason.as_str(),
+            d[0].status_after.as_str()
+        ),
+        ("approve", "amount matches the PO", "running")
+    );
     running.stop().await;
 }
 
@@ -268,7 +456,9 @@ fn frozen() -> Workflow {
             ctx.park("inv-9", "scan unreadable");
             Ok(StepOutcome::next(json!({})))
         })
-        .step("email", StepKind::Message, |_ctx| async move { Ok(StepOutcome::finish(json!({ "sent": true }))) })
+        .step("email", StepKind::Message, |_ctx| async move {
+            Ok(StepOutcome::finish(json!({ "sent": true })))
+        })
         .freeze_unless_clear()
 }
 
@@ -281,8 +471,17 @@ async fn an_irreversible_step_waits_while_an_item_is_in_doubt_until_approved() {
     let note = run.handover.unwrap();
     assert_eq!(note["parked"][0]["item"], "inv-9", "{note}");
     assert_eq!(run.step.as_deref(), Some("email"));
-    operator::approve(&engine, "r-freeze", "email", &who("inv-9 is handled by hand")).await.unwrap();
-    let run = env.wait_status("r-freeze", RunStatus::Succeeded, WAIT).await;
+    operator::approve(
+        &engine,
+        "r-freeze",
+        "email",
+        &who("inv-9 is handled by hand"),
+    )
+    .await
+    .unwrap();
+    let run = env
+        .wait_status("r-freeze", RunStatus::Succeeded, WAIT)
+        .await;
     assert_eq!(run.output.unwrap()["sent"], true);
     running.stop().await;
 }
@@ -291,24 +490,48 @@ async fn an_irreversible_step_waits_while_an_item_is_in_doubt_until_approved() {
 async fn undo_killed_halfway_resumes_with_each_reversal_exactly_once() {
     let env = TestEnv::new().await;
     let _first = env.spawn_process(None);
-    env.start_run("chain", "r-undo-kill", json!({"steps": 60})).await;
-    env.wait_status("r-undo-kill", RunStatus::Succeeded, WAIT).await;
+    env.start_run("chain", "r-undo-kill", json!({"steps": 60}))
+        .await;
+    env.wait_status("r-undo-kill", RunStatus::Succeeded, WAIT)
+        .await;
     drop(_first);
     // The undo's 30th reversal kills its worker after the reversal is written, before its commit.
     let mut undoer = env.spawn_process(Some("chain.after_reversal=kill@30"));
-    let out = env.command(&["run", "undo", "r-undo-kill", "--reason", "drill", "--actor", "ops", "--yes"]).output().unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let status = tokio::task::spawn_blocking(move || undoer.wait()).await.unwrap();
+    let out = env
+        .command(&[
+            "run",
+            "undo",
+            "r-undo-kill",
+            "--reason",
+            "drill",
+            "--actor",
+            "ops",
+            "--yes",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let status = tokio::task::spawn_blocking(move || undoer.wait())
+        .await
+        .unwrap();
     assert!(!status.success(), "the undo worker should have been killed");
     let _second = env.spawn_process(None);
-    env.wait_status("r-undo-kill", RunStatus::Compensated, WAIT).await;
+    env.wait_status("r-undo-kill", RunStatus::Compensated, WAIT)
+        .await;
     let (rows, distinct): (i64, i64) = sqlx::query_as("SELECT count(*), count(DISTINCT reference) FROM trailmark.chain_ledger WHERE run_id = 'r-undo-kill' AND reference LIKE 'undo:%'")
         .fetch_one(&env.pool)
         .await
         .unwrap();
     assert_eq!((rows, distinct), (60, 60), "each reversal exactly once");
     let repeated = env.scalar("SELECT count(*) FROM trailmark.steps WHERE run_id = $1 AND step LIKE 'undo:%' AND attempts > 1", "r-undo-kill").await;
-    assert_eq!(repeated, 1, "only the compensation in flight at the kill ran twice");
+    assert_eq!(
+        repeated, 1,
+        "only the compensation in flight at the kill ran twice"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -317,16 +540,37 @@ async fn decisions_that_do_not_fit_the_status_are_refused_by_the_cli() {
     let (_engine, running) = serve(&env, trailmark::builtin::chain::workflow());
     env.start_run("chain", "r-cli", json!({"steps": 2})).await;
     env.wait_status("r-cli", RunStatus::Succeeded, WAIT).await;
-    let out = env.command(&["run", "resume", "r-cli", "--reason", "why not"]).output().unwrap();
+    let out = env
+        .command(&["run", "resume", "r-cli", "--reason", "why not"])
+        .output()
+        .unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1));
-    assert!(err.contains("cannot resume run r-cli: it is succeeded"), "{err}");
-    let out = env.command(&["run", "undo", "r-cli", "--reason", "x"]).stdin(std::process::Stdio::null()).output().unwrap();
+    assert!(
+        err.contains("cannot resume run r-cli: it is succeeded"),
+        "{err}"
+    );
+    let out = env
+        .command(&["run", "undo", "r-cli", "--reason", "x"])
+        .stdin(std::process::Stdio::null())
+        .output()
+        .unwrap();
     assert!(String::from_utf8_lossy(&out.stderr).contains("add --yes"));
-    assert_eq!(runs::get(&env.pool, "r-cli").await.unwrap().unwrap().status(), RunStatus::Succeeded, "nothing changed");
+    assert_eq!(
+        runs::get(&env.pool, "r-cli")
+            .await
+            .unwrap()
+            .unwrap()
+            .status(),
+        RunStatus::Succeeded,
+        "nothing changed"
+    );
     let out = env.command(&["contract", "chain"]).output().unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
-    assert!(text.contains("key run_id:link:position") && text.contains("reversal"), "{text}");
+    assert!(
+        text.contains("key run_id:link:position") && text.contains("reversal"),
+        "{text}"
+    );
     running.stop().await;
 }
 
@@ -337,17 +581,28 @@ async fn a_run_left_waiting_past_the_human_timeout_is_escalated_to_review() {
     settings.supervisor.human_timeout_secs = 1;
     let mut registry = Registry::new();
     registry.register(approval());
-    let engine = Engine::with_pool(settings, registry, Failpoints::default(), env.pool.clone()).unwrap();
+    let engine =
+        Engine::with_pool(settings, registry, Failpoints::default(), env.pool.clone()).unwrap();
     let running = env.spawn_all(engine.clone());
     env.start_run("approval", "r-late", json!({})).await;
-    let run = env.wait_status("r-late", RunStatus::NeedsReview, WAIT).await;
+    let run = env
+        .wait_status("r-late", RunStatus::NeedsReview, WAIT)
+        .await;
     let note = run.handover.unwrap();
     assert_eq!(note["error_class"], "human_timeout");
-    assert_eq!(note["waiting_for"]["question"]["question"], "pay the supplier?");
+    assert_eq!(
+        note["waiting_for"]["question"]["question"],
+        "pay the supplier?"
+    );
     let d = decisions::list(&env.pool, "r-late").await.unwrap();
-    assert_eq!((d[0].action.as_str(), d[0].actor.as_str()), ("timeout", "supervisor"));
+    assert_eq!(
+        (d[0].action.as_str(), d[0].actor.as_str()),
+        ("timeout", "supervisor")
+    );
     // Resuming asks the person again.
-    operator::resume(&engine, "r-late", &who("back from holiday"), false).await.unwrap();
+    operator::resume(&engine, "r-late", &who("back from holiday"), false)
+        .await
+        .unwrap();
     env.wait_status("r-late", RunStatus::Waiting, WAIT).await;
     running.stop().await;
 }

@@ -21,8 +21,17 @@ const WAIT: Duration = Duration::from_secs(60);
 async fn insert_chain_run(env: &TestEnv, id: &str) -> RunId {
     let run_id = RunId::parse(id).unwrap();
     let input = json!({"steps": 1});
-    let new = runs::NewRun { run_id: &run_id, workflow: "chain", version: 1, first_step: "link", input: &input };
-    assert!(runs::insert(&env.pool, &new).await.unwrap(), "run {id} already existed");
+    let new = runs::NewRun {
+        run_id: &run_id,
+        workflow: "chain",
+        version: 1,
+        first_step: "link",
+        input: &input,
+    };
+    assert!(
+        runs::insert(&env.pool, &new).await.unwrap(),
+        "run {id} already existed"
+    );
     run_id
 }
 
@@ -173,7 +182,13 @@ async fn relay_crash_between_confirm_and_mark_publishes_twice_consumes_once() {
     // Relay only (no eager publishing by the worker), so every message passes the failpoint.
     let mut settings = env.settings.clone();
     settings.relay.eager_grace_ms = 0;
-    let engine = trailmark::engine::Engine::with_pool(settings, trailmark::builtin::registry(), failpoints, env.pool.clone()).unwrap();
+    let engine = trailmark::engine::Engine::with_pool(
+        settings,
+        trailmark::builtin::registry(),
+        failpoints,
+        env.pool.clone(),
+    )
+    .unwrap();
     let running = env.spawn_all(engine.clone());
     env.start_run("chain", "r-relay", json!({"steps": 3})).await;
     env.wait_status("r-relay", RunStatus::Succeeded, WAIT).await;
@@ -270,18 +285,44 @@ async fn reused_key_with_a_different_request_is_a_conflict() {
         .unwrap()
         .unwrap();
     let key = IdempotencyKey::parse("r-key:post:inv-1").unwrap();
-    let first = effects::begin(&env.pool, &key, "ledger", &run_id, 0, "hash-a", claim.fence())
-        .await
-        .unwrap();
+    let first = effects::begin(
+        &env.pool,
+        &key,
+        "ledger",
+        &run_id,
+        0,
+        "hash-a",
+        claim.fence(),
+    )
+    .await
+    .unwrap();
     assert!(matches!(first, effects::Known::New));
-    let again = effects::begin(&env.pool, &key, "ledger", &run_id, 0, "hash-a", claim.fence())
-        .await
-        .unwrap();
+    let again = effects::begin(
+        &env.pool,
+        &key,
+        "ledger",
+        &run_id,
+        0,
+        "hash-a",
+        claim.fence(),
+    )
+    .await
+    .unwrap();
     assert!(
         matches!(again, effects::Known::Unknown),
         "same key, same request: outcome unknown, call again"
     );
-    match effects::begin(&env.pool, &key, "ledger", &run_id, 0, "hash-b", claim.fence()).await {
+    match effects::begin(
+        &env.pool,
+        &key,
+        "ledger",
+        &run_id,
+        0,
+        "hash-b",
+        claim.fence(),
+    )
+    .await
+    {
         Err(e @ store::Error::Conflict { .. }) => {
             assert!(e.to_string().contains("r-key:post:inv-1"), "{e}")
         }

@@ -58,10 +58,16 @@ pub async fn connect(settings: &BrokerSettings, name: &str) -> Result<Connection
             redact_url(&settings.url)
         ))
     };
-    let mut uri: AMQPUri = settings.url.parse().map_err(|e: String| unavailable(format!("invalid AMQP URL ({e})")))?;
+    let mut uri: AMQPUri = settings
+        .url
+        .parse()
+        .map_err(|e: String| unavailable(format!("invalid AMQP URL ({e})")))?;
     if uri.query.heartbeat.is_none() && settings.heartbeat_secs > 0 {
         uri.query.heartbeat = Some(settings.heartbeat_secs);
     }
-    let props = ConnectionProperties::default().with_connection_name(format!("trailmark-{name}").into());
-    Connection::connect_uri(uri, props).await.map_err(|e| unavailable(e.to_string()))
+    let props =
+        ConnectionProperties::default().with_connection_name(format!("trailmark-{name}").into());
+    Connection::connect_uri(uri, props)
+        .await
+        .map_err(|e| unavailable(e.to_string()))
 }

@@ -89,7 +89,10 @@ impl Topology {
     fn delay_queue_args(&self, ttl_ms: u64) -> FieldTable {
         let extra = vec![
             ("x-message-ttl", AMQPValue::LongLongInt(ttl_ms as i64)),
-            ("x-dead-letter-routing-key", AMQPValue::LongString(STEP_ROUTING_KEY.into())),
+            (
+                "x-dead-letter-routing-key",
+                AMQPValue::LongString(STEP_ROUTING_KEY.into()),
+            ),
         ];
         Self::quorum_args(self.steps_exchange(), extra)
     }

@@ -28,17 +28,24 @@ pub fn workflow() -> Workflow {
 
 /// Compensation of one link: a reversal row that points at the original (nothing is deleted).
 async fn unlink(ctx: StepContext) -> Result<StepOutcome, StepError> {
-    let target = ctx.undo().cloned().ok_or_else(|| StepError::Unknown("unlink runs only as a compensation".into()))?;
+    let target = ctx
+        .undo()
+        .cloned()
+        .ok_or_else(|| StepError::Unknown("unlink runs only as a compensation".into()))?;
     let original = IdempotencyKey::for_step(ctx.run_id(), STEP, &target.seq.to_string());
     let reference = format!("undo:{}:{}", ctx.run_id(), target.seq);
     let payload = format!("reversal of {}:{}", ctx.run_id(), target.seq);
     let write = json!({ "reference": reference, "payload": payload });
     let (pool, run_id) = (ctx.pool().clone(), ctx.run_id().clone());
     let result = ctx
-        .effect(&original.undo_of(), &write, |_key| async move { post(&pool, &run_id, target.seq, &reference, &payload).await })
+        .effect(&original.undo_of(), &write, |_key| async move {
+            post(&pool, &run_id, target.seq, &reference, &payload).await
+        })
         .await?;
     ctx.failpoint("chain.after_reversal")?;
-    Ok(StepOutcome::next(json!({ "reversed": target.seq, "ledger": result })))
+    Ok(StepOutcome::next(
+        json!({ "reversed": target.seq, "ledger": result }),
+    ))
 }
 
 struct Params {

@@ -42,24 +42,44 @@ pub enum Decision {
 
 /// The actor when `--actor` is not given: `$USER`, else `operator`.
 pub fn default_actor() -> String {
-    std::env::var("USER").ok().filter(|u| !u.is_empty()).unwrap_or_else(|| "operator".into())
+    std::env::var("USER")
+        .ok()
+        .filter(|u| !u.is_empty())
+        .unwrap_or_else(|| "operator".into())
 }
 
 /// Applies a decision and prints what it did.
-pub async fn decide(settings: Settings, registry: Registry, run_id: &str, decision: Decision, who: Decider, as_json: bool) -> anyhow::Result<()> {
+pub async fn decide(
+    settings: Settings,
+    registry: Registry,
+    run_id: &str,
+    decision: Decision,
+    who: Decider,
+    as_json: bool,
+) -> anyhow::Result<()> {
     if who.reason.trim().is_empty() {
         bail!("--reason must say why (it is recorded with the decision)");
     }
     let engine = Engine::new(settings, registry, Failpoints::default()).await?;
     let outcome = match decision {
-        Decision::Resume { after_fix } => operator::resume(&engine, run_id, &who, after_fix).await?,
+        Decision::Resume { after_fix } => {
+            operator::resume(&engine, run_id, &who, after_fix).await?
+        }
         Decision::Undo { scope, yes } => {
             let scope: Value = match scope.as_deref() {
-                Some(raw) => serde_json::from_str(raw).with_context(|| format!("--scope is not valid JSON: {raw}"))?,
+                Some(raw) => serde_json::from_str(raw)
+                    .with_context(|| format!("--scope is not valid JSON: {raw}"))?,
                 None => serde_json::json!({}),
             };
-            let what = if scope.as_object().is_some_and(|o| o.is_empty()) { "every completed write".to_owned() } else { format!("the writes selected by {scope}") };
-            confirm(&format!("undo run {run_id}: post reversals for {what}, newest first"), yes)?;
+            let what = if scope.as_object().is_some_and(|o| o.is_empty()) {
+                "every completed write".to_owned()
+            } else {
+                format!("the writes selected by {scope}")
+            };
+            confirm(
+                &format!("undo run {run_id}: post reversals for {what}, newest first"),
+                yes,
+            )?;
             operator::undo(&engine, run_id, &who, scope).await?
         }
         Decision::Cancel => operator::cancel(&engine, run_id, &who).await?,
@@ -73,7 +93,10 @@ fn print_outcome(o: &Outcome, as_json: bool) -> anyhow::Result<()> {
     if as_json {
         println!("{}", serde_json::to_string_pretty(o)?);
     } else {
-        println!("{} {}: {} -> {}; next: {}", o.action, o.run_id, o.status_before, o.status_after, o.next);
+        println!(
+            "{} {}: {} -> {}; next: {}",
+            o.action, o.run_id, o.status_before, o.status_after, o.next
+        );
     }
     Ok(())
 }
@@ -98,9 +121,12 @@ fn confirm(what: &str, yes: bool) -> anyhow::Result<()> {
 
 /// `trailmark contract WORKFLOW [--json]`.
 pub fn print_contract(registry: &Registry, workflow: &str, as_json: bool) -> anyhow::Result<()> {
-    let wf = registry
-        .get(workflow)
-        .with_context(|| format!("unknown workflow {workflow:?}: this build runs {}", registry.names().join(", ")))?;
+    let wf = registry.get(workflow).with_context(|| {
+        format!(
+            "unknown workflow {workflow:?}: this build runs {}",
+            registry.names().join(", ")
+        )
+    })?;
     let c = contract::derive(&wf);
     if as_json {
         println!("{}", serde_json::to_string_pretty(&c)?);

@@ -178,14 +178,28 @@ pub async fn show(settings: &Settings, run_id: &str, as_json: bool) -> anyhow::R
         print_handover(note);
     }
     for d in &r.decisions {
-        let version = if d.version_before != d.version_after { format!(" (v{} -> v{})", d.version_before, d.version_after) } else { String::new() };
-        let step = d.step.as_deref().map(|s| format!(" step {s}")).unwrap_or_default();
-        println!("decision {} {}{step} by {}: {} -> {}{version}: {}", d.created_at, d.action, d.actor, d.status_before, d.status_after, d.reason);
+        let version = if d.version_before != d.version_after {
+            format!(" (v{} -> v{})", d.version_before, d.version_after)
+        } else {
+            String::new()
+        };
+        let step = d
+            .step
+            .as_deref()
+            .map(|s| format!(" step {s}"))
+            .unwrap_or_default();
+        println!(
+            "decision {} {}{step} by {}: {} -> {}{version}: {}",
+            d.created_at, d.action, d.actor, d.status_before, d.status_after, d.reason
+        );
     }
     if !r.parked.is_empty() {
         println!("parked items ({}):", r.parked.len());
         for p in &r.parked {
-            println!("  {}  (step {}, position {}): {}", p.item, p.step, p.seq, p.reason);
+            println!(
+                "  {}  (step {}, position {}): {}",
+                p.item, p.step, p.seq, p.reason
+            );
         }
     }
     const SHOWN: usize = 20;
@@ -244,13 +258,32 @@ pub async fn list(
 }
 
 fn print_handover(note: &Value) {
-    let text = |k: &str| note[k].as_str().map(str::to_owned).unwrap_or_else(|| note[k].to_string());
+    let text = |k: &str| {
+        note[k]
+            .as_str()
+            .map(str::to_owned)
+            .unwrap_or_else(|| note[k].to_string())
+    };
     let keys = |k: &str| {
-        let list: Vec<String> = note[k].as_array().into_iter().flatten().filter_map(|e| e["key"].as_str().map(str::to_owned)).collect();
-        if list.is_empty() { "none".to_owned() } else { format!("{} ({})", list.len(), list.join(", ")) }
+        let list: Vec<String> = note[k]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|e| e["key"].as_str().map(str::to_owned))
+            .collect();
+        if list.is_empty() {
+            "none".to_owned()
+        } else {
+            format!("{} ({})", list.len(), list.join(", "))
+        }
     };
     println!("handover note (written {}):", text("written_at"));
-    println!("  failed step   {} (position {}, attempt {})", text("failed_step"), note["seq"], note["attempt"]);
+    println!(
+        "  failed step   {} (position {}, attempt {})",
+        text("failed_step"),
+        note["seq"],
+        note["attempt"]
+    );
     println!("  error [{}]  {}", text("error_class"), text("error"));
     println!("  effects done  {}", keys("effects_committed"));
     println!("  outcome unknown  {}", keys("effects_unknown"));

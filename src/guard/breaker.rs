@@ -32,7 +32,11 @@ pub struct Breakers {
 impl Breakers {
     /// Opens after `threshold` consecutive failures (0 disables), for `open_for`.
     pub fn new(threshold: u32, open_for: Duration) -> Self {
-        Self { threshold, open_for, tools: Mutex::new(HashMap::new()) }
+        Self {
+            threshold,
+            open_for,
+            tools: Mutex::new(HashMap::new()),
+        }
     }
 
     /// Whether `tool` may be called at `now`; after the open period one caller gets the probe.
@@ -87,11 +91,25 @@ mod tests {
             assert_eq!(b.check("ledger", t0), Decision::Allow);
             b.record("ledger", false, t0);
         }
-        assert_eq!(b.check("ledger", t0 + Duration::from_secs(4)), Decision::Refuse(Duration::from_secs(6)));
-        assert_eq!(b.check("stock", t0), Decision::Allow, "breakers are per tool");
+        assert_eq!(
+            b.check("ledger", t0 + Duration::from_secs(4)),
+            Decision::Refuse(Duration::from_secs(6))
+        );
+        assert_eq!(
+            b.check("stock", t0),
+            Decision::Allow,
+            "breakers are per tool"
+        );
         let later = t0 + Duration::from_secs(11);
-        assert_eq!(b.check("ledger", later), Decision::Allow, "one probe after the open period");
-        assert!(matches!(b.check("ledger", later), Decision::Refuse(_)), "only one probe at a time");
+        assert_eq!(
+            b.check("ledger", later),
+            Decision::Allow,
+            "one probe after the open period"
+        );
+        assert!(
+            matches!(b.check("ledger", later), Decision::Refuse(_)),
+            "only one probe at a time"
+        );
         b.record("ledger", true, later);
         assert_eq!(b.check("ledger", later), Decision::Allow);
     }
@@ -105,6 +123,9 @@ mod tests {
         let later = t0 + Duration::from_secs(6);
         assert_eq!(b.check("mail", later), Decision::Allow);
         b.record("mail", false, later);
-        assert_eq!(b.check("mail", later), Decision::Refuse(Duration::from_secs(5)));
+        assert_eq!(
+            b.check("mail", later),
+            Decision::Refuse(Duration::from_secs(5))
+        );
     }
 }

@@ -27,17 +27,27 @@ pub struct Budget {
 impl Budget {
     /// The configured default budget.
     pub fn from_settings(g: &GuardSettings) -> Self {
-        Self { max_tool_calls: g.max_tool_calls, max_model_tokens: g.max_model_tokens, max_cost: g.max_cost }
+        Self {
+            max_tool_calls: g.max_tool_calls,
+            max_model_tokens: g.max_model_tokens,
+            max_cost: g.max_cost,
+        }
     }
 }
 
 /// The error for an exhausted budget.
 pub fn budget_exhausted(what: String) -> StepError {
-    StepError::Guard(format!("budget exhausted: {what}; the step was checkpointed as far as it got and nothing was truncated. Raise the budget and resume, or undo"))
+    StepError::Guard(format!(
+        "budget exhausted: {what}; the step was checkpointed as far as it got and nothing was truncated. Raise the budget and resume, or undo"
+    ))
 }
 
 /// Refuses a new model call when the run has used its token or cost budget.
-pub async fn check_model_budget(pool: &PgPool, run_id: &RunId, budget: &Budget) -> Result<(), StepError> {
+pub async fn check_model_budget(
+    pool: &PgPool,
+    run_id: &RunId,
+    budget: &Budget,
+) -> Result<(), StepError> {
     if budget.max_model_tokens == 0 && budget.max_cost <= 0.0 {
         return Ok(());
     }
@@ -49,17 +59,28 @@ pub async fn check_model_budget(pool: &PgPool, run_id: &RunId, budget: &Budget) 
     .await
     .map_err(|e| StepError::Infrastructure(e.to_string()))?;
     if budget.max_model_tokens > 0 && tokens as u64 >= budget.max_model_tokens {
-        return Err(budget_exhausted(format!("run {run_id} used {tokens} model tokens, its budget is {}", budget.max_model_tokens)));
+        return Err(budget_exhausted(format!(
+            "run {run_id} used {tokens} model tokens, its budget is {}",
+            budget.max_model_tokens
+        )));
     }
     if budget.max_cost > 0.0 && cost >= budget.max_cost {
-        return Err(budget_exhausted(format!("run {run_id} spent {cost:.4} on the model, its budget is {:.4}", budget.max_cost)));
+        return Err(budget_exhausted(format!(
+            "run {run_id} spent {cost:.4} on the model, its budget is {:.4}",
+            budget.max_cost
+        )));
     }
     Ok(())
 }
 
 /// The error for the `seen`-th identical request (same tool, same request) in one run: the
 /// agent is repeating itself, and a person should look.
-pub fn repeated_action(run_id: &RunId, tool: &str, seen: i64, request: &serde_json::Value) -> StepError {
+pub fn repeated_action(
+    run_id: &RunId,
+    tool: &str,
+    seen: i64,
+    request: &serde_json::Value,
+) -> StepError {
     let shown: String = request.to_string().chars().take(300).collect();
     StepError::Guard(format!(
         "repeated action: tool {tool} was already called {seen} times in run {run_id} with the same request {shown}; the run looks stuck in a loop. Inspect the journal, then resume after a fix or undo"

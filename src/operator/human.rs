@@ -9,21 +9,52 @@ use crate::engine::Engine;
 use crate::store::runs::RunRow;
 use crate::workflow::{Next, StepKind};
 
-async fn waiting_at(engine: &Engine, run_id: &str, step: &str, action: &'static str) -> Result<(sqlx::Transaction<'static, sqlx::Postgres>, RunRow, std::sync::Arc<crate::workflow::Workflow>)> {
+async fn waiting_at(
+    engine: &Engine,
+    run_id: &str,
+    step: &str,
+    action: &'static str,
+) -> Result<(
+    sqlx::Transaction<'static, sqlx::Postgres>,
+    RunRow,
+    std::sync::Arc<crate::workflow::Workflow>,
+)> {
     let mut tx = engine.pool.begin().await?;
     let run = lock(&mut tx, run_id).await?;
     if run.status() != RunStatus::Waiting {
-        return Err(refused(&run, action, format!("it is {}, not waiting for a decision", run.status)));
+        return Err(refused(
+            &run,
+            action,
+            format!("it is {}, not waiting for a decision", run.status),
+        ));
     }
     if run.step.as_deref() != Some(step) {
-        return Err(refused(&run, action, format!("it waits at step {}, not {step}", run.step.as_deref().unwrap_or("-"))));
+        return Err(refused(
+            &run,
+            action,
+            format!(
+                "it waits at step {}, not {step}",
+                run.step.as_deref().unwrap_or("-")
+            ),
+        ));
     }
-    let wf = engine.registry.get(&run.workflow).ok_or_else(|| refused(&run, action, format!("workflow {} is not deployed in this build", run.workflow)))?;
+    let wf = engine.registry.get(&run.workflow).ok_or_else(|| {
+        refused(
+            &run,
+            action,
+            format!("workflow {} is not deployed in this build", run.workflow),
+        )
+    })?;
     Ok((tx, run, wf))
 }
 
 /// Marks the waiting step finished with the person's decision in its output.
-async fn close_step(tx: &mut sqlx::PgConnection, run: &RunRow, decision: &str, who: &Decider) -> Result<()> {
+async fn close_step(
+    tx: &mut sqlx::PgConnection,
+    run: &RunRow,
+    decision: &str,
+    who: &Decider,
+) -> Result<()> {
     sqlx::query(
         "UPDATE trailmark.steps SET finished_at = now(),
                 output = jsonb_build_object('question', output, 'decision', $3::text, 'actor', $4::text, 'reason', $5::text)
@@ -43,49 +74,121 @@ async fn close_step(tx: &mut sqlx::PgConnection, run: &RunRow, decision: &str, w
 /// runs now, despite the doubt, on the person's responsibility.
 pub async fn approve(engine: &Engine, run_id: &str, step: &str, who: &Decider) -> Result<Outcome> {
     let (mut tx, run, wf) = waiting_at(engine, run_id, step, "approve").await?;
-    let def = wf.find(step).ok_or_else(|| refused(&run, "approve", format!("workflow {} has no step {step}", wf.name)))?;
+    let def = wf.find(step).ok_or_else(|| {
+        refused(
+            &run,
+            "approve",
+            format!("workflow {} has no step {step}", wf.name),
+        )
+    })?;
     let (seq, version) = (run.step_seq, run.workflow_version);
     let details = json!({ "waiting_for": run.handover });
     if def.kind != StepKind::Human {
         set_run(&mut tx, &run, RunStatus::Running, Some(step), seq, version).await?;
         enqueue(&mut tx, engine, &run, step, seq, version).await?;
         let next = format!("frozen step {step} runs now");
-        return record(tx, &run, "approve", who, RunStatus::Running, Some((step, seq)), version, details, next).await;
+        return record(
+            tx,
+            &run,
+            "approve",
+            who,
+            RunStatus::Running,
+            Some((step, seq)),
+            version,
+            details,
+            next,
+        )
+        .await;
     }
     close_step(&mut tx, &run, "approved", who).await?;
-    let next_step = wf.resolve_next(step, &Next::Continue).map_err(|e| refused(&run, "approve", e.to_string()))?;
+    let next_step = wf
+        .resolve_next(step, &Next::Continue)
+        .map_err(|e| refused(&run, "approve", e.to_string()))?;
     let (after, next) = match &next_step {
         Some(n) => {
             set_run(&mut tx, &run, RunStatus::Running, Some(n), seq + 1, version).await?;
             enqueue(&mut tx, engine, &run, n, seq + 1, version).await?;
-            (RunStatus::Running, format!("the run continues with step {n}"))
+            (
+                RunStatus::Running,
+                format!("the run continues with step {n}"),
+            )
         }
         None => {
             set_run(&mut tx, &run, RunStatus::Succeeded, None, seq + 1, version).await?;
             (RunStatus::Succeeded, "the run is complete".to_owned())
         }
     };
-    record(tx, &run, "approve", who, after, Some((step, seq)), version, details, next).await
+    record(
+        tx,
+        &run,
+        "approve",
+        who,
+        after,
+        Some((step, seq)),
+        version,
+        details,
+        next,
+    )
+    .await
 }
 
 /// Rejects the step the run waits at: the run goes to the step's declared `on_reject` target,
 /// or is cancelled when none is declared.
 pub async fn reject(engine: &Engine, run_id: &str, step: &str, who: &Decider) -> Result<Outcome> {
     let (mut tx, run, wf) = waiting_at(engine, run_id, step, "reject").await?;
-    let def = wf.find(step).ok_or_else(|| refused(&run, "reject", format!("workflow {} has no step {step}", wf.name)))?;
+    let def = wf.find(step).ok_or_else(|| {
+        refused(
+            &run,
+            "reject",
+            format!("workflow {} has no step {step}", wf.name),
+        )
+    })?;
     let (seq, version) = (run.step_seq, run.workflow_version);
     let details = json!({ "waiting_for": run.handover });
     close_step(&mut tx, &run, "rejected", who).await?;
     let (after, next) = match &def.on_reject {
         Some(target) => {
-            set_run(&mut tx, &run, RunStatus::Running, Some(target), seq + 1, version).await?;
+            set_run(
+                &mut tx,
+                &run,
+                RunStatus::Running,
+                Some(target),
+                seq + 1,
+                version,
+            )
+            .await?;
             enqueue(&mut tx, engine, &run, target, seq + 1, version).await?;
-            (RunStatus::Running, format!("the run is diverted to step {target}"))
+            (
+                RunStatus::Running,
+                format!("the run is diverted to step {target}"),
+            )
         }
         None => {
-            set_run(&mut tx, &run, RunStatus::Cancelled, Some(step), seq, version).await?;
-            (RunStatus::Cancelled, "the run is cancelled; `trailmark run undo` can reverse its writes".to_owned())
+            set_run(
+                &mut tx,
+                &run,
+                RunStatus::Cancelled,
+                Some(step),
+                seq,
+                version,
+            )
+            .await?;
+            (
+                RunStatus::Cancelled,
+                "the run is cancelled; `trailmark run undo` can reverse its writes".to_owned(),
+            )
         }
     };
-    record(tx, &run, "reject", who, after, Some((step, seq)), version, details, next).await
+    record(
+        tx,
+        &run,
+        "reject",
+        who,
+        after,
+        Some((step, seq)),
+        version,
+        details,
+        next,
+    )
+    .await
 }

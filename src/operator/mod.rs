@@ -84,12 +84,23 @@ async fn lock(tx: &mut PgConnection, run_id: &str) -> Result<runs::RunRow> {
 }
 
 fn refused(run: &runs::RunRow, action: &'static str, why: impl Into<String>) -> Error {
-    Error::Refused { run_id: run.run_id.clone(), action, why: why.into() }
+    Error::Refused {
+        run_id: run.run_id.clone(),
+        action,
+        why: why.into(),
+    }
 }
 
 /// Moves the run to `status` at (`step`, `seq`) on `version`, voids any lease (fence + 1) and
 /// clears the error and handover note (the decision row keeps them).
-async fn set_run(tx: &mut PgConnection, run: &runs::RunRow, status: RunStatus, step: Option<&str>, seq: i32, version: i32) -> Result<()> {
+async fn set_run(
+    tx: &mut PgConnection,
+    run: &runs::RunRow,
+    status: RunStatus,
+    step: Option<&str>,
+    seq: i32,
+    version: i32,
+) -> Result<()> {
     sqlx::query(
         "UPDATE trailmark.runs SET status = $2, step = $3, step_seq = $4, workflow_version = $5,
                 fence = fence + 1, lease_owner = NULL, lease_expires_at = NULL, error = NULL,
@@ -108,7 +119,14 @@ async fn set_run(tx: &mut PgConnection, run: &runs::RunRow, status: RunStatus, s
 }
 
 /// Queues the message of `step` at `seq` for the run.
-async fn enqueue(tx: &mut PgConnection, engine: &Engine, run: &runs::RunRow, step: &str, seq: i32, version: i32) -> Result<()> {
+async fn enqueue(
+    tx: &mut PgConnection,
+    engine: &Engine,
+    run: &runs::RunRow,
+    step: &str,
+    seq: i32,
+    version: i32,
+) -> Result<()> {
     let run_id = RunId::parse(&run.run_id).map_err(|e| refused(run, "queue", e.to_string()))?;
     let msg = step_message(engine, &run_id, &run.workflow, version, step, seq);
     outbox::insert(tx, &[msg]).await?;
@@ -144,7 +162,13 @@ async fn record(
     decisions::insert(&mut *tx, &d).await?;
     tx.commit().await?;
     tracing::info!(run.id = %run.run_id, action, actor = %who.actor, before = %run.status, after = %after, "operator decision recorded");
-    Ok(Outcome { run_id: run.run_id.clone(), action: action.into(), status_before: run.status.clone(), status_after: after.as_str().into(), next })
+    Ok(Outcome {
+        run_id: run.run_id.clone(),
+        action: action.into(),
+        status_before: run.status.clone(),
+        status_after: after.as_str().into(),
+        next,
+    })
 }
 
 /// Stops a run for good; an in-flight step is fenced out and commits nothing.
@@ -152,10 +176,34 @@ pub async fn cancel(engine: &Engine, run_id: &str, who: &Decider) -> Result<Outc
     let mut tx = engine.pool.begin().await?;
     let run = lock(&mut tx, run_id).await?;
     if run.status().is_terminal() {
-        return Err(refused(&run, "cancel", format!("it is already {}", run.status)));
+        return Err(refused(
+            &run,
+            "cancel",
+            format!("it is already {}", run.status),
+        ));
     }
-    set_run(&mut tx, &run, RunStatus::Cancelled, run.step.as_deref(), run.step_seq, run.workflow_version).await?;
+    set_run(
+        &mut tx,
+        &run,
+        RunStatus::Cancelled,
+        run.step.as_deref(),
+        run.step_seq,
+        run.workflow_version,
+    )
+    .await?;
     let details = json!({ "handover": run.handover, "error": run.error });
-    let next = "nothing: the run is cancelled; `trailmark run undo` can still reverse its writes".into();
-    record(tx, &run, "cancel", who, RunStatus::Cancelled, None, run.workflow_version, details, next).await
+    let next =
+        "nothing: the run is cancelled; `trailmark run undo` can still reverse its writes".into();
+    record(
+        tx,
+        &run,
+        "cancel",
+        who,
+        RunStatus::Cancelled,
+        None,
+        run.workflow_version,
+        details,
+        next,
+    )
+    .await
 }

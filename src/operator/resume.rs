@@ -10,24 +10,44 @@ use crate::workflow::parse_undo_step;
 /// Resumes a run in `needs_review` at the step that stopped it. Completed steps and journaled
 /// model answers are not repeated. With `after_fix`, the failed step's attempt count is reset and
 /// the run continues on the workflow version deployed now (recorded in the decision).
-pub async fn resume(engine: &Engine, run_id: &str, who: &Decider, after_fix: bool) -> Result<Outcome> {
-    let action = if after_fix { "resume_after_fix" } else { "resume" };
+pub async fn resume(
+    engine: &Engine,
+    run_id: &str,
+    who: &Decider,
+    after_fix: bool,
+) -> Result<Outcome> {
+    let action = if after_fix {
+        "resume_after_fix"
+    } else {
+        "resume"
+    };
     let mut tx = engine.pool.begin().await?;
     let run = lock(&mut tx, run_id).await?;
     if run.status() != RunStatus::NeedsReview {
         let hint = match run.status() {
-            RunStatus::Waiting => "it waits for a person: use `trailmark run approve` or `run reject`",
+            RunStatus::Waiting => {
+                "it waits for a person: use `trailmark run approve` or `run reject`"
+            }
             s if s.is_terminal() => "it has ended; only `trailmark run undo` applies",
             _ => "it is not stopped; only runs in needs_review can be resumed",
         };
-        return Err(refused(&run, action, format!("it is {} ({hint})", run.status)));
+        return Err(refused(
+            &run,
+            action,
+            format!("it is {} ({hint})", run.status),
+        ));
     }
-    let step = run.step.clone().ok_or_else(|| refused(&run, action, "it has no step to resume at"))?;
-    let attempts: i32 = sqlx::query_scalar("SELECT COALESCE(max(attempts), 0) FROM trailmark.steps WHERE run_id = $1 AND seq = $2")
-        .bind(&run.run_id)
-        .bind(run.step_seq)
-        .fetch_one(&mut *tx)
-        .await?;
+    let step = run
+        .step
+        .clone()
+        .ok_or_else(|| refused(&run, action, "it has no step to resume at"))?;
+    let attempts: i32 = sqlx::query_scalar(
+        "SELECT COALESCE(max(attempts), 0) FROM trailmark.steps WHERE run_id = $1 AND seq = $2",
+    )
+    .bind(&run.run_id)
+    .bind(run.step_seq)
+    .fetch_one(&mut *tx)
+    .await?;
     let max = engine.settings.worker.max_attempts;
     let mut version = run.workflow_version;
     if after_fix {
@@ -41,16 +61,37 @@ pub async fn resume(engine: &Engine, run_id: &str, who: &Decider, after_fix: boo
             .execute(&mut *tx)
             .await?;
     } else if attempts >= max {
-        return Err(refused(&run, action, format!(
-            "step {step} already used all {max} attempts; fix the cause, deploy, then `trailmark run resume {} --after-fix`",
-            run.run_id
-        )));
+        return Err(refused(
+            &run,
+            action,
+            format!(
+                "step {step} already used all {max} attempts; fix the cause, deploy, then `trailmark run resume {} --after-fix`",
+                run.run_id
+            ),
+        ));
     }
-    let status = if parse_undo_step(&step).is_some() { RunStatus::Compensating } else { RunStatus::Running };
+    let status = if parse_undo_step(&step).is_some() {
+        RunStatus::Compensating
+    } else {
+        RunStatus::Running
+    };
     set_run(&mut tx, &run, status, Some(&step), run.step_seq, version).await?;
     enqueue(&mut tx, engine, &run, &step, run.step_seq, version).await?;
     let details = json!({ "handover": run.handover, "error": run.error, "attempts_before": attempts, "attempts_reset": after_fix });
-    let next = format!("step {step} (position {}) runs again on v{version}; finished steps are kept", run.step_seq);
-    record(tx, &run, action, who, status, Some((&step, run.step_seq)), version, details, next).await
+    let next = format!(
+        "step {step} (position {}) runs again on v{version}; finished steps are kept",
+        run.step_seq
+    );
+    record(
+        tx,
+        &run,
+        action,
+        who,
+        status,
+        Some((&step, run.step_seq)),
+        version,
+        details,
+        next,
+    )
+    .await
 }
-

@@ -14,13 +14,24 @@ pub async fn undo(engine: &Engine, run_id: &str, who: &Decider, scope: Value) ->
     let mut tx = engine.pool.begin().await?;
     let run = lock(&mut tx, run_id).await?;
     if matches!(run.status(), RunStatus::Running | RunStatus::Compensating) {
-        return Err(refused(&run, "undo", format!(
-            "it is {}; cancel it first (`trailmark run cancel {}`) or wait until it stops",
-            run.status, run.run_id
-        )));
+        return Err(refused(
+            &run,
+            "undo",
+            format!(
+                "it is {}; cancel it first (`trailmark run cancel {}`) or wait until it stops",
+                run.status, run.run_id
+            ),
+        ));
     }
     let wf = engine.registry.get(&run.workflow).ok_or_else(|| {
-        refused(&run, "undo", format!("workflow {} is not deployed in this build, so its compensations are unknown", run.workflow))
+        refused(
+            &run,
+            "undo",
+            format!(
+                "workflow {} is not deployed in this build, so its compensations are unknown",
+                run.workflow
+            ),
+        )
     })?;
     let done: Vec<(i32, String)> = sqlx::query_as(
         "SELECT seq, step FROM trailmark.steps WHERE run_id = $1 AND finished_at IS NOT NULL
@@ -34,10 +45,12 @@ pub async fn undo(engine: &Engine, run_id: &str, who: &Decider, scope: Value) ->
         .filter(|(_, step)| wf.find(step).is_some_and(|d| d.compensation.is_some()))
         .map(|(seq, step)| json!({ "seq": seq, "step": step }))
         .collect();
-    let next_seq: i32 = sqlx::query_scalar("SELECT COALESCE(max(seq), -1) + 1 FROM trailmark.steps WHERE run_id = $1")
-        .bind(&run.run_id)
-        .fetch_one(&mut *tx)
-        .await?;
+    let next_seq: i32 = sqlx::query_scalar(
+        "SELECT COALESCE(max(seq), -1) + 1 FROM trailmark.steps WHERE run_id = $1",
+    )
+    .bind(&run.run_id)
+    .fetch_one(&mut *tx)
+    .await?;
     let plan = json!({ "scope": scope, "targets": targets });
     sqlx::query("UPDATE trailmark.runs SET undo = $2 WHERE run_id = $1")
         .bind(&run.run_id)
@@ -45,13 +58,57 @@ pub async fn undo(engine: &Engine, run_id: &str, who: &Decider, scope: Value) ->
         .execute(&mut *tx)
         .await?;
     let Some(first) = targets.first() else {
-        set_run(&mut tx, &run, RunStatus::Compensated, None, next_seq, run.workflow_version).await?;
+        set_run(
+            &mut tx,
+            &run,
+            RunStatus::Compensated,
+            None,
+            next_seq,
+            run.workflow_version,
+        )
+        .await?;
         let next = "nothing to undo: no completed step declares a compensation".into();
-        return record(tx, &run, "undo", who, RunStatus::Compensated, None, run.workflow_version, plan, next).await;
+        return record(
+            tx,
+            &run,
+            "undo",
+            who,
+            RunStatus::Compensated,
+            None,
+            run.workflow_version,
+            plan,
+            next,
+        )
+        .await;
     };
-    let step = undo_step_name(first["step"].as_str().unwrap_or_default(), first["seq"].as_i64().unwrap_or(0) as i32);
-    set_run(&mut tx, &run, RunStatus::Compensating, Some(&step), next_seq, run.workflow_version).await?;
+    let step = undo_step_name(
+        first["step"].as_str().unwrap_or_default(),
+        first["seq"].as_i64().unwrap_or(0) as i32,
+    );
+    set_run(
+        &mut tx,
+        &run,
+        RunStatus::Compensating,
+        Some(&step),
+        next_seq,
+        run.workflow_version,
+    )
+    .await?;
     enqueue(&mut tx, engine, &run, &step, next_seq, run.workflow_version).await?;
-    let next = format!("{} compensations run newest first, each keyed undo:<original key>", targets.len());
-    record(tx, &run, "undo", who, RunStatus::Compensating, None, run.workflow_version, plan, next).await
+    let next = format!(
+        "{} compensations run newest first, each keyed undo:<original key>",
+        targets.len()
+    );
+    record(
+        tx,
+        &run,
+        "undo",
+        who,
+        RunStatus::Compensating,
+        None,
+        run.workflow_version,
+        plan,
+        next,
+    )
+    .await
 }

@@ -131,7 +131,8 @@ pub async fn drain_batch(engine: &Engine, publisher: &Publisher) -> Result<usize
 }
 
 fn row_to_outgoing(row: &outbox::OutboxRow) -> Outgoing {
-    let headers: BTreeMap<String, String> = serde_json::from_value(row.headers.clone()).unwrap_or_default();
+    let headers: BTreeMap<String, String> =
+        serde_json::from_value(row.headers.clone()).unwrap_or_default();
     Outgoing {
         message_id: row.message_id.to_string(),
         exchange: row.exchange.clone(),

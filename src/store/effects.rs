@@ -113,7 +113,13 @@ pub async fn totals(db: impl PgExecutor<'_>, run_id: &str) -> Result<(i64, i64)>
 
 /// For a call not yet made under `key`: the run's tool calls so far, and how many of them were
 /// `tool` with the same request hash (both excluding `key`, so a replay never counts twice).
-pub async fn usage(db: impl PgExecutor<'_>, run_id: &RunId, key: &IdempotencyKey, tool: &str, request_hash: &str) -> Result<(i64, i64)> {
+pub async fn usage(
+    db: impl PgExecutor<'_>,
+    run_id: &RunId,
+    key: &IdempotencyKey,
+    tool: &str,
+    request_hash: &str,
+) -> Result<(i64, i64)> {
     Ok(sqlx::query_as(
         "SELECT count(*), count(*) FILTER (WHERE tool = $3 AND request_hash = $4)
            FROM trailmark.effects WHERE run_id = $1 AND idempotency_key <> $2",

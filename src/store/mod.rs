@@ -87,7 +87,10 @@ pub async fn connect(settings: &DatabaseSettings) -> Result<PgPool> {
 
 /// One connection outside the pool, for a process's presence (see `worker::presence`).
 pub async fn connect_one(settings: &DatabaseSettings) -> Result<sqlx::PgConnection> {
-    options(settings)?.connect().await.map_err(|e| down(settings, &e))
+    options(settings)?
+        .connect()
+        .await
+        .map_err(|e| down(settings, &e))
 }
 
 /// Creates the database named in the URL when it is missing (connecting to `postgres` first).

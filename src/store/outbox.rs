@@ -54,7 +54,10 @@ pub async fn insert(db: impl PgExecutor<'_>, messages: &[OutgoingMessage]) -> Re
         .map(|m| serde_json::to_value(&m.headers).expect("string map"))
         .collect();
     let bodies: Vec<&[u8]> = messages.iter().map(|m| m.body.as_slice()).collect();
-    let delays: Vec<f64> = messages.iter().map(|m| m.relay_after_ms as f64 / 1000.0).collect();
+    let delays: Vec<f64> = messages
+        .iter()
+        .map(|m| m.relay_after_ms as f64 / 1000.0)
+        .collect();
     sqlx::query(
         "INSERT INTO trailmark.outbox (message_id, exchange, routing_key, headers, body, available_at)
          SELECT m, x, k, h, b, now() + make_interval(secs => d)

@@ -20,7 +20,13 @@ pub struct ParkedRow {
 }
 
 /// Records parked items in the step's transaction; parking the same item again keeps the first.
-pub async fn insert(tx: &mut PgConnection, run_id: &RunId, seq: i32, step: &str, items: &[crate::workflow::Parked]) -> Result<()> {
+pub async fn insert(
+    tx: &mut PgConnection,
+    run_id: &RunId,
+    seq: i32,
+    step: &str,
+    items: &[crate::workflow::Parked],
+) -> Result<()> {
     for p in items {
         sqlx::query(
             "INSERT INTO trailmark.parked (run_id, item, seq, step, reason) VALUES ($1, $2, $3, $4, $5)

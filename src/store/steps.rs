@@ -91,7 +91,12 @@ pub async fn list(db: impl PgExecutor<'_>, run_id: &str) -> Result<Vec<StepRow>>
 }
 
 /// Stores what a waiting step asks a person, without finishing the step.
-pub async fn set_question(db: impl PgExecutor<'_>, run_id: &RunId, seq: i32, question: &Value) -> Result<()> {
+pub async fn set_question(
+    db: impl PgExecutor<'_>,
+    run_id: &RunId,
+    seq: i32,
+    question: &Value,
+) -> Result<()> {
     sqlx::query("UPDATE trailmark.steps SET output = $3 WHERE run_id = $1 AND seq = $2")
         .bind(run_id.as_str())
         .bind(seq)
@@ -103,10 +108,12 @@ pub async fn set_question(db: impl PgExecutor<'_>, run_id: &RunId, seq: i32, que
 
 /// The checkpointed output at position `seq`.
 pub async fn output_at(db: impl PgExecutor<'_>, run_id: &RunId, seq: i32) -> Result<Option<Value>> {
-    Ok(sqlx::query_scalar("SELECT output FROM trailmark.steps WHERE run_id = $1 AND seq = $2")
-        .bind(run_id.as_str())
-        .bind(seq)
-        .fetch_optional(db)
-        .await?
-        .flatten())
+    Ok(
+        sqlx::query_scalar("SELECT output FROM trailmark.steps WHERE run_id = $1 AND seq = $2")
+            .bind(run_id.as_str())
+            .bind(seq)
+            .fetch_optional(db)
+            .await?
+            .flatten(),
+    )
 }

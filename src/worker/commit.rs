@@ -44,7 +44,12 @@ pub(super) enum Ending {
 
 /// Commits the step and returns the outbox messages it queued (for eager publishing);
 /// `Ok(None)` means another delivery of the same message committed first.
-pub(super) async fn commit(engine: &Arc<Engine>, msg: &StepMessage, fence: Fence, ending: Ending) -> store::Result<Option<Vec<OutgoingMessage>>> {
+pub(super) async fn commit(
+    engine: &Arc<Engine>,
+    msg: &StepMessage,
+    fence: Fence,
+    ending: Ending,
+) -> store::Result<Option<Vec<OutgoingMessage>>> {
     let grace = engine.settings.relay.eager_grace_ms;
     let mut queued = Vec::new();
     let fp = &engine.failpoints;
@@ -52,7 +57,13 @@ pub(super) async fn commit(engine: &Arc<Engine>, msg: &StepMessage, fence: Fence
     // The fenced update goes first: it takes the run's row lock, so two committers of the same
     // run serialise here and the loser sees zero rows.
     match &ending {
-        Ending::Advance { output, next, status, sent, parked: items } => {
+        Ending::Advance {
+            output,
+            next,
+            status,
+            sent,
+            parked: items,
+        } => {
             let done = next.is_none();
             let to = runs::Advance {
                 seq: msg.seq,
@@ -115,7 +126,11 @@ pub(super) async fn commit(engine: &Arc<Engine>, msg: &StepMessage, fence: Fence
 }
 
 /// Gives the lease back without advancing (the step will be retried from a delay queue).
-pub(super) async fn release(engine: &Arc<Engine>, run_id: &RunId, fence: Fence) -> store::Result<()> {
+pub(super) async fn release(
+    engine: &Arc<Engine>,
+    run_id: &RunId,
+    fence: Fence,
+) -> store::Result<()> {
     sqlx::query(
         "UPDATE trailmark.runs SET lease_owner = NULL, lease_expires_at = NULL, updated_at = now()
           WHERE run_id = $1 AND fence = $2",
@@ -128,7 +143,14 @@ pub(super) async fn release(engine: &Arc<Engine>, run_id: &RunId, fence: Fence) 
 }
 
 /// The outbox row of a step message for `step` at position `seq` of a run.
-pub fn step_message(engine: &Engine, run_id: &RunId, workflow: &str, version: i32, step: &str, seq: i32) -> OutgoingMessage {
+pub fn step_message(
+    engine: &Engine,
+    run_id: &RunId,
+    workflow: &str,
+    version: i32,
+    step: &str,
+    seq: i32,
+) -> OutgoingMessage {
     let msg = StepMessage {
         v: 1,
         message_id: MessageId::new(),
@@ -153,7 +175,14 @@ pub fn step_message(engine: &Engine, run_id: &RunId, workflow: &str, version: i3
 }
 
 fn next_message(engine: &Engine, msg: &StepMessage, next: &str) -> OutgoingMessage {
-    step_message(engine, &msg.run_id, &msg.workflow, msg.version, next, msg.seq + 1)
+    step_message(
+        engine,
+        &msg.run_id,
+        &msg.workflow,
+        msg.version,
+        next,
+        msg.seq + 1,
+    )
 }
 
 fn infra(e: impl std::fmt::Display) -> store::Error {

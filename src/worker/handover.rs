@@ -9,11 +9,20 @@ use crate::store::{self, effects, parked};
 use crate::workflow::StepError;
 
 /// Builds the note from the checkpoint as it stands.
-pub(super) async fn note(engine: &Engine, msg: &StepMessage, attempt: i32, error: &StepError) -> store::Result<Value> {
+pub(super) async fn note(
+    engine: &Engine,
+    msg: &StepMessage,
+    attempt: i32,
+    error: &StepError,
+) -> store::Result<Value> {
     let effects = effects::list(&engine.pool, msg.run_id.as_str()).await?;
     let parked = parked::list(&engine.pool, msg.run_id.as_str()).await?;
     let (done, unknown): (Vec<_>, Vec<_>) = effects.into_iter().partition(|e| e.completed);
-    let keys = |list: Vec<effects::EffectSummary>| list.into_iter().map(|e| json!({"key": e.idempotency_key, "tool": e.tool, "seq": e.seq})).collect::<Vec<_>>();
+    let keys = |list: Vec<effects::EffectSummary>| {
+        list.into_iter()
+            .map(|e| json!({"key": e.idempotency_key, "tool": e.tool, "seq": e.seq}))
+            .collect::<Vec<_>>()
+    };
     Ok(json!({
         "run_id": msg.run_id,
         "workflow": msg.workflow,

@@ -21,15 +21,22 @@ pub(super) async fn hold(engine: Arc<Engine>, shutdown: CancellationToken) {
         match store::connect_one(&engine.settings.database).await {
             Ok(mut conn) => {
                 backoff = Duration::from_millis(200);
-                match sqlx::query_scalar::<_, i32>("SELECT pg_backend_pid()").fetch_one(&mut conn).await {
+                match sqlx::query_scalar::<_, i32>("SELECT pg_backend_pid()")
+                    .fetch_one(&mut conn)
+                    .await
+                {
                     Ok(pid) => engine.presence_pid.store(pid, Ordering::SeqCst),
-                    Err(e) => tracing::warn!(error = %e, "presence connection: cannot read its pid"),
+                    Err(e) => {
+                        tracing::warn!(error = %e, "presence connection: cannot read its pid")
+                    }
                 }
                 keep_alive(&mut conn, &shutdown).await;
                 engine.presence_pid.store(0, Ordering::SeqCst);
                 let _ = conn.close().await;
             }
-            Err(e) => tracing::warn!(error = %e, "presence connection failed; leases fall back to expiry"),
+            Err(e) => {
+                tracing::warn!(error = %e, "presence connection failed; leases fall back to expiry")
+            }
         }
         tokio::select! {
             _ = tokio::time::sleep(backoff) => {}

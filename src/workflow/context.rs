@@ -88,7 +88,9 @@ impl StepContext {
             parked: Mutex::new(Vec::new()),
             services,
         };
-        Self { inner: Arc::new(inner) }
+        Self {
+            inner: Arc::new(inner),
+        }
     }
 
     /// The run.
@@ -138,13 +140,19 @@ impl StepContext {
 
     /// Triggers the named failpoint (tests and drills; a no-op unless configured).
     pub fn failpoint(&self, name: &str) -> Result<(), StepError> {
-        self.services().failpoints.hit(name).map_err(|e| StepError::Infrastructure(e.to_string()))
+        self.services()
+            .failpoints
+            .hit(name)
+            .map_err(|e| StepError::Infrastructure(e.to_string()))
     }
 
     /// Sets one item aside with its reason (a permanent error for that item only); the step goes
     /// on with the others. Parked items are committed with the step and listed by `run show`.
     pub fn park(&self, item: impl Into<String>, reason: impl Into<String>) {
-        let parked = Parked { item: item.into(), reason: reason.into() };
+        let parked = Parked {
+            item: item.into(),
+            reason: reason.into(),
+        };
         tracing::warn!(item = %parked.item, reason = %parked.reason, "item parked");
         self.inner.parked.lock().expect("parked lock").push(parked);
     }

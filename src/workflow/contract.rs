@@ -54,8 +54,12 @@ fn step_contract(s: &super::StepDef) -> StepContract {
     let on_crash = match s.kind {
         StepKind::Read => "safe to redo: it is run again from its start",
         StepKind::Model => "redone, but journaled model answers are replayed, not paid again",
-        StepKind::Write => "redone; recorded effects are replayed, an effect of unknown outcome is sent again under the same key (the receiver must enforce it)",
-        StepKind::Message => "redone; outside messages go out only with the step's commit (at least once, the key travels with the message)",
+        StepKind::Write => {
+            "redone; recorded effects are replayed, an effect of unknown outcome is sent again under the same key (the receiver must enforce it)"
+        }
+        StepKind::Message => {
+            "redone; outside messages go out only with the step's commit (at least once, the key travels with the message)"
+        }
         StepKind::Human => "waits again for the same decision; nothing is lost",
     };
     let compensation = match (&s.compensation, s.kind) {
@@ -83,7 +87,10 @@ fn warnings(wf: &Workflow) -> Vec<String> {
     let is_write = |k: StepKind| matches!(k, StepKind::Write | StepKind::Message);
     for (i, s) in wf.steps.iter().enumerate() {
         if is_write(s.kind) && s.key_recipe.is_none() {
-            out.push(format!("step {} writes outside but declares no key recipe", s.name));
+            out.push(format!(
+                "step {} writes outside but declares no key recipe",
+                s.name
+            ));
         }
         let irreversible = is_write(s.kind) && s.compensation.is_none();
         if !irreversible {

@@ -61,7 +61,12 @@ where
 impl Workflow {
     /// An empty workflow.
     pub fn new(name: impl Into<String>, version: i32) -> Self {
-        Self { name: name.into(), version, steps: Vec::new(), budget: None }
+        Self {
+            name: name.into(),
+            version,
+            steps: Vec::new(),
+            budget: None,
+        }
     }
 
     /// Sets this workflow's per-run budget (builder style).
@@ -89,7 +94,9 @@ impl Workflow {
     }
 
     fn last(&mut self) -> &mut StepDef {
-        self.steps.last_mut().expect("declare a step before its compensation, key recipe or rules")
+        self.steps
+            .last_mut()
+            .expect("declare a step before its compensation, key recipe or rules")
     }
 
     /// Declares how to undo the step added last.
@@ -98,7 +105,10 @@ impl Workflow {
         F: Fn(StepContext) -> Fut + Send + Sync + 'static,
         Fut: Future<Output = Result<StepOutcome, StepError>> + Send + 'static,
     {
-        self.last().compensation = Some(Compensation { note: note.to_owned(), handler: boxed(handler) });
+        self.last().compensation = Some(Compensation {
+            note: note.to_owned(),
+            handler: boxed(handler),
+        });
         self
     }
 
@@ -136,7 +146,9 @@ impl Workflow {
             Next::Finish => Ok(None),
             Next::Continue | Next::Wait => {
                 let pos = self.steps.iter().position(|s| s.name == current);
-                Ok(pos.and_then(|p| self.steps.get(p + 1)).map(|s| s.name.clone()))
+                Ok(pos
+                    .and_then(|p| self.steps.get(p + 1))
+                    .map(|s| s.name.clone()))
             }
             Next::Goto(name) if self.find(name).is_some() => Ok(Some(name.clone())),
             Next::Goto(name) => Err(StepError::Unknown(format!(

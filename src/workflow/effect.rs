@@ -26,11 +26,17 @@ pub struct Tool {
 impl Tool {
     /// A tool whose receiver enforces the idempotency key (a ledger with a unique reference).
     pub fn idempotent(name: &str) -> Self {
-        Self { name: name.to_owned(), idempotent: true }
+        Self {
+            name: name.to_owned(),
+            idempotent: true,
+        }
     }
     /// A tool that might act twice if called twice; needs a lookup after an unknown outcome.
     pub fn not_idempotent(name: &str) -> Self {
-        Self { name: name.to_owned(), idempotent: false }
+        Self {
+            name: name.to_owned(),
+            idempotent: false,
+        }
     }
 }
 
@@ -49,15 +55,32 @@ impl StepContext {
     /// Makes one outside call under `key` to a receiver that enforces the key (DESIGN.md §5).
     /// A temporary failure is retried later as a whole step, under the same key; use
     /// [`StepContext::tool_effect`] for in-process retries, tool names and lookups.
-    pub async fn effect<F, Fut>(&self, key: &IdempotencyKey, request: &Value, call: F) -> Result<Value, StepError>
+    pub async fn effect<F, Fut>(
+        &self,
+        key: &IdempotencyKey,
+        request: &Value,
+        call: F,
+    ) -> Result<Value, StepError>
     where
         F: FnOnce(IdempotencyKey) -> Fut,
         Fut: Future<Output = Result<Value, StepError>>,
     {
         let mut once = Some(call);
-        let call = move |k| (once.take().expect("an effect without retries is called once"))(k);
+        let call = move |k| {
+            (once
+                .take()
+                .expect("an effect without retries is called once"))(k)
+        };
         let no_lookup = |_key: IdempotencyKey| async { Ok(Lookup::CannotTell) };
-        self.run_effect(&Tool::idempotent("effect"), key, request, 0, call, no_lookup).await
+        self.run_effect(
+            &Tool::idempotent("effect"),
+            key,
+            request,
+            0,
+            call,
+            no_lookup,
+        )
+        .await
     }
 
     /// Makes an outside call to `tool` under `key`, at most once in effect where the receiver
@@ -65,7 +88,14 @@ impl StepContext {
     /// with the same key; otherwise `lookup(key)` decides, and if it cannot tell the run stops in
     /// `needs_review` with the key in the note. Temporary failures are retried in-process under
     /// the same key (`worker.call_retries`), then surface as a temporary step error.
-    pub async fn tool_effect<F, Fut, L, LFut>(&self, tool: &Tool, key: &IdempotencyKey, request: &Value, call: F, lookup: L) -> Result<Value, StepError>
+    pub async fn tool_effect<F, Fut, L, LFut>(
+        &self,
+        tool: &Tool,
+        key: &IdempotencyKey,
+        request: &Value,
+        call: F,
+        lookup: L,
+    ) -> Result<Value, StepError>
     where
         F: FnMut(IdempotencyKey) -> Fut,
         Fut: Future<Output = Result<Value, StepError>>,
@@ -73,11 +103,20 @@ impl StepContext {
         LFut: Future<Output = Result<Lookup, StepError>>,
     {
         let retries = self.services().settings.worker.call_retries;
-        self.run_effect(tool, key, request, retries, call, lookup).await
+        self.run_effect(tool, key, request, retries, call, lookup)
+            .await
     }
 
     #[tracing::instrument(skip_all, fields(tool = %tool.name, key = %key))]
-    async fn run_effect<F, Fut, L, LFut>(&self, tool: &Tool, key: &IdempotencyKey, request: &Value, retries: usize, call: F, lookup: L) -> Result<Value, StepError>
+    async fn run_effect<F, Fut, L, LFut>(
+        &self,
+        tool: &Tool,
+        key: &IdempotencyKey,
+        request: &Value,
+        retries: usize,
+        call: F,
+        lookup: L,
+    ) -> Result<Value, StepError>
     where
         F: FnMut(IdempotencyKey) -> Fut,
         Fut: Future<Output = Result<Value, StepError>>,
@@ -86,12 +125,23 @@ impl StepContext {
     {
         let hash = store::hash_json(request);
         self.guard_new_call(tool, key, &hash, request).await?;
-        let known = effects::begin(self.pool(), key, &tool.name, self.run_id(), self.seq(), &hash, self.fence()).await?;
+        let known = effects::begin(
+            self.pool(),
+            key,
+            &tool.name,
+            self.run_id(),
+            self.seq(),
+            &hash,
+            self.fence(),
+        )
+        .await?;
         match known {
             effects::Known::Done(result) => return Ok(result),
             effects::Known::New => {}
             effects::Known::Unknown if tool.idempotent => {
-                tracing::info!("effect outcome unknown after a restart; calling again under the same key");
+                tracing::info!(
+                    "effect outcome unknown after a restart; calling again under the same key"
+                );
             }
             effects::Known::Unknown => match lookup(key.clone()).await? {
                 Lookup::Done(result) => {
@@ -99,10 +149,12 @@ impl StepContext {
                     return Ok(result);
                 }
                 Lookup::NotDone => tracing::info!("lookup says the call did not happen; calling"),
-                Lookup::CannotTell => return Err(StepError::Unknown(format!(
-                    "outcome of {} call {key} is unknown after a crash and its lookup cannot tell; check the {} system for key {key}, then resume (if absent) or resume after marking it done",
-                    tool.name, tool.name
-                ))),
+                Lookup::CannotTell => {
+                    return Err(StepError::Unknown(format!(
+                        "outcome of {} call {key} is unknown after a crash and its lookup cannot tell; check the {} system for key {key}, then resume (if absent) or resume after marking it done",
+                        tool.name, tool.name
+                    )));
+                }
             },
         }
         let result = self.call_with_retries(tool, key, retries, call).await?;
@@ -113,10 +165,17 @@ impl StepContext {
     }
 
     /// Budget and loop checks for a call this run has not made under `key` before.
-    async fn guard_new_call(&self, tool: &Tool, key: &IdempotencyKey, hash: &str, request: &Value) -> Result<(), StepError> {
+    async fn guard_new_call(
+        &self,
+        tool: &Tool,
+        key: &IdempotencyKey,
+        hash: &str,
+        request: &Value,
+    ) -> Result<(), StepError> {
         let budget = &self.inner.pos.budget;
         let limit = self.services().settings.guards.repeat_limit;
-        let (calls, repeats) = effects::usage(self.pool(), self.run_id(), key, &tool.name, hash).await?;
+        let (calls, repeats) =
+            effects::usage(self.pool(), self.run_id(), key, &tool.name, hash).await?;
         if budget.max_tool_calls > 0 && calls as u64 >= budget.max_tool_calls {
             return Err(guard::budget_exhausted(format!(
                 "run {} made {calls} tool calls, its budget is {}",
@@ -125,12 +184,23 @@ impl StepContext {
             )));
         }
         if limit > 0 && repeats as u64 >= limit {
-            return Err(guard::repeated_action(self.run_id(), &tool.name, repeats, request));
+            return Err(guard::repeated_action(
+                self.run_id(),
+                &tool.name,
+                repeats,
+                request,
+            ));
         }
         Ok(())
     }
 
-    async fn call_with_retries<F, Fut>(&self, tool: &Tool, key: &IdempotencyKey, retries: usize, call: F) -> Result<Value, StepError>
+    async fn call_with_retries<F, Fut>(
+        &self,
+        tool: &Tool,
+        key: &IdempotencyKey,
+        retries: usize,
+        call: F,
+    ) -> Result<Value, StepError>
     where
         F: FnMut(IdempotencyKey) -> Fut,
         Fut: Future<Output = Result<Value, StepError>>,
@@ -144,13 +214,24 @@ impl StepContext {
         let call = std::sync::Mutex::new(call);
         let attempt = || async {
             if let Decision::Refuse(wait) = breakers.check(&tool.name, Instant::now()) {
-                return Err(StepError::Temporary { reason: format!("circuit breaker for {} is open", tool.name), retry_after: Some(wait) });
+                return Err(StepError::Temporary {
+                    reason: format!("circuit breaker for {} is open", tool.name),
+                    retry_after: Some(wait),
+                });
             }
             let started = Instant::now();
             let pending = (call.lock().expect("effect call lock"))(key.clone());
             let result = pending.await;
-            breakers.record(&tool.name, !matches!(result, Err(StepError::Temporary { .. })), Instant::now());
-            tracing::info!(latency_ms = started.elapsed().as_millis() as u64, ok = result.is_ok(), "tool called");
+            breakers.record(
+                &tool.name,
+                !matches!(result, Err(StepError::Temporary { .. })),
+                Instant::now(),
+            );
+            tracing::info!(
+                latency_ms = started.elapsed().as_millis() as u64,
+                ok = result.is_ok(),
+                "tool called"
+            );
             result
         };
         attempt

@@ -3,8 +3,8 @@
 //! A handler receives a [`StepContext`] and returns a [`StepOutcome`]: its output (the checkpoint)
 //! and which step comes next, so fixed pipelines and model-driven loops are written the same way.
 
-pub mod contract;
 mod context;
+pub mod contract;
 mod definition;
 mod effect;
 mod error;
@@ -17,9 +17,9 @@ use std::sync::Arc;
 
 use serde_json::Value;
 
+pub use context::UndoTarget;
 pub use context::{Parked, StepContext};
 pub(crate) use context::{Position, Services};
-pub use context::UndoTarget;
 pub use definition::{Compensation, StepDef, Workflow, parse_undo_step, undo_step_name};
 pub use effect::{Lookup, Tool};
 pub use error::{ResultExt, StepError};
@@ -86,7 +86,10 @@ impl StepOutcome {
     }
     /// A human step's question: the run waits in `waiting` until approved or rejected.
     pub fn wait(question: Value) -> Self {
-        Self { output: question, next: Next::Wait }
+        Self {
+            output: question,
+            next: Next::Wait,
+        }
     }
 }
 

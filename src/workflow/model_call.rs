@@ -60,7 +60,11 @@ impl StepContext {
     }
 }
 
-async fn ask(client: &ModelClient, request: &ChatRequest, retries: usize) -> Result<ChatAnswer, model::Error> {
+async fn ask(
+    client: &ModelClient,
+    request: &ChatRequest,
+    retries: usize,
+) -> Result<ChatAnswer, model::Error> {
     let policy = ExponentialBuilder::default()
         .with_jitter()
         .with_min_delay(Duration::from_millis(100))
@@ -91,7 +95,11 @@ fn standin(request: &ChatRequest, bytes: usize) -> ChatAnswer {
     }
 }
 
-fn replayed(entry: journal::JournalEntry, hash: &str, ctx: &StepContext) -> Result<ChatAnswer, StepError> {
+fn replayed(
+    entry: journal::JournalEntry,
+    hash: &str,
+    ctx: &StepContext,
+) -> Result<ChatAnswer, StepError> {
     if entry.request_hash != hash {
         return Err(StepError::Unknown(format!(
             "run {} step {} (seq {}) model call {}: the request differs from the journaled one; the step is not deterministic, so its recorded answer cannot be reused",
@@ -102,14 +110,21 @@ fn replayed(entry: journal::JournalEntry, hash: &str, ctx: &StepContext) -> Resu
         )));
     }
     serde_json::from_value(entry.response).map_err(|e| {
-        StepError::Unknown(format!("journal entry {} of run {} is unreadable: {e}", entry.call_no, ctx.run_id()))
+        StepError::Unknown(format!(
+            "journal entry {} of run {} is unreadable: {e}",
+            entry.call_no,
+            ctx.run_id()
+        ))
     })
 }
 
 fn classify(e: model::Error) -> StepError {
     match e {
         model::Error::Auth { .. } | model::Error::Config(_) => StepError::Auth(e.to_string()),
-        model::Error::RateLimited { retry_after } => StepError::Temporary { reason: e.to_string(), retry_after },
+        model::Error::RateLimited { retry_after } => StepError::Temporary {
+            reason: e.to_string(),
+            retry_after,
+        },
         // Still malformed after the retries: not a passing fault, a person should look.
         model::Error::Malformed(_) => StepError::Unknown(e.to_string()),
         e if e.is_temporary() => StepError::temporary(e.to_string()),
