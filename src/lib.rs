@@ -21,6 +21,7 @@
 //! | [`standin`] | stand-in outside systems for tests, drills and the demo |
 //! | [`builtin`] | the `chain` workflow and the reference `reconcile` workflow |
 //! | [`reference`] | the nightly invoice reconciliation (DESIGN.md §12), its stand-in outside systems and `trailmark demo` |
+//! | [`bench`] | `trailmark bench`: throughput, latency, CPU, recovery against the bare-loop baseline B3 |
 //! | [`cli`] | operator commands behind the `trailmark` binary |
 //!
 //! # The promises (DESIGN.md §1)
@@ -33,6 +34,7 @@
 
 #![warn(missing_docs)]
 
+pub mod bench;
 pub mod broker;
 pub mod builtin;
 pub mod cli;

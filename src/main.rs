@@ -50,6 +50,8 @@ enum Command {
         #[command(subcommand)]
         command: cli::dlq::DlqCommand,
     },
+    /// Measure throughput, latency, CPU, memory and recovery against the bare-loop baseline B3.
+    Bench(cli::bench::BenchArgs),
     /// Run the stand-in OpenAI-compatible model server (for drills and demos).
     ModelServer {
         /// Port on 127.0.0.1 (0 picks a free one).
@@ -239,6 +241,7 @@ async fn dispatch(cli: Cli) -> anyhow::Result<()> {
         Command::Demo(args) => cli::demo::run(&settings, args).await,
         Command::Contract { workflow, json } => cli::decide::print_contract(&registry, &workflow, json),
         Command::Dlq { command } => cli::dlq::run(&settings, command).await,
+        Command::Bench(args) => cli::bench::run(&settings, args).await,
         Command::ModelServer { .. } => unreachable!("handled above"),
     }
 }

@@ -1,6 +1,7 @@
 //! Operator commands behind the `trailmark` binary; one file per command group.
 //! This is binary glue, so it reports with `anyhow`; library errors stay typed underneath.
 
+pub mod bench;
 pub mod decide;
 pub mod demo;
 pub mod dlq;
