@@ -96,14 +96,24 @@ pub async fn mark_published(db: impl PgExecutor<'_>, ids: &[i64]) -> Result<()> 
 }
 
 /// Marks rows published by the worker that committed them (eager publish).
-pub async fn mark_published_ids(db: impl PgExecutor<'_>, message_ids: &[uuid::Uuid]) -> Result<()> {
+///
+/// The mark commits asynchronously (no fsync wait): if Postgres crashes before it reaches disk,
+/// the only cost is that the relay publishes those rows once more, and consumers drop the
+/// repeats by message id. The step's own commit stays fully synchronous.
+pub async fn mark_published_ids(pool: &sqlx::PgPool, message_ids: &[uuid::Uuid]) -> Result<()> {
+    if message_ids.is_empty() {
+        return Ok(());
+    }
+    let mut tx = pool.begin().await?;
+    sqlx::query("SET LOCAL synchronous_commit = off").execute(&mut *tx).await?;
     sqlx::query(
         "UPDATE trailmark.outbox SET published_at = now(), attempts = attempts + 1
           WHERE message_id = ANY($1) AND published_at IS NULL",
     )
     .bind(message_ids)
-    .execute(db)
+    .execute(&mut *tx)
     .await?;
+    tx.commit().await?;
     Ok(())
 }
 
