@@ -124,18 +124,43 @@ async fn bad_requests_are_refused_with_what_to_do() {
 async fn sigterm_stops_serve_gracefully_with_exit_0_and_the_run_finishes_later() {
     let env = TestEnv::new().await;
     let mut serve = env.spawn_process(None);
-    env.start_run("chain", "r-term", serde_json::json!({"steps": 30, "step_delay_ms": 100})).await;
-    env.wait_until("a few steps done", Duration::from_secs(60), || async { env.steps_done("r-term").await >= 3 })
-        .await;
+    env.start_run(
+        "chain",
+        "r-term",
+        serde_json::json!({"steps": 30, "step_delay_ms": 100}),
+    )
+    .await;
+    env.wait_until("a few steps done", Duration::from_secs(60), || async {
+        env.steps_done("r-term").await >= 3
+    })
+    .await;
     // SAFETY: signalling our own child process.
     unsafe { libc::kill(serve.pid() as i32, libc::SIGTERM) };
-    let status = tokio::task::spawn_blocking(move || serve.wait()).await.unwrap();
-    assert_eq!(status.code(), Some(0), "serve should exit 0 on SIGTERM: {status:?}");
-    let run = trailmark::store::runs::get(&env.pool, "r-term").await.unwrap().unwrap();
-    assert!(run.lease_owner.is_none(), "the in-flight step finished and released its lease");
+    let status = tokio::task::spawn_blocking(move || serve.wait())
+        .await
+        .unwrap();
+    assert_eq!(
+        status.code(),
+        Some(0),
+        "serve should exit 0 on SIGTERM: {status:?}"
+    );
+    let run = trailmark::store::runs::get(&env.pool, "r-term")
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(
+        run.lease_owner.is_none(),
+        "the in-flight step finished and released its lease"
+    );
     let _again = env.spawn_process(None);
-    env.wait_status("r-term", RunStatus::Succeeded, Duration::from_secs(60)).await;
+    env.wait_status("r-term", RunStatus::Succeeded, Duration::from_secs(60))
+        .await;
     assert_eq!(env.chain_ledger("r-term").await, (30, 30));
-    let repeated = env.scalar("SELECT count(*) FROM trailmark.steps WHERE run_id = $1 AND attempts > 1", "r-term").await;
+    let repeated = env
+        .scalar(
+            "SELECT count(*) FROM trailmark.steps WHERE run_id = $1 AND attempts > 1",
+            "r-term",
+        )
+        .await;
     assert_eq!(repeated, 0, "a graceful stop repeats nothing");
 }

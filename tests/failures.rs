@@ -524,3 +524,29 @@ async fn unknown_outcome_that_the_lookup_cannot_tell_goes_to_review_with_the_key
     );
     assert_eq!(note["effects_unknown"][0]["key"], "r-unknown:send:note-1");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_fallback_model_answers_when_the_primary_keeps_failing() {
+    let env = TestEnv::new().await;
+    // The primary's first call and its 3 retries fail; the fallback's call is the fifth.
+    let server = model_server(vec![Scripted::Status(503); 4]).await;
+    let mut settings = with_model(&env, &server);
+    settings.model.fallback_model = "test-fallback".into();
+    let (_engine, running) = start(&env, settings, trailmark::builtin::registry());
+    env.start_run("chain", "r-fallback", json!({"steps": 1}))
+        .await;
+    env.wait_status("r-fallback", RunStatus::Succeeded, WAIT)
+        .await;
+    assert_eq!((server.calls(), server.answered()), (5, 1));
+    let model: String = sqlx::query_scalar(
+        "SELECT response->>'model' FROM trailmark.journal WHERE run_id = 'r-fallback'",
+    )
+    .fetch_one(&env.pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        model, "test-fallback",
+        "the journal records which model answered"
+    );
+    running.stop().await;
+}
