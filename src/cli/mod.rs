@@ -7,6 +7,7 @@ pub mod demo;
 pub mod dlq;
 pub mod migrate;
 pub mod run;
+pub mod runs;
 pub mod serve;
 
 /// Whether an error means a server is down or misaddressed (exit code 2) rather than a bad
