@@ -105,7 +105,9 @@ pub async fn mark_published_ids(pool: &sqlx::PgPool, message_ids: &[uuid::Uuid])
         return Ok(());
     }
     let mut tx = pool.begin().await?;
-    sqlx::query("SET LOCAL synchronous_commit = off").execute(&mut *tx).await?;
+    sqlx::query("SET LOCAL synchronous_commit = off")
+        .execute(&mut *tx)
+        .await?;
     sqlx::query(
         "UPDATE trailmark.outbox SET published_at = now(), attempts = attempts + 1
           WHERE message_id = ANY($1) AND published_at IS NULL",

@@ -145,12 +145,25 @@ async fn session(
 }
 
 /// Processes one delivery inside a span that carries its ids (filled in once decoded).
-async fn handle(engine: &Arc<Engine>, publisher: &Publisher, delivery: Delivery, is_step: bool, shutdown: &CancellationToken) {
+async fn handle(
+    engine: &Arc<Engine>,
+    publisher: &Publisher,
+    delivery: Delivery,
+    is_step: bool,
+    shutdown: &CancellationToken,
+) {
     use tracing::field::Empty;
-    let id = delivery.properties.message_id().as_ref().map(|m| m.to_string()).unwrap_or_default();
+    let id = delivery
+        .properties
+        .message_id()
+        .as_ref()
+        .map(|m| m.to_string())
+        .unwrap_or_default();
     let span = tracing::info_span!("delivery", message.id = %id, run.id = Empty, workflow = Empty, step = Empty,
         seq = Empty, attempt = Empty, fence = Empty);
-    handle_in_span(engine, publisher, delivery, is_step, shutdown).instrument(span).await
+    handle_in_span(engine, publisher, delivery, is_step, shutdown)
+        .instrument(span)
+        .await
 }
 
 /// Processes one delivery to its disposition, retrying infrastructure failures in place
