@@ -1,24 +1,31 @@
 //! `run approve` and `run reject`: a person's answer to a human step, or to a step frozen
 //! because an item of the run was in doubt.
 
+use std::sync::Arc;
+
 use serde_json::json;
 
 use super::{Decider, Outcome, Result, enqueue, lock, record, refused, set_run};
 use crate::domain::RunStatus;
 use crate::engine::Engine;
 use crate::store::runs::RunRow;
-use crate::workflow::{Next, StepKind};
+use crate::workflow::{Next, StepDef, StepKind, Workflow};
 
+/// What a decision about a waiting run works on: its locked row, workflow and waiting step.
+type Waiting = (
+    sqlx::Transaction<'static, sqlx::Postgres>,
+    RunRow,
+    Arc<Workflow>,
+    StepDef,
+);
+
+/// Locks the run and checks that it waits at `step` of a deployed workflow.
 async fn waiting_at(
     engine: &Engine,
     run_id: &str,
     step: &str,
     action: &'static str,
-) -> Result<(
-    sqlx::Transaction<'static, sqlx::Postgres>,
-    RunRow,
-    std::sync::Arc<crate::workflow::Workflow>,
-)> {
+) -> Result<Waiting> {
     let mut tx = engine.pool.begin().await?;
     let run = lock(&mut tx, run_id).await?;
     if run.status() != RunStatus::Waiting {
@@ -45,7 +52,14 @@ async fn waiting_at(
             format!("workflow {} is not deployed in this build", run.workflow),
         )
     })?;
-    Ok((tx, run, wf))
+    let def = wf.find(step).cloned().ok_or_else(|| {
+        refused(
+            &run,
+            action,
+            format!("workflow {} has no step {step}", wf.name),
+        )
+    })?;
+    Ok((tx, run, wf, def))
 }
 
 /// Marks the waiting step finished with the person's decision in its output.
@@ -73,14 +87,7 @@ async fn close_step(
 /// Approves the step the run waits at: a human step completes and the run goes on; a frozen step
 /// runs now, despite the doubt, on the person's responsibility.
 pub async fn approve(engine: &Engine, run_id: &str, step: &str, who: &Decider) -> Result<Outcome> {
-    let (mut tx, run, wf) = waiting_at(engine, run_id, step, "approve").await?;
-    let def = wf.find(step).ok_or_else(|| {
-        refused(
-            &run,
-            "approve",
-            format!("workflow {} has no step {step}", wf.name),
-        )
-    })?;
+    let (mut tx, run, wf, def) = waiting_at(engine, run_id, step, "approve").await?;
     let (seq, version) = (run.step_seq, run.workflow_version);
     let details = json!({ "waiting_for": run.handover });
     if def.kind != StepKind::Human {
@@ -135,14 +142,7 @@ pub async fn approve(engine: &Engine, run_id: &str, step: &str, who: &Decider) -
 /// Rejects the step the run waits at: the run goes to the step's declared `on_reject` target,
 /// or is cancelled when none is declared.
 pub async fn reject(engine: &Engine, run_id: &str, step: &str, who: &Decider) -> Result<Outcome> {
-    let (mut tx, run, wf) = waiting_at(engine, run_id, step, "reject").await?;
-    let def = wf.find(step).ok_or_else(|| {
-        refused(
-            &run,
-            "reject",
-            format!("workflow {} has no step {step}", wf.name),
-        )
-    })?;
+    let (mut tx, run, _, def) = waiting_at(engine, run_id, step, "reject").await?;
     let (seq, version) = (run.step_seq, run.workflow_version);
     let details = json!({ "waiting_for": run.handover });
     close_step(&mut tx, &run, "rejected", who).await?;
