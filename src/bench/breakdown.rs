@@ -1,7 +1,8 @@
 //! Where an unloaded trailmark step spends its time, read from the timestamps the engine already
 //! writes (each is the start of the statement or transaction that wrote it): commit of the
-//! previous step, relay pick-up, claim, journal entry, effect intent, ledger row, effect result,
-//! commit. Each segment therefore also holds the commit (fsync) of the write that opens it.
+//! previous step, its next message marked published (by the worker after an eager publish, or by
+//! the relay), claim, journal entry, effect intent, ledger row, effect result, commit. Each
+//! segment therefore also holds the commit (fsync) of the write that opens it.
 
 use serde::Serialize;
 
@@ -10,8 +11,8 @@ use super::env::BenchEnv;
 
 /// Segment labels, in step order; the values come back in the same order.
 pub const SEGMENTS: [&str; 7] = [
-    "previous commit -> relay picks the message up (commit, NOTIFY, relay wake-up)",
-    "relay -> next claim (claim query, publish + confirm, delivery, inbox check)",
+    "commit -> next message marked published (commit; eager publish + confirm, or relay pick-up)",
+    "marked published -> next claim (delivery, inbox check; overlaps the mark's own commit)",
     "claim -> model answer journaled (claim commit, journal read, model call over HTTP)",
     "journal -> effect intent (journal commit, usage guard query)",
     "effect intent -> ledger row (intent commit)",

@@ -38,6 +38,8 @@ pub struct RepFigures {
     pub pg_cpu_ms_per_step: f64,
     /// CPU of the RabbitMQ node per step (ms).
     pub broker_cpu_ms_per_step: f64,
+    /// WAL written per step in the loaded phase, whole cluster (KiB).
+    pub wal_kib_per_step: f64,
     /// Peak RSS summed over the system's processes (MiB).
     pub peak_rss_mib: f64,
     /// Where an unloaded step's time goes (trailmark only).
@@ -71,6 +73,8 @@ pub async fn repetition(
         &mut procs,
     )
     .await?;
+    // Unloaded first: a burst leaves checkpoint I/O and vacuum work behind that would slow it.
+    let mut figures = unloaded_figures(env, system, cfg, rep).await?;
     let loaded = ids(&format!("l{rep}"), cfg.runs);
     let w = measured(
         env,
@@ -83,38 +87,47 @@ pub async fn repetition(
     )
     .await?;
     let steps = (cfg.runs * cfg.steps as usize) as f64;
-    let (gap_p50_ms, gap_p99_ms) = system.step_gaps(env, &format!("l{rep}-")).await?;
-    let mut runs = unloaded(env, system, cfg, rep).await?;
-    runs.sort_by(f64::total_cmp);
-    let (idle_gap_p50_ms, idle_gap_p99_ms) = system.step_gaps(env, &format!("u{rep}-")).await?;
-    let breakdown = match system {
-        System::Trailmark => Some(breakdown::trailmark(env, &format!("u{rep}-")).await?),
-        System::B3 => None,
-    };
-    let peak_rss_mib = peak_rss_mib(&procs)?;
+    (figures.gap_p50_ms, figures.gap_p99_ms) = system.step_gaps(env, &format!("l{rep}-")).await?;
+    figures.steps_per_s = steps / w.secs;
+    figures.cpu_ms_per_step = w.machine_ms / steps;
+    figures.proc_cpu_ms_per_step = w.procs_ms / steps;
+    figures.pg_cpu_ms_per_step = w.postgres_ms / steps;
+    figures.broker_cpu_ms_per_step = w.broker_ms / steps;
+    figures.wal_kib_per_step = w.wal_bytes / 1024.0 / steps;
+    figures.peak_rss_mib = peak_rss_mib(&procs)?;
     for p in &mut procs {
         p.stop(Duration::from_secs(10)).await;
     }
-    let figures = RepFigures {
-        steps_per_s: steps / w.secs,
-        gap_p50_ms,
-        gap_p99_ms,
-        idle_gap_p50_ms,
-        idle_gap_p99_ms,
-        run_p50_ms: measure::percentile(&runs, 0.5),
-        run_p99_ms: measure::percentile(&runs, 0.99),
-        cpu_ms_per_step: w.machine_ms / steps,
-        proc_cpu_ms_per_step: w.procs_ms / steps,
-        pg_cpu_ms_per_step: w.postgres_ms / steps,
-        broker_cpu_ms_per_step: w.broker_ms / steps,
-        peak_rss_mib,
-        breakdown,
-    };
     progress(&format!(
         "{label}: {:.0} steps/s, {:.3} ms CPU/step, run p50 {:.1} ms",
         figures.steps_per_s, figures.cpu_ms_per_step, figures.run_p50_ms
     ));
     Ok(figures)
+}
+
+/// The unloaded figures: run latency, step gaps and (for trailmark) the step's breakdown.
+async fn unloaded_figures(
+    env: &BenchEnv,
+    system: System,
+    cfg: &Config,
+    rep: usize,
+) -> Result<RepFigures> {
+    let mut runs = unloaded(env, system, cfg, rep).await?;
+    runs.sort_by(f64::total_cmp);
+    let prefix = format!("u{rep}-");
+    let (idle_gap_p50_ms, idle_gap_p99_ms) = system.step_gaps(env, &prefix).await?;
+    let breakdown = match system {
+        System::Trailmark => Some(breakdown::trailmark(env, &prefix).await?),
+        System::B3 => None,
+    };
+    Ok(RepFigures {
+        idle_gap_p50_ms,
+        idle_gap_p99_ms,
+        run_p50_ms: measure::percentile(&runs, 0.5),
+        run_p99_ms: measure::percentile(&runs, 0.99),
+        breakdown,
+        ..RepFigures::default()
+    })
 }
 
 /// Run ids `<prefix>-0 .. <prefix>-(n-1)`.

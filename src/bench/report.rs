@@ -134,7 +134,7 @@ pub struct Target {
 
 type Pick = fn(&RepFigures) -> f64;
 
-const ROWS: [(&str, &str, Pick); 13] = [
+const ROWS: [(&str, &str, Pick); 14] = [
     ("steps_per_s", "steps/s", |f| f.steps_per_s),
     ("gap_p50_ms", "step→step p50, loaded (ms)", |f| {
         f.gap_p50_ms
@@ -170,6 +170,9 @@ const ROWS: [(&str, &str, Pick); 13] = [
     ),
     ("broker_cpu_ms_per_step", "  of which RabbitMQ (ms)", |f| {
         f.broker_cpu_ms_per_step
+    }),
+    ("wal_kib_per_step", "WAL/step, whole cluster (KiB)", |f| {
+        f.wal_kib_per_step
     }),
     ("peak_rss_mib", "peak RSS, own processes (MiB)", |f| {
         f.peak_rss_mib
@@ -317,7 +320,7 @@ fn header(o: &mut String, r: &Report) {
     let _ = writeln!(o, "  model answers: {} B, {}", w.answer_bytes, w.model);
     let _ = writeln!(
         o,
-        "  unloaded figures: {} runs per repetition started one at a time; run latency = start published -> final commit seen (NOTIFY)",
+        "  unloaded figures: {} runs per repetition started one at a time (after the warm-up, before the loaded phase); run latency = start published -> final commit seen (NOTIFY)",
         w.unloaded_runs
     );
     let _ = writeln!(

@@ -23,6 +23,8 @@ pub struct Window {
     pub postgres_ms: f64,
     /// CPU of the local RabbitMQ node (shared with anything else using it).
     pub broker_ms: f64,
+    /// WAL written by the whole Postgres cluster (bytes).
+    pub wal_bytes: f64,
 }
 
 struct Sample {
@@ -31,6 +33,7 @@ struct Sample {
     excluded: f64,
     postgres: HashMap<i32, f64>,
     broker: f64,
+    wal: f64,
 }
 
 async fn sample(env: &BenchEnv, procs: &[Proc], excluded: Option<&Proc>) -> Result<Sample> {
@@ -41,6 +44,10 @@ async fn sample(env: &BenchEnv, procs: &[Proc], excluded: Option<&Proc>) -> Resu
     .bind(super::env::APPLICATION_NAME)
     .fetch_all(&env.pool)
     .await?;
+    let wal: f64 =
+        sqlx::query_scalar("SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), '0/0')::float8")
+            .fetch_one(&env.pool)
+            .await?;
     // A backend may end between the query and the read; it simply is not counted.
     let postgres = pids
         .into_iter()
@@ -59,6 +66,7 @@ async fn sample(env: &BenchEnv, procs: &[Proc], excluded: Option<&Proc>) -> Resu
         excluded: excluded.map(Proc::cpu_ms).transpose()?.unwrap_or(0.0),
         postgres,
         broker,
+        wal,
     })
 }
 
@@ -90,6 +98,7 @@ pub async fn measured(
         procs_ms: after.procs - before.procs,
         postgres_ms: postgres,
         broker_ms: after.broker - before.broker,
+        wal_bytes: after.wal - before.wal,
     })
 }
 
