@@ -49,14 +49,15 @@ impl BenchEnv {
         settings.database.url = with_database(&base.database.url, &db_name)?;
         settings.database.max_connections = 4;
         settings.broker.prefix = prefix.clone();
+        // The broker first: when it is down, nothing has been created yet to clean up.
+        let conn = broker::connect(&settings.broker, "bench").await?;
+        let publisher = Publisher::open(&conn, Duration::from_secs(30)).await?;
         store::ensure_database(&settings.database).await?;
         let mut own = settings.database.clone();
         own.url = with_app_name(&settings.database.url)?;
         let pool = store::connect(&own).await?;
         store::migrate(&pool).await?;
         baseline::create_schema(&pool).await?;
-        let conn = broker::connect(&settings.broker, "bench").await?;
-        let publisher = Publisher::open(&conn, Duration::from_secs(30)).await?;
         let topology = Topology::new(&prefix, settings.broker.delivery_limit);
         topology.declare(publisher.channel()).await?;
         publisher
