@@ -133,21 +133,6 @@ pub async fn migrate(pool: &PgPool) -> Result<()> {
         .map_err(|e| Error::Unavailable(format!("migrations failed: {e}")))
 }
 
-/// Whether an error is a lost or refused connection rather than a refused statement.
-pub fn is_transient(e: &sqlx::Error) -> bool {
-    matches!(
-        e,
-        sqlx::Error::Io(_)
-            | sqlx::Error::PoolTimedOut
-            | sqlx::Error::PoolClosed
-            | sqlx::Error::Protocol(_)
-    ) || e
-        .as_database_error()
-        .and_then(|d| d.code())
-        // 57P01 admin shutdown, 57P02/57P03 crash/cannot connect now, 08xxx connection exceptions.
-        .is_some_and(|c| c.starts_with("57P") || c.starts_with("08"))
-}
-
 /// SHA-256 of a JSON value, hex; the request hash of journal entries and effects.
 pub fn hash_json(value: &serde_json::Value) -> String {
     use sha2::{Digest, Sha256};

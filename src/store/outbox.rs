@@ -141,13 +141,3 @@ pub async fn prune(db: impl PgExecutor<'_>, retention_secs: f64, batch: i64) -> 
     .await?;
     Ok(done.rows_affected())
 }
-
-/// Unpublished rows and the age of the oldest, in seconds: the relay's backlog.
-pub async fn backlog(db: impl PgExecutor<'_>) -> Result<(i64, f64)> {
-    Ok(sqlx::query_as(
-        "SELECT count(*), COALESCE(EXTRACT(EPOCH FROM now() - min(created_at)), 0)::float8
-           FROM trailmark.outbox WHERE published_at IS NULL",
-    )
-    .fetch_one(db)
-    .await?)
-}

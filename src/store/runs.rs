@@ -237,28 +237,3 @@ pub async fn advance(
     }
 }
 
-/// Checks that `fence` is still the run's current fence, locking the row until the caller's
-/// transaction ends, so a fenced write and the fence check cannot interleave with a takeover.
-pub async fn lock_fence(db: impl PgExecutor<'_>, run_id: &RunId, fence: Fence) -> Result<()> {
-    let found: Option<i64> =
-        sqlx::query_scalar("SELECT fence FROM trailmark.runs WHERE run_id = $1 FOR SHARE")
-            .bind(run_id.as_str())
-            .fetch_optional(db)
-            .await?;
-    match found {
-        Some(f) if f == fence.0 => Ok(()),
-        _ => Err(Error::FencedOut {
-            run_id: run_id.to_string(),
-            fence: fence.0,
-        }),
-    }
-}
-
-/// Counts runs by status, for metrics and `run list`.
-pub async fn count_by_status(db: impl PgExecutor<'_>) -> Result<Vec<(String, i64)>> {
-    Ok(sqlx::query_as(
-        "SELECT status, count(*) FROM trailmark.runs GROUP BY status ORDER BY status",
-    )
-    .fetch_all(db)
-    .await?)
-}
