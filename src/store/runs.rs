@@ -236,4 +236,3 @@ pub async fn advance(
         })
     }
 }
-
