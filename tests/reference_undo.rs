@@ -6,16 +6,21 @@ mod common;
 mod reference_support;
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use common::Running;
 
 use reference_support::{RefEnv, WAIT, expected_mismatches};
 use serde_json::json;
 use trailmark::domain::RunStatus;
+use trailmark::engine::Engine;
 use trailmark::failpoint::Failpoints;
 use trailmark::operator::{self, Decider};
+use trailmark::reference::night::Night;
 use trailmark::reference::{logic, mail, stock, undo};
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_suppliers_correction_is_undone_with_reversals_and_one_withdrawal() {
+/// The default night, run to success by an in-process engine with the mail sender running.
+async fn finished_night() -> (RefEnv, Night, String, Arc<Engine>, Running) {
     let mut r = RefEnv::new().await;
     r.start_mail_sender();
     let night = RefEnv::night(312, 40);
@@ -26,6 +31,12 @@ async fn a_suppliers_correction_is_undone_with_reversals_and_one_withdrawal() {
     let running = r.env.spawn_all(engine.clone());
     r.start(&night).await;
     r.env.wait_status(&run_id, RunStatus::Succeeded, WAIT).await;
+    (r, night, run_id, engine, running)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_suppliers_correction_is_undone_with_reversals_and_one_withdrawal() {
+    let (r, night, run_id, engine, running) = finished_night().await;
 
     let expected = expected_mismatches(&night);
     let mut per_supplier: BTreeMap<String, i64> = BTreeMap::new();
@@ -132,16 +143,7 @@ fn an_undo_scope_that_selects_nothing_or_is_not_understood_is_refused() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_full_undo_reverses_every_entry_releases_all_stock_and_withdraws_each_note_once() {
-    let mut r = RefEnv::new().await;
-    r.start_mail_sender();
-    let night = RefEnv::night(312, 40);
-    let run_id = night.run_id().to_string();
-    let engine = r
-        .env
-        .engine_with(trailmark::builtin::registry(), Failpoints::default());
-    let running = r.env.spawn_all(engine.clone());
-    r.start(&night).await;
-    r.env.wait_status(&run_id, RunStatus::Succeeded, WAIT).await;
+    let (r, night, run_id, engine, running) = finished_night().await;
     let disputed = || async {
         sqlx::query_scalar::<_, i64>("SELECT COALESCE(sum(disputed_qty), 0)::bigint FROM reference.stock_received WHERE night = $1")
             .bind(night.id())
