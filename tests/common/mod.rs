@@ -253,7 +253,17 @@ impl TestEnv {
 
     /// Starts `trailmark serve` as a real child process (killed when the guard drops).
     pub fn spawn_process(&self, failpoints: Option<&str>) -> ChildGuard {
+        self.spawn_process_with(failpoints, &[])
+    }
+
+    /// [`TestEnv::spawn_process`] with extra environment variables for the child.
+    pub fn spawn_process_with(
+        &self,
+        failpoints: Option<&str>,
+        env: &[(&str, String)],
+    ) -> ChildGuard {
         let mut cmd = self.command(&["serve"]);
+        cmd.envs(env.iter().map(|(k, v)| (*k, v.as_str())));
         if let Some(fp) = failpoints {
             cmd.env("TRAILMARK_FAILPOINTS", fp);
         }

@@ -5,7 +5,7 @@
 
 #![allow(dead_code)]
 
-use std::process::{ExitStatus, Stdio};
+use std::process::ExitStatus;
 use std::time::{Duration, Instant};
 
 use sqlx::PgPool;
@@ -85,17 +85,8 @@ impl RefEnv {
 
     /// `trailmark serve` as a real child process, asking this test's model server.
     pub fn serve(&self, failpoints: Option<&str>) -> ChildGuard {
-        let mut cmd = self.env.command(&["serve"]);
-        cmd.env("TRAILMARK__MODEL__BASE_URL", self.model.base_url());
-        if let Some(fp) = failpoints {
-            cmd.env("TRAILMARK_FAILPOINTS", fp);
-        }
-        let child = cmd
-            .stdout(Stdio::null())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("spawn trailmark serve");
-        ChildGuard(Some(child))
+        let model = [("TRAILMARK__MODEL__BASE_URL", self.model.base_url())];
+        self.env.spawn_process_with(failpoints, &model)
     }
 
     /// Publishes the night's run-start, as the upstream scheduler would.
