@@ -10,10 +10,10 @@ use common::TestEnv;
 use serde_json::json;
 use trailmark::broker::{Outgoing, map_to_headers};
 use trailmark::domain::{
-    IdempotencyKey, MessageId, RunId, RunStatus, STEP_ROUTING_KEY, StepMessage,
+    Fence, IdempotencyKey, MessageId, RunId, RunStatus, STEP_ROUTING_KEY, StepMessage,
 };
 use trailmark::failpoint::{Action, Failpoints};
-use trailmark::store::{self, effects, runs};
+use trailmark::store::{self, checkpoint, effects, runs};
 
 const WAIT: Duration = Duration::from_secs(60);
 
@@ -87,10 +87,10 @@ async fn same_run_id_started_twice_creates_one_run() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn failure_between_checkpoint_and_outbox_leaves_neither_then_completes() {
+async fn failed_step_commit_leaves_no_checkpoint_nor_outbox_then_completes() {
     let env = TestEnv::new().await;
     let failpoints = Failpoints::default();
-    failpoints.set("step.after_checkpoint", Action::Error, None);
+    failpoints.set("step.before_commit", Action::Error, None);
     let engine = env.engine_with(trailmark::builtin::registry(), failpoints.clone());
     let running = env.spawn_all(engine.clone());
     env.start_run("chain", "r-atomic", json!({"steps": 2}))
@@ -120,7 +120,7 @@ async fn failure_between_checkpoint_and_outbox_leaves_neither_then_completes() {
         (0, 0, 0),
         "a failed commit left state behind"
     );
-    failpoints.set("step.after_checkpoint", Action::Error, Some(u64::MAX));
+    failpoints.set("step.before_commit", Action::Error, Some(u64::MAX));
     env.wait_status("r-atomic", RunStatus::Succeeded, WAIT)
         .await;
     assert_eq!(env.steps_done("r-atomic").await, 2);
@@ -210,44 +210,106 @@ async fn relay_crash_between_confirm_and_mark_publishes_twice_consumes_once() {
     running.stop().await;
 }
 
+/// Claims run `run_id` at position 0 for `owner`, as a delivery of a fresh message would.
+async fn claim(env: &TestEnv, run_id: &RunId, owner: &str, lease_secs: f64) -> runs::Claim {
+    let request = runs::ClaimRequest {
+        run_id,
+        seq: 0,
+        step: "link",
+        owner,
+        lease_secs,
+        presence_pid: None,
+        message: ("steps", MessageId::new()),
+    };
+    match runs::claim(&env.pool, &request).await.unwrap() {
+        runs::ClaimOutcome::Claimed(c) => c,
+        other => panic!("{owner} could not claim {run_id}: {other:?}"),
+    }
+}
+
+/// Records the intent of a `ledger` call under `key` with request hash `hash`.
+async fn intent(
+    env: &TestEnv,
+    run_id: &RunId,
+    key: &IdempotencyKey,
+    hash: &str,
+    fence: Fence,
+) -> store::Result<effects::Begun> {
+    let intent = effects::Intent {
+        key,
+        tool: "ledger",
+        run_id,
+        seq: 0,
+        request_hash: hash,
+        fence,
+        max_calls: 0,
+        repeat_limit: 0,
+    };
+    effects::begin(&env.pool, &intent, &[]).await
+}
+
+/// The step commit of position 0 that moves the run to position 1, from message `message`.
+async fn commit_first_step(
+    env: &TestEnv,
+    run_id: &RunId,
+    fence: Fence,
+    message: MessageId,
+) -> store::Result<bool> {
+    let output = json!({"link": 0});
+    let step = checkpoint::StepCommit {
+        run_id,
+        fence,
+        step: "link",
+        to: checkpoint::Advance {
+            seq: 0,
+            next_step: Some("link"),
+            status: RunStatus::Running,
+            output: None,
+            error: None,
+            handover: None,
+        },
+        step_output: Some(&output),
+        finished: true,
+        inbox: ("steps", message),
+        parked: &[],
+        outbox: &[],
+        pending: &checkpoint::Pending::default(),
+    };
+    checkpoint::commit(&env.pool, &step).await
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn commit_with_an_older_fence_is_refused_and_changes_nothing() {
     let env = TestEnv::new().await;
     let run_id = insert_chain_run(&env, "r-fence").await;
     // Worker A claims with a lease that expires at once; worker B takes over.
-    let a = runs::claim(&env.pool, &run_id, 0, "worker-a", 0.0, None)
-        .await
-        .unwrap()
-        .expect("A claims");
-    let b = runs::claim(&env.pool, &run_id, 0, "worker-b", 30.0, None)
-        .await
-        .unwrap()
-        .expect("B claims after expiry");
+    let a = claim(&env, &run_id, "worker-a", 0.0).await;
+    let b = claim(&env, &run_id, "worker-b", 30.0).await;
     assert!(b.fence() > a.fence());
-    let to = runs::Advance {
-        seq: 0,
-        next_step: Some("link"),
-        status: RunStatus::Running,
-        output: None,
-        error: None,
-        handover: None,
-    };
-    let stale = runs::advance(&env.pool, &run_id, a.fence(), &to).await;
+    assert_eq!(
+        (a.attempt, b.attempt),
+        (1, 2),
+        "each claim counts an attempt"
+    );
+    let message = MessageId::new();
+    let stale = commit_first_step(&env, &run_id, a.fence(), message).await;
     assert!(
         matches!(stale, Err(store::Error::FencedOut { .. })),
         "{stale:?}"
     );
-    assert_eq!(
-        runs::get(&env.pool, "r-fence")
-            .await
-            .unwrap()
-            .unwrap()
-            .step_seq,
-        0,
-        "stale commit moved the run"
-    );
+    let run = runs::get(&env.pool, "r-fence").await.unwrap().unwrap();
+    assert_eq!(run.step_seq, 0, "stale commit moved the run");
+    // The inbox row is written in the same statement: it must not survive the refusal, or the
+    // current worker's delivery of the same message would be dropped as a duplicate.
+    let inbox = env
+        .scalar(
+            "SELECT count(*) FROM trailmark.inbox WHERE message_id::text = $1",
+            &message.to_string(),
+        )
+        .await;
+    assert_eq!(inbox, 0, "a refused commit left its inbox row");
     let key = IdempotencyKey::parse("r-fence:link:0").unwrap();
-    let fenced = effects::begin(&env.pool, &key, "ledger", &run_id, 0, "h", a.fence()).await;
+    let fenced = intent(&env, &run_id, &key, "h", a.fence()).await;
     assert!(matches!(fenced, Err(store::Error::FencedOut { .. })));
     assert_eq!(
         env.scalar(
@@ -263,16 +325,19 @@ async fn commit_with_an_older_fence_is_refused_and_changes_nothing() {
             .unwrap(),
         "stale heartbeat accepted"
     );
-    runs::advance(&env.pool, &run_id, b.fence(), &to)
-        .await
-        .expect("current fence commits");
-    assert_eq!(
-        runs::get(&env.pool, "r-fence")
+    assert!(
+        commit_first_step(&env, &run_id, b.fence(), message)
             .await
-            .unwrap()
-            .unwrap()
-            .step_seq,
-        1
+            .expect("current fence commits"),
+        "the current worker's commit was taken for a duplicate"
+    );
+    let run = runs::get(&env.pool, "r-fence").await.unwrap().unwrap();
+    assert_eq!(run.step_seq, 1);
+    assert!(
+        !commit_first_step(&env, &run_id, b.fence(), message)
+            .await
+            .expect("a repeated commit is not an error"),
+        "the same message committed twice"
     );
 }
 
@@ -280,49 +345,19 @@ async fn commit_with_an_older_fence_is_refused_and_changes_nothing() {
 async fn reused_key_with_a_different_request_is_a_conflict() {
     let env = TestEnv::new().await;
     let run_id = insert_chain_run(&env, "r-key").await;
-    let claim = runs::claim(&env.pool, &run_id, 0, "w", 30.0, None)
-        .await
-        .unwrap()
-        .unwrap();
+    let claim = claim(&env, &run_id, "w", 30.0).await;
     let key = IdempotencyKey::parse("r-key:post:inv-1").unwrap();
-    let first = effects::begin(
-        &env.pool,
-        &key,
-        "ledger",
-        &run_id,
-        0,
-        "hash-a",
-        claim.fence(),
-    )
-    .await
-    .unwrap();
-    assert!(matches!(first, effects::Known::New));
-    let again = effects::begin(
-        &env.pool,
-        &key,
-        "ledger",
-        &run_id,
-        0,
-        "hash-a",
-        claim.fence(),
-    )
-    .await
-    .unwrap();
+    let first = intent(&env, &run_id, &key, "hash-a", claim.fence()).await;
+    assert!(matches!(
+        first,
+        Ok(effects::Begun::Known(effects::Known::New))
+    ));
+    let again = intent(&env, &run_id, &key, "hash-a", claim.fence()).await;
     assert!(
-        matches!(again, effects::Known::Unknown),
+        matches!(again, Ok(effects::Begun::Known(effects::Known::Unknown))),
         "same key, same request: outcome unknown, call again"
     );
-    match effects::begin(
-        &env.pool,
-        &key,
-        "ledger",
-        &run_id,
-        0,
-        "hash-b",
-        claim.fence(),
-    )
-    .await
-    {
+    match intent(&env, &run_id, &key, "hash-b", claim.fence()).await {
         Err(e @ store::Error::Conflict { .. }) => {
             assert!(e.to_string().contains("r-key:post:inv-1"), "{e}")
         }

@@ -1,8 +1,7 @@
 //! Where an unloaded trailmark step spends its time, read from the timestamps the engine already
-//! writes (each is the start of the statement or transaction that wrote it): commit of the
-//! previous step, its next message marked published (by the worker after an eager publish, or by
-//! the relay), claim, journal entry, effect intent, ledger row, effect result, commit. Each
-//! segment therefore also holds the commit (fsync) of the write that opens it.
+//! writes (each is the start of the statement that wrote it): commit of the previous step, claim,
+//! effect intent (which carries the journaled answer), ledger row, commit. Each segment therefore
+//! also holds the commit (fsync) of the write that opens it.
 
 use serde::Serialize;
 
@@ -10,14 +9,11 @@ use super::Result;
 use super::env::BenchEnv;
 
 /// Segment labels, in step order; the values come back in the same order.
-pub const SEGMENTS: [&str; 7] = [
-    "commit -> next message marked published (commit; eager publish + confirm, or relay pick-up)",
-    "marked published -> next claim (delivery, inbox check; overlaps the mark's own commit)",
-    "claim -> model answer journaled (claim commit, journal read, model call over HTTP)",
-    "journal -> effect intent (journal commit, usage guard query)",
+pub const SEGMENTS: [&str; 4] = [
+    "commit -> next claim (commit; eager publish + confirm, delivery; claim = inbox check + lease + attempt)",
+    "claim -> effect intent (claim commit, model call over HTTP; intent carries the journaled answer)",
     "effect intent -> ledger row (intent commit)",
-    "ledger row -> effect result (ledger commit)",
-    "effect result -> step commit (result commit, commit statements)",
+    "ledger row -> step commit (ledger commit; the commit carries the effect result)",
 ];
 
 /// p50 of each segment over the steps of the runs starting with a prefix (ms).
@@ -32,22 +28,15 @@ WITH s AS (
     SELECT run_id, seq, started_at, finished_at,
            lag(finished_at) OVER (PARTITION BY run_id ORDER BY seq) AS prev_commit
       FROM trailmark.steps WHERE run_id LIKE $1),
-o AS (
-    SELECT convert_from(body, 'UTF8')::jsonb ->> 'run_id' AS run_id,
-           (convert_from(body, 'UTF8')::jsonb ->> 'seq')::int AS seq, min(published_at) AS published_at
-      FROM trailmark.outbox WHERE published_at IS NOT NULL GROUP BY 1, 2),
-j AS (SELECT run_id, seq, min(created_at) AS at FROM trailmark.journal WHERE run_id LIKE $1 GROUP BY 1, 2),
-e AS (SELECT run_id, seq, min(created_at) AS intent, max(completed_at) AS done
-        FROM trailmark.effects WHERE run_id LIKE $1 GROUP BY 1, 2),
+e AS (SELECT run_id, seq, min(created_at) AS intent FROM trailmark.effects WHERE run_id LIKE $1 GROUP BY 1, 2),
 l AS (SELECT run_id, step AS seq, created_at AS at FROM trailmark.chain_ledger WHERE run_id LIKE $1),
 t AS (
-    SELECT ARRAY[o.published_at - s.prev_commit, s.started_at - o.published_at, j.at - s.started_at,
-                 e.intent - j.at, l.at - e.intent, e.done - l.at, s.finished_at - e.done] AS parts
-      FROM s JOIN o USING (run_id, seq) JOIN j USING (run_id, seq) JOIN e USING (run_id, seq)
-      JOIN l USING (run_id, seq)
+    SELECT ARRAY[s.started_at - s.prev_commit, e.intent - s.started_at, l.at - e.intent,
+                 s.finished_at - l.at] AS parts
+      FROM s JOIN e USING (run_id, seq) JOIN l USING (run_id, seq)
      WHERE s.prev_commit IS NOT NULL)
 SELECT i::int, (percentile_cont(0.5) WITHIN GROUP (ORDER BY EXTRACT(EPOCH FROM parts[i])) * 1000)::float8
-  FROM t, generate_series(1, 7) AS i GROUP BY i ORDER BY i";
+  FROM t, generate_series(1, 4) AS i GROUP BY i ORDER BY i";
 
 /// The breakdown of the steps of runs whose ids start with `prefix`.
 pub async fn trailmark(env: &BenchEnv, prefix: &str) -> Result<Breakdown> {

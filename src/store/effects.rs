@@ -2,8 +2,11 @@
 
 use serde::Serialize;
 use serde_json::Value;
-use sqlx::PgExecutor;
+use std::sync::LazyLock;
 
+use sqlx::{FromRow, PgExecutor};
+
+use super::journal::{self, JournalEntry};
 use super::{Error, Result};
 use crate::domain::{Fence, IdempotencyKey, RunId};
 
@@ -32,61 +35,123 @@ pub enum Known {
     Done(Value),
 }
 
-/// Records the intent for `key` (only while `fence` is the run's current fence), or reports
-/// what an earlier attempt left.
+/// What recording an intent found.
+pub enum Begun {
+    /// The key's state.
+    Known(Known),
+    /// A new call would exceed a limit; no intent was recorded.
+    OverLimit(Usage),
+}
+
+/// The run's tool calls so far, excluding the key asked about (a replay never counts twice).
+#[derive(Debug, Clone, Copy)]
+pub struct Usage {
+    /// All calls of the run.
+    pub calls: i64,
+    /// Calls to the same tool with the same request hash.
+    pub repeats: i64,
+}
+
+/// A call about to be made, as recorded before it is made.
+pub struct Intent<'a> {
+    /// The key.
+    pub key: &'a IdempotencyKey,
+    /// The tool's name.
+    pub tool: &'a str,
+    /// The run.
+    pub run_id: &'a RunId,
+    /// The step position.
+    pub seq: i32,
+    /// SHA-256 of the request.
+    pub request_hash: &'a str,
+    /// The caller's fence: no intent is recorded unless it is current.
+    pub fence: Fence,
+    /// The run's tool-call budget (0: none).
+    pub max_calls: u64,
+    /// Identical calls allowed before it counts as a loop (0: no limit).
+    pub repeat_limit: u64,
+}
+
+#[derive(FromRow)]
+struct BeginRow {
+    inserted: bool,
+    calls: i64,
+    repeats: i64,
+    stored_hash: Option<String>,
+    result: Option<Value>,
+}
+
+static BEGIN: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "WITH answers AS ({answers}), usage AS (
+            SELECT count(*) AS calls, count(*) FILTER (WHERE tool = $6 AND request_hash = $4) AS repeats
+              FROM trailmark.effects WHERE run_id = $2 AND idempotency_key <> $1
+         ), existing AS (
+            SELECT request_hash, result FROM trailmark.effects WHERE idempotency_key = $1
+         ), ins AS (
+            INSERT INTO trailmark.effects (idempotency_key, run_id, seq, request_hash, fence, tool)
+            SELECT $1, $2, $3, $4, $5, $6 FROM trailmark.runs r, usage u
+             WHERE r.run_id = $2 AND r.fence = $5 AND NOT EXISTS (SELECT 1 FROM existing)
+               AND ($7 = 0 OR u.calls < $7) AND ($8 = 0 OR u.repeats < $8)
+            ON CONFLICT (idempotency_key) DO NOTHING
+            RETURNING 1
+         )
+         SELECT EXISTS (SELECT 1 FROM ins) AS inserted, u.calls, u.repeats,
+                e.request_hash AS stored_hash, e.result
+           FROM usage u LEFT JOIN existing e ON true",
+        answers = journal::insert_sql(2, 9, ""),
+    )
+});
+
+/// Records the intent for `i.key` (only while `i.fence` is the run's current fence and within
+/// the limits), or reports what an earlier attempt left. `journal` (answers the attempt has not
+/// written yet) goes in with it, so the answers a call is based on are durable before it is made.
 /// A key already used with a different request hash is a [`Error::Conflict`].
 pub async fn begin(
-    db: &sqlx::PgPool,
-    key: &IdempotencyKey,
-    tool: &str,
-    run_id: &RunId,
-    seq: i32,
-    request_hash: &str,
-    fence: Fence,
-) -> Result<Known> {
-    let inserted = sqlx::query(
-        "INSERT INTO trailmark.effects (idempotency_key, run_id, seq, request_hash, fence, tool)
-         SELECT $1, $2, $3, $4, $5, $6 FROM trailmark.runs WHERE run_id = $2 AND fence = $5
-         ON CONFLICT (idempotency_key) DO NOTHING",
-    )
-    .bind(key.as_str())
-    .bind(run_id.as_str())
-    .bind(seq)
-    .bind(request_hash)
-    .bind(fence.0)
-    .bind(tool)
-    .execute(db)
-    .await?
-    .rows_affected()
-        == 1;
-    if inserted {
-        return Ok(Known::New);
-    }
-    // Not inserted: either the key exists, or the run's fence moved on (the guard above).
-    let row: Option<EffectRow> = sqlx::query_as(
-        "SELECT idempotency_key, seq, request_hash, fence, result FROM trailmark.effects
-          WHERE idempotency_key = $1",
-    )
-    .bind(key.as_str())
-    .fetch_optional(db)
-    .await?;
-    let Some(row) = row else {
-        return Err(Error::FencedOut {
-            run_id: run_id.to_string(),
-            fence: fence.0,
-        });
-    };
-    if row.request_hash != request_hash {
+    db: impl PgExecutor<'_>,
+    i: &Intent<'_>,
+    journal: &[JournalEntry],
+) -> Result<Begun> {
+    let q = sqlx::query(BEGIN.as_str())
+        .bind(i.key.as_str())
+        .bind(i.run_id.as_str())
+        .bind(i.seq)
+        .bind(i.request_hash)
+        .bind(i.fence.0)
+        .bind(i.tool)
+        .bind(i.max_calls as i64)
+        .bind(i.repeat_limit as i64);
+    let row = journal::bind_entries(q, journal).fetch_one(db).await?;
+    let row = BeginRow::from_row(&row)?;
+    if let Some(stored) = &row.stored_hash
+        && stored != i.request_hash
+    {
         return Err(Error::Conflict {
-            key: key.to_string(),
-            stored: row.request_hash,
-            new: request_hash.to_owned(),
+            key: i.key.to_string(),
+            stored: stored.clone(),
+            new: i.request_hash.to_owned(),
         });
     }
-    Ok(match row.result {
-        Some(v) => Known::Done(v),
-        None => Known::Unknown,
-    })
+    let usage = Usage {
+        calls: row.calls,
+        repeats: row.repeats,
+    };
+    let over = |limit: u64, used: i64| limit > 0 && used as u64 >= limit;
+    if over(i.max_calls, usage.calls) || over(i.repeat_limit, usage.repeats) {
+        return Ok(Begun::OverLimit(usage));
+    }
+    if row.inserted {
+        return Ok(Begun::Known(Known::New));
+    }
+    // Not inserted and no earlier intent: the run's fence moved on (the guard above).
+    match (row.stored_hash, row.result) {
+        (Some(_), Some(v)) => Ok(Begun::Known(Known::Done(v))),
+        (Some(_), None) => Ok(Begun::Known(Known::Unknown)),
+        (None, _) => Err(Error::FencedOut {
+            run_id: i.run_id.to_string(),
+            fence: i.fence.0,
+        }),
+    }
 }
 
 /// Stores the result of the call made under `key`.
@@ -109,27 +174,6 @@ pub async fn totals(db: impl PgExecutor<'_>, run_id: &str) -> Result<(i64, i64)>
             .fetch_one(db)
             .await?,
     )
-}
-
-/// For a call not yet made under `key`: the run's tool calls so far, and how many of them were
-/// `tool` with the same request hash (both excluding `key`, so a replay never counts twice).
-pub async fn usage(
-    db: impl PgExecutor<'_>,
-    run_id: &RunId,
-    key: &IdempotencyKey,
-    tool: &str,
-    request_hash: &str,
-) -> Result<(i64, i64)> {
-    Ok(sqlx::query_as(
-        "SELECT count(*), count(*) FILTER (WHERE tool = $3 AND request_hash = $4)
-           FROM trailmark.effects WHERE run_id = $1 AND idempotency_key <> $2",
-    )
-    .bind(run_id.as_str())
-    .bind(key.as_str())
-    .bind(tool)
-    .bind(request_hash)
-    .fetch_one(db)
-    .await?)
 }
 
 /// One effect of a run, for the handover note.

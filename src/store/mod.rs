@@ -1,6 +1,7 @@
 //! All SQL. Every function takes an executor, so the caller that began a transaction owns it
 //! (the step commit in `worker` is the one place that puts several of them in one transaction).
 
+pub mod checkpoint;
 pub mod decisions;
 pub mod effects;
 pub mod inbox;
@@ -49,6 +50,9 @@ pub enum Error {
     #[error("{0}")]
     Unavailable(String),
 }
+
+/// A Postgres statement being bound (the fragments that several statements share bind into it).
+pub(crate) type PgQuery<'q> = sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments>;
 
 /// Shorthand for store results.
 pub type Result<T> = std::result::Result<T, Error>;

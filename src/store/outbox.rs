@@ -1,10 +1,11 @@
 //! The outbox: messages committed with the checkpoint, published by the relay.
 
 use std::collections::BTreeMap;
+use std::sync::LazyLock;
 
 use sqlx::PgExecutor;
 
-use super::Result;
+use super::{PgQuery, Result};
 use crate::domain::MessageId;
 
 /// A message to publish once the surrounding transaction commits.
@@ -41,36 +42,63 @@ pub struct OutboxRow {
     pub body: Vec<u8>,
 }
 
+/// The `INSERT` of outbox rows bound by [`bind_rows`] from parameter `$first` on; `filter` may
+/// add a `WHERE` clause (the step commit's fence).
+pub(crate) fn insert_sql(first: usize, filter: &str) -> String {
+    let p: Vec<String> = (first..first + 6).map(|i| format!("${i}")).collect();
+    format!(
+        "INSERT INTO trailmark.outbox (message_id, exchange, routing_key, headers, body, available_at)
+         SELECT m, x, k, h, b, now() + make_interval(secs => d)
+           FROM UNNEST({}::uuid[], {}::text[], {}::text[], {}::jsonb[], {}::bytea[], {}::float8[])
+             AS u(m, x, k, h, b, d) {filter}",
+        p[0], p[1], p[2], p[3], p[4], p[5]
+    )
+}
+
+/// Binds `messages` as the six arrays [`insert_sql`] expects.
+pub(crate) fn bind_rows<'q>(q: PgQuery<'q>, messages: &[OutgoingMessage]) -> PgQuery<'q> {
+    let headers: Vec<serde_json::Value> = messages
+        .iter()
+        .map(|m| serde_json::to_value(&m.headers).expect("string map"))
+        .collect();
+    q.bind(messages.iter().map(|m| m.message_id.0).collect::<Vec<_>>())
+        .bind(
+            messages
+                .iter()
+                .map(|m| m.exchange.as_str())
+                .collect::<Vec<_>>(),
+        )
+        .bind(
+            messages
+                .iter()
+                .map(|m| m.routing_key.as_str())
+                .collect::<Vec<_>>(),
+        )
+        .bind(headers)
+        .bind(
+            messages
+                .iter()
+                .map(|m| m.body.as_slice())
+                .collect::<Vec<_>>(),
+        )
+        .bind(
+            messages
+                .iter()
+                .map(|m| m.relay_after_ms as f64 / 1000.0)
+                .collect::<Vec<_>>(),
+        )
+}
+
+static INSERT: LazyLock<String> = LazyLock::new(|| insert_sql(1, ""));
+
 /// Queues messages in the caller's transaction.
 pub async fn insert(db: impl PgExecutor<'_>, messages: &[OutgoingMessage]) -> Result<()> {
     if messages.is_empty() {
         return Ok(());
     }
-    let ids: Vec<uuid::Uuid> = messages.iter().map(|m| m.message_id.0).collect();
-    let exchanges: Vec<&str> = messages.iter().map(|m| m.exchange.as_str()).collect();
-    let keys: Vec<&str> = messages.iter().map(|m| m.routing_key.as_str()).collect();
-    let headers: Vec<serde_json::Value> = messages
-        .iter()
-        .map(|m| serde_json::to_value(&m.headers).expect("string map"))
-        .collect();
-    let bodies: Vec<&[u8]> = messages.iter().map(|m| m.body.as_slice()).collect();
-    let delays: Vec<f64> = messages
-        .iter()
-        .map(|m| m.relay_after_ms as f64 / 1000.0)
-        .collect();
-    sqlx::query(
-        "INSERT INTO trailmark.outbox (message_id, exchange, routing_key, headers, body, available_at)
-         SELECT m, x, k, h, b, now() + make_interval(secs => d)
-           FROM UNNEST($1::uuid[], $2::text[], $3::text[], $4::jsonb[], $5::bytea[], $6::float8[]) AS u(m, x, k, h, b, d)",
-    )
-    .bind(ids)
-    .bind(exchanges)
-    .bind(keys)
-    .bind(headers)
-    .bind(bodies)
-    .bind(delays)
-    .execute(db)
-    .await?;
+    bind_rows(sqlx::query(INSERT.as_str()), messages)
+        .execute(db)
+        .await?;
     Ok(())
 }
 

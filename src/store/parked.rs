@@ -1,10 +1,8 @@
 //! Items set aside with a reason; committed with the step that parked them.
 
 use serde::Serialize;
-use sqlx::PgConnection;
 
 use super::Result;
-use crate::domain::RunId;
 
 /// A parked item as stored.
 #[derive(Debug, Clone, Serialize, sqlx::FromRow)]
@@ -17,30 +15,6 @@ pub struct ParkedRow {
     pub seq: i32,
     /// Why.
     pub reason: String,
-}
-
-/// Records parked items in the step's transaction; parking the same item again keeps the first.
-pub async fn insert(
-    tx: &mut PgConnection,
-    run_id: &RunId,
-    seq: i32,
-    step: &str,
-    items: &[crate::workflow::Parked],
-) -> Result<()> {
-    for p in items {
-        sqlx::query(
-            "INSERT INTO trailmark.parked (run_id, item, seq, step, reason) VALUES ($1, $2, $3, $4, $5)
-             ON CONFLICT (run_id, item) DO NOTHING",
-        )
-        .bind(run_id.as_str())
-        .bind(&p.item)
-        .bind(seq)
-        .bind(step)
-        .bind(&p.reason)
-        .execute(&mut *tx)
-        .await?;
-    }
-    Ok(())
 }
 
 /// Parked items of a run, in order.

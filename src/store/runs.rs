@@ -1,12 +1,13 @@
-//! The `runs` table: creation, lease claim and heartbeat, fenced advance, listing.
+//! The `runs` table: creation, lease claim and heartbeat, listing (the fenced advance is part
+//! of the step commit, `checkpoint`).
 
 use chrono::{DateTime, Utc};
 use serde::Serialize;
 use serde_json::Value;
 use sqlx::PgExecutor;
 
-use super::{Error, Result};
-use crate::domain::{Fence, RunId, RunStatus};
+use super::Result;
+use crate::domain::{Fence, MessageId, RunId, RunStatus};
 
 /// A run as stored.
 #[derive(Debug, Clone, Serialize, sqlx::FromRow)]
@@ -113,11 +114,10 @@ pub async fn list(
 }
 
 /// What a successful lease claim hands the worker.
-#[derive(Debug, Clone, sqlx::FromRow)]
+#[derive(Debug, Clone)]
 pub struct Claim {
-    /// The new fencing token, raw (see [`Claim::fence`]).
-    #[sqlx(rename = "fence")]
-    pub fence_raw: i64,
+    /// The new fencing token.
+    pub fence: Fence,
     /// Status at claim time (running or compensating).
     pub status: String,
     /// Run input.
@@ -126,45 +126,116 @@ pub struct Claim {
     pub age_secs: f64,
     /// The undo plan while compensating.
     pub undo: Option<Value>,
+    /// Which attempt at this position this is (1-based, counted across crashes).
+    pub attempt: i32,
+    /// Journal entries already recorded at this position (a replay reads them back).
+    pub journaled: i32,
 }
 
 impl Claim {
     /// The new fencing token.
     pub fn fence(&self) -> Fence {
-        Fence(self.fence_raw)
+        self.fence
     }
 }
 
-/// Takes the lease of `run_id` at position `seq` if it is free, expired, or already `owner`'s
-/// (a delivery retried in place after an infrastructure failure), raising the fence.
-/// Returns `None` when the run is not at that step, not executable, or leased by a live worker.
-pub async fn claim(
-    db: impl PgExecutor<'_>,
-    run_id: &RunId,
-    seq: i32,
-    owner: &str,
-    lease_secs: f64,
-    presence_pid: Option<i32>,
-) -> Result<Option<Claim>> {
+/// A worker asking for a run's lease to execute one step delivery.
+pub struct ClaimRequest<'a> {
+    /// The run.
+    pub run_id: &'a RunId,
+    /// The position the delivery is for.
+    pub seq: i32,
+    /// The step name (for the attempt row).
+    pub step: &'a str,
+    /// Who asks (worker id and delivery).
+    pub owner: &'a str,
+    /// Lease length.
+    pub lease_secs: f64,
+    /// Backend pid of the asker's presence connection.
+    pub presence_pid: Option<i32>,
+    /// The inbox consumer and the delivery's message id: a processed message is never claimed.
+    pub message: (&'a str, MessageId),
+}
+
+/// What a claim found.
+#[derive(Debug)]
+pub enum ClaimOutcome {
+    /// The message was processed before: drop it.
+    Duplicate,
+    /// Not claimable: the run is not at that step, not executable, or leased by a live worker.
+    Refused,
+    /// The lease is ours.
+    Claimed(Claim),
+}
+
+#[derive(sqlx::FromRow)]
+struct ClaimRow {
+    seen: bool,
+    fence: Option<i64>,
+    status: Option<String>,
+    input: Option<Value>,
+    age_secs: Option<f64>,
+    undo: Option<Value>,
+    attempts: Option<i32>,
+    journaled: i32,
+}
+
+/// Checks the inbox, takes the lease of `run_id` at position `seq` if it is free, expired, or
+/// already `owner`'s (a delivery retried in place after an infrastructure failure), raises the
+/// fence and counts the attempt: one statement, committed before any outside call is made.
+pub async fn claim(db: impl PgExecutor<'_>, r: &ClaimRequest<'_>) -> Result<ClaimOutcome> {
     // A lease is free when released, expired, ours, or held by a process whose presence
     // connection is gone (it died: kill -9 closes its sockets, so Postgres ends its backend).
-    Ok(sqlx::query_as(
-        "UPDATE trailmark.runs
-            SET lease_owner = $3, lease_expires_at = now() + make_interval(secs => $4),
-                lease_pid = $5, fence = fence + 1, updated_at = now()
-          WHERE run_id = $1 AND step_seq = $2 AND status IN ('running', 'compensating')
-            AND (lease_owner IS NULL OR lease_expires_at < now() OR lease_owner = $3
-                 OR (lease_pid IS NOT NULL
-                     AND NOT EXISTS (SELECT 1 FROM pg_stat_activity WHERE pid = lease_pid)))
-      RETURNING fence, status, input, EXTRACT(EPOCH FROM now() - created_at)::float8 AS age_secs, undo",
+    let row: ClaimRow = sqlx::query_as(
+        "WITH seen AS (
+            SELECT 1 FROM trailmark.inbox WHERE consumer = $7 AND message_id = $8
+         ), claimed AS (
+            UPDATE trailmark.runs
+               SET lease_owner = $3, lease_expires_at = now() + make_interval(secs => $4),
+                   lease_pid = $5, fence = fence + 1, updated_at = now()
+             WHERE run_id = $1 AND step_seq = $2 AND status IN ('running', 'compensating')
+               AND NOT EXISTS (SELECT 1 FROM seen)
+               AND (lease_owner IS NULL OR lease_expires_at < now() OR lease_owner = $3
+                    OR (lease_pid IS NOT NULL
+                        AND NOT EXISTS (SELECT 1 FROM pg_stat_activity WHERE pid = lease_pid)))
+            RETURNING fence, status, input, EXTRACT(EPOCH FROM now() - created_at)::float8 AS age_secs, undo
+         ), attempt AS (
+            INSERT INTO trailmark.steps (run_id, seq, step, attempts) SELECT $1, $2, $6, 1 FROM claimed
+            ON CONFLICT (run_id, seq) DO UPDATE SET attempts = trailmark.steps.attempts + 1
+            RETURNING attempts
+         )
+         SELECT EXISTS (SELECT 1 FROM seen) AS seen, c.fence, c.status, c.input, c.age_secs, c.undo,
+                a.attempts,
+                (SELECT count(*) FROM trailmark.journal WHERE run_id = $1 AND seq = $2)::int4 AS journaled
+           FROM (SELECT 1) AS one LEFT JOIN claimed c ON true LEFT JOIN attempt a ON true",
     )
-    .bind(run_id.as_str())
-    .bind(seq)
-    .bind(owner)
-    .bind(lease_secs)
-    .bind(presence_pid)
-    .fetch_optional(db)
-    .await?)
+    .bind(r.run_id.as_str())
+    .bind(r.seq)
+    .bind(r.owner)
+    .bind(r.lease_secs)
+    .bind(r.presence_pid)
+    .bind(r.step)
+    .bind(r.message.0)
+    .bind(r.message.1.0)
+    .fetch_one(db)
+    .await?;
+    if row.seen {
+        return Ok(ClaimOutcome::Duplicate);
+    }
+    let (Some(fence), Some(status), Some(input), Some(age_secs), Some(attempt)) =
+        (row.fence, row.status, row.input, row.age_secs, row.attempts)
+    else {
+        return Ok(ClaimOutcome::Refused);
+    };
+    Ok(ClaimOutcome::Claimed(Claim {
+        fence: Fence(fence),
+        status,
+        input,
+        age_secs,
+        undo: row.undo,
+        attempt,
+        journaled: row.journaled,
+    }))
 }
 
 /// Extends a held lease; `false` means the fence moved on (the caller must stop).
@@ -184,55 +255,4 @@ pub async fn heartbeat(
     .execute(db)
     .await?;
     Ok(done.rows_affected() == 1)
-}
-
-/// Where a committed step leaves the run.
-pub struct Advance<'a> {
-    /// Position just executed.
-    pub seq: i32,
-    /// Next step name, `None` when the run ends.
-    pub next_step: Option<&'a str>,
-    /// New status.
-    pub status: RunStatus,
-    /// Final output, when the run ends.
-    pub output: Option<&'a Value>,
-    /// Error text for review/failed states.
-    pub error: Option<&'a str>,
-    /// Handover note, when the run goes to a person.
-    pub handover: Option<&'a Value>,
-}
-
-/// Moves the run past `seq` and releases the lease, only while `fence` is current.
-pub async fn advance(
-    db: impl PgExecutor<'_>,
-    run_id: &RunId,
-    fence: Fence,
-    to: &Advance<'_>,
-) -> Result<()> {
-    let done = sqlx::query(
-        "UPDATE trailmark.runs
-            SET step_seq = step_seq + CASE WHEN $4 IN ('running', 'compensating', 'succeeded', 'compensated') THEN 1 ELSE 0 END,
-                step = $3, status = $4, output = COALESCE($5, output), error = $6, handover = $8,
-                lease_owner = NULL, lease_expires_at = NULL, updated_at = now(),
-                finished_at = CASE WHEN $4 IN ('succeeded', 'compensated', 'failed', 'cancelled') THEN now() END
-          WHERE run_id = $1 AND fence = $2 AND step_seq = $7",
-    )
-    .bind(run_id.as_str())
-    .bind(fence.0)
-    .bind(to.next_step)
-    .bind(to.status.as_str())
-    .bind(to.output)
-    .bind(to.error)
-    .bind(to.seq)
-    .bind(to.handover)
-    .execute(db)
-    .await?;
-    if done.rows_affected() == 1 {
-        Ok(())
-    } else {
-        Err(Error::FencedOut {
-            run_id: run_id.to_string(),
-            fence: fence.0,
-        })
-    }
 }

@@ -25,41 +25,6 @@ pub struct StepRow {
     pub finished_at: Option<DateTime<Utc>>,
 }
 
-/// Records one more attempt at `seq` and returns the attempt number (1-based).
-pub async fn begin_attempt(
-    db: impl PgExecutor<'_>,
-    run_id: &RunId,
-    seq: i32,
-    step: &str,
-) -> Result<i32> {
-    Ok(sqlx::query_scalar(
-        "INSERT INTO trailmark.steps (run_id, seq, step, attempts) VALUES ($1, $2, $3, 1)
-         ON CONFLICT (run_id, seq) DO UPDATE SET attempts = trailmark.steps.attempts + 1
-         RETURNING attempts",
-    )
-    .bind(run_id.as_str())
-    .bind(seq)
-    .bind(step)
-    .fetch_one(db)
-    .await?)
-}
-
-/// Writes the step's output: the checkpoint.
-pub async fn finish(
-    db: impl PgExecutor<'_>,
-    run_id: &RunId,
-    seq: i32,
-    output: &Value,
-) -> Result<()> {
-    sqlx::query("UPDATE trailmark.steps SET output = $3, finished_at = now() WHERE run_id = $1 AND seq = $2")
-        .bind(run_id.as_str())
-        .bind(seq)
-        .bind(output)
-        .execute(db)
-        .await?;
-    Ok(())
-}
-
 /// The newest committed output of the step named `step` before position `before`.
 pub async fn latest_output(
     db: impl PgExecutor<'_>,
@@ -88,22 +53,6 @@ pub async fn list(db: impl PgExecutor<'_>, run_id: &str) -> Result<Vec<StepRow>>
     .bind(run_id)
     .fetch_all(db)
     .await?)
-}
-
-/// Stores what a waiting step asks a person, without finishing the step.
-pub async fn set_question(
-    db: impl PgExecutor<'_>,
-    run_id: &RunId,
-    seq: i32,
-    question: &Value,
-) -> Result<()> {
-    sqlx::query("UPDATE trailmark.steps SET output = $3 WHERE run_id = $1 AND seq = $2")
-        .bind(run_id.as_str())
-        .bind(seq)
-        .bind(question)
-        .execute(db)
-        .await?;
-    Ok(())
 }
 
 /// The checkpointed output at position `seq`.

@@ -1,5 +1,6 @@
-//! The step transaction (DESIGN.md §4 step 5): inbox row, fenced run advance, checkpoint,
-//! parked items and outbox rows (next step and outside messages), all or nothing.
+//! How a step execution ends, turned into the step commit (DESIGN.md §4 step 5, one statement in
+//! `store::checkpoint`): inbox row, fenced run advance, checkpoint, parked items and outbox rows
+//! (next step and outside messages), all or nothing.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -9,8 +10,9 @@ use serde_json::Value;
 use super::STEP_CONSUMER;
 use crate::domain::{Fence, MessageId, RunId, RunStatus, STEP_ROUTING_KEY, StepMessage};
 use crate::engine::Engine;
+use crate::store;
+use crate::store::checkpoint::{self, Pending};
 use crate::store::outbox::OutgoingMessage;
-use crate::store::{self, inbox, outbox, parked, runs, steps};
 use crate::workflow::Parked;
 
 /// How a step execution ends.
@@ -42,21 +44,28 @@ pub(super) enum Ending {
     },
 }
 
-/// Commits the step and returns the outbox messages it queued (for eager publishing);
-/// `Ok(None)` means another delivery of the same message committed first.
+/// Commits the step, with what the attempt has not written yet, and returns the outbox messages
+/// it queued (for eager publishing); `Ok(None)` means another delivery of the same message
+/// committed first.
 pub(super) async fn commit(
     engine: &Arc<Engine>,
     msg: &StepMessage,
     fence: Fence,
     ending: Ending,
+    pending: &Pending,
 ) -> store::Result<Option<Vec<OutgoingMessage>>> {
     let grace = engine.settings.relay.eager_grace_ms;
     let mut queued = Vec::new();
-    let fp = &engine.failpoints;
-    let mut tx = engine.pool.begin().await?;
-    // The fenced update goes first: it takes the run's row lock, so two committers of the same
-    // run serialise here and the loser sees zero rows.
-    match &ending {
+    let mut parked = Vec::new();
+    let head = |status, handover| checkpoint::Advance {
+        seq: msg.seq,
+        next_step: Some(msg.step.as_str()),
+        status,
+        output: None,
+        error: None,
+        handover,
+    };
+    let (to, step_output, finished) = match &ending {
         Ending::Advance {
             output,
             next,
@@ -65,22 +74,6 @@ pub(super) async fn commit(
             parked: items,
         } => {
             let done = next.is_none();
-            let to = runs::Advance {
-                seq: msg.seq,
-                next_step: next.as_deref(),
-                status: match (done, status) {
-                    (false, s) => *s,
-                    (true, RunStatus::Compensating) => RunStatus::Compensated,
-                    (true, _) => RunStatus::Succeeded,
-                },
-                output: if done { Some(output) } else { None },
-                error: None,
-                handover: None,
-            };
-            runs::advance(&mut *tx, &msg.run_id, fence, &to).await?;
-            steps::finish(&mut *tx, &msg.run_id, msg.seq, output).await?;
-            parked::insert(&mut tx, &msg.run_id, msg.seq, &msg.step, items).await?;
-            fp.hit("step.after_checkpoint").map_err(infra)?;
             queued = sent.clone();
             if let Some(next) = next {
                 queued.push(next_message(engine, msg, next));
@@ -88,38 +81,48 @@ pub(super) async fn commit(
             for m in &mut queued {
                 m.relay_after_ms = grace;
             }
-            outbox::insert(&mut *tx, &queued).await?;
-        }
-        Ending::Wait { note } => {
-            let to = runs::Advance {
-                seq: msg.seq,
-                next_step: Some(&msg.step),
-                status: RunStatus::Waiting,
-                output: None,
-                error: None,
-                handover: Some(note),
+            parked = items
+                .iter()
+                .map(|p| (p.item.clone(), p.reason.clone()))
+                .collect();
+            let to = checkpoint::Advance {
+                next_step: next.as_deref(),
+                status: match (done, status) {
+                    (false, s) => *s,
+                    (true, RunStatus::Compensating) => RunStatus::Compensated,
+                    (true, _) => RunStatus::Succeeded,
+                },
+                output: if done { Some(output) } else { None },
+                ..head(*status, None)
             };
-            runs::advance(&mut *tx, &msg.run_id, fence, &to).await?;
-            steps::set_question(&mut *tx, &msg.run_id, msg.seq, note).await?;
+            (to, Some(output), true)
         }
+        Ending::Wait { note } => (head(RunStatus::Waiting, Some(note)), Some(note), false),
         Ending::Review { error, note } => {
-            let to = runs::Advance {
-                seq: msg.seq,
-                next_step: Some(&msg.step),
-                status: RunStatus::NeedsReview,
-                output: None,
+            let to = checkpoint::Advance {
                 error: Some(error),
-                handover: Some(note),
+                ..head(RunStatus::NeedsReview, Some(note))
             };
-            runs::advance(&mut *tx, &msg.run_id, fence, &to).await?;
+            (to, None, false)
         }
-    }
-    if !inbox::record(&mut *tx, STEP_CONSUMER, msg.message_id).await? {
-        tx.rollback().await?;
+    };
+    let fp = &engine.failpoints;
+    fp.hit("step.before_commit").map_err(infra)?;
+    let step = checkpoint::StepCommit {
+        run_id: &msg.run_id,
+        fence,
+        step: &msg.step,
+        to,
+        step_output,
+        finished,
+        inbox: (STEP_CONSUMER, msg.message_id),
+        parked: &parked,
+        outbox: &queued,
+        pending,
+    };
+    if !checkpoint::commit(&engine.pool, &step).await? {
         return Ok(None);
     }
-    fp.hit("step.before_commit").map_err(infra)?;
-    tx.commit().await?;
     fp.hit("step.after_commit").map_err(infra)?;
     // With eager publishing off, the relay publishes at once and there is nothing to hand back.
     Ok(Some(if grace > 0 { queued } else { Vec::new() }))

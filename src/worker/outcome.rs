@@ -8,6 +8,7 @@ use std::time::Duration;
 use lapin::message::Delivery;
 use lapin::options::BasicAckOptions;
 
+use super::marker::Marker;
 use crate::broker::{Outgoing, Publisher, header_str, headers_to_map, map_to_headers};
 use crate::engine::{Engine, Stats};
 use crate::store::outbox::OutgoingMessage;
@@ -58,13 +59,14 @@ pub enum Disposition {
 pub(super) async fn settle(
     engine: &Arc<Engine>,
     publisher: &Publisher,
+    marker: &Marker,
     delivery: &Delivery,
     disposition: Disposition,
 ) {
     let moved = match &disposition {
         Disposition::Done => Ok(()),
         Disposition::Committed(messages) => {
-            publish_committed(engine, publisher, messages).await;
+            publish_committed(publisher, marker, messages).await;
             Ok(())
         }
         Disposition::Duplicate => {
@@ -99,27 +101,24 @@ pub(super) async fn settle(
     }
 }
 
-/// Publishes just-committed outbox rows and marks the confirmed ones. A failure here costs only
-/// latency: the rows become available to the relay after `relay.eager_grace_ms`.
-async fn publish_committed(engine: &Engine, publisher: &Publisher, messages: &[OutgoingMessage]) {
+/// Publishes just-committed outbox rows and queues the confirmed ones for marking. A failure
+/// here costs only latency: the rows become available to the relay after `relay.eager_grace_ms`.
+async fn publish_committed(publisher: &Publisher, marker: &Marker, messages: &[OutgoingMessage]) {
     if messages.is_empty() {
         return;
     }
     let outgoing: Vec<Outgoing> = messages.iter().map(crate::relay::to_outgoing).collect();
     let results = publisher.publish_all(&outgoing).await;
-    let confirmed: Vec<uuid::Uuid> = messages
-        .iter()
-        .zip(&results)
-        .filter(|(_, r)| r.is_ok())
-        .map(|(m, _)| m.message_id.0)
-        .collect();
     if let Some(Err(e)) = results.iter().find(|r| r.is_err()) {
         tracing::warn!(error = %e, "eager publish failed; the relay will publish after the grace period");
     }
-    if let Err(e) = crate::store::outbox::mark_published_ids(&engine.pool, &confirmed).await {
-        // Unmarked rows are published again by the relay: a duplicate the inbox drops.
-        tracing::warn!(error = %e, "could not mark eagerly published rows");
-    }
+    marker.mark(
+        messages
+            .iter()
+            .zip(&results)
+            .filter(|(_, r)| r.is_ok())
+            .map(|(m, _)| m.message_id.0),
+    );
 }
 
 fn message_id(delivery: &Delivery) -> String {

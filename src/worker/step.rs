@@ -16,7 +16,7 @@ use crate::domain::{RunStatus, StepMessage};
 use crate::engine::{Engine, Stats};
 use crate::guard::Budget;
 use crate::store::decisions;
-use crate::store::{self, inbox, runs, steps};
+use crate::store::{self, runs, steps};
 use crate::workflow::{
     Next, Position, StepContext, StepDef, StepError, StepOutcome, UndoTarget, Workflow,
     parse_undo_step, undo_step_name,
@@ -52,9 +52,6 @@ async fn process_message(
         Ok(found) => found,
         Err(poison) => return Ok(poison),
     };
-    if inbox::seen(&engine.pool, STEP_CONSUMER, msg.message_id).await? {
-        return Ok(Disposition::Duplicate);
-    }
     let claimed = match claim(engine, &workflow, &msg, owner).await? {
         Claimed::Yes(c) => c,
         Claimed::No(d) => return Ok(d),
@@ -164,32 +161,31 @@ enum Claimed {
     No(Disposition),
 }
 
-/// Takes the run's lease and counts the attempt, in one short transaction of its own so the
-/// raised fence is durable before any outside call is made.
+/// Checks the inbox, takes the run's lease and counts the attempt, in one statement committed
+/// on its own, so the raised fence is durable before any outside call is made.
 async fn claim(
     engine: &Arc<Engine>,
     workflow: &Workflow,
     msg: &StepMessage,
     owner: &str,
 ) -> store::Result<Claimed> {
-    let lease = engine.settings.worker.lease_secs as f64;
-    let mut tx = engine.pool.begin().await?;
-    let Some(claim) = runs::claim(
-        &mut *tx,
-        &msg.run_id,
-        msg.seq,
+    let request = runs::ClaimRequest {
+        run_id: &msg.run_id,
+        seq: msg.seq,
+        step: &msg.step,
         owner,
-        lease,
-        super::presence::pid(engine),
-    )
-    .await?
-    else {
-        tx.rollback().await?;
-        return Ok(Claimed::No(why_not_claimed(engine, msg).await?));
+        lease_secs: engine.settings.worker.lease_secs as f64,
+        presence_pid: super::presence::pid(engine),
+        message: (STEP_CONSUMER, msg.message_id),
     };
-    let attempt = steps::begin_attempt(&mut *tx, &msg.run_id, msg.seq, &msg.step).await?;
+    let claim = match runs::claim(&engine.pool, &request).await? {
+        runs::ClaimOutcome::Claimed(claim) => claim,
+        runs::ClaimOutcome::Duplicate => return Ok(Claimed::No(Disposition::Duplicate)),
+        runs::ClaimOutcome::Refused => {
+            return Ok(Claimed::No(why_not_claimed(engine, msg).await?));
+        }
+    };
     engine.failpoints.hit("step.after_claim").map_err(infra)?;
-    tx.commit().await?;
     let status = claim.status.parse().unwrap_or(RunStatus::Running);
     let undo = undo_target(engine, msg, claim.undo.as_ref()).await?;
     let pos = Position {
@@ -197,7 +193,8 @@ async fn claim(
         workflow: msg.workflow.clone(),
         step: msg.step.clone(),
         seq: msg.seq,
-        attempt,
+        attempt: claim.attempt,
+        journaled: claim.journaled,
         fence: claim.fence(),
         budget: workflow
             .budget
@@ -361,6 +358,7 @@ async fn finish(
                 base.saturating_mul(1 << (ctx.attempt() - 1).clamp(0, 16)),
             ));
             tracing::warn!(reason = %reason, delay_ms = delay.as_millis() as u64, "step failed temporarily; retrying later");
+            ctx.write_unwritten().await.map_err(infra)?;
             commit::release(engine, &msg.run_id, ctx.fence()).await?;
             return Ok(Disposition::Delay(delay));
         }
@@ -372,6 +370,8 @@ async fn finish(
         Err(e) => e,
     };
     tracing::error!(error = %failure, class = failure.class(), "step failed; run needs review");
+    // What the attempt did before failing goes in first, so the note sees it.
+    ctx.write_unwritten().await.map_err(infra)?;
     let note = handover::note(engine, msg, ctx.attempt(), &failure).await?;
     let error = format!(
         "run {} stopped at step {} (position {}, attempt {}): {failure}",
@@ -402,7 +402,7 @@ async fn commit_ending(
     ctx: &StepContext,
     ending: Ending,
 ) -> store::Result<Disposition> {
-    match commit::commit(engine, msg, ctx.fence(), ending).await {
+    match commit::commit(engine, msg, ctx.fence(), ending, &ctx.take_unwritten()).await {
         Ok(Some(queued)) => {
             Stats::bump(&engine.stats.steps_committed);
             Ok(Disposition::Committed(queued))

@@ -1,7 +1,8 @@
 //! `ctx.effect()`: an outside call under an idempotency key (DESIGN.md §5). The intent (key,
-//! request hash, fence) is recorded before the call and the result after; a replay returns the
-//! recorded result; a key reused with another request is a conflict. Guards run before a new
-//! call: the tool's circuit breaker, the run's tool-call budget and repeated-action detection.
+//! request hash, fence) is recorded before the call and the result after (with the step commit
+//! when the receiver enforces the key); a replay returns the recorded result; a key reused with
+//! another request is a conflict. Guards run before a new call: the tool's circuit breaker, the
+//! run's tool-call budget and repeated-action detection.
 
 use std::future::Future;
 use std::time::{Duration, Instant};
@@ -124,17 +125,7 @@ impl StepContext {
         LFut: Future<Output = Result<Lookup, StepError>>,
     {
         let hash = store::hash_json(request);
-        self.guard_new_call(tool, key, &hash, request).await?;
-        let known = effects::begin(
-            self.pool(),
-            key,
-            &tool.name,
-            self.run_id(),
-            self.seq(),
-            &hash,
-            self.fence(),
-        )
-        .await?;
+        let known = self.record_intent(tool, key, &hash, request).await?;
         match known {
             effects::Known::Done(result) => return Ok(result),
             effects::Known::New => {}
@@ -160,38 +151,70 @@ impl StepContext {
         let result = self.call_with_retries(tool, key, retries, call).await?;
         // A crash here is the "unknown outcome" case: the call happened, its result is not known.
         self.failpoint("effect.after_call")?;
-        effects::complete(self.pool(), key, &result).await?;
+        if tool.idempotent {
+            // Calling again under the key is harmless, so the result rides with the step commit
+            // (one write less per call); a crash before it means one harmless repeat.
+            let mut unwritten = self.inner.unwritten.lock().expect("unwritten lock");
+            unwritten.results.push((key.clone(), result.clone()));
+        } else {
+            effects::complete(self.pool(), key, &result).await?;
+        }
         Ok(result)
     }
 
-    /// Budget and loop checks for a call this run has not made under `key` before.
-    async fn guard_new_call(
+    /// Records the intent (with the answers it is based on), enforcing the run's tool-call
+    /// budget and repeated-action detection for a call not made under `key` before.
+    async fn record_intent(
         &self,
         tool: &Tool,
         key: &IdempotencyKey,
         hash: &str,
         request: &Value,
-    ) -> Result<(), StepError> {
+    ) -> Result<effects::Known, StepError> {
         let budget = &self.inner.pos.budget;
-        let limit = self.services().settings.guards.repeat_limit;
-        let (calls, repeats) =
-            effects::usage(self.pool(), self.run_id(), key, &tool.name, hash).await?;
-        if budget.max_tool_calls > 0 && calls as u64 >= budget.max_tool_calls {
+        let intent = effects::Intent {
+            key,
+            tool: &tool.name,
+            run_id: self.run_id(),
+            seq: self.seq(),
+            request_hash: hash,
+            fence: self.fence(),
+            max_calls: budget.max_tool_calls,
+            repeat_limit: self.services().settings.guards.repeat_limit,
+        };
+        let answers = self
+            .inner
+            .unwritten
+            .lock()
+            .expect("unwritten lock")
+            .journal
+            .clone();
+        let known = effects::begin(self.pool(), &intent, &answers).await?;
+        // Written with the intent: drop them from what is still to write.
+        self.inner
+            .unwritten
+            .lock()
+            .expect("unwritten lock")
+            .journal
+            .drain(..answers.len());
+        let used = match known {
+            effects::Begun::Known(known) => return Ok(known),
+            effects::Begun::OverLimit(used) => used,
+        };
+        if intent.max_calls > 0 && used.calls as u64 >= intent.max_calls {
             return Err(guard::budget_exhausted(format!(
-                "run {} made {calls} tool calls, its budget is {}",
+                "run {} made {} tool calls, its budget is {}",
                 self.run_id(),
-                budget.max_tool_calls
+                used.calls,
+                intent.max_calls
             )));
         }
-        if limit > 0 && repeats as u64 >= limit {
-            return Err(guard::repeated_action(
-                self.run_id(),
-                &tool.name,
-                repeats,
-                request,
-            ));
-        }
-        Ok(())
+        Err(guard::repeated_action(
+            self.run_id(),
+            &tool.name,
+            used.repeats,
+            request,
+        ))
     }
 
     async fn call_with_retries<F, Fut>(
