@@ -245,7 +245,7 @@ async fn intent(
         max_calls: 0,
         repeat_limit: 0,
     };
-    effects::begin(&env.pool, &intent, &[]).await
+    effects::begin(&env.pool, &intent).await
 }
 
 /// The step commit of position 0 that moves the run to position 1, from message `message`.
@@ -273,7 +273,6 @@ async fn commit_first_step(
         inbox: ("steps", message),
         parked: &[],
         outbox: &[],
-        pending: &checkpoint::Pending::default(),
     };
     checkpoint::commit(&env.pool, &step).await
 }

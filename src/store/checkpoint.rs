@@ -1,6 +1,5 @@
 //! The step commit (DESIGN.md §4 step 5) as one statement: inbox row, fenced run advance,
-//! checkpoint, parked items, outbox rows, and what the attempt learnt on the way (journaled
-//! answers, effect results), all or nothing.
+//! checkpoint, parked items and outbox rows, all or nothing.
 //!
 //! One statement instead of a transaction of six: a step's cost is dominated by round trips, and
 //! a single statement is atomic by itself. The one case that needs a rollback (the inbox row went
@@ -12,26 +11,9 @@ use std::sync::LazyLock;
 use serde_json::Value;
 use sqlx::PgExecutor;
 
-use super::journal::{self, JournalEntry};
 use super::outbox::{self, OutgoingMessage};
 use super::{Error, Result};
-use crate::domain::{Fence, IdempotencyKey, MessageId, RunId, RunStatus};
-
-/// What an attempt learnt before its commit: written by whatever ends the attempt.
-#[derive(Debug, Default, Clone)]
-pub struct Pending {
-    /// Model answers not yet journaled.
-    pub journal: Vec<JournalEntry>,
-    /// Results of calls to tools that enforce their key (idempotency key, result).
-    pub results: Vec<(IdempotencyKey, Value)>,
-}
-
-impl Pending {
-    /// Whether there is nothing to write.
-    pub fn is_empty(&self) -> bool {
-        self.journal.is_empty() && self.results.is_empty()
-    }
-}
+use crate::domain::{Fence, MessageId, RunId, RunStatus};
 
 /// Where a committed step leaves the run.
 pub struct Advance<'a> {
@@ -69,8 +51,6 @@ pub struct StepCommit<'a> {
     pub parked: &'a [(String, String)],
     /// Messages to queue.
     pub outbox: &'a [OutgoingMessage],
-    /// Answers and results the attempt has not written yet.
-    pub pending: &'a Pending,
 }
 
 static COMMIT: LazyLock<String> = LazyLock::new(|| {
@@ -94,19 +74,12 @@ static COMMIT: LazyLock<String> = LazyLock::new(|| {
             INSERT INTO trailmark.parked (run_id, item, seq, step, reason)
             SELECT $1, i, $3, $13, r FROM UNNEST($14::text[], $15::text[]) AS p(i, r) {fenced}
             ON CONFLICT (run_id, item) DO NOTHING
-        ), results AS (
-            -- `= ANY` rather than a join with UNNEST: the planner then always takes the key's
-            -- index, where a join estimate made it hash the whole table.
-            UPDATE trailmark.effects
-               SET result = ($17::jsonb[])[array_position($16::text[], idempotency_key)],
-                   completed_at = now()
-             WHERE idempotency_key = ANY($16::text[]) AND EXISTS (SELECT 1 FROM adv)
-        ), queue AS ({queue}), answers AS ({answers})
-        SELECT CASE WHEN NOT EXISTS (SELECT 1 FROM fresh) THEN false
-                    WHEN EXISTS (SELECT 1 FROM adv) THEN true
-                    ELSE trailmark.refuse_commit($1, $2) END",
-        queue = outbox::insert_sql(18, fenced),
-        answers = journal::insert_sql(1, 24, fenced),
+        ), queue AS ({queue})
+        SELECT CASE WHEN EXISTS (SELECT 1 FROM adv) THEN 'committed'
+                    WHEN EXISTS (SELECT 1 FROM fresh) THEN trailmark.refuse_commit($1, $2)
+                    WHEN EXISTS (SELECT 1 FROM trailmark.runs WHERE run_id = $1 AND fence = $2) THEN 'duplicate'
+                    ELSE 'fenced' END",
+        queue = outbox::insert_sql(16, fenced),
     )
 });
 
@@ -118,12 +91,6 @@ pub async fn commit(db: impl PgExecutor<'_>, c: &StepCommit<'_>) -> Result<bool>
         .parked
         .iter()
         .map(|(i, r)| (i.as_str(), r.as_str()))
-        .unzip();
-    let (keys, results): (Vec<&str>, Vec<&Value>) = c
-        .pending
-        .results
-        .iter()
-        .map(|(k, r)| (k.as_str(), r))
         .unzip();
     let q = sqlx::query(COMMIT.as_str())
         .bind(c.run_id.as_str())
@@ -140,31 +107,31 @@ pub async fn commit(db: impl PgExecutor<'_>, c: &StepCommit<'_>) -> Result<bool>
         .bind(c.inbox.1.0)
         .bind(c.step)
         .bind(items)
-        .bind(reasons)
-        .bind(keys)
-        .bind(results);
-    let q = journal::bind_entries(outbox::bind_rows(q, c.outbox), &c.pending.journal);
-    let row = q.fetch_one(db).await.map_err(|e| refused(e, c))?;
-    Ok(sqlx::Row::try_get(&row, 0)?)
+        .bind(reasons);
+    let row = outbox::bind_rows(q, c.outbox)
+        .fetch_one(db)
+        .await
+        .map_err(|e| refused(e, c))?;
+    // A delivery whose fence is stale is reported as fenced out even when the same message was
+    // also committed by the newer worker: that is what the operator needs to read in the log.
+    match sqlx::Row::try_get::<String, _>(&row, 0)?.as_str() {
+        "committed" => Ok(true),
+        "duplicate" => Ok(false),
+        _ => Err(fenced_out(c)),
+    }
 }
 
 fn refused(e: sqlx::Error, c: &StepCommit<'_>) -> Error {
     let code = e.as_database_error().and_then(|d| d.code());
     if code.as_deref() == Some("TMF01") {
-        return Error::FencedOut {
-            run_id: c.run_id.to_string(),
-            fence: c.fence.0,
-        };
+        return fenced_out(c);
     }
     e.into()
 }
 
-/// Writes answers and results outside a step commit: before another paid call, or when an
-/// attempt ends in a retry or a handover (so the note sees them).
-pub async fn write_pending(pool: &sqlx::PgPool, run_id: &RunId, pending: &Pending) -> Result<()> {
-    journal::insert(pool, run_id, &pending.journal).await?;
-    for (key, result) in &pending.results {
-        super::effects::complete(pool, key, result).await?;
+fn fenced_out(c: &StepCommit<'_>) -> Error {
+    Error::FencedOut {
+        run_id: c.run_id.to_string(),
+        fence: c.fence.0,
     }
-    Ok(())
 }

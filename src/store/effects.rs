@@ -2,11 +2,8 @@
 
 use serde::Serialize;
 use serde_json::Value;
-use std::sync::LazyLock;
-
 use sqlx::{FromRow, PgExecutor};
 
-use super::journal::{self, JournalEntry};
 use super::{Error, Result};
 use crate::domain::{Fence, IdempotencyKey, RunId};
 
@@ -81,38 +78,29 @@ struct BeginRow {
     result: Option<Value>,
 }
 
-static BEGIN: LazyLock<String> = LazyLock::new(|| {
-    format!(
-        "WITH answers AS ({answers}), usage AS (
-            SELECT count(*) AS calls, count(*) FILTER (WHERE tool = $6 AND request_hash = $4) AS repeats
-              FROM trailmark.effects WHERE run_id = $2 AND idempotency_key <> $1
-         ), existing AS (
-            SELECT request_hash, result FROM trailmark.effects WHERE idempotency_key = $1
-         ), ins AS (
-            INSERT INTO trailmark.effects (idempotency_key, run_id, seq, request_hash, fence, tool)
-            SELECT $1, $2, $3, $4, $5, $6 FROM trailmark.runs r, usage u
-             WHERE r.run_id = $2 AND r.fence = $5 AND NOT EXISTS (SELECT 1 FROM existing)
-               AND ($7 = 0 OR u.calls < $7) AND ($8 = 0 OR u.repeats < $8)
-            ON CONFLICT (idempotency_key) DO NOTHING
-            RETURNING 1
-         )
-         SELECT EXISTS (SELECT 1 FROM ins) AS inserted, u.calls, u.repeats,
-                e.request_hash AS stored_hash, e.result
-           FROM usage u LEFT JOIN existing e ON true",
-        answers = journal::insert_sql(2, 9, ""),
+const BEGIN: &str = "
+    WITH usage AS (
+        SELECT count(*) AS calls, count(*) FILTER (WHERE tool = $6 AND request_hash = $4) AS repeats
+          FROM trailmark.effects WHERE run_id = $2 AND idempotency_key <> $1
+    ), existing AS (
+        SELECT request_hash, result FROM trailmark.effects WHERE idempotency_key = $1
+    ), ins AS (
+        INSERT INTO trailmark.effects (idempotency_key, run_id, seq, request_hash, fence, tool)
+        SELECT $1, $2, $3, $4, $5, $6 FROM trailmark.runs r, usage u
+         WHERE r.run_id = $2 AND r.fence = $5 AND NOT EXISTS (SELECT 1 FROM existing)
+           AND ($7 = 0 OR u.calls < $7) AND ($8 = 0 OR u.repeats < $8)
+        ON CONFLICT (idempotency_key) DO NOTHING
+        RETURNING 1
     )
-});
+    SELECT EXISTS (SELECT 1 FROM ins) AS inserted, u.calls, u.repeats,
+           e.request_hash AS stored_hash, e.result
+      FROM usage u LEFT JOIN existing e ON true";
 
 /// Records the intent for `i.key` (only while `i.fence` is the run's current fence and within
-/// the limits), or reports what an earlier attempt left. `journal` (answers the attempt has not
-/// written yet) goes in with it, so the answers a call is based on are durable before it is made.
+/// the limits), or reports what an earlier attempt left, in one statement.
 /// A key already used with a different request hash is a [`Error::Conflict`].
-pub async fn begin(
-    db: impl PgExecutor<'_>,
-    i: &Intent<'_>,
-    journal: &[JournalEntry],
-) -> Result<Begun> {
-    let q = sqlx::query(BEGIN.as_str())
+pub async fn begin(db: impl PgExecutor<'_>, i: &Intent<'_>) -> Result<Begun> {
+    let row: BeginRow = sqlx::query_as(BEGIN)
         .bind(i.key.as_str())
         .bind(i.run_id.as_str())
         .bind(i.seq)
@@ -120,9 +108,9 @@ pub async fn begin(
         .bind(i.fence.0)
         .bind(i.tool)
         .bind(i.max_calls as i64)
-        .bind(i.repeat_limit as i64);
-    let row = journal::bind_entries(q, journal).fetch_one(db).await?;
-    let row = BeginRow::from_row(&row)?;
+        .bind(i.repeat_limit as i64)
+        .fetch_one(db)
+        .await?;
     if let Some(stored) = &row.stored_hash
         && stored != i.request_hash
     {

@@ -2,11 +2,9 @@
 
 use serde::Serialize;
 use serde_json::Value;
-use std::sync::LazyLock;
-
 use sqlx::PgExecutor;
 
-use super::{PgQuery, Result};
+use super::Result;
 use crate::domain::RunId;
 
 /// One recorded call.
@@ -48,54 +46,23 @@ pub async fn get(
     .await?)
 }
 
-/// The `INSERT` of journal entries bound by [`bind_entries`] from parameter `$first` on, for
-/// `run_id` in parameter `$run`; `filter` may add a `WHERE` clause (the step commit's fence).
-/// A second writer of the same call keeps the first answer.
-pub(crate) fn insert_sql(run: usize, first: usize, filter: &str) -> String {
-    let p: Vec<String> = (first..first + 8).map(|i| format!("${i}")).collect();
-    format!(
+/// Records an answer; a second writer of the same call keeps the first answer.
+pub async fn insert(db: impl PgExecutor<'_>, run_id: &RunId, e: &JournalEntry) -> Result<()> {
+    sqlx::query(
         "INSERT INTO trailmark.journal (run_id, seq, call_no, kind, request_hash, response, tokens, cost, latency_ms)
-         SELECT ${run}, s, c, k, h, r, t, x, l
-           FROM UNNEST({}::int4[], {}::int4[], {}::text[], {}::text[], {}::jsonb[], {}::int8[], {}::float8[], {}::int8[])
-             AS u(s, c, k, h, r, t, x, l) {filter}
-         ON CONFLICT DO NOTHING",
-        p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7]
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9) ON CONFLICT DO NOTHING",
     )
-}
-
-/// Binds `entries` as the eight arrays [`insert_sql`] expects.
-pub(crate) fn bind_entries<'q>(q: PgQuery<'q>, entries: &[JournalEntry]) -> PgQuery<'q> {
-    let col = |f: fn(&JournalEntry) -> i64| entries.iter().map(f).collect::<Vec<_>>();
-    q.bind(entries.iter().map(|e| e.seq).collect::<Vec<_>>())
-        .bind(entries.iter().map(|e| e.call_no).collect::<Vec<_>>())
-        .bind(entries.iter().map(|e| e.kind.as_str()).collect::<Vec<_>>())
-        .bind(
-            entries
-                .iter()
-                .map(|e| e.request_hash.as_str())
-                .collect::<Vec<_>>(),
-        )
-        .bind(entries.iter().map(|e| &e.response).collect::<Vec<_>>())
-        .bind(col(|e| e.tokens))
-        .bind(entries.iter().map(|e| e.cost).collect::<Vec<_>>())
-        .bind(col(|e| e.latency_ms))
-}
-
-static INSERT: LazyLock<String> = LazyLock::new(|| insert_sql(1, 2, ""));
-
-/// Records answers now, in a statement of their own (before another paid call, or when an
-/// attempt ends without a step commit).
-pub async fn insert(
-    db: impl PgExecutor<'_>,
-    run_id: &RunId,
-    entries: &[JournalEntry],
-) -> Result<()> {
-    if entries.is_empty() {
-        return Ok(());
-    }
-    bind_entries(sqlx::query(INSERT.as_str()).bind(run_id.as_str()), entries)
-        .execute(db)
-        .await?;
+    .bind(run_id.as_str())
+    .bind(e.seq)
+    .bind(e.call_no)
+    .bind(&e.kind)
+    .bind(&e.request_hash)
+    .bind(&e.response)
+    .bind(e.tokens)
+    .bind(e.cost)
+    .bind(e.latency_ms)
+    .execute(db)
+    .await?;
     Ok(())
 }
 

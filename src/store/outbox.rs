@@ -123,12 +123,13 @@ pub async fn mark_published(db: impl PgExecutor<'_>, ids: &[i64]) -> Result<()> 
     Ok(())
 }
 
-/// Marks rows published by the worker that committed them (eager publish).
+/// Deletes rows the worker that committed them has published itself (eager publish, confirm
+/// received): nothing is left for the relay to do, and only the pruner would ever read them.
 ///
-/// The mark commits asynchronously (no fsync wait): if Postgres crashes before it reaches disk,
+/// The delete commits asynchronously (no fsync wait): if Postgres crashes before it reaches disk,
 /// the only cost is that the relay publishes those rows once more, and consumers drop the
 /// repeats by message id. The step's own commit stays fully synchronous.
-pub async fn mark_published_ids(pool: &sqlx::PgPool, message_ids: &[uuid::Uuid]) -> Result<()> {
+pub async fn forget_published(pool: &sqlx::PgPool, message_ids: &[uuid::Uuid]) -> Result<()> {
     if message_ids.is_empty() {
         return Ok(());
     }
@@ -136,13 +137,10 @@ pub async fn mark_published_ids(pool: &sqlx::PgPool, message_ids: &[uuid::Uuid])
     sqlx::query("SET LOCAL synchronous_commit = off")
         .execute(&mut *tx)
         .await?;
-    sqlx::query(
-        "UPDATE trailmark.outbox SET published_at = now(), attempts = attempts + 1
-          WHERE message_id = ANY($1) AND published_at IS NULL",
-    )
-    .bind(message_ids)
-    .execute(&mut *tx)
-    .await?;
+    sqlx::query("DELETE FROM trailmark.outbox WHERE message_id = ANY($1) AND published_at IS NULL")
+        .bind(message_ids)
+        .execute(&mut *tx)
+        .await?;
     tx.commit().await?;
     Ok(())
 }

@@ -11,7 +11,7 @@ use super::STEP_CONSUMER;
 use crate::domain::{Fence, MessageId, RunId, RunStatus, STEP_ROUTING_KEY, StepMessage};
 use crate::engine::Engine;
 use crate::store;
-use crate::store::checkpoint::{self, Pending};
+use crate::store::checkpoint;
 use crate::store::outbox::OutgoingMessage;
 use crate::workflow::Parked;
 
@@ -44,15 +44,13 @@ pub(super) enum Ending {
     },
 }
 
-/// Commits the step, with what the attempt has not written yet, and returns the outbox messages
-/// it queued (for eager publishing); `Ok(None)` means another delivery of the same message
-/// committed first.
+/// Commits the step and returns the outbox messages it queued (for eager publishing); `Ok(None)`
+/// means another delivery of the same message committed first.
 pub(super) async fn commit(
     engine: &Arc<Engine>,
     msg: &StepMessage,
     fence: Fence,
     ending: Ending,
-    pending: &Pending,
 ) -> store::Result<Option<Vec<OutgoingMessage>>> {
     let grace = engine.settings.relay.eager_grace_ms;
     let mut queued = Vec::new();
@@ -118,7 +116,6 @@ pub(super) async fn commit(
         inbox: (STEP_CONSUMER, msg.message_id),
         parked: &parked,
         outbox: &queued,
-        pending,
     };
     if !checkpoint::commit(&engine.pool, &step).await? {
         return Ok(None);

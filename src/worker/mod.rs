@@ -8,9 +8,9 @@
 mod commit;
 mod handover;
 mod lease;
-mod marker;
 mod outcome;
 mod presence;
+mod published;
 mod run_start;
 mod step;
 
@@ -28,7 +28,7 @@ use tracing::Instrument;
 
 use crate::broker::{self, Publisher};
 use crate::engine::Engine;
-use marker::Marker;
+use published::PublishedRows;
 
 pub use commit::step_message;
 pub use outcome::{Disposition, dead_letter_headers};
@@ -43,10 +43,10 @@ pub const RUN_START_CONSUMER: &str = "run-start";
 pub async fn run(engine: Arc<Engine>, shutdown: CancellationToken) -> Result<(), broker::Error> {
     let tracker = TaskTracker::new();
     let presence = tokio::spawn(presence::hold(engine.clone(), shutdown.clone()));
-    let (marker, marking) = Marker::start(engine.clone());
+    let (published, forgetting) = PublishedRows::start(engine.clone());
     let mut backoff = Duration::from_millis(200);
     while !shutdown.is_cancelled() {
-        match session(&engine, &shutdown, &tracker, &marker).await {
+        match session(&engine, &shutdown, &tracker, &published).await {
             Ok(()) => break,
             Err(e) => {
                 tracing::warn!(error = %e, retry_in_ms = backoff.as_millis() as u64, "worker lost the broker; reconnecting");
@@ -67,10 +67,10 @@ pub async fn run(engine: Arc<Engine>, shutdown: CancellationToken) -> Result<(),
             "shutdown: abandoning unfinished steps uncommitted"
         );
     }
-    // The last marks are written before the presence connection, which goes last: in-flight
+    // Published rows are forgotten before the presence connection, which goes last: in-flight
     // leases stay ours until their steps end.
-    drop(marker);
-    let _ = marking.await;
+    drop(published);
+    let _ = forgetting.await;
     let _ = presence.await;
     Ok(())
 }
@@ -79,7 +79,7 @@ async fn session(
     engine: &Arc<Engine>,
     shutdown: &CancellationToken,
     tracker: &TaskTracker,
-    marker: &Marker,
+    published: &PublishedRows,
 ) -> Result<(), broker::Error> {
     let settings = &engine.settings;
     let conn = broker::connect(&settings.broker, &format!("worker-{}", engine.worker_id)).await?;
@@ -131,9 +131,9 @@ async fn session(
             .await
             .expect("semaphore never closed");
         let (engine, publisher, stop) = (engine.clone(), publisher.clone(), shutdown.clone());
-        let marker = marker.clone();
+        let published = published.clone();
         tracker.spawn(async move {
-            handle(&engine, &publisher, &marker, delivery, is_step, &stop).await;
+            handle(&engine, &publisher, &published, delivery, is_step, &stop).await;
             drop(permit);
         });
     };
@@ -156,7 +156,7 @@ async fn session(
 async fn handle(
     engine: &Arc<Engine>,
     publisher: &Publisher,
-    marker: &Marker,
+    published: &PublishedRows,
     delivery: Delivery,
     is_step: bool,
     shutdown: &CancellationToken,
@@ -170,7 +170,7 @@ async fn handle(
         .unwrap_or_default();
     let span = tracing::info_span!("delivery", message.id = %id, run.id = Empty, workflow = Empty, step = Empty,
         seq = Empty, attempt = Empty, fence = Empty);
-    handle_in_span(engine, publisher, marker, delivery, is_step, shutdown)
+    handle_in_span(engine, publisher, published, delivery, is_step, shutdown)
         .instrument(span)
         .await
 }
@@ -180,7 +180,7 @@ async fn handle(
 async fn handle_in_span(
     engine: &Arc<Engine>,
     publisher: &Publisher,
-    marker: &Marker,
+    published: &PublishedRows,
     delivery: Delivery,
     is_step: bool,
     shutdown: &CancellationToken,
@@ -195,7 +195,7 @@ async fn handle_in_span(
         };
         match result {
             Ok(disposition) => {
-                outcome::settle(engine, publisher, marker, &delivery, disposition).await;
+                outcome::settle(engine, publisher, published, &delivery, disposition).await;
                 return;
             }
             Err(e) => {

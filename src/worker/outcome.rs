@@ -8,7 +8,7 @@ use std::time::Duration;
 use lapin::message::Delivery;
 use lapin::options::BasicAckOptions;
 
-use super::marker::Marker;
+use super::published::PublishedRows;
 use crate::broker::{Outgoing, Publisher, header_str, headers_to_map, map_to_headers};
 use crate::engine::{Engine, Stats};
 use crate::store::outbox::OutgoingMessage;
@@ -59,14 +59,14 @@ pub enum Disposition {
 pub(super) async fn settle(
     engine: &Arc<Engine>,
     publisher: &Publisher,
-    marker: &Marker,
+    published: &PublishedRows,
     delivery: &Delivery,
     disposition: Disposition,
 ) {
     let moved = match &disposition {
         Disposition::Done => Ok(()),
         Disposition::Committed(messages) => {
-            publish_committed(publisher, marker, messages).await;
+            publish_committed(publisher, published, messages).await;
             Ok(())
         }
         Disposition::Duplicate => {
@@ -101,9 +101,13 @@ pub(super) async fn settle(
     }
 }
 
-/// Publishes just-committed outbox rows and queues the confirmed ones for marking. A failure
+/// Publishes just-committed outbox rows and queues the confirmed ones for forgetting. A failure
 /// here costs only latency: the rows become available to the relay after `relay.eager_grace_ms`.
-async fn publish_committed(publisher: &Publisher, marker: &Marker, messages: &[OutgoingMessage]) {
+async fn publish_committed(
+    publisher: &Publisher,
+    published: &PublishedRows,
+    messages: &[OutgoingMessage],
+) {
     if messages.is_empty() {
         return;
     }
@@ -112,7 +116,7 @@ async fn publish_committed(publisher: &Publisher, marker: &Marker, messages: &[O
     if let Some(Err(e)) = results.iter().find(|r| r.is_err()) {
         tracing::warn!(error = %e, "eager publish failed; the relay will publish after the grace period");
     }
-    marker.mark(
+    published.forget(
         messages
             .iter()
             .zip(&results)

@@ -358,7 +358,6 @@ async fn finish(
                 base.saturating_mul(1 << (ctx.attempt() - 1).clamp(0, 16)),
             ));
             tracing::warn!(reason = %reason, delay_ms = delay.as_millis() as u64, "step failed temporarily; retrying later");
-            ctx.write_unwritten().await.map_err(infra)?;
             commit::release(engine, &msg.run_id, ctx.fence()).await?;
             return Ok(Disposition::Delay(delay));
         }
@@ -370,8 +369,6 @@ async fn finish(
         Err(e) => e,
     };
     tracing::error!(error = %failure, class = failure.class(), "step failed; run needs review");
-    // What the attempt did before failing goes in first, so the note sees it.
-    ctx.write_unwritten().await.map_err(infra)?;
     let note = handover::note(engine, msg, ctx.attempt(), &failure).await?;
     let error = format!(
         "run {} stopped at step {} (position {}, attempt {}): {failure}",
@@ -402,7 +399,7 @@ async fn commit_ending(
     ctx: &StepContext,
     ending: Ending,
 ) -> store::Result<Disposition> {
-    match commit::commit(engine, msg, ctx.fence(), ending, &ctx.take_unwritten()).await {
+    match commit::commit(engine, msg, ctx.fence(), ending).await {
         Ok(Some(queued)) => {
             Stats::bump(&engine.stats.steps_committed);
             Ok(Disposition::Committed(queued))

@@ -16,7 +16,6 @@ use crate::failpoint::Failpoints;
 use crate::guard::{Breakers, Budget};
 use crate::model::ModelClient;
 use crate::store;
-use crate::store::checkpoint::Pending;
 use crate::store::outbox::OutgoingMessage;
 
 /// Shared by every step execution in a process.
@@ -79,8 +78,6 @@ pub(super) struct Inner {
     pub calls: AtomicI32,
     pub outgoing: Mutex<Vec<OutgoingMessage>>,
     pub parked: Mutex<Vec<Parked>>,
-    /// Answers and results learnt but not yet written (see `store::checkpoint::Pending`).
-    pub unwritten: Mutex<Pending>,
     pub services: Arc<Services>,
 }
 
@@ -91,7 +88,6 @@ impl StepContext {
             calls: AtomicI32::new(0),
             outgoing: Mutex::new(Vec::new()),
             parked: Mutex::new(Vec::new()),
-            unwritten: Mutex::new(Pending::default()),
             services,
         };
         Self {
@@ -189,25 +185,5 @@ impl StepContext {
         let sent = std::mem::take(&mut *self.inner.outgoing.lock().expect("outgoing lock"));
         let parked = std::mem::take(&mut *self.inner.parked.lock().expect("parked lock"));
         (sent, parked)
-    }
-
-    /// Answers and results this attempt has not written yet, for whatever ends the attempt.
-    pub(crate) fn take_unwritten(&self) -> Pending {
-        std::mem::take(&mut *self.inner.unwritten.lock().expect("unwritten lock"))
-    }
-
-    /// Writes what [`StepContext::take_unwritten`] would return, now (before another paid call,
-    /// or when the attempt ends without a step commit). Kept for the next try on failure.
-    pub(crate) async fn write_unwritten(&self) -> Result<(), StepError> {
-        let pending = self.take_unwritten();
-        if pending.is_empty() {
-            return Ok(());
-        }
-        if let Err(e) = store::checkpoint::write_pending(self.pool(), self.run_id(), &pending).await
-        {
-            *self.inner.unwritten.lock().expect("unwritten lock") = pending;
-            return Err(e.into());
-        }
-        Ok(())
     }
 }

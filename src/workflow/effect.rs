@@ -1,7 +1,6 @@
 //! `ctx.effect()`: an outside call under an idempotency key (DESIGN.md §5). The intent (key,
-//! request hash, fence) is recorded before the call and the result after (with the step commit
-//! when the receiver enforces the key); a replay returns the recorded result; a key reused with
-//! another request is a conflict. Guards run before a new call: the tool's circuit breaker, the
+//! request hash, fence) is recorded before the call and the result right after it; a replay
+//! returns the recorded result; a key reused with another request is a conflict. Guards run before a new call: the tool's circuit breaker, the
 //! run's tool-call budget and repeated-action detection.
 
 use std::future::Future;
@@ -151,19 +150,14 @@ impl StepContext {
         let result = self.call_with_retries(tool, key, retries, call).await?;
         // A crash here is the "unknown outcome" case: the call happened, its result is not known.
         self.failpoint("effect.after_call")?;
-        if tool.idempotent {
-            // Calling again under the key is harmless, so the result rides with the step commit
-            // (one write less per call); a crash before it means one harmless repeat.
-            let mut unwritten = self.inner.unwritten.lock().expect("unwritten lock");
-            unwritten.results.push((key.clone(), result.clone()));
-        } else {
-            effects::complete(self.pool(), key, &result).await?;
-        }
+        // Recorded at once, not with the step commit: a step that dies later keeps what it has
+        // done, and its replay (and the handover note) knows this call happened.
+        effects::complete(self.pool(), key, &result).await?;
         Ok(result)
     }
 
-    /// Records the intent (with the answers it is based on), enforcing the run's tool-call
-    /// budget and repeated-action detection for a call not made under `key` before.
+    /// Records the intent, enforcing the run's tool-call budget and repeated-action detection for
+    /// a call not made under `key` before.
     async fn record_intent(
         &self,
         tool: &Tool,
@@ -182,21 +176,7 @@ impl StepContext {
             max_calls: budget.max_tool_calls,
             repeat_limit: self.services().settings.guards.repeat_limit,
         };
-        let answers = self
-            .inner
-            .unwritten
-            .lock()
-            .expect("unwritten lock")
-            .journal
-            .clone();
-        let known = effects::begin(self.pool(), &intent, &answers).await?;
-        // Written with the intent: drop them from what is still to write.
-        self.inner
-            .unwritten
-            .lock()
-            .expect("unwritten lock")
-            .journal
-            .drain(..answers.len());
+        let known = effects::begin(self.pool(), &intent).await?;
         let used = match known {
             effects::Begun::Known(known) => return Ok(known),
             effects::Begun::OverLimit(used) => used,

@@ -1,6 +1,5 @@
-//! `ctx.model()`: every answer journaled word for word, durable before anything is done with it
-//! outside (it rides with the step's next write); a replayed step reads the journal instead of
-//! paying again.
+//! `ctx.model()`: every answer journaled word for word the moment it arrives; a replayed step
+//! reads the journal instead of paying again.
 
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
@@ -23,14 +22,13 @@ impl StepContext {
         tracing::Span::current().record("call_no", call_no);
         let request_json = serde_json::to_value(request).expect("chat request serialises");
         let hash = store::hash_json(&request_json);
+        // The claim counted this position's entries, so a first attempt skips the read.
         if call_no < self.inner.pos.journaled
             && let Some(entry) =
                 journal::get(self.pool(), self.run_id(), self.seq(), call_no).await?
         {
             return replayed(entry, &hash, self);
         }
-        // An earlier answer of this attempt is written before paying for another one.
-        self.write_unwritten().await?;
         guard::check_model_budget(self.pool(), self.run_id(), &self.inner.pos.budget).await?;
         let answer = self.call_model(request).await?;
         let entry = journal::JournalEntry {
@@ -43,15 +41,9 @@ impl StepContext {
             cost: answer.cost,
             latency_ms: answer.latency_ms as i64,
         };
+        // Committed on its own, right now: a crash later in the step keeps the paid answer.
+        journal::insert(self.pool(), self.run_id(), &entry).await?;
         tracing::info!(tokens = entry.tokens, cost = entry.cost, latency_ms = entry.latency_ms, model = %answer.model, "model answered");
-        // Written with the step's next durable write: the next effect intent, the next model
-        // call, or whatever ends the attempt, so nothing is ever done on an unrecorded answer.
-        self.inner
-            .unwritten
-            .lock()
-            .expect("unwritten lock")
-            .journal
-            .push(entry);
         Ok(answer)
     }
 

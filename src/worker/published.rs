@@ -1,0 +1,49 @@
+//! Removes eagerly published outbox rows, in batches, off the step's path.
+//!
+//! A step's ack does not wait for this: removing the row only keeps the relay from publishing it
+//! again after `relay.eager_grace_ms`, and such a repeat is dropped by the consumer's inbox. While
+//! one batch is being written the next one gathers, so under load one statement handles many rows.
+
+use std::sync::Arc;
+
+use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
+
+use crate::engine::Engine;
+use crate::store::outbox;
+
+/// Most ids in one statement.
+const MAX_BATCH: usize = 1000;
+
+/// Hands confirmed message ids to the removing task.
+#[derive(Clone)]
+pub(super) struct PublishedRows {
+    ids: mpsc::UnboundedSender<uuid::Uuid>,
+}
+
+impl PublishedRows {
+    /// Starts the task; it ends once every `PublishedRows` clone is dropped and the last ids are handled.
+    pub fn start(engine: Arc<Engine>) -> (Self, JoinHandle<()>) {
+        let (ids, rx) = mpsc::unbounded_channel();
+        (Self { ids }, tokio::spawn(mark_batches(engine, rx)))
+    }
+
+    /// Queues confirmed rows for removal.
+    pub fn forget(&self, ids: impl IntoIterator<Item = uuid::Uuid>) {
+        for id in ids {
+            // Closed only after shutdown; an unmarked row is published once more by the relay.
+            let _ = self.ids.send(id);
+        }
+    }
+}
+
+async fn mark_batches(engine: Arc<Engine>, mut rx: mpsc::UnboundedReceiver<uuid::Uuid>) {
+    let mut batch = Vec::new();
+    while rx.recv_many(&mut batch, MAX_BATCH).await > 0 {
+        if let Err(e) = outbox::forget_published(&engine.pool, &batch).await {
+            // Unmarked rows are published again by the relay: a duplicate the inbox drops.
+            tracing::warn!(error = %e, rows = batch.len(), "could not remove eagerly published outbox rows");
+        }
+        batch.clear();
+    }
+}
