@@ -1,6 +1,6 @@
 //! Where an unloaded trailmark step spends its time, read from the timestamps the engine already
 //! writes (each is the start of the statement that wrote it): commit of the previous step, claim,
-//! effect intent (which carries the journaled answer), ledger row, commit. Each segment therefore
+//! effect intent, ledger row, commit. Each segment therefore
 //! also holds the commit (fsync) of the write that opens it.
 
 use serde::Serialize;
@@ -11,9 +11,9 @@ use super::env::BenchEnv;
 /// Segment labels, in step order; the values come back in the same order.
 pub const SEGMENTS: [&str; 4] = [
     "commit -> next claim (commit; eager publish + confirm, delivery; claim = inbox check + lease + attempt)",
-    "claim -> effect intent (claim commit, model call over HTTP; intent carries the journaled answer)",
+    "claim -> effect intent (claim commit, model call over HTTP, journal commit)",
     "effect intent -> ledger row (intent commit)",
-    "ledger row -> step commit (ledger commit; the commit carries the effect result)",
+    "ledger row -> step commit (ledger commit, effect result commit)",
 ];
 
 /// p50 of each segment over the steps of the runs starting with a prefix (ms).
