@@ -1,5 +1,5 @@
-//! All SQL. Every function takes an executor, so the caller that began a transaction owns it
-//! (the step commit in `worker` is the one place that puts several of them in one transaction).
+//! All SQL. Every function takes an executor, so a caller that begins a transaction owns it; the
+//! hot path needs none: its claim, effect intent and step commit are one statement each.
 
 pub mod checkpoint;
 pub mod decisions;

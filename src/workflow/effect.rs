@@ -1,7 +1,8 @@
 //! `ctx.effect()`: an outside call under an idempotency key (DESIGN.md §5). The intent (key,
 //! request hash, fence) is recorded before the call and the result right after it; a replay
-//! returns the recorded result; a key reused with another request is a conflict. Guards run before a new call: the tool's circuit breaker, the
-//! run's tool-call budget and repeated-action detection.
+//! returns the recorded result; a key reused with another request is a conflict. Guards run
+//! before a new call: the tool's circuit breaker, and (in the intent's statement) the run's
+//! tool-call budget and repeated-action detection.
 
 use std::future::Future;
 use std::time::{Duration, Instant};
