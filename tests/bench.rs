@@ -2,19 +2,12 @@
 //! systems, recovery keeps the ledger exact, and the bench removes its own database. No timing
 //! assertions: absolute figures depend on the machine (targets are printed, never asserted).
 
+mod common;
+
 use std::process::Command;
 
+use common::{amqp_url, base_url};
 use serde_json::Value;
-
-fn base_url() -> String {
-    std::env::var("TRAILMARK_TEST_PG")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432".into())
-}
-
-fn amqp_url() -> String {
-    std::env::var("TRAILMARK_TEST_AMQP")
-        .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into())
-}
 
 /// Figures that are positive for any system that did any work.
 const ALWAYS_POSITIVE: [&str; 7] = [

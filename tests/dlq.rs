@@ -17,7 +17,6 @@ use trailmark::broker::Outgoing;
 use trailmark::dlq::DeadLetteredBy;
 use trailmark::domain::{RUN_START_ROUTING_KEY, RunId, RunStartEvent, RunStatus, STEP_ROUTING_KEY};
 use trailmark::failpoint::Failpoints;
-use trailmark::store::runs;
 use trailmark::workflow::{StepKind, StepOutcome, Workflow};
 
 /// Poison message `i` (kind `i % 4`), alternating between the run-start and steps exchanges.
@@ -299,16 +298,7 @@ async fn message_that_kills_the_worker_every_time_reaches_the_dlq_through_the_de
     const LIMIT: u32 = 3;
     let env = TestEnv::with(|s| s.broker.delivery_limit = LIMIT).await;
     let t = env.topology();
-    let run_id = RunId::parse("r-crashy").unwrap();
-    let input = json!({"steps": 1});
-    let new = runs::NewRun {
-        run_id: &run_id,
-        workflow: "chain",
-        version: 1,
-        first_step: "link",
-        input: &input,
-    };
-    assert!(runs::insert(&env.pool, &new).await.unwrap());
+    env.insert_chain_run("r-crashy").await;
     let id = uuid::Uuid::new_v4().to_string();
     let body = step_body("r-crashy", "chain", 1);
     env.publish(&message(t.steps_exchange(), STEP_ROUTING_KEY, &id, body))

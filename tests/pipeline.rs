@@ -17,24 +17,6 @@ use trailmark::store::{self, checkpoint, effects, runs};
 
 const WAIT: Duration = Duration::from_secs(60);
 
-/// Creates a one-step `chain` run directly in the store (no start event, no step message).
-async fn insert_chain_run(env: &TestEnv, id: &str) -> RunId {
-    let run_id = RunId::parse(id).unwrap();
-    let input = json!({"steps": 1});
-    let new = runs::NewRun {
-        run_id: &run_id,
-        workflow: "chain",
-        version: 1,
-        first_step: "link",
-        input: &input,
-    };
-    assert!(
-        runs::insert(&env.pool, &new).await.unwrap(),
-        "run {id} already existed"
-    );
-    run_id
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn chain_run_succeeds_with_one_ledger_row_per_step() {
     let env = TestEnv::new().await;
@@ -136,7 +118,7 @@ async fn failed_step_commit_leaves_no_checkpoint_nor_outbox_then_completes() {
 async fn same_step_message_delivered_twice_changes_nothing() {
     let env = TestEnv::new().await;
     let engine = env.engine();
-    let run_id = insert_chain_run(&env, "r-dup").await;
+    let run_id = env.insert_chain_run("r-dup").await;
     let msg = StepMessage {
         v: 1,
         message_id: MessageId::new(),
@@ -280,7 +262,7 @@ async fn commit_first_step(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn commit_with_an_older_fence_is_refused_and_changes_nothing() {
     let env = TestEnv::new().await;
-    let run_id = insert_chain_run(&env, "r-fence").await;
+    let run_id = env.insert_chain_run("r-fence").await;
     // Worker A claims with a lease that expires at once; worker B takes over.
     let a = claim(&env, &run_id, "worker-a", 0.0).await;
     let b = claim(&env, &run_id, "worker-b", 30.0).await;
@@ -343,7 +325,7 @@ async fn commit_with_an_older_fence_is_refused_and_changes_nothing() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reused_key_with_a_different_request_is_a_conflict() {
     let env = TestEnv::new().await;
-    let run_id = insert_chain_run(&env, "r-key").await;
+    let run_id = env.insert_chain_run("r-key").await;
     let claim = claim(&env, &run_id, "w", 30.0).await;
     let key = IdempotencyKey::parse("r-key:post:inv-1").unwrap();
     let first = intent(&env, &run_id, &key, "hash-a", claim.fence()).await;

@@ -26,17 +26,38 @@ pub struct TestEnv {
     pub prefix: String,
 }
 
-fn base_url() -> String {
+/// The Postgres server tests use (`TRAILMARK_TEST_PG`), without a database name.
+pub fn base_url() -> String {
     std::env::var("TRAILMARK_TEST_PG")
         .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432".into())
 }
 
-fn amqp_url() -> String {
+/// The RabbitMQ server tests use (`TRAILMARK_TEST_AMQP`).
+pub fn amqp_url() -> String {
     std::env::var("TRAILMARK_TEST_AMQP")
         .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into())
 }
 
 impl TestEnv {
+    /// Creates a one-step `chain` run directly in the store (no start event, no step message).
+    pub async fn insert_chain_run(&self, id: &str) -> trailmark::domain::RunId {
+        let run_id = trailmark::domain::RunId::parse(id).unwrap();
+        let input = serde_json::json!({"steps": 1});
+        let new = trailmark::store::runs::NewRun {
+            run_id: &run_id,
+            workflow: "chain",
+            version: 1,
+            first_step: "link",
+            input: &input,
+        };
+        assert!(
+            trailmark::store::runs::insert(&self.pool, &new)
+                .await
+                .unwrap(),
+            "run {id} already existed"
+        );
+        run_id
+    }
     /// A fresh database (migrated) and a fresh topology prefix. Short leases keep crash tests fast.
     pub async fn new() -> Self {
         Self::with(|_| {}).await
