@@ -162,12 +162,7 @@ async fn handle(
     shutdown: &CancellationToken,
 ) {
     use tracing::field::Empty;
-    let id = delivery
-        .properties
-        .message_id()
-        .as_ref()
-        .map(|m| m.to_string())
-        .unwrap_or_default();
+    let id = outcome::message_id(&delivery);
     let span = tracing::info_span!("delivery", message.id = %id, run.id = Empty, workflow = Empty, step = Empty,
         seq = Empty, attempt = Empty, fence = Empty);
     handle_in_span(engine, publisher, published, delivery, is_step, shutdown)

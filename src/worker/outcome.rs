@@ -125,7 +125,8 @@ async fn publish_committed(
     );
 }
 
-fn message_id(delivery: &Delivery) -> String {
+/// The delivery's AMQP `message_id`, empty when the publisher set none.
+pub(super) fn message_id(delivery: &Delivery) -> String {
     delivery
         .properties
         .message_id()

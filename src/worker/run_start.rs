@@ -50,11 +50,8 @@ async fn start(
         ));
     };
     // Upstream services may omit message_id; the run id alone still makes the start idempotent.
-    let message_id = delivery
-        .properties
-        .message_id()
-        .as_ref()
-        .and_then(|m| uuid::Uuid::parse_str(m.as_str()).ok())
+    let message_id = uuid::Uuid::parse_str(&super::outcome::message_id(delivery))
+        .ok()
         .map(MessageId);
     let mut tx = engine.pool.begin().await?;
     if let Some(id) = message_id
