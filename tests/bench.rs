@@ -55,11 +55,11 @@ async fn quick_bench_reports_every_figure_for_both_systems_and_cleans_up() {
     for f in figures {
         for system in ["trailmark", "b3"] {
             let v = &f[system];
-            assert!(
-                v["min"].as_f64() <= v["median"].as_f64()
-                    && v["median"].as_f64() <= v["max"].as_f64(),
-                "{f}"
-            );
+            let [min, median, max] = ["min", "median", "max"].map(|k| {
+                v[k].as_f64()
+                    .unwrap_or_else(|| panic!("{system} {k} missing: {f}"))
+            });
+            assert!(min <= median && median <= max, "{f}");
         }
     }
     assert!(

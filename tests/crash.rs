@@ -260,5 +260,15 @@ async fn a_killed_workers_lease_is_taken_over_at_once_by_a_live_worker() {
         "step {} finished at {taken_over}, its dead holder's lease ran to {expiry}",
         run.step_seq
     );
+    // The step the victim held when it died ran again: a takeover happened, not a commit just
+    // before the kill.
+    let attempts: i32 = sqlx::query_scalar(
+        "SELECT attempts FROM trailmark.steps WHERE run_id = 'r-takeover' AND seq = $1",
+    )
+    .bind(run.step_seq)
+    .fetch_one(&env.pool)
+    .await
+    .unwrap();
+    assert_eq!(attempts, 2, "step {} was not taken over", run.step_seq);
     assert_eq!(env.chain_ledger("r-takeover").await, (40, 40));
 }

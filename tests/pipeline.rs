@@ -69,15 +69,27 @@ async fn same_run_id_started_twice_creates_one_run() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn failed_step_commit_leaves_no_checkpoint_nor_outbox_then_completes() {
+async fn step_commit_failing_at_its_outbox_row_leaves_no_checkpoint_nor_inbox_row_then_completes() {
     let env = TestEnv::new().await;
-    let failpoints = Failpoints::default();
-    failpoints.set("step.before_commit", Action::Error, None);
-    let engine = env.engine_with(trailmark::builtin::registry(), failpoints.clone());
-    let running = env.spawn_all(engine.clone());
+    // Postgres itself refuses the next step's outbox row: the last write of the step commit.
+    sqlx::raw_sql(
+        r#"CREATE FUNCTION trailmark.test_refuse_second_step() RETURNS trigger LANGUAGE plpgsql AS $$
+           BEGIN
+               IF convert_from(NEW.body, 'UTF8')::jsonb ->> 'seq' = '1' THEN
+                   RAISE EXCEPTION 'test: outbox row refused';
+               END IF;
+               RETURN NEW;
+           END $$;
+           CREATE TRIGGER test_refuse_second_step BEFORE INSERT ON trailmark.outbox
+               FOR EACH ROW EXECUTE FUNCTION trailmark.test_refuse_second_step();"#,
+    )
+    .execute(&env.pool)
+    .await
+    .unwrap();
+    let running = env.spawn_all(env.engine());
     env.start_run("chain", "r-atomic", json!({"steps": 2}))
         .await;
-    // The first step keeps failing inside its commit: wait until it has been tried twice.
+    // The failed commit is retried in place, each time after a new claim.
     env.wait_until("two failed commits", WAIT, || async {
         env.scalar(
             "SELECT COALESCE(max(attempts), 0)::bigint FROM trailmark.steps WHERE run_id = $1",
@@ -87,22 +99,27 @@ async fn failed_step_commit_leaves_no_checkpoint_nor_outbox_then_completes() {
             >= 2
     })
     .await;
-    let outbox_for_second_step = env
-        .scalar("SELECT count(*) FROM trailmark.outbox WHERE headers->>'x-trailmark-run-id' = $1 AND body::text LIKE '%\"seq\":1%'", "r-atomic")
-        .await;
     let checkpoints = env
         .scalar(
             "SELECT count(output) FROM trailmark.steps WHERE run_id = $1",
             "r-atomic",
         )
         .await;
+    let inbox: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM trailmark.inbox WHERE consumer = 'steps'")
+            .fetch_one(&env.pool)
+            .await
+            .unwrap();
     let run = runs::get(&env.pool, "r-atomic").await.unwrap().unwrap();
     assert_eq!(
-        (checkpoints, outbox_for_second_step, run.step_seq),
+        (checkpoints, inbox, run.step_seq),
         (0, 0, 0),
-        "a failed commit left state behind"
+        "a failed commit left its checkpoint, its inbox row or the run's advance behind"
     );
-    failpoints.set("step.before_commit", Action::Error, Some(u64::MAX));
+    sqlx::raw_sql("DROP TRIGGER test_refuse_second_step ON trailmark.outbox")
+        .execute(&env.pool)
+        .await
+        .unwrap();
     env.wait_status("r-atomic", RunStatus::Succeeded, WAIT)
         .await;
     assert_eq!(env.steps_done("r-atomic").await, 2);
