@@ -44,9 +44,11 @@ impl System {
     /// Empties the system's tables, so every repetition starts alike.
     pub async fn reset(self, env: &BenchEnv) -> Result<()> {
         let sql = match self {
-            // CASCADE also empties every table that references runs (steps, journal, effects...).
+            // Every per-run table is named: they have no foreign key to runs for CASCADE to follow.
             Self::Trailmark => {
-                "TRUNCATE trailmark.runs, trailmark.inbox, trailmark.outbox, trailmark.chain_ledger CASCADE"
+                "TRUNCATE trailmark.runs, trailmark.steps, trailmark.journal, trailmark.effects,
+                          trailmark.parked, trailmark.decisions, trailmark.inbox, trailmark.outbox,
+                          trailmark.chain_ledger"
             }
             Self::B3 => "TRUNCATE b3.inbox, b3.checkpoints, b3.ledger, b3.outbox",
         };
