@@ -318,7 +318,7 @@ async fn commit_with_an_older_fence_is_refused_and_changes_nothing() {
         0
     );
     assert!(
-        !runs::heartbeat(&env.pool, &run_id, a.fence(), 30.0)
+        !runs::heartbeat(&env.pool, &run_id, a.fence(), 30.0, None)
             .await
             .unwrap(),
         "stale heartbeat accepted"

@@ -238,20 +238,24 @@ pub async fn claim(db: impl PgExecutor<'_>, r: &ClaimRequest<'_>) -> Result<Clai
     }))
 }
 
-/// Extends a held lease; `false` means the fence moved on (the caller must stop).
+/// Extends a held lease and re-stamps the holder's presence pid (the presence connection may
+/// have been re-opened since the claim, and a lease naming a gone backend is free to take);
+/// `false` means the fence moved on (the caller must stop).
 pub async fn heartbeat(
     db: impl PgExecutor<'_>,
     run_id: &RunId,
     fence: Fence,
     lease_secs: f64,
+    presence_pid: Option<i32>,
 ) -> Result<bool> {
     let done = sqlx::query(
-        "UPDATE trailmark.runs SET lease_expires_at = now() + make_interval(secs => $3)
+        "UPDATE trailmark.runs SET lease_expires_at = now() + make_interval(secs => $3), lease_pid = $4
           WHERE run_id = $1 AND fence = $2 AND lease_owner IS NOT NULL",
     )
     .bind(run_id.as_str())
     .bind(fence.0)
     .bind(lease_secs)
+    .bind(presence_pid)
     .execute(db)
     .await?;
     Ok(done.rows_affected() == 1)

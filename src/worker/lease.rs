@@ -26,7 +26,15 @@ impl Heartbeat {
             let mut ticker = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
             loop {
                 ticker.tick().await;
-                match runs::heartbeat(&engine.pool, &run_id, fence, lease).await {
+                match runs::heartbeat(
+                    &engine.pool,
+                    &run_id,
+                    fence,
+                    lease,
+                    super::presence::pid(&engine),
+                )
+                .await
+                {
                     Ok(true) => {}
                     Ok(false) => {
                         tracing::warn!(run.id = %run_id, fence = fence.0, "lease lost: a newer worker owns the run; cancelling the step");

@@ -42,7 +42,9 @@ pub const RUN_START_CONSUMER: &str = "run-start";
 /// steps have finished (or were abandoned uncommitted when the lease ran out).
 pub async fn run(engine: Arc<Engine>, shutdown: CancellationToken) -> Result<(), broker::Error> {
     let tracker = TaskTracker::new();
-    let presence = tokio::spawn(presence::hold(engine.clone(), shutdown.clone()));
+    // Presence has a token of its own: it must outlive the steps still finishing after shutdown.
+    let presence_stop = CancellationToken::new();
+    let presence = tokio::spawn(presence::hold(engine.clone(), presence_stop.clone()));
     let (published, forgetting) = PublishedRows::start(engine.clone());
     let mut backoff = Duration::from_millis(200);
     while !shutdown.is_cancelled() {
@@ -68,9 +70,11 @@ pub async fn run(engine: Arc<Engine>, shutdown: CancellationToken) -> Result<(),
         );
     }
     // Published rows are forgotten before the presence connection, which goes last: in-flight
-    // leases stay ours until their steps end.
+    // leases stay ours until their steps end. Abandoned steps still hold the sender, so the
+    // forgetting gets a short while (a row left behind is published once more by a relay).
     drop(published);
-    let _ = forgetting.await;
+    let _ = tokio::time::timeout(Duration::from_secs(5), forgetting).await;
+    presence_stop.cancel();
     let _ = presence.await;
     Ok(())
 }
