@@ -283,14 +283,14 @@ async fn commit_with_an_older_fence_is_refused_and_changes_nothing() {
     // Worker A claims with a lease that expires at once; worker B takes over.
     let a = claim(&env, &run_id, "worker-a", 0.0).await;
     let b = claim(&env, &run_id, "worker-b", 30.0).await;
-    assert!(b.fence() > a.fence());
+    assert!(b.fence > a.fence);
     assert_eq!(
         (a.attempt, b.attempt),
         (1, 2),
         "each claim counts an attempt"
     );
     let message = MessageId::new();
-    let stale = commit_first_step(&env, &run_id, a.fence(), message).await;
+    let stale = commit_first_step(&env, &run_id, a.fence, message).await;
     assert!(
         matches!(stale, Err(store::Error::FencedOut { .. })),
         "{stale:?}"
@@ -307,7 +307,7 @@ async fn commit_with_an_older_fence_is_refused_and_changes_nothing() {
         .await;
     assert_eq!(inbox, 0, "a refused commit left its inbox row");
     let key = IdempotencyKey::parse("r-fence:link:0").unwrap();
-    let fenced = intent(&env, &run_id, &key, "h", a.fence()).await;
+    let fenced = intent(&env, &run_id, &key, "h", a.fence).await;
     assert!(matches!(fenced, Err(store::Error::FencedOut { .. })));
     assert_eq!(
         env.scalar(
@@ -318,13 +318,13 @@ async fn commit_with_an_older_fence_is_refused_and_changes_nothing() {
         0
     );
     assert!(
-        !runs::heartbeat(&env.pool, &run_id, a.fence(), 30.0, None)
+        !runs::heartbeat(&env.pool, &run_id, a.fence, 30.0, None)
             .await
             .unwrap(),
         "stale heartbeat accepted"
     );
     assert!(
-        commit_first_step(&env, &run_id, b.fence(), message)
+        commit_first_step(&env, &run_id, b.fence, message)
             .await
             .expect("current fence commits"),
         "the current worker's commit was taken for a duplicate"
@@ -332,7 +332,7 @@ async fn commit_with_an_older_fence_is_refused_and_changes_nothing() {
     let run = runs::get(&env.pool, "r-fence").await.unwrap().unwrap();
     assert_eq!(run.step_seq, 1);
     assert!(
-        !commit_first_step(&env, &run_id, b.fence(), message)
+        !commit_first_step(&env, &run_id, b.fence, message)
             .await
             .expect("a repeated commit is not an error"),
         "the same message committed twice"
@@ -345,17 +345,17 @@ async fn reused_key_with_a_different_request_is_a_conflict() {
     let run_id = env.insert_chain_run("r-key").await;
     let claim = claim(&env, &run_id, "w", 30.0).await;
     let key = IdempotencyKey::parse("r-key:post:inv-1").unwrap();
-    let first = intent(&env, &run_id, &key, "hash-a", claim.fence()).await;
+    let first = intent(&env, &run_id, &key, "hash-a", claim.fence).await;
     assert!(matches!(
         first,
         Ok(effects::Begun::Known(effects::Known::New))
     ));
-    let again = intent(&env, &run_id, &key, "hash-a", claim.fence()).await;
+    let again = intent(&env, &run_id, &key, "hash-a", claim.fence).await;
     assert!(
         matches!(again, Ok(effects::Begun::Known(effects::Known::Unknown))),
         "same key, same request: outcome unknown, call again"
     );
-    match intent(&env, &run_id, &key, "hash-b", claim.fence()).await {
+    match intent(&env, &run_id, &key, "hash-b", claim.fence).await {
         Err(e @ store::Error::Conflict { .. }) => {
             assert!(e.to_string().contains("r-key:post:inv-1"), "{e}")
         }

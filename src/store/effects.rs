@@ -80,8 +80,13 @@ struct BeginRow {
 
 const BEGIN: &str = "
     WITH usage AS (
-        SELECT count(*) AS calls, count(*) FILTER (WHERE tool = $6 AND request_hash = $4) AS repeats
-          FROM trailmark.effects WHERE run_id = $2 AND idempotency_key <> $1
+        -- Counted only for a limit that is set: a long run would otherwise count all its effects
+        -- on every call. The repeat count reads effects_repeat_idx.
+        SELECT CASE WHEN $7 > 0 THEN (SELECT count(*) FROM trailmark.effects
+                                       WHERE run_id = $2 AND idempotency_key <> $1) ELSE 0 END AS calls,
+               CASE WHEN $8 > 0 THEN (SELECT count(*) FROM trailmark.effects
+                                       WHERE run_id = $2 AND tool = $6 AND request_hash = $4
+                                         AND idempotency_key <> $1) ELSE 0 END AS repeats
     ), existing AS (
         SELECT request_hash, result FROM trailmark.effects WHERE idempotency_key = $1
     ), ins AS (

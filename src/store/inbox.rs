@@ -5,17 +5,6 @@ use sqlx::PgExecutor;
 use super::Result;
 use crate::domain::MessageId;
 
-/// Whether `consumer` already processed `id`; a cheap early exit before any work.
-pub async fn seen(db: impl PgExecutor<'_>, consumer: &str, id: MessageId) -> Result<bool> {
-    Ok(sqlx::query_scalar(
-        "SELECT EXISTS (SELECT 1 FROM trailmark.inbox WHERE consumer = $1 AND message_id = $2)",
-    )
-    .bind(consumer)
-    .bind(id.0)
-    .fetch_one(db)
-    .await?)
-}
-
 /// Records `id` as processed; `false` means another delivery got there first (a duplicate).
 pub async fn record(db: impl PgExecutor<'_>, consumer: &str, id: MessageId) -> Result<bool> {
     let done = sqlx::query(

@@ -132,13 +132,6 @@ pub struct Claim {
     pub journaled: i32,
 }
 
-impl Claim {
-    /// The new fencing token.
-    pub fn fence(&self) -> Fence {
-        self.fence
-    }
-}
-
 /// A worker asking for a run's lease to execute one step delivery.
 pub struct ClaimRequest<'a> {
     /// The run.

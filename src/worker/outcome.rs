@@ -34,8 +34,6 @@ pub mod dead_letter_headers {
 /// The result of processing one delivery.
 #[derive(Debug)]
 pub enum Disposition {
-    /// Work committed (or nothing to do): acknowledge.
-    Done,
     /// Work committed with these outbox messages: publish them now (the relay is the safety net
     /// if this fails or we die first), then acknowledge.
     Committed(Vec<OutgoingMessage>),
@@ -64,7 +62,6 @@ pub(super) async fn settle(
     disposition: Disposition,
 ) {
     let moved = match &disposition {
-        Disposition::Done => Ok(()),
         Disposition::Committed(messages) => {
             publish_committed(publisher, published, messages).await;
             Ok(())

@@ -195,7 +195,7 @@ async fn claim(
         seq: msg.seq,
         attempt: claim.attempt,
         journaled: claim.journaled,
-        fence: claim.fence(),
+        fence: claim.fence,
         budget: workflow
             .budget
             .unwrap_or_else(|| Budget::from_settings(&engine.settings.guards)),
