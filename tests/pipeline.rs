@@ -13,6 +13,7 @@ use trailmark::domain::{
     Fence, IdempotencyKey, MessageId, RunId, RunStatus, STEP_ROUTING_KEY, StepMessage,
 };
 use trailmark::failpoint::{Action, Failpoints};
+use trailmark::store::outbox::OutgoingMessage;
 use trailmark::store::{self, checkpoint, effects, runs};
 
 const WAIT: Duration = Duration::from_secs(60);
@@ -247,7 +248,8 @@ async fn intent(
     effects::begin(&env.pool, &intent).await
 }
 
-/// The step commit of position 0 that moves the run to position 1, from message `message`.
+/// The step commit of position 0 that moves the run to position 1, from message `message`,
+/// parking one item and queueing one message.
 async fn commit_first_step(
     env: &TestEnv,
     run_id: &RunId,
@@ -255,6 +257,14 @@ async fn commit_first_step(
     message: MessageId,
 ) -> store::Result<bool> {
     let output = json!({"link": 0});
+    let queued = OutgoingMessage {
+        message_id: MessageId::new(),
+        exchange: env.topology().steps_exchange(),
+        routing_key: STEP_ROUTING_KEY.into(),
+        headers: Default::default(),
+        body: b"{}".to_vec(),
+        relay_after_ms: 0,
+    };
     let step = checkpoint::StepCommit {
         run_id,
         fence,
@@ -270,10 +280,20 @@ async fn commit_first_step(
         step_output: Some(&output),
         finished: true,
         inbox: ("steps", message),
-        parked: &[],
-        outbox: &[],
+        parked: &[("inv-1".to_owned(), "unreadable".to_owned())],
+        outbox: std::slice::from_ref(&queued),
     };
     checkpoint::commit(&env.pool, &step).await
+}
+
+/// Outbox and parked rows in the store.
+async fn written_by_commits(env: &TestEnv) -> (i64, i64) {
+    sqlx::query_as(
+        "SELECT (SELECT count(*) FROM trailmark.outbox), (SELECT count(*) FROM trailmark.parked)",
+    )
+    .fetch_one(&env.pool)
+    .await
+    .unwrap()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -306,6 +326,11 @@ async fn commit_with_an_older_fence_is_refused_and_changes_nothing() {
         )
         .await;
     assert_eq!(inbox, 0, "a refused commit left its inbox row");
+    assert_eq!(
+        written_by_commits(&env).await,
+        (0, 0),
+        "a refused commit left outbox or parked rows"
+    );
     let key = IdempotencyKey::parse("r-fence:link:0").unwrap();
     let fenced = intent(&env, &run_id, &key, "h", a.fence).await;
     assert!(matches!(fenced, Err(store::Error::FencedOut { .. })));
@@ -336,6 +361,11 @@ async fn commit_with_an_older_fence_is_refused_and_changes_nothing() {
             .await
             .expect("a repeated commit is not an error"),
         "the same message committed twice"
+    );
+    assert_eq!(
+        written_by_commits(&env).await,
+        (1, 1),
+        "a repeated commit wrote outbox or parked rows again"
     );
 }
 
