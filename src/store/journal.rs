@@ -46,9 +46,9 @@ pub async fn get(
     .await?)
 }
 
-/// Records an answer; a second writer of the same call keeps the first answer.
-pub async fn insert(db: impl PgExecutor<'_>, run_id: &RunId, e: &JournalEntry) -> Result<()> {
-    sqlx::query(
+/// Records an answer; a second writer of the same call keeps the first answer and gets `false`.
+pub async fn insert(db: impl PgExecutor<'_>, run_id: &RunId, e: &JournalEntry) -> Result<bool> {
+    let done = sqlx::query(
         "INSERT INTO trailmark.journal (run_id, seq, call_no, kind, request_hash, response, tokens, cost, latency_ms)
          VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9) ON CONFLICT DO NOTHING",
     )
@@ -63,7 +63,7 @@ pub async fn insert(db: impl PgExecutor<'_>, run_id: &RunId, e: &JournalEntry) -
     .bind(e.latency_ms)
     .execute(db)
     .await?;
-    Ok(())
+    Ok(done.rows_affected() == 1)
 }
 
 /// Entries, tokens and cost of a run, for `run show`.

@@ -42,7 +42,20 @@ impl StepContext {
             latency_ms: answer.latency_ms as i64,
         };
         // Committed on its own, right now: a crash later in the step keeps the paid answer.
-        journal::insert(self.pool(), self.run_id(), &entry).await?;
+        if !journal::insert(self.pool(), self.run_id(), &entry).await? {
+            // Another worker journaled this call first (it held the run before us): the step
+            // goes on with the recorded answer, so the journal stays the one truth.
+            let stored = journal::get(self.pool(), self.run_id(), self.seq(), call_no)
+                .await?
+                .ok_or_else(|| {
+                    StepError::Infrastructure(format!(
+                        "run {} step {} call {call_no}: journal entry vanished after a conflict",
+                        self.run_id(),
+                        self.step()
+                    ))
+                })?;
+            return replayed(stored, &entry.request_hash, self);
+        }
         tracing::info!(tokens = entry.tokens, cost = entry.cost, latency_ms = entry.latency_ms, model = %answer.model, "model answered");
         Ok(answer)
     }
