@@ -383,6 +383,8 @@ fn approval() -> Workflow {
         })
         .step("sign_off", StepKind::Human, |ctx| async move {
             let total = ctx.output_of("prepare").await?.unwrap_or_default()["total"].clone();
+            // Work a human step does before asking is kept: the step does not run again.
+            ctx.park("inv-77", "amount above the approval limit");
             Ok(StepOutcome::wait(
                 json!({ "question": "pay the supplier?", "total": total }),
             ))
@@ -404,6 +406,10 @@ async fn approve_and_reject_of_a_human_step_continue_or_divert_and_show_in_the_t
         env.start_run("approval", run_id, json!({})).await;
         let run = env.wait_status(run_id, RunStatus::Waiting, WAIT).await;
         assert_eq!(run.handover.unwrap()["question"]["total"], 1234);
+        let parked = trailmark::store::parked::list(&env.pool, run_id)
+            .await
+            .unwrap();
+        assert_eq!(parked.len(), 1, "the human step's parked item was dropped");
     }
     let wrong = operator::approve(&engine, "r-yes", "pay", &who("x"))
         .await

@@ -34,6 +34,10 @@ pub(super) enum Ending {
     Wait {
         /// What the person must decide, with the evidence.
         note: Value,
+        /// Outside messages a human step queued before asking (the step does not run again).
+        sent: Vec<OutgoingMessage>,
+        /// Items it parked.
+        parked: Vec<Parked>,
     },
     /// Stop the run for a person; the step is not advanced.
     Review {
@@ -76,13 +80,7 @@ pub(super) async fn commit(
             if let Some(next) = next {
                 queued.push(next_message(engine, msg, next));
             }
-            for m in &mut queued {
-                m.relay_after_ms = grace;
-            }
-            parked = items
-                .iter()
-                .map(|p| (p.item.clone(), p.reason.clone()))
-                .collect();
+            parked = parked_rows(items);
             let to = checkpoint::Advance {
                 next_step: next.as_deref(),
                 status: match (done, status) {
@@ -95,7 +93,15 @@ pub(super) async fn commit(
             };
             (to, Some(output), true)
         }
-        Ending::Wait { note } => (head(RunStatus::Waiting, Some(note)), Some(note), false),
+        Ending::Wait {
+            note,
+            sent,
+            parked: items,
+        } => {
+            queued = sent.clone();
+            parked = parked_rows(items);
+            (head(RunStatus::Waiting, Some(note)), Some(note), false)
+        }
         Ending::Review { error, note } => {
             let to = checkpoint::Advance {
                 error: Some(error),
@@ -104,6 +110,9 @@ pub(super) async fn commit(
             (to, None, false)
         }
     };
+    for m in &mut queued {
+        m.relay_after_ms = grace;
+    }
     let fp = &engine.failpoints;
     fp.hit("step.before_commit").map_err(infra)?;
     let step = checkpoint::StepCommit {
@@ -123,6 +132,13 @@ pub(super) async fn commit(
     fp.hit("step.after_commit").map_err(infra)?;
     // With eager publishing off, the relay publishes at once and there is nothing to hand back.
     Ok(Some(if grace > 0 { queued } else { Vec::new() }))
+}
+
+fn parked_rows(items: &[Parked]) -> Vec<(String, String)> {
+    items
+        .iter()
+        .map(|p| (p.item.clone(), p.reason.clone()))
+        .collect()
 }
 
 /// Gives the lease back without advancing (the step will be retried from a delay queue).

@@ -67,7 +67,17 @@ async fn process_message(
         && let Some(evidence) = doubt(engine, &msg).await?
     {
         tracing::warn!("items in doubt: step frozen until a person approves");
-        return commit_ending(engine, &msg, ctx, Ending::Wait { note: evidence }).await;
+        return commit_ending(
+            engine,
+            &msg,
+            ctx,
+            Ending::Wait {
+                note: evidence,
+                sent: Vec::new(),
+                parked: Vec::new(),
+            },
+        )
+        .await;
     }
     Stats::bump(&engine.stats.handler_runs);
     let result = execute(engine, &step, ctx.clone()).await;
@@ -329,7 +339,9 @@ async fn finish(
             next: Next::Wait,
         }) => {
             let note = serde_json::json!({ "waiting_for": "decision", "step": msg.step, "seq": msg.seq, "question": output });
-            return commit_ending(engine, msg, ctx, Ending::Wait { note }).await;
+            let (sent, parked) = ctx.take_pending();
+            let ending = Ending::Wait { note, sent, parked };
+            return commit_ending(engine, msg, ctx, ending).await;
         }
         Ok(outcome) => match next_step(workflow, msg, claimed, &outcome.next) {
             Ok(next) => {
