@@ -124,7 +124,7 @@ async fn a_note_delivered_twice_is_recorded_once_at_the_sink() {
         body: "claim DN-2026-10-13-SUP03".into(),
     };
     let headers = BTreeMap::from([(
-        mail::KEY_HEADER.to_owned(),
+        trailmark::workflow::IDEMPOTENCY_KEY_HEADER.to_owned(),
         "run-mail:send_debit_notes:SUP03".to_owned(),
     )]);
     // Two deliveries of the same note (as a relay repeat would make), under two message ids.

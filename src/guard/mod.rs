@@ -51,13 +51,7 @@ pub async fn check_model_budget(
     if budget.max_model_tokens == 0 && budget.max_cost <= 0.0 {
         return Ok(());
     }
-    let (tokens, cost): (i64, f64) = sqlx::query_as(
-        "SELECT COALESCE(sum(tokens), 0)::bigint, COALESCE(sum(cost), 0)::float8 FROM trailmark.journal WHERE run_id = $1",
-    )
-    .bind(run_id.as_str())
-    .fetch_one(pool)
-    .await
-    .map_err(|e| StepError::Infrastructure(e.to_string()))?;
+    let (_, tokens, cost) = crate::store::journal::totals(pool, run_id.as_str()).await?;
     if budget.max_model_tokens > 0 && tokens as u64 >= budget.max_model_tokens {
         return Err(budget_exhausted(format!(
             "run {run_id} used {tokens} model tokens, its budget is {}",

@@ -21,9 +21,6 @@ use super::Result;
 use crate::broker::{self, header_str};
 use crate::config::BrokerSettings;
 
-/// The header that carries a message's idempotency key (set by `ctx.send`).
-pub const KEY_HEADER: &str = "x-idempotency-key";
-
 /// A note as sent: what the recipient reads, plus the claim it makes.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Mail {
@@ -193,7 +190,10 @@ pub async fn run_sender(
 }
 
 async fn handle(sink: &PgPool, delivery: &lapin::message::Delivery) {
-    let key = header_str(delivery.properties.headers().as_ref(), KEY_HEADER);
+    let key = header_str(
+        delivery.properties.headers().as_ref(),
+        crate::workflow::IDEMPOTENCY_KEY_HEADER,
+    );
     let mail: Option<Mail> = serde_json::from_slice(&delivery.data).ok();
     let (Some(key), Some(mail)) = (key, mail) else {
         // A note without a key or a readable body cannot be recognised as a repeat: drop it loudly.

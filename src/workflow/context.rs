@@ -18,6 +18,10 @@ use crate::model::ModelClient;
 use crate::store;
 use crate::store::outbox::OutgoingMessage;
 
+/// The header that carries an outside message's idempotency key (see [`StepContext::send`]), for
+/// receivers to recognise a rare repeat.
+pub const IDEMPOTENCY_KEY_HEADER: &str = "x-idempotency-key";
+
 /// Shared by every step execution in a process.
 pub(crate) struct Services {
     pub pool: PgPool,
@@ -165,7 +169,7 @@ impl StepContext {
     /// `x-idempotency-key` header for the receiver to recognise a rare repeat.
     pub fn send(&self, exchange: &str, routing_key: &str, key: &IdempotencyKey, body: Vec<u8>) {
         let headers = BTreeMap::from([
-            ("x-idempotency-key".to_owned(), key.to_string()),
+            (IDEMPOTENCY_KEY_HEADER.to_owned(), key.to_string()),
             ("x-trailmark-run-id".to_owned(), self.run_id().to_string()),
             ("x-trailmark-step".to_owned(), self.step().to_owned()),
         ]);

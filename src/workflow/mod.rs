@@ -18,7 +18,7 @@ use std::sync::Arc;
 use serde_json::Value;
 
 pub use context::UndoTarget;
-pub use context::{Parked, StepContext};
+pub use context::{IDEMPOTENCY_KEY_HEADER, Parked, StepContext};
 pub(crate) use context::{Position, Services};
 pub use definition::{Compensation, StepDef, Workflow, parse_undo_step, undo_step_name};
 pub use effect::{Lookup, Tool};
