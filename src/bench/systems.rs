@@ -7,7 +7,7 @@ use serde_json::json;
 use super::env::{BenchEnv, Proc};
 use super::{Error, Result, baseline};
 use crate::broker::Outgoing;
-use crate::domain::{RUN_START_ROUTING_KEY, RunId, RunStartEvent};
+use crate::domain::{RunId, RunStartEvent};
 
 /// Which system a figure belongs to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -188,11 +188,5 @@ fn trailmark_start(env: &BenchEnv, id: &str, steps: i32) -> Result<Outgoing> {
         crate::builtin::chain::NAME,
         json!({ "steps": steps }),
     );
-    Ok(Outgoing {
-        message_id: uuid::Uuid::new_v4().to_string(),
-        exchange: env.topology().runs_exchange(),
-        routing_key: RUN_START_ROUTING_KEY.into(),
-        headers: Default::default(),
-        body: event.encode(),
-    })
+    Ok(env.topology().run_start(&event))
 }

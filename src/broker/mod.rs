@@ -71,3 +71,14 @@ pub async fn connect(settings: &BrokerSettings, name: &str) -> Result<Connection
         .await
         .map_err(|e| unavailable(e.to_string()))
 }
+
+/// Connects, publishes one message with a confirm, and disconnects: for the CLI and the demo,
+/// which publish once per invocation.
+pub async fn publish_once(settings: &BrokerSettings, name: &str, msg: &Outgoing) -> Result<()> {
+    let conn = connect(settings, name).await?;
+    let publisher =
+        Publisher::open(&conn, Duration::from_millis(settings.confirm_timeout_ms)).await?;
+    let published = publisher.publish(msg).await;
+    let _ = conn.close(200, "done".into()).await;
+    published
+}

@@ -11,7 +11,8 @@ use lapin::options::{
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{Channel, ExchangeKind};
 
-use crate::domain::{RUN_START_ROUTING_KEY, STEP_ROUTING_KEY};
+use super::Outgoing;
+use crate::domain::{RUN_START_ROUTING_KEY, RunStartEvent, STEP_ROUTING_KEY};
 
 /// Delay tiers for step retries, in milliseconds. A per-message TTL only expires at the head of a
 /// queue, so each delay gets its own queue with one queue-wide TTL.
@@ -35,6 +36,16 @@ impl Topology {
     /// Exchange that upstream services publish run-start events to.
     pub fn runs_exchange(&self) -> String {
         format!("{}.runs", self.prefix)
+    }
+    /// `event` as upstream services publish it: to the runs exchange with the run-start key.
+    pub fn run_start(&self, event: &RunStartEvent) -> Outgoing {
+        Outgoing {
+            message_id: uuid::Uuid::new_v4().to_string(),
+            exchange: self.runs_exchange(),
+            routing_key: RUN_START_ROUTING_KEY.into(),
+            headers: Default::default(),
+            body: event.encode(),
+        }
     }
     /// Queue of run-start events.
     pub fn run_start_queue(&self) -> String {

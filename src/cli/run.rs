@@ -1,14 +1,12 @@
 //! `trailmark run start | show | list`.
 
-use std::time::Duration;
-
 use anyhow::{Context, bail};
 use serde::Serialize;
 use serde_json::{Value, json};
 
-use crate::broker::{self, Outgoing, Publisher};
+use crate::broker;
 use crate::config::Settings;
-use crate::domain::{RUN_START_ROUTING_KEY, RunId, RunStartEvent, RunStatus};
+use crate::domain::{RunId, RunStartEvent, RunStatus};
 use crate::store::{self, decisions, effects, journal, parked, runs, steps};
 use crate::workflow::Registry;
 
@@ -33,24 +31,12 @@ pub async fn start(
         None => json!({}),
     };
     let event = RunStartEvent::new(run_id.clone(), workflow, input);
-    let conn = broker::connect(&settings.broker, "cli").await?;
-    let publisher = Publisher::open(
-        &conn,
-        Duration::from_millis(settings.broker.confirm_timeout_ms),
-    )
-    .await?;
     let topology = broker::Topology::new(&settings.broker.prefix, settings.broker.delivery_limit);
-    let msg = Outgoing {
-        message_id: uuid::Uuid::new_v4().to_string(),
-        exchange: topology.runs_exchange(),
-        routing_key: RUN_START_ROUTING_KEY.into(),
-        headers: Default::default(),
-        body: event.encode(),
-    };
-    publisher.publish(&msg).await.context(
-        "publishing the run-start event (has `trailmark migrate` declared the topology?)",
-    )?;
-    let _ = conn.close(200, "done".into()).await;
+    broker::publish_once(&settings.broker, "cli", &topology.run_start(&event))
+        .await
+        .context(
+            "publishing the run-start event (has `trailmark migrate` declared the topology?)",
+        )?;
     println!(
         "run-start event for {run_id} (workflow {workflow}) published to {}; follow it with `trailmark run show {run_id}`",
         topology.runs_exchange()

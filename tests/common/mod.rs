@@ -12,7 +12,7 @@ use tokio_util::sync::CancellationToken;
 use trailmark::broker::{self, Outgoing, Publisher, Topology};
 use trailmark::cli::serve::{Components, run_components};
 use trailmark::config::Settings;
-use trailmark::domain::{RUN_START_ROUTING_KEY, RunId, RunStartEvent, RunStatus};
+use trailmark::domain::{RunId, RunStartEvent, RunStatus};
 use trailmark::engine::Engine;
 use trailmark::failpoint::Failpoints;
 use trailmark::store::{self, runs};
@@ -141,14 +141,7 @@ impl TestEnv {
     /// Publishes a run-start event, exactly as an upstream service would.
     pub async fn start_run(&self, workflow: &str, run_id: &str, input: serde_json::Value) {
         let event = RunStartEvent::new(RunId::parse(run_id).unwrap(), workflow, input);
-        self.publish(&Outgoing {
-            message_id: uuid::Uuid::new_v4().to_string(),
-            exchange: self.topology().runs_exchange(),
-            routing_key: RUN_START_ROUTING_KEY.into(),
-            headers: Default::default(),
-            body: event.encode(),
-        })
-        .await;
+        self.publish(&self.topology().run_start(&event)).await;
     }
 
     /// Publishes raw messages with confirms.

@@ -10,9 +10,9 @@ use sqlx::PgPool;
 use super::children::{Proc, describe};
 use super::progress::Ticker;
 use super::{MailSender, ModelServerProc, Stage, say};
-use crate::broker::{self, Outgoing, Publisher, Topology};
+use crate::broker::{self, Topology};
 use crate::config::Settings;
-use crate::domain::{RUN_START_ROUTING_KEY, RunId, RunStartEvent, RunStatus};
+use crate::domain::{RunId, RunStartEvent, RunStatus};
 use crate::reference::checkpoints::Notes;
 use crate::reference::figures::{self, Figures};
 use crate::reference::night::Night;
@@ -209,24 +209,9 @@ async fn publish_start(settings: &Settings, night: &Night) -> anyhow::Result<()>
     let topology = Topology::new(&settings.broker.prefix, settings.broker.delivery_limit);
     let input = night.input(&mail::exchange(&settings.broker.prefix));
     let event = RunStartEvent::new(night.run_id(), reconcile::NAME, input);
-    let conn = broker::connect(&settings.broker, "demo").await?;
-    let publisher = Publisher::open(
-        &conn,
-        Duration::from_millis(settings.broker.confirm_timeout_ms),
-    )
-    .await?;
-    let msg = Outgoing {
-        message_id: uuid::Uuid::new_v4().to_string(),
-        exchange: topology.runs_exchange(),
-        routing_key: RUN_START_ROUTING_KEY.into(),
-        headers: Default::default(),
-        body: event.encode(),
-    };
-    publisher
-        .publish(&msg)
+    broker::publish_once(&settings.broker, "demo", &topology.run_start(&event))
         .await
         .context("publishing the run-start event")?;
-    let _ = conn.close(200, "done".into()).await;
     Ok(())
 }
 
