@@ -392,3 +392,60 @@ async fn reused_key_with_a_different_request_is_a_conflict() {
         other => panic!("expected a conflict, got {:?}", other.map(|_| ())),
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_expired_lease_with_no_message_left_is_requeued_by_the_supervisor() {
+    let env = TestEnv::new().await;
+    let run_id = env.insert_chain_run("r-orphan").await;
+    // A worker took the lease and vanished with its message (no step message is queued), and it
+    // had no presence connection: only the lease's expiry tells that it is gone.
+    let ghost = claim(&env, &run_id, "ghost", 0.0).await;
+    let engine = env.engine();
+    let running = env.spawn_all(engine.clone());
+    env.wait_status("r-orphan", RunStatus::Succeeded, WAIT)
+        .await;
+    assert_eq!(engine.stats.lease_recoveries.load(Ordering::Relaxed), 1);
+    let attempts = env
+        .scalar(
+            "SELECT attempts::bigint FROM trailmark.steps WHERE run_id = $1 AND seq = 0",
+            "r-orphan",
+        )
+        .await;
+    assert_eq!(attempts, 2, "the ghost's claim and the re-queued step");
+    let run = runs::get(&env.pool, "r-orphan").await.unwrap().unwrap();
+    assert!(
+        run.fence > ghost.fence.0 + 1,
+        "the ghost's fence was not retired"
+    );
+    assert_eq!(env.chain_ledger("r-orphan").await, (1, 1));
+    running.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_step_longer_than_its_lease_keeps_it_by_heartbeat_and_runs_once() {
+    let env = TestEnv::new().await;
+    let lease = env.settings.worker.lease_secs;
+    let engine = env.engine();
+    let running = env.spawn_all(engine.clone());
+    // Twice the lease: without heartbeats the supervisor would re-queue the step meanwhile.
+    let delay_ms = lease * 2 * 1000;
+    env.start_run(
+        "chain",
+        "r-long",
+        json!({"steps": 1, "step_delay_ms": delay_ms}),
+    )
+    .await;
+    env.wait_status("r-long", RunStatus::Succeeded, WAIT).await;
+    assert_eq!(
+        env.scalar(
+            "SELECT attempts::bigint FROM trailmark.steps WHERE run_id = $1 AND seq = 0",
+            "r-long",
+        )
+        .await,
+        1,
+        "the step was taken from its live worker"
+    );
+    assert_eq!(engine.stats.lease_recoveries.load(Ordering::Relaxed), 0);
+    assert_eq!(engine.stats.handler_runs.load(Ordering::Relaxed), 1);
+    running.stop().await;
+}
