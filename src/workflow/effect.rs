@@ -5,12 +5,12 @@
 //! tool-call budget and repeated-action detection.
 
 use std::future::Future;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
-use backon::{ExponentialBuilder, Retryable};
+use backon::Retryable;
 use serde_json::Value;
 
-use super::{StepContext, StepError};
+use super::{StepContext, StepError, parse_undo_step};
 use crate::domain::IdempotencyKey;
 use crate::guard::{self, Decision};
 use crate::store::{self, effects};
@@ -73,15 +73,11 @@ impl StepContext {
                 .expect("an effect without retries is called once"))(k)
         };
         let no_lookup = |_key: IdempotencyKey| async { Ok(Lookup::CannotTell) };
-        self.run_effect(
-            &Tool::idempotent("effect"),
-            key,
-            request,
-            0,
-            call,
-            no_lookup,
-        )
-        .await
+        // Named after the step, so each receiver gets its own breaker and repeat count.
+        let base = parse_undo_step(self.step()).map_or(self.step(), |(original, _)| original);
+        let tool = Tool::idempotent(&format!("{}.{base}", self.workflow()));
+        self.run_effect(&tool, key, request, 0, call, no_lookup)
+            .await
     }
 
     /// Makes an outside call to `tool` under `key`, at most once in effect where the receiver
@@ -210,11 +206,7 @@ impl StepContext {
         Fut: Future<Output = Result<Value, StepError>>,
     {
         let breakers = &self.services().breakers;
-        let policy = ExponentialBuilder::default()
-            .with_jitter()
-            .with_min_delay(Duration::from_millis(100))
-            .with_max_delay(Duration::from_secs(5))
-            .with_max_times(retries);
+        let policy = super::call_backoff(retries);
         let call = std::sync::Mutex::new(call);
         let attempt = || async {
             if let Decision::Refuse(wait) = breakers.check(&tool.name, Instant::now()) {

@@ -130,3 +130,13 @@ impl Registry {
         names
     }
 }
+
+/// The in-process retry policy of model and tool calls: exponential from 100 ms to 5 s with
+/// jitter, at most `retries` times (`worker.call_retries`).
+pub(crate) fn call_backoff(retries: usize) -> backon::ExponentialBuilder {
+    backon::ExponentialBuilder::default()
+        .with_jitter()
+        .with_min_delay(std::time::Duration::from_millis(100))
+        .with_max_delay(std::time::Duration::from_secs(5))
+        .with_max_times(retries)
+}

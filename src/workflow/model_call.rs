@@ -2,9 +2,9 @@
 //! reads the journal instead of paying again.
 
 use std::sync::atomic::Ordering;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
-use backon::{ExponentialBuilder, Retryable};
+use backon::Retryable;
 
 use super::{StepContext, StepError};
 use crate::guard;
@@ -82,11 +82,7 @@ async fn ask(
     request: &ChatRequest,
     retries: usize,
 ) -> Result<ChatAnswer, model::Error> {
-    let policy = ExponentialBuilder::default()
-        .with_jitter()
-        .with_min_delay(Duration::from_millis(100))
-        .with_max_delay(Duration::from_secs(5))
-        .with_max_times(retries);
+    let policy = super::call_backoff(retries);
     (|| client.chat(request))
         .retry(policy)
         .when(model::Error::is_temporary)
