@@ -186,14 +186,14 @@ impl BenchEnv {
         }
         let _ = self.conn.close(200, "bench done".into()).await;
         self.pool.close().await;
-        let mut admin = self.settings.database.clone();
-        admin.url = with_database(&admin.url, "postgres").unwrap_or_default();
-        let sql = format!("DROP DATABASE IF EXISTS \"{}\" WITH (FORCE)", self.db_name);
-        let dropped = match store::connect(&admin).await {
-            Ok(pool) => sqlx::query(sqlx::AssertSqlSafe(sql))
-                .execute(&pool)
+        let dropped = match self
+            .settings
+            .database
+            .url
+            .parse::<sqlx::postgres::PgConnectOptions>()
+        {
+            Ok(target) => store::drop_database(&target)
                 .await
-                .map(|_| ())
                 .map_err(|e| e.to_string()),
             Err(e) => Err(e.to_string()),
         };

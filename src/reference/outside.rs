@@ -99,7 +99,7 @@ pub fn name(options: &PgConnectOptions) -> String {
 
 /// Creates the database when missing, then the schema; safe from several processes at once.
 pub async fn prepare(options: &PgConnectOptions) -> Result<PgPool> {
-    create_database(options).await?;
+    crate::store::create_database(options).await?;
     let pool = connect(options).await?;
     let mut tx = pool.begin().await?;
     // Concurrent CREATE ... IF NOT EXISTS can still collide in the catalog: take a lock first.
@@ -141,39 +141,7 @@ async fn connect(options: &PgConnectOptions) -> Result<PgPool> {
         .await?)
 }
 
-async fn create_database(options: &PgConnectOptions) -> Result<()> {
-    let name = name(options);
-    let mut admin = options.clone().database("postgres").connect().await?;
-    let exists: bool =
-        sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_database WHERE datname = $1)")
-            .bind(&name)
-            .fetch_one(&mut admin)
-            .await?;
-    if !exists {
-        let sql = format!("CREATE DATABASE \"{}\"", name.replace('"', "\"\""));
-        if let Err(e) = sqlx::query(sqlx::AssertSqlSafe(sql))
-            .execute(&mut admin)
-            .await
-        {
-            // Another process created it between our check and our create: fine.
-            let raced = e.as_database_error().and_then(|d| d.code()).as_deref() == Some("42P04");
-            if !raced {
-                return Err(e.into());
-            }
-        }
-    }
-    Ok(())
-}
-
 /// Drops the outside database (tests clean up after themselves with this).
 pub async fn drop_database(options: &PgConnectOptions) -> Result<()> {
-    let mut admin = options.clone().database("postgres").connect().await?;
-    let sql = format!(
-        "DROP DATABASE IF EXISTS \"{}\" WITH (FORCE)",
-        name(options).replace('"', "\"\"")
-    );
-    sqlx::query(sqlx::AssertSqlSafe(sql))
-        .execute(&mut admin)
-        .await?;
-    Ok(())
+    Ok(crate::store::drop_database(options).await?)
 }

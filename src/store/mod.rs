@@ -103,29 +103,53 @@ pub async fn connect_one(settings: &DatabaseSettings) -> Result<sqlx::PgConnecti
 
 /// Creates the database named in the URL when it is missing (connecting to `postgres` first).
 pub async fn ensure_database(settings: &DatabaseSettings) -> Result<()> {
-    let target = options(settings)?;
+    create_database(&options(settings)?)
+        .await
+        .map_err(|e| match e.as_database_error() {
+            Some(_) => e.into(),
+            None => down(settings, &e),
+        })
+}
+
+fn quoted(name: &str) -> String {
+    // Identifiers cannot be bound; the name is quoted by doubling any quote in it.
+    format!("\"{}\"", name.replace('"', "\"\""))
+}
+
+/// Creates `target`'s database when it is missing; safe from several processes at once.
+pub(crate) async fn create_database(target: &PgConnectOptions) -> sqlx::Result<()> {
     let name = target.get_database().unwrap_or("postgres").to_owned();
-    let admin = target.clone().database("postgres");
-    let mut conn = admin.connect().await.map_err(|e| down(settings, &e))?;
+    let mut conn = target.clone().database("postgres").connect().await?;
     let exists: bool =
         sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_database WHERE datname = $1)")
             .bind(&name)
             .fetch_one(&mut conn)
             .await?;
-    if !exists {
-        // Identifiers cannot be bound; the name is quoted by doubling any quote in it.
-        let sql = format!("CREATE DATABASE \"{}\"", name.replace('"', "\"\""));
-        if let Err(e) = sqlx::query(sqlx::AssertSqlSafe(sql))
-            .execute(&mut conn)
-            .await
-        {
-            // Another process may have created it between our check and our create.
-            let raced = e.as_database_error().and_then(|d| d.code()).as_deref() == Some("42P04");
-            if !raced {
-                return Err(e.into());
-            }
-        }
+    if exists {
+        return Ok(());
     }
+    let sql = format!("CREATE DATABASE {}", quoted(&name));
+    match sqlx::query(sqlx::AssertSqlSafe(sql))
+        .execute(&mut conn)
+        .await
+    {
+        // Another process may have created it between our check and our create.
+        Err(e) if e.as_database_error().and_then(|d| d.code()).as_deref() != Some("42P04") => {
+            Err(e)
+        }
+        _ => Ok(()),
+    }
+}
+
+/// Drops `target`'s database, ending its sessions (the bench and the demo's outside systems
+/// clean up after themselves with this).
+pub(crate) async fn drop_database(target: &PgConnectOptions) -> sqlx::Result<()> {
+    let name = target.get_database().unwrap_or("postgres").to_owned();
+    let mut conn = target.clone().database("postgres").connect().await?;
+    let sql = format!("DROP DATABASE IF EXISTS {} WITH (FORCE)", quoted(&name));
+    sqlx::query(sqlx::AssertSqlSafe(sql))
+        .execute(&mut conn)
+        .await?;
     Ok(())
 }
 
