@@ -1,7 +1,5 @@
 //! `trailmark run resume | undo | cancel | approve | reject` and `trailmark contract`.
 
-use std::io::{BufRead, IsTerminal, Write};
-
 use anyhow::{Context, bail};
 use serde_json::Value;
 
@@ -76,10 +74,12 @@ pub async fn decide(
             } else {
                 format!("the writes selected by {scope}")
             };
-            confirm(
+            super::confirm(
                 &format!("undo run {run_id}: post reversals for {what}, newest first"),
+                "Check the run with `trailmark run show`, ",
                 yes,
-            )?;
+            )
+            .await?;
             operator::undo(&engine, run_id, &who, scope).await?
         }
         Decision::Cancel => operator::cancel(&engine, run_id, &who).await?,
@@ -97,24 +97,6 @@ fn print_outcome(o: &Outcome, as_json: bool) -> anyhow::Result<()> {
             "{} {}: {} -> {}; next: {}",
             o.action, o.run_id, o.status_before, o.status_after, o.next
         );
-    }
-    Ok(())
-}
-
-/// Asks on the terminal unless `yes`; refuses without a terminal.
-fn confirm(what: &str, yes: bool) -> anyhow::Result<()> {
-    if yes {
-        return Ok(());
-    }
-    if !std::io::stdin().is_terminal() {
-        bail!("refusing to {what} without confirmation: no terminal to ask on; add --yes");
-    }
-    eprint!("About to {what}. Type yes to go on: ");
-    std::io::stderr().flush()?;
-    let mut answer = String::new();
-    std::io::stdin().lock().read_line(&mut answer)?;
-    if answer.trim() != "yes" {
-        bail!("not confirmed; nothing was changed");
     }
     Ok(())
 }

@@ -1,8 +1,6 @@
 //! `trailmark dlq list | show | requeue | purge`: the dead-letter queue for operators.
 
-use std::io::IsTerminal;
-
-use anyhow::{Context, bail};
+use anyhow::bail;
 use clap::{ArgGroup, Subcommand};
 
 use crate::config::Settings;
@@ -260,9 +258,12 @@ async fn purge(dlq: &Dlq, which: &Selection, yes: bool) -> anyhow::Result<()> {
             n => format!("all {n} dead letters in {}", dlq.queue()),
         },
     };
-    if !yes {
-        confirm(&plan).await?;
-    }
+    super::confirm(
+        &format!("purge {plan} (they are deleted for good)"),
+        "Check what would go with `trailmark dlq list`, ",
+        yes,
+    )
+    .await?;
     let purged = dlq.purge(which, &progress).await.map_err(unwrap_broker)?;
     println!("purged {} dead letters from {}", purged.purged, dlq.queue());
     if purged.unseen > 0 {
@@ -282,26 +283,4 @@ fn describe_one(d: &DeadLetter, queue: &str) -> String {
         d.queue.as_deref().unwrap_or("an unknown queue"),
         d.body_bytes
     )
-}
-
-/// Asks on the terminal; refuses outright when there is no terminal to ask on.
-async fn confirm(plan: &str) -> anyhow::Result<()> {
-    if !std::io::stdin().is_terminal() {
-        bail!(
-            "refusing to purge {plan} without confirmation: stdin is not a terminal. \
-             Check what would go with `trailmark dlq list`, then pass --yes"
-        );
-    }
-    eprint!("This deletes {plan} for good; it cannot be undone. Purge? [y/N] ");
-    let answer = tokio::task::spawn_blocking(|| {
-        let mut line = String::new();
-        std::io::stdin().read_line(&mut line).map(|_| line)
-    })
-    .await
-    .context("reading the answer")?
-    .context("reading the answer from stdin")?;
-    match answer.trim().to_ascii_lowercase().as_str() {
-        "y" | "yes" => Ok(()),
-        _ => bail!("not purged: the answer was not yes"),
-    }
 }

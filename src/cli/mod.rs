@@ -28,3 +28,28 @@ pub fn is_unavailable(e: &anyhow::Error) -> bool {
         )
     })
 }
+
+/// Asks on the terminal before a change that cannot be taken back, unless `yes`; refuses when
+/// there is no terminal to ask on. `hint` tells how to look first ("Check ... with `...`, ").
+pub(crate) async fn confirm(what: &str, hint: &str, yes: bool) -> anyhow::Result<()> {
+    use std::io::IsTerminal;
+    if yes {
+        return Ok(());
+    }
+    if !std::io::stdin().is_terminal() {
+        anyhow::bail!(
+            "refusing to {what} without confirmation: stdin is not a terminal. {hint}then add --yes"
+        );
+    }
+    eprint!("About to {what}. Go on? [y/N] ");
+    let answer = tokio::task::spawn_blocking(|| {
+        let mut line = String::new();
+        std::io::stdin().read_line(&mut line).map(|_| line)
+    })
+    .await?
+    .map_err(|e| anyhow::anyhow!("reading the answer from stdin: {e}"))?;
+    match answer.trim().to_ascii_lowercase().as_str() {
+        "y" | "yes" => Ok(()),
+        _ => anyhow::bail!("not confirmed; nothing was changed"),
+    }
+}
