@@ -32,9 +32,10 @@ async fn unlink(ctx: StepContext) -> Result<StepOutcome, StepError> {
         .undo()
         .cloned()
         .ok_or_else(|| StepError::Unknown("unlink runs only as a compensation".into()))?;
-    let original = IdempotencyKey::for_step(ctx.run_id(), STEP, &target.seq.to_string());
-    let reference = format!("undo:{}:{}", ctx.run_id(), target.seq);
-    let payload = format!("reversal of {}:{}", ctx.run_id(), target.seq);
+    let original = link_key(ctx.run_id(), target.seq);
+    let reversed = reference(ctx.run_id(), target.seq);
+    let reference = format!("undo:{reversed}");
+    let payload = format!("reversal of {reversed}");
     let write = json!({ "reference": reference, "payload": payload });
     let (pool, run_id) = (ctx.pool().clone(), ctx.run_id().clone());
     let result = ctx
@@ -90,9 +91,9 @@ async fn link(ctx: StepContext) -> Result<StepOutcome, StepError> {
         temperature: Some(0.0),
     };
     let answer = ctx.model(&request).await?;
-    let reference = format!("{}:{i}", ctx.run_id());
+    let reference = reference(ctx.run_id(), i);
     let payload = crate::store::hash_json(&json!(answer.content));
-    let key = IdempotencyKey::for_step(ctx.run_id(), STEP, &i.to_string());
+    let key = link_key(ctx.run_id(), i);
     let write = json!({ "reference": reference, "payload": payload });
     let pool = ctx.pool().clone();
     let (run_id, step) = (ctx.run_id().clone(), i);
@@ -107,6 +108,16 @@ async fn link(ctx: StepContext) -> Result<StepOutcome, StepError> {
     } else {
         Ok(StepOutcome::goto(output, STEP))
     }
+}
+
+/// The key of link `seq`'s ledger write (its compensation writes under `undo_of` this key).
+fn link_key(run_id: &RunId, seq: i32) -> IdempotencyKey {
+    IdempotencyKey::for_step(run_id, STEP, &seq.to_string())
+}
+
+/// The ledger reference of link `seq` (its reversal is `undo:<reference>`).
+fn reference(run_id: &RunId, seq: i32) -> String {
+    format!("{run_id}:{seq}")
 }
 
 /// Posts one ledger row; the same reference with the same payload is accepted as already done.
