@@ -66,7 +66,7 @@ pub async fn run(settings: &Settings, args: BenchArgs) -> anyhow::Result<()> {
         return b3_worker(settings, &args).await;
     }
     let cfg = config(&args)?;
-    let report = bench::run(settings, &cfg).await.map_err(unwrap)?;
+    let report = bench::run(settings, &cfg).await?;
     if args.json {
         println!("{}", serde_json::to_string_pretty(&report)?);
     } else {
@@ -114,15 +114,6 @@ pub fn config(args: &BenchArgs) -> anyhow::Result<Config> {
     Ok(cfg)
 }
 
-/// Keeps server errors at the top of the chain, so `cli::is_unavailable` sees them (exit 2).
-fn unwrap(e: bench::Error) -> anyhow::Error {
-    match e {
-        bench::Error::Store(e) => e.into(),
-        bench::Error::Broker(e) => e.into(),
-        e => e.into(),
-    }
-}
-
 async fn b3_worker(settings: &Settings, args: &BenchArgs) -> anyhow::Result<()> {
     let answers = if settings.model.is_configured() {
         let client =
@@ -140,7 +131,5 @@ async fn b3_worker(settings: &Settings, args: &BenchArgs) -> anyhow::Result<()> 
         }
         stop.cancel();
     });
-    baseline::serve(settings.clone(), answers, shutdown)
-        .await
-        .map_err(unwrap)
+    Ok(baseline::serve(settings.clone(), answers, shutdown).await?)
 }

@@ -55,9 +55,7 @@ pub enum DlqCommand {
 
 /// Runs one `dlq` subcommand.
 pub async fn run(settings: &Settings, command: DlqCommand) -> anyhow::Result<()> {
-    let dlq = Dlq::connect(&settings.broker)
-        .await
-        .map_err(unwrap_broker)?;
+    let dlq = Dlq::connect(&settings.broker).await?;
     let result = match command {
         DlqCommand::List { json, limit } => list(&dlq, json, limit).await,
         DlqCommand::Show { id, json } => show(&dlq, &id, json).await,
@@ -66,15 +64,6 @@ pub async fn run(settings: &Settings, command: DlqCommand) -> anyhow::Result<()>
     };
     dlq.close().await;
     result
-}
-
-/// A broker failure is reported as the broker error itself, so that `main` recognises a server
-/// that is down (exit code 2).
-fn unwrap_broker(e: crate::dlq::Error) -> anyhow::Error {
-    match e {
-        crate::dlq::Error::Broker(b) => b.into(),
-        other => other.into(),
-    }
 }
 
 fn selection(id: Option<String>, all: bool, reason: Option<String>) -> Selection {
@@ -91,7 +80,7 @@ fn progress(taken: u32, depth: u32) {
 }
 
 async fn list(dlq: &Dlq, json: bool, limit: usize) -> anyhow::Result<()> {
-    let listing = dlq.list(limit, &progress).await.map_err(unwrap_broker)?;
+    let listing = dlq.list(limit, &progress).await?;
     if json {
         println!("{}", serde_json::to_string_pretty(&listing)?);
         return Ok(());
@@ -142,7 +131,7 @@ fn short(text: &str, max: usize) -> String {
 }
 
 async fn show(dlq: &Dlq, id: &str, json: bool) -> anyhow::Result<()> {
-    let shown = dlq.show(id, &progress).await.map_err(unwrap_broker)?;
+    let shown = dlq.show(id, &progress).await?;
     if json {
         println!("{}", serde_json::to_string_pretty(&shown)?);
         return Ok(());
@@ -193,7 +182,7 @@ fn print_shown(s: &Shown) {
 }
 
 async fn requeue(dlq: &Dlq, which: &Selection) -> anyhow::Result<()> {
-    let r = dlq.requeue(which, &progress).await.map_err(unwrap_broker)?;
+    let r = dlq.requeue(which, &progress).await?;
     print_requeued(dlq, which, &r);
     let stuck = r.failed.len() + r.no_source_queue.len();
     if stuck > 0 {
@@ -247,10 +236,10 @@ fn print_requeued(dlq: &Dlq, which: &Selection, r: &Requeued) {
 async fn purge(dlq: &Dlq, which: &Selection, yes: bool) -> anyhow::Result<()> {
     let plan = match which {
         Selection::Id(id) => {
-            let s = dlq.show(id, &progress).await.map_err(unwrap_broker)?;
+            let s = dlq.show(id, &progress).await?;
             describe_one(&s.letter, &dlq.queue())
         }
-        _ => match dlq.depth().await.map_err(unwrap_broker)? {
+        _ => match dlq.depth().await? {
             0 => {
                 println!("{} is empty; nothing to purge", dlq.queue());
                 return Ok(());
@@ -264,7 +253,7 @@ async fn purge(dlq: &Dlq, which: &Selection, yes: bool) -> anyhow::Result<()> {
         yes,
     )
     .await?;
-    let purged = dlq.purge(which, &progress).await.map_err(unwrap_broker)?;
+    let purged = dlq.purge(which, &progress).await?;
     println!("purged {} dead letters from {}", purged.purged, dlq.queue());
     if purged.unseen > 0 {
         println!(

@@ -13,19 +13,29 @@ pub mod serve;
 /// Whether an error means a server is down or misaddressed (exit code 2) rather than a bad
 /// request or a failure (exit code 1).
 pub fn is_unavailable(e: &anyhow::Error) -> bool {
+    use crate::{bench, broker, dlq, engine, store};
+    // The library errors that wrap store or broker errors are transparent (their text is the
+    // inner one's), so the inner error is not in the chain: look inside them here.
+    let store_down = |e: &store::Error| matches!(e, store::Error::Unavailable(_));
+    let broker_down = |e: &broker::Error| matches!(e, broker::Error::Unavailable(_));
     e.chain().any(|cause| {
-        matches!(
-            cause.downcast_ref::<crate::store::Error>(),
-            Some(crate::store::Error::Unavailable(_))
-        ) || matches!(
-            cause.downcast_ref::<crate::broker::Error>(),
-            Some(crate::broker::Error::Unavailable(_))
-        ) || matches!(
-            cause.downcast_ref::<crate::engine::Error>(),
-            Some(crate::engine::Error::Store(
-                crate::store::Error::Unavailable(_)
-            ))
-        )
+        cause.downcast_ref::<store::Error>().is_some_and(store_down)
+            || cause
+                .downcast_ref::<broker::Error>()
+                .is_some_and(broker_down)
+            || match cause.downcast_ref::<engine::Error>() {
+                Some(engine::Error::Store(e)) => store_down(e),
+                _ => false,
+            }
+            || match cause.downcast_ref::<bench::Error>() {
+                Some(bench::Error::Store(e)) => store_down(e),
+                Some(bench::Error::Broker(e)) => broker_down(e),
+                _ => false,
+            }
+            || match cause.downcast_ref::<dlq::Error>() {
+                Some(dlq::Error::Broker(e)) => broker_down(e),
+                _ => false,
+            }
     })
 }
 
