@@ -8,6 +8,38 @@ use crate::engine::Engine;
 use crate::store::{self, effects, parked};
 use crate::workflow::StepError;
 
+/// What a person needs to see about a run's outside work: effects done and of unknown outcome
+/// (key, tool, position), and parked items. Shared by the handover note and a frozen step's
+/// evidence, so both read the same way.
+pub(super) struct Evidence {
+    /// Effects whose result is recorded.
+    pub done: Vec<Value>,
+    /// Effects whose call may or may not have happened.
+    pub unknown: Vec<Value>,
+    /// Items set aside.
+    pub parked: Vec<parked::ParkedRow>,
+}
+
+impl Evidence {
+    /// Reads the run's effects and parked items.
+    pub async fn gather(engine: &Engine, msg: &StepMessage) -> store::Result<Self> {
+        let run_id = msg.run_id.as_str();
+        let effects = effects::list(&engine.pool, run_id).await?;
+        let parked = parked::list(&engine.pool, run_id).await?;
+        let (done, unknown): (Vec<_>, Vec<_>) = effects.into_iter().partition(|e| e.completed);
+        let keys = |list: Vec<effects::EffectSummary>| {
+            list.into_iter()
+                .map(|e| json!({"key": e.idempotency_key, "tool": e.tool, "seq": e.seq}))
+                .collect()
+        };
+        Ok(Self {
+            done: keys(done),
+            unknown: keys(unknown),
+            parked,
+        })
+    }
+}
+
 /// Builds the note from the checkpoint as it stands.
 pub(super) async fn note(
     engine: &Engine,
@@ -15,14 +47,7 @@ pub(super) async fn note(
     attempt: i32,
     error: &StepError,
 ) -> store::Result<Value> {
-    let effects = effects::list(&engine.pool, msg.run_id.as_str()).await?;
-    let parked = parked::list(&engine.pool, msg.run_id.as_str()).await?;
-    let (done, unknown): (Vec<_>, Vec<_>) = effects.into_iter().partition(|e| e.completed);
-    let keys = |list: Vec<effects::EffectSummary>| {
-        list.into_iter()
-            .map(|e| json!({"key": e.idempotency_key, "tool": e.tool, "seq": e.seq}))
-            .collect::<Vec<_>>()
-    };
+    let evidence = Evidence::gather(engine, msg).await?;
     Ok(json!({
         "run_id": msg.run_id,
         "workflow": msg.workflow,
@@ -32,9 +57,9 @@ pub(super) async fn note(
         "attempt": attempt,
         "error_class": error.class(),
         "error": error.to_string(),
-        "effects_committed": keys(done),
-        "effects_unknown": keys(unknown),
-        "parked": parked,
+        "effects_committed": evidence.done,
+        "effects_unknown": evidence.unknown,
+        "parked": evidence.parked,
         "next": format!(
             "on resume, step {} (position {}) runs again: journaled model answers and recorded effects are replayed, not repeated",
             msg.step, msg.seq

@@ -91,13 +91,8 @@ async fn doubt(engine: &Engine, msg: &StepMessage) -> store::Result<Option<serde
     if decisions::approved(&engine.pool, run_id, msg.seq).await? {
         return Ok(None);
     }
-    let parked = crate::store::parked::list(&engine.pool, run_id).await?;
-    let unknown: Vec<_> = crate::store::effects::list(&engine.pool, run_id)
-        .await?
-        .into_iter()
-        .filter(|e| !e.completed)
-        .collect();
-    if parked.is_empty() && unknown.is_empty() {
+    let evidence = handover::Evidence::gather(engine, msg).await?;
+    if evidence.parked.is_empty() && evidence.unknown.is_empty() {
         return Ok(None);
     }
     Ok(Some(serde_json::json!({
@@ -105,8 +100,8 @@ async fn doubt(engine: &Engine, msg: &StepMessage) -> store::Result<Option<serde
         "step": msg.step,
         "seq": msg.seq,
         "why": format!("step {} only runs when no item of the run is in doubt; approve to run it anyway, or reject", msg.step),
-        "parked": parked,
-        "effects_unknown": unknown,
+        "parked": evidence.parked,
+        "effects_unknown": evidence.unknown,
     })))
 }
 
