@@ -56,7 +56,6 @@ pub(super) async fn commit(
     fence: Fence,
     ending: Ending,
 ) -> store::Result<Option<Vec<OutgoingMessage>>> {
-    let grace = engine.settings.relay.eager_grace_ms;
     let mut queued = Vec::new();
     let mut parked = Vec::new();
     let head = |status, handover| checkpoint::Advance {
@@ -110,9 +109,7 @@ pub(super) async fn commit(
             (to, None, false)
         }
     };
-    for m in &mut queued {
-        m.relay_after_ms = grace;
-    }
+    hold_for_eager_publish(engine, &mut queued);
     let fp = &engine.failpoints;
     fp.hit("step.before_commit").map_err(infra)?;
     let step = checkpoint::StepCommit {
@@ -130,8 +127,28 @@ pub(super) async fn commit(
         return Ok(None);
     }
     fp.hit("step.after_commit").map_err(infra)?;
-    // With eager publishing off, the relay publishes at once and there is nothing to hand back.
-    Ok(Some(if grace > 0 { queued } else { Vec::new() }))
+    Ok(Some(to_publish_eagerly(engine, queued)))
+}
+
+/// Keeps the relay off rows this worker will publish itself after the commit (for
+/// `relay.eager_grace_ms`; 0 turns eager publishing off and the relay publishes at once).
+pub(super) fn hold_for_eager_publish(engine: &Engine, messages: &mut [OutgoingMessage]) {
+    for m in messages {
+        m.relay_after_ms = engine.settings.relay.eager_grace_ms;
+    }
+}
+
+/// What the worker publishes itself once `messages` are committed: all of them, or none when
+/// eager publishing is off.
+pub(super) fn to_publish_eagerly(
+    engine: &Engine,
+    messages: Vec<OutgoingMessage>,
+) -> Vec<OutgoingMessage> {
+    if engine.settings.relay.eager_grace_ms > 0 {
+        messages
+    } else {
+        Vec::new()
+    }
 }
 
 fn parked_rows(items: &[Parked]) -> Vec<(String, String)> {

@@ -80,15 +80,11 @@ async fn start(
         first,
         0,
     );
-    first_message.relay_after_ms = engine.settings.relay.eager_grace_ms;
+    super::commit::hold_for_eager_publish(engine, std::slice::from_mut(&mut first_message));
     outbox::insert(&mut *tx, std::slice::from_ref(&first_message)).await?;
     tx.commit().await?;
     Stats::bump(&engine.stats.runs_started);
     tracing::info!("run started");
-    let eager = if engine.settings.relay.eager_grace_ms > 0 {
-        vec![first_message]
-    } else {
-        Vec::new()
-    };
+    let eager = super::commit::to_publish_eagerly(engine, vec![first_message]);
     Ok(Disposition::Committed(eager))
 }
