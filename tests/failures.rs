@@ -45,6 +45,17 @@ async fn model_server(script: Vec<Scripted>) -> ModelServer {
     .expect("model server")
 }
 
+/// `chain` served by one engine whose model is a stand-in server playing `script` first.
+async fn serve_chain_with_model(env: &TestEnv, script: Vec<Scripted>) -> (ModelServer, Running) {
+    let server = model_server(script).await;
+    let (_engine, running) = start(
+        env,
+        with_model(env, &server),
+        trailmark::builtin::registry(),
+    );
+    (server, running)
+}
+
 /// A keyed table the test workflows write to, standing in for a ledger that enforces its key.
 async fn ledger(env: &TestEnv) {
     sqlx::query("CREATE TABLE test_ledger (reference TEXT PRIMARY KEY, amount BIGINT NOT NULL)")
@@ -77,12 +88,7 @@ fn key(ctx: &StepContext, item: &str) -> IdempotencyKey {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn model_500_then_200_gives_one_journal_entry_and_two_calls() {
     let env = TestEnv::new().await;
-    let server = model_server(vec![Scripted::Status(500)]).await;
-    let (_engine, running) = start(
-        &env,
-        with_model(&env, &server),
-        trailmark::builtin::registry(),
-    );
+    let (server, running) = serve_chain_with_model(&env, vec![Scripted::Status(500)]).await;
     env.start_run("chain", "r-500", json!({"steps": 1})).await;
     env.wait_status("r-500", RunStatus::Succeeded, WAIT).await;
     assert_eq!(
@@ -100,15 +106,13 @@ async fn model_500_then_200_gives_one_journal_entry_and_two_calls() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rate_limit_retry_waits_at_least_the_servers_retry_after() {
     let env = TestEnv::new().await;
-    let server = model_server(vec![Scripted::RateLimited {
-        retry_after_secs: 1,
-    }])
-    .await;
-    let (_engine, running) = start(
+    let (server, running) = serve_chain_with_model(
         &env,
-        with_model(&env, &server),
-        trailmark::builtin::registry(),
-    );
+        vec![Scripted::RateLimited {
+            retry_after_secs: 1,
+        }],
+    )
+    .await;
     let started = Instant::now();
     env.start_run("chain", "r-429", json!({"steps": 1})).await;
     env.wait_status("r-429", RunStatus::Succeeded, WAIT).await;
@@ -124,12 +128,7 @@ async fn rate_limit_retry_waits_at_least_the_servers_retry_after() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn refused_model_credentials_stop_the_run_at_once_without_retries() {
     let env = TestEnv::new().await;
-    let server = model_server(vec![Scripted::Status(401)]).await;
-    let (_engine, running) = start(
-        &env,
-        with_model(&env, &server),
-        trailmark::builtin::registry(),
-    );
+    let (server, running) = serve_chain_with_model(&env, vec![Scripted::Status(401)]).await;
     env.start_run("chain", "r-401", json!({"steps": 3})).await;
     let run = env.wait_status("r-401", RunStatus::NeedsReview, WAIT).await;
     assert_eq!(server.calls(), 1, "an auth failure is never retried");
