@@ -106,6 +106,7 @@ impl Engine {
         };
         let guards = &settings.guards;
         let services = Arc::new(Services {
+            relaxed: crate::store::relaxed_pool(&pool),
             pool: pool.clone(),
             model,
             fallback_model,
@@ -135,6 +136,11 @@ impl Engine {
             presence_pid: Default::default(),
             services,
         }))
+    }
+
+    /// The pool for records a later synchronous commit makes durable ([`crate::store::relaxed_pool`]).
+    pub(crate) fn relaxed_pool(&self) -> &PgPool {
+        &self.services.relaxed
     }
 }
 

@@ -93,6 +93,27 @@ pub async fn connect(settings: &DatabaseSettings) -> Result<PgPool> {
     Ok(pool)
 }
 
+/// A second pool on the same database whose commits do not wait for their WAL flush, for the
+/// records that the step's next synchronous commit makes durable anyway (journal entries, effect
+/// results, removal of eagerly published outbox rows).
+///
+/// A record written here is visible at once and survives the worker's death; only a crash of
+/// Postgres itself within `wal_writer_delay` can lose it, and then the step's later commits are
+/// lost with it (WAL is written in order), so the step runs again. README "Trade-offs made for
+/// speed" spells out what that costs.
+pub fn relaxed_pool(pool: &PgPool) -> PgPool {
+    let options = (*pool.connect_options())
+        .clone()
+        .options([("synchronous_commit", "off")]);
+    let strict = pool.options();
+    PgPoolOptions::new()
+        // Half the strict pool: these statements are short and a step holds one at a time.
+        .max_connections((strict.get_max_connections() / 2).max(1))
+        .acquire_timeout(strict.get_acquire_timeout())
+        .test_before_acquire(false)
+        .connect_lazy_with(options)
+}
+
 /// One connection outside the pool, for a process's presence (see `worker::presence`).
 pub async fn connect_one(settings: &DatabaseSettings) -> Result<sqlx::PgConnection> {
     options(settings)?

@@ -126,22 +126,17 @@ pub async fn mark_published(db: impl PgExecutor<'_>, ids: &[i64]) -> Result<()> 
 /// Deletes rows the worker that committed them has published itself (eager publish, confirm
 /// received): nothing is left for the relay to do, and only the pruner would ever read them.
 ///
-/// The delete commits asynchronously (no fsync wait): if Postgres crashes before it reaches disk,
-/// the only cost is that the relay publishes those rows once more, and consumers drop the
-/// repeats by message id. The step's own commit stays fully synchronous.
-pub async fn forget_published(pool: &sqlx::PgPool, message_ids: &[uuid::Uuid]) -> Result<()> {
+/// Meant for [`super::relaxed_pool`]: the delete need not wait for its fsync. If Postgres crashes
+/// before it reaches disk, the only cost is that the relay publishes those rows once more, and
+/// consumers drop the repeats by message id.
+pub async fn forget_published(db: impl PgExecutor<'_>, message_ids: &[uuid::Uuid]) -> Result<()> {
     if message_ids.is_empty() {
         return Ok(());
     }
-    let mut tx = pool.begin().await?;
-    sqlx::query("SET LOCAL synchronous_commit = off")
-        .execute(&mut *tx)
-        .await?;
     sqlx::query("DELETE FROM trailmark.outbox WHERE message_id = ANY($1) AND published_at IS NULL")
         .bind(message_ids)
-        .execute(&mut *tx)
+        .execute(db)
         .await?;
-    tx.commit().await?;
     Ok(())
 }
 

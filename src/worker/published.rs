@@ -1,10 +1,12 @@
 //! Removes eagerly published outbox rows, in batches, off the step's path.
 //!
 //! A step's ack does not wait for this: removing the row only keeps the relay from publishing it
-//! again after `relay.eager_grace_ms`, and such a repeat is dropped by the consumer's inbox. While
-//! one batch is being written the next one gathers, so under load one statement handles many rows.
+//! again after `relay.eager_grace_ms`, and such a repeat is dropped by the consumer's inbox. Ids
+//! gather for [`GATHER`] (far below the grace) and while the previous batch is being written, so
+//! under load one statement handles many rows instead of one statement per step.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
@@ -14,6 +16,9 @@ use crate::store::outbox;
 
 /// Most ids in one statement.
 const MAX_BATCH: usize = 1000;
+
+/// How long the first id of a batch waits for others.
+const GATHER: Duration = Duration::from_millis(50);
 
 /// Hands confirmed message ids to the removing task.
 #[derive(Clone)]
@@ -40,10 +45,24 @@ impl PublishedRows {
 async fn mark_batches(engine: Arc<Engine>, mut rx: mpsc::UnboundedReceiver<uuid::Uuid>) {
     let mut batch = Vec::new();
     while rx.recv_many(&mut batch, MAX_BATCH).await > 0 {
-        if let Err(e) = outbox::forget_published(&engine.pool, &batch).await {
+        gather(&mut rx, &mut batch).await;
+        if let Err(e) = outbox::forget_published(engine.relaxed_pool(), &batch).await {
             // Unmarked rows are published again by the relay: a duplicate the inbox drops.
             tracing::warn!(error = %e, rows = batch.len(), "could not remove eagerly published outbox rows");
         }
         batch.clear();
+    }
+}
+
+/// Adds the ids that arrive within [`GATHER`]; returns early when the batch is full or the
+/// channel closed (shutdown: the last batch is written at once).
+async fn gather(rx: &mut mpsc::UnboundedReceiver<uuid::Uuid>, batch: &mut Vec<uuid::Uuid>) {
+    let deadline = tokio::time::Instant::now() + GATHER;
+    while batch.len() < MAX_BATCH {
+        let more = rx.recv_many(batch, MAX_BATCH - batch.len());
+        match tokio::time::timeout_at(deadline, more).await {
+            Ok(0) | Err(_) => return,
+            Ok(_) => {}
+        }
     }
 }

@@ -25,6 +25,8 @@ pub const IDEMPOTENCY_KEY_HEADER: &str = "x-idempotency-key";
 /// Shared by every step execution in a process.
 pub(crate) struct Services {
     pub pool: PgPool,
+    /// [`crate::store::relaxed_pool`] of `pool`: journal entries and effect results.
+    pub relaxed: PgPool,
     pub model: Option<ModelClient>,
     pub fallback_model: Option<ModelClient>,
     pub failpoints: Failpoints,
@@ -134,6 +136,10 @@ impl StepContext {
     /// Trailmark's database, for handlers of built-in workflows.
     pub fn pool(&self) -> &PgPool {
         &self.inner.services.pool
+    }
+    /// Where journal entries and effect results go (see [`crate::store::relaxed_pool`]).
+    pub(super) fn relaxed_pool(&self) -> &PgPool {
+        &self.inner.services.relaxed
     }
     pub(super) fn services(&self) -> &Services {
         &self.inner.services

@@ -132,7 +132,7 @@ impl StepContext {
             }
             effects::Known::Unknown => match lookup(key.clone()).await? {
                 Lookup::Done(result) => {
-                    effects::complete(self.pool(), key, &result).await?;
+                    effects::complete(self.relaxed_pool(), key, &result).await?;
                     return Ok(result);
                 }
                 Lookup::NotDone => tracing::info!("lookup says the call did not happen; calling"),
@@ -148,8 +148,10 @@ impl StepContext {
         // A crash here is the "unknown outcome" case: the call happened, its result is not known.
         self.failpoint("effect.after_call")?;
         // Recorded at once, not with the step commit: a step that dies later keeps what it has
-        // done, and its replay (and the handover note) knows this call happened.
-        effects::complete(self.pool(), key, &result).await?;
+        // done, and its replay (and the handover note) knows this call happened. Only a crash of
+        // Postgres before the step's next synchronous commit could lose it (relaxed_pool); the
+        // replay then calls again under the same key.
+        effects::complete(self.relaxed_pool(), key, &result).await?;
         Ok(result)
     }
 

@@ -41,8 +41,10 @@ impl StepContext {
             cost: answer.cost,
             latency_ms: answer.latency_ms as i64,
         };
-        // Committed on its own, right now: a crash later in the step keeps the paid answer.
-        if !journal::insert(self.pool(), self.run_id(), &entry).await? {
+        // Committed on its own, right now: a crash later in the step keeps the paid answer. The
+        // commit does not wait for its WAL flush; the effect intent or step commit that follows
+        // does, and flushes this entry with it.
+        if !journal::insert(self.relaxed_pool(), self.run_id(), &entry).await? {
             // Another worker journaled this call first (it held the run before us): the step
             // goes on with the recorded answer, so the journal stays the one truth.
             let stored = journal::get(self.pool(), self.run_id(), self.seq(), call_no)
