@@ -38,7 +38,31 @@ async fn chain_run_succeeds_with_one_ledger_row_per_step() {
         25
     );
     assert_eq!(engine.stats.handler_runs.load(Ordering::Relaxed), 25);
+    // The worker published every next-step message itself and removed its outbox row, so the
+    // relay (which keeps the rows it publishes, marked) had nothing to do.
+    env.wait_until("eagerly published rows removed", WAIT, || async {
+        let left: i64 = sqlx::query_scalar("SELECT count(*) FROM trailmark.outbox")
+            .fetch_one(&env.pool)
+            .await
+            .expect("count outbox rows");
+        left == 0
+    })
+    .await;
+    assert_eq!(engine.stats.relayed.load(Ordering::Relaxed), 0);
     running.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_the_relaxed_pool_commits_without_waiting_for_fsync() {
+    let env = TestEnv::new().await;
+    let show = |pool: sqlx::PgPool| async move {
+        sqlx::query_scalar::<_, String>("SHOW synchronous_commit")
+            .fetch_one(&pool)
+            .await
+            .expect("show synchronous_commit")
+    };
+    assert_eq!(show(store::relaxed_pool(&env.pool)).await, "off");
+    assert_eq!(show(env.pool.clone()).await, "on");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
