@@ -53,8 +53,22 @@ pub struct StepCommit<'a> {
     pub outbox: &'a [OutgoingMessage],
 }
 
-static COMMIT: LazyLock<String> = LazyLock::new(|| {
+/// The commit statement; the parked-items part only when the step parked something, because
+/// every data-changing part costs its executor set-up on each step even when it writes nothing.
+fn commit_sql(with_parked: bool) -> String {
     let fenced = "WHERE EXISTS (SELECT 1 FROM adv)";
+    let park = if with_parked {
+        format!(
+            ", park AS (
+            INSERT INTO trailmark.parked (run_id, item, seq, step, reason)
+            SELECT $1, i, $3, $13, r FROM UNNEST($14::text[], $15::text[]) AS p(i, r) {fenced}
+            ON CONFLICT (run_id, item) DO NOTHING
+        )"
+        )
+    } else {
+        // Keeps the parameter numbering: $13 to $15 are bound either way.
+        ", park AS (SELECT $13::text, $14::text[], $15::text[])".to_owned()
+    };
     format!(
         "WITH fresh AS (
             INSERT INTO trailmark.inbox (consumer, message_id) VALUES ($11, $12)
@@ -70,18 +84,17 @@ static COMMIT: LazyLock<String> = LazyLock::new(|| {
         ), checkpoint AS (
             UPDATE trailmark.steps SET output = $9, finished_at = CASE WHEN $10 THEN now() END
              WHERE run_id = $1 AND seq = $3 AND $9::jsonb IS NOT NULL AND EXISTS (SELECT 1 FROM adv)
-        ), park AS (
-            INSERT INTO trailmark.parked (run_id, item, seq, step, reason)
-            SELECT $1, i, $3, $13, r FROM UNNEST($14::text[], $15::text[]) AS p(i, r) {fenced}
-            ON CONFLICT (run_id, item) DO NOTHING
-        ), queue AS ({queue})
+        ){park}, queue AS ({queue})
         SELECT CASE WHEN EXISTS (SELECT 1 FROM adv) THEN 'committed'
                     WHEN EXISTS (SELECT 1 FROM fresh) THEN trailmark.refuse_commit($1, $2)
                     WHEN EXISTS (SELECT 1 FROM trailmark.runs WHERE run_id = $1 AND fence = $2) THEN 'duplicate'
                     ELSE 'fenced' END",
         queue = outbox::insert_sql(16, fenced),
     )
-});
+}
+
+static COMMIT: LazyLock<String> = LazyLock::new(|| commit_sql(false));
+static COMMIT_PARKED: LazyLock<String> = LazyLock::new(|| commit_sql(true));
 
 /// Commits the step; `Ok(false)` means another delivery of the same message committed first,
 /// [`Error::FencedOut`] that a newer worker holds the run (or it moved on). Nothing is written
@@ -92,7 +105,12 @@ pub async fn commit(db: impl PgExecutor<'_>, c: &StepCommit<'_>) -> Result<bool>
         .iter()
         .map(|(i, r)| (i.as_str(), r.as_str()))
         .unzip();
-    let q = sqlx::query(COMMIT.as_str())
+    let sql = if c.parked.is_empty() {
+        &COMMIT
+    } else {
+        &COMMIT_PARKED
+    };
+    let q = sqlx::query(sql.as_str())
         .bind(c.run_id.as_str())
         .bind(c.fence.0)
         .bind(c.to.seq)
