@@ -1,6 +1,7 @@
 //! Recovery: `kill -9` of a worker process at 50% progress, then the time from the kill to the
 //! next committed step (any run) and to the first commit of every run the killed worker held a
-//! lease on ("stranded" runs, which wait for their lease to expire). Two scenarios: a second
+//! lease on when it died ("stranded" runs: they wait until another worker sees the process gone
+//! through its presence connection, or at worst for the lease to expire). Two scenarios: a second
 //! worker is alive, or the only worker is restarted at once. Timestamps come from the database
 //! (same host clock); the ledger is checked afterwards: one row per step, no duplicates.
 
@@ -100,12 +101,14 @@ async fn scenario(
     let killed_at_steps = wait_half(env, &prefix, total, &label).await?;
     let mut victim = procs.remove(0);
     let pid = victim.pid();
+    // Read before the kill: a live worker takes a dead process's leases within milliseconds (its
+    // presence connection is gone), so a query after the kill finds few or none of them.
+    let stranded = stranded(env, pid).await?;
     victim.kill9();
     let killed_at = Utc::now();
     if !second_alive {
         procs.push(env.spawn(&format!("{tag}-worker-restarted"), &["worker"])?);
     }
-    let stranded = stranded(env, pid).await?;
     progress(&format!(
         "{label}: killed worker pid {pid} at {killed_at_steps}/{total} steps; it held {} leases",
         stranded.len()
