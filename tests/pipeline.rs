@@ -473,3 +473,70 @@ async fn a_step_longer_than_its_lease_keeps_it_by_heartbeat_and_runs_once() {
     assert_eq!(engine.stats.handler_runs.load(Ordering::Relaxed), 1);
     running.stop().await;
 }
+
+/// The presence backend pid stored with the run's lease (`None` while there is no run or lease).
+async fn lease_pid(env: &TestEnv, run_id: &str) -> Option<i32> {
+    sqlx::query_scalar::<_, Option<i32>>("SELECT lease_pid FROM trailmark.runs WHERE run_id = $1")
+        .bind(run_id)
+        .fetch_optional(&env.pool)
+        .await
+        .expect("read lease")
+        .flatten()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_live_worker_keeps_its_lease_after_its_presence_connection_is_reopened() {
+    let env = TestEnv::new().await;
+    let engine = env.engine();
+    let running = env.spawn_all(engine.clone());
+    // Long enough for the lost presence connection to be noticed (pinged every 5 s) and re-opened
+    // while the step still runs.
+    env.start_run(
+        "chain",
+        "r-presence",
+        json!({"steps": 1, "step_delay_ms": 15_000}),
+    )
+    .await;
+    env.wait_until("the step holds its lease", WAIT, || async {
+        lease_pid(&env, "r-presence").await.is_some()
+    })
+    .await;
+    let old_pid = lease_pid(&env, "r-presence").await.unwrap();
+    // What a Postgres failover or an idle-connection killer does to the presence connection.
+    sqlx::query("SELECT pg_terminate_backend($1)")
+        .bind(old_pid)
+        .execute(&env.pool)
+        .await
+        .unwrap();
+    env.wait_until("presence connection re-opened", WAIT, || async {
+        let now = engine.presence_pid.load(Ordering::SeqCst);
+        now != 0 && now != old_pid
+    })
+    .await;
+    let new_pid = engine.presence_pid.load(Ordering::SeqCst);
+    env.wait_until("a heartbeat names the new connection", WAIT, || async {
+        lease_pid(&env, "r-presence").await == Some(new_pid)
+    })
+    .await;
+    // Another worker with a fresh delivery of the same step must not get the run.
+    let run_id = RunId::parse("r-presence").unwrap();
+    let request = runs::ClaimRequest {
+        run_id: &run_id,
+        seq: 0,
+        step: "link",
+        owner: "another-worker/1",
+        lease_secs: 30.0,
+        presence_pid: None,
+        message: ("steps", MessageId::new()),
+    };
+    let outcome = runs::claim(&env.pool, &request).await.unwrap();
+    assert!(
+        matches!(outcome, runs::ClaimOutcome::Refused),
+        "a live worker's lease was taken: {outcome:?}"
+    );
+    env.wait_status("r-presence", RunStatus::Succeeded, WAIT)
+        .await;
+    assert_eq!(env.chain_ledger("r-presence").await, (1, 1));
+    assert_eq!(engine.stats.handler_runs.load(Ordering::Relaxed), 1);
+    running.stop().await;
+}
