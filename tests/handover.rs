@@ -12,8 +12,9 @@ use serde_json::{Value, json};
 use trailmark::domain::{IdempotencyKey, RunStatus};
 use trailmark::engine::Engine;
 use trailmark::failpoint::Failpoints;
+use trailmark::guard::Budget;
 use trailmark::model::{ChatMessage, ChatRequest};
-use trailmark::operator::{self, Decider};
+use trailmark::operator::{self, Decider, UndoOptions};
 use trailmark::store::{decisions, runs};
 use trailmark::workflow::{Registry, StepContext, StepError, StepKind, StepOutcome, Workflow};
 
@@ -172,7 +173,7 @@ async fn full_undo_reverses_every_write_newest_first_and_ends_compensated() {
         &engine,
         "r-undo",
         &who("supplier disputes everything"),
-        json!({}),
+        UndoOptions::everything(),
     )
     .await
     .unwrap();
@@ -201,6 +202,123 @@ async fn full_undo_reverses_every_write_newest_first_and_ends_compensated() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn undo_of_a_run_that_used_its_whole_tool_budget_still_reverses_everything() {
+    let env = TestEnv::new().await;
+    ledger(&env).await;
+    // Five payables and one mail: exactly the budget, so the forward run succeeds with none left.
+    let wf = payables().with_budget(Budget {
+        max_tool_calls: 6,
+        ..Default::default()
+    });
+    let (engine, running) = serve(&env, wf);
+    env.start_run("payables", "r-spent", json!({})).await;
+    env.wait_status("r-spent", RunStatus::Succeeded, WAIT).await;
+    operator::undo(
+        &engine,
+        "r-spent",
+        &who("wrong supplier file"),
+        UndoOptions::everything(),
+    )
+    .await
+    .unwrap();
+    let run = env
+        .wait_status("r-spent", RunStatus::Compensated, WAIT)
+        .await;
+    assert_eq!(run.error, None);
+    assert_eq!(payables_sum(&env).await, (10, 5, 0));
+    running.stop().await;
+}
+
+/// Posts two payables, then stops with an error nobody can classify: the run waits for a person
+/// with two writes of an unfinished step behind it.
+fn stops_halfway() -> Workflow {
+    Workflow::new("halfway", 1)
+        .step("post", StepKind::Write, |ctx| async move {
+            for (item, supplier, amount) in &ITEMS[..2] {
+                let key = IdempotencyKey::for_step(ctx.run_id(), "post", item);
+                let (pool, reference) = (ctx.pool().clone(), key.to_string());
+                ctx.effect(&key, &json!({"amount": amount}), |_| async move {
+                    insert(&pool, &reference, supplier, *amount, None).await
+                })
+                .await?;
+            }
+            Err(StepError::Unknown(
+                "the third payable's scan is unreadable".into(),
+            ))
+        })
+        .key_recipe("run_id:post:item")
+        .compensate("posts a reversal per payable", |_ctx| async move {
+            Ok(StepOutcome::next(json!({})))
+        })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn undo_refuses_to_leave_a_stopped_steps_writes_silently_and_lists_them_when_told_to() {
+    let env = TestEnv::new().await;
+    ledger(&env).await;
+    let (engine, running) = serve(&env, stops_halfway());
+    env.start_run("halfway", "r-half", json!({})).await;
+    env.wait_status("r-half", RunStatus::NeedsReview, WAIT)
+        .await;
+    let refused = operator::undo(
+        &engine,
+        "r-half",
+        &who("start over"),
+        UndoOptions::everything(),
+    )
+    .await
+    .unwrap_err()
+    .to_string();
+    for expected in [
+        "r-half:post:a1",
+        "r-half:post:a2",
+        "trailmark run resume r-half",
+        "--leave-partial",
+    ] {
+        assert!(
+            refused.contains(expected),
+            "{expected:?} missing from: {refused}"
+        );
+    }
+    let run = runs::get(&env.pool, "r-half").await.unwrap().unwrap();
+    assert_eq!(
+        run.status(),
+        RunStatus::NeedsReview,
+        "a refused undo changes nothing"
+    );
+    assert_eq!(payables_sum(&env).await, (2, 0, 30));
+
+    let opts = UndoOptions {
+        leave_partial: true,
+        ..UndoOptions::everything()
+    };
+    let outcome = operator::undo(&engine, "r-half", &who("reversing by hand"), opts)
+        .await
+        .unwrap();
+    assert!(
+        outcome.next.contains("r-half:post:a1, r-half:post:a2"),
+        "{}",
+        outcome.next
+    );
+    env.wait_status("r-half", RunStatus::Compensated, WAIT)
+        .await;
+    assert_eq!(
+        payables_sum(&env).await,
+        (2, 0, 30),
+        "left standing, as told"
+    );
+    let plan: Value = sqlx::query_scalar("SELECT undo FROM trailmark.runs WHERE run_id = 'r-half'")
+        .fetch_one(&env.pool)
+        .await
+        .unwrap();
+    assert_eq!(
+        plan["left_standing"],
+        json!(["r-half:post:a1", "r-half:post:a2"])
+    );
+    running.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn scoped_undo_reverses_only_the_selected_supplier() {
     let env = TestEnv::new().await;
     ledger(&env).await;
@@ -211,7 +329,7 @@ async fn scoped_undo_reverses_only_the_selected_supplier() {
         &engine,
         "r-scope",
         &who("S-07 says its mismatches were wrong"),
-        json!({"supplier": "S-07"}),
+        UndoOptions::scoped(json!({"supplier": "S-07"})),
     )
     .await
     .unwrap();

@@ -15,7 +15,7 @@ use serde_json::json;
 use trailmark::domain::RunStatus;
 use trailmark::engine::Engine;
 use trailmark::failpoint::Failpoints;
-use trailmark::operator::{self, Decider};
+use trailmark::operator::{self, Decider, UndoOptions};
 use trailmark::reference::night::Night;
 use trailmark::reference::{logic, mail, stock, undo};
 
@@ -54,9 +54,14 @@ async fn a_suppliers_correction_is_undone_with_reversals_and_one_withdrawal() {
         actor: "maria.ops".into(),
         reason: format!("{supplier} corrected its invoices"),
     };
-    operator::undo(&engine, &run_id, &who, json!({ "supplier": supplier }))
-        .await
-        .unwrap();
+    operator::undo(
+        &engine,
+        &run_id,
+        &who,
+        UndoOptions::scoped(json!({ "supplier": supplier })),
+    )
+    .await
+    .unwrap();
     r.env
         .wait_status(&run_id, RunStatus::Compensated, WAIT)
         .await;
@@ -164,7 +169,7 @@ async fn a_full_undo_reverses_every_entry_releases_all_stock_and_withdraws_each_
         actor: "maria.ops".into(),
         reason: "the whole night was run against the wrong price list".into(),
     };
-    operator::undo(&engine, &run_id, &who, json!({}))
+    operator::undo(&engine, &run_id, &who, UndoOptions::everything())
         .await
         .unwrap();
     r.env

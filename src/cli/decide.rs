@@ -6,7 +6,7 @@ use serde_json::Value;
 use crate::config::Settings;
 use crate::engine::Engine;
 use crate::failpoint::Failpoints;
-use crate::operator::{self, Decider, Outcome};
+use crate::operator::{self, Decider, Outcome, UndoOptions};
 use crate::workflow::{Registry, contract};
 
 /// A decision as typed on the command line.
@@ -21,6 +21,8 @@ pub enum Decision {
     Undo {
         /// Scope JSON.
         scope: Option<String>,
+        /// Go ahead although the stopped step's writes stay.
+        leave_partial: bool,
         /// Skip the confirmation.
         yes: bool,
     },
@@ -63,7 +65,11 @@ pub async fn decide(
         Decision::Resume { after_fix } => {
             operator::resume(&engine, run_id, &who, after_fix).await?
         }
-        Decision::Undo { scope, yes } => {
+        Decision::Undo {
+            scope,
+            leave_partial,
+            yes,
+        } => {
             let scope: Value = match scope.as_deref() {
                 Some(raw) => serde_json::from_str(raw)
                     .with_context(|| format!("--scope is not valid JSON: {raw}"))?,
@@ -80,7 +86,11 @@ pub async fn decide(
                 yes,
             )
             .await?;
-            operator::undo(&engine, run_id, &who, scope).await?
+            let opts = UndoOptions {
+                scope,
+                leave_partial,
+            };
+            operator::undo(&engine, run_id, &who, opts).await?
         }
         Decision::Cancel => operator::cancel(&engine, run_id, &who).await?,
         Decision::Approve { step } => operator::approve(&engine, run_id, &step, &who).await?,

@@ -59,6 +59,10 @@ pub enum RunCommand {
         /// Only the items this JSON selects, e.g. '{"supplier":"S-07"}'.
         #[arg(long)]
         scope: Option<String>,
+        /// Undo although the step that stopped recorded writes no compensation reverses
+        /// (listed in the decision; reverse them by hand).
+        #[arg(long)]
+        leave_partial: bool,
         /// Do not ask for confirmation.
         #[arg(long)]
         yes: bool,
@@ -142,6 +146,7 @@ pub async fn dispatch(
         RunCommand::Undo {
             run_id,
             scope,
+            leave_partial,
             yes,
             who,
         } => {
@@ -149,7 +154,11 @@ pub async fn dispatch(
                 settings,
                 registry,
                 &run_id,
-                Decision::Undo { scope, yes },
+                Decision::Undo {
+                    scope,
+                    leave_partial,
+                    yes,
+                },
                 who,
             )
             .await

@@ -12,7 +12,7 @@ use sqlx::{PgConnection, Postgres, Transaction};
 
 pub use human::{approve, reject};
 pub use resume::resume;
-pub use undo::undo;
+pub use undo::{UndoOptions, undo};
 
 use crate::domain::{RunId, RunStatus};
 use crate::engine::Engine;

@@ -6,11 +6,43 @@ use serde_json::{Value, json};
 use super::{Decider, Outcome, Result, enqueue, lock, record, refused, set_run};
 use crate::domain::RunStatus;
 use crate::engine::Engine;
+use crate::store::effects;
 use crate::workflow::undo_step_name;
 
-/// Starts undoing `run_id`. `scope` (e.g. `{"supplier": "S-07"}`) is handed to every
-/// compensation, which reverses only the items it selects; `{}` undoes everything.
-pub async fn undo(engine: &Engine, run_id: &str, who: &Decider, scope: Value) -> Result<Outcome> {
+/// What an undo covers.
+#[derive(Debug, Clone)]
+pub struct UndoOptions {
+    /// Handed to every compensation, which reverses only the items it selects (e.g.
+    /// `{"supplier": "S-07"}`); `{}` undoes everything.
+    pub scope: Value,
+    /// Go ahead although a step that stopped halfway recorded writes that no compensation
+    /// reverses (they are listed in the decision and left to the operator).
+    pub leave_partial: bool,
+}
+
+impl UndoOptions {
+    /// Undo everything the finished steps did.
+    pub fn everything() -> Self {
+        Self::scoped(json!({}))
+    }
+
+    /// Undo only what `scope` selects.
+    pub fn scoped(scope: Value) -> Self {
+        Self {
+            scope,
+            leave_partial: false,
+        }
+    }
+}
+
+/// Starts undoing `run_id`. Refused while a step that stopped halfway has recorded writes,
+/// unless `opts.leave_partial`: undo would silently leave them standing.
+pub async fn undo(
+    engine: &Engine,
+    run_id: &str,
+    who: &Decider,
+    opts: UndoOptions,
+) -> Result<Outcome> {
     let mut tx = engine.pool.begin().await?;
     let run = lock(&mut tx, run_id).await?;
     if matches!(run.status(), RunStatus::Running | RunStatus::Compensating) {
@@ -33,6 +65,21 @@ pub async fn undo(engine: &Engine, run_id: &str, who: &Decider, scope: Value) ->
             ),
         )
     })?;
+    let partial = effects::of_unfinished_steps(&mut *tx, &run.run_id).await?;
+    let left: Vec<&str> = partial.iter().map(|e| e.idempotency_key.as_str()).collect();
+    if !left.is_empty() && !opts.leave_partial {
+        return Err(refused(
+            &run,
+            "undo",
+            format!(
+                "the step at position {} stopped after recording {} write(s) that no compensation reverses (undo compensates finished steps only): {}. Finish it first (`trailmark run resume {}`, or with --after-fix), then undo; or undo with --leave-partial and reverse those writes by hand",
+                partial[0].seq,
+                left.len(),
+                left.join(", "),
+                run.run_id
+            ),
+        ));
+    }
     let done: Vec<(i32, String)> = sqlx::query_as(
         "SELECT seq, step FROM trailmark.steps WHERE run_id = $1 AND finished_at IS NOT NULL
             AND step NOT LIKE 'undo:%' ORDER BY seq DESC",
@@ -51,7 +98,14 @@ pub async fn undo(engine: &Engine, run_id: &str, who: &Decider, scope: Value) ->
     .bind(&run.run_id)
     .fetch_one(&mut *tx)
     .await?;
-    let plan = json!({ "scope": scope, "targets": targets });
+    let plan = json!({ "scope": opts.scope, "targets": targets, "left_standing": left });
+    let left_note = match left.len() {
+        0 => String::new(),
+        n => format!(
+            "; {n} write(s) of the step that stopped are left standing: {}",
+            left.join(", ")
+        ),
+    };
     sqlx::query("UPDATE trailmark.runs SET undo = $2 WHERE run_id = $1")
         .bind(&run.run_id)
         .bind(&plan)
@@ -67,7 +121,7 @@ pub async fn undo(engine: &Engine, run_id: &str, who: &Decider, scope: Value) ->
             run.workflow_version,
         )
         .await?;
-        let next = "nothing to undo: no completed step declares a compensation".into();
+        let next = format!("nothing to undo: no completed step declares a compensation{left_note}");
         return record(
             tx,
             &run,
@@ -96,7 +150,7 @@ pub async fn undo(engine: &Engine, run_id: &str, who: &Decider, scope: Value) ->
     .await?;
     enqueue(&mut tx, engine, &run, &step, next_seq, run.workflow_version).await?;
     let next = format!(
-        "{} compensations run newest first, each keyed undo:<original key>",
+        "{} compensations run newest first, each keyed undo:<original key>{left_note}",
         targets.len()
     );
     record(

@@ -192,3 +192,21 @@ pub async fn list(db: impl PgExecutor<'_>, run_id: &str) -> Result<Vec<EffectSum
     .fetch_all(db)
     .await?)
 }
+
+/// Effects recorded by positions that never finished (a step that stopped halfway), oldest
+/// first: writes that no compensation will reverse, since undo compensates finished steps only.
+pub async fn of_unfinished_steps(
+    db: impl PgExecutor<'_>,
+    run_id: &str,
+) -> Result<Vec<EffectSummary>> {
+    Ok(sqlx::query_as(
+        "SELECT e.idempotency_key, e.tool, e.seq, e.result IS NOT NULL AS completed
+           FROM trailmark.effects e
+           JOIN trailmark.steps s ON s.run_id = e.run_id AND s.seq = e.seq
+          WHERE e.run_id = $1 AND s.finished_at IS NULL
+          ORDER BY e.created_at, e.idempotency_key",
+    )
+    .bind(run_id)
+    .fetch_all(db)
+    .await?)
+}

@@ -164,7 +164,13 @@ impl StepContext {
         hash: &str,
         request: &Value,
     ) -> Result<effects::Known, StepError> {
-        let budget = &self.inner.pos.budget;
+        // The budget caps the run's own work. A compensation reverses that work, and a run that
+        // was stopped by its budget is exactly one an operator may want undone, so reversals are
+        // not counted against it (repeated-action detection still applies).
+        let max_calls = match self.undo() {
+            Some(_) => 0,
+            None => self.inner.pos.budget.max_tool_calls,
+        };
         let intent = effects::Intent {
             key,
             tool: &tool.name,
@@ -172,7 +178,7 @@ impl StepContext {
             seq: self.seq(),
             request_hash: hash,
             fence: self.fence(),
-            max_calls: budget.max_tool_calls,
+            max_calls,
             repeat_limit: self.services().settings.guards.repeat_limit,
         };
         let known = effects::begin(self.pool(), &intent).await?;
