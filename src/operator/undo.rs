@@ -1,13 +1,15 @@
 //! `run undo`: run the compensations of completed steps newest first, through the normal
 //! message pipeline, each checkpointed, so an interrupted undo resumes where it stopped.
 
+use std::sync::Arc;
+
 use serde_json::{Value, json};
 
 use super::{Decider, Outcome, Result, enqueue, lock, record, refused, set_run};
 use crate::domain::RunStatus;
 use crate::engine::Engine;
-use crate::store::effects;
-use crate::workflow::undo_step_name;
+use crate::store::{effects, runs, steps};
+use crate::workflow::{Workflow, undo_step_name};
 
 /// What an undo covers.
 #[derive(Debug, Clone)]
@@ -45,59 +47,15 @@ pub async fn undo(
 ) -> Result<Outcome> {
     let mut tx = engine.pool.begin().await?;
     let run = lock(&mut tx, run_id).await?;
-    if matches!(run.status(), RunStatus::Running | RunStatus::Compensating) {
-        return Err(refused(
-            &run,
-            "undo",
-            format!(
-                "it is {}; cancel it first (`trailmark run cancel {}`) or wait until it stops",
-                run.status, run.run_id
-            ),
-        ));
-    }
-    let wf = engine.registry.get(&run.workflow).ok_or_else(|| {
-        refused(
-            &run,
-            "undo",
-            format!(
-                "workflow {} is not deployed in this build, so its compensations are unknown",
-                run.workflow
-            ),
-        )
-    })?;
-    let partial = effects::of_unfinished_steps(&mut *tx, &run.run_id).await?;
-    let left: Vec<&str> = partial.iter().map(|e| e.idempotency_key.as_str()).collect();
-    if !left.is_empty() && !opts.leave_partial {
-        return Err(refused(
-            &run,
-            "undo",
-            format!(
-                "the step at position {} stopped after recording {} write(s) that no compensation reverses (undo compensates finished steps only): {}. Finish it first (`trailmark run resume {}`, or with --after-fix), then undo; or undo with --leave-partial and reverse those writes by hand",
-                partial[0].seq,
-                left.len(),
-                left.join(", "),
-                run.run_id
-            ),
-        ));
-    }
-    let done: Vec<(i32, String)> = sqlx::query_as(
-        "SELECT seq, step FROM trailmark.steps WHERE run_id = $1 AND finished_at IS NOT NULL
-            AND step NOT LIKE 'undo:%' ORDER BY seq DESC",
-    )
-    .bind(&run.run_id)
-    .fetch_all(&mut *tx)
-    .await?;
-    let targets: Vec<Value> = done
+    let wf = undoable(engine, &run)?;
+    let left = partial_writes(&mut tx, &run, opts.leave_partial).await?;
+    let targets: Vec<Value> = steps::finished_forward(&mut *tx, &run.run_id)
+        .await?
         .iter()
         .filter(|(_, step)| wf.find(step).is_some_and(|d| d.compensation.is_some()))
         .map(|(seq, step)| json!({ "seq": seq, "step": step }))
         .collect();
-    let next_seq: i32 = sqlx::query_scalar(
-        "SELECT COALESCE(max(seq), -1) + 1 FROM trailmark.steps WHERE run_id = $1",
-    )
-    .bind(&run.run_id)
-    .fetch_one(&mut *tx)
-    .await?;
+    let next_seq = steps::next_position(&mut *tx, &run.run_id).await?;
     let plan = json!({ "scope": opts.scope, "targets": targets, "left_standing": left });
     let left_note = match left.len() {
         0 => String::new(),
@@ -106,11 +64,7 @@ pub async fn undo(
             left.join(", ")
         ),
     };
-    sqlx::query("UPDATE trailmark.runs SET undo = $2 WHERE run_id = $1")
-        .bind(&run.run_id)
-        .bind(&plan)
-        .execute(&mut *tx)
-        .await?;
+    runs::set_undo_plan(&mut *tx, &run.run_id, &plan).await?;
     let Some(first) = targets.first() else {
         set_run(
             &mut tx,
@@ -165,4 +119,53 @@ pub async fn undo(
         next,
     )
     .await
+}
+
+/// The run's workflow, when the run may be undone: stopped, and its compensations deployed.
+fn undoable(engine: &Engine, run: &runs::RunRow) -> Result<Arc<Workflow>> {
+    if matches!(run.status(), RunStatus::Running | RunStatus::Compensating) {
+        return Err(refused(
+            run,
+            "undo",
+            format!(
+                "it is {}; cancel it first (`trailmark run cancel {}`) or wait until it stops",
+                run.status, run.run_id
+            ),
+        ));
+    }
+    engine.registry.get(&run.workflow).ok_or_else(|| {
+        refused(
+            run,
+            "undo",
+            format!(
+                "workflow {} is not deployed in this build, so its compensations are unknown",
+                run.workflow
+            ),
+        )
+    })
+}
+
+/// Keys of the writes recorded by a step that stopped halfway: no compensation reverses them, so
+/// undo is refused unless the operator said to leave them (`leave`).
+async fn partial_writes(
+    tx: &mut sqlx::PgConnection,
+    run: &runs::RunRow,
+    leave: bool,
+) -> Result<Vec<String>> {
+    let partial = effects::of_unfinished_steps(&mut *tx, &run.run_id).await?;
+    let keys: Vec<String> = partial.iter().map(|e| e.idempotency_key.clone()).collect();
+    if keys.is_empty() || leave {
+        return Ok(keys);
+    }
+    Err(refused(
+        run,
+        "undo",
+        format!(
+            "the step at position {} stopped after recording {} write(s) that no compensation reverses (undo compensates finished steps only): {}. Finish it first (`trailmark run resume {}`, or with --after-fix), then undo; or undo with --leave-partial and reverse those writes by hand",
+            partial[0].seq,
+            keys.len(),
+            keys.join(", "),
+            run.run_id
+        ),
+    ))
 }

@@ -253,3 +253,13 @@ pub async fn heartbeat(
     .await?;
     Ok(done.rows_affected() == 1)
 }
+
+/// Stores the undo plan its compensation steps read (targets, scope, writes left standing).
+pub async fn set_undo_plan(db: impl PgExecutor<'_>, run_id: &str, plan: &Value) -> Result<()> {
+    sqlx::query("UPDATE trailmark.runs SET undo = $2 WHERE run_id = $1")
+        .bind(run_id)
+        .bind(plan)
+        .execute(db)
+        .await?;
+    Ok(())
+}

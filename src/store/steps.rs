@@ -66,3 +66,24 @@ pub async fn output_at(db: impl PgExecutor<'_>, run_id: &RunId, seq: i32) -> Res
             .flatten(),
     )
 }
+
+/// The run's finished forward steps (not compensations), newest first: what undo may reverse.
+pub async fn finished_forward(db: impl PgExecutor<'_>, run_id: &str) -> Result<Vec<(i32, String)>> {
+    Ok(sqlx::query_as(
+        "SELECT seq, step FROM trailmark.steps WHERE run_id = $1 AND finished_at IS NOT NULL
+            AND step NOT LIKE 'undo:%' ORDER BY seq DESC",
+    )
+    .bind(run_id)
+    .fetch_all(db)
+    .await?)
+}
+
+/// The first position after every step the run has claimed.
+pub async fn next_position(db: impl PgExecutor<'_>, run_id: &str) -> Result<i32> {
+    Ok(sqlx::query_scalar(
+        "SELECT COALESCE(max(seq), -1) + 1 FROM trailmark.steps WHERE run_id = $1",
+    )
+    .bind(run_id)
+    .fetch_one(db)
+    .await?)
+}
