@@ -98,10 +98,13 @@ async fn kill_inside_step_100_and_resume(
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn killed_after_a_commit_before_publishing_the_relay_delivers_the_next_step() {
+async fn killed_after_a_commit_before_publishing_the_relay_delivers_the_next_step_at_once() {
     let env = TestEnv::new().await;
+    // A grace far beyond the test's patience: the relay may take the unpublished row only
+    // because its committer's presence connection is gone, not because the grace ran out.
+    let grace = [("TRAILMARK__RELAY__EAGER_GRACE_MS", "3600000".to_owned())];
     // Step 50 commits, then its worker dies before it publishes step 51 and acks step 50.
-    let mut first = env.spawn_process(Some("step.after_commit=kill@50"));
+    let mut first = env.spawn_process_with(Some("step.after_commit=kill@50"), &grace);
     env.start_run("chain", "r-unpublished", json!({"steps": 100}))
         .await;
     let status = tokio::task::spawn_blocking(move || first.wait())
@@ -109,7 +112,7 @@ async fn killed_after_a_commit_before_publishing_the_relay_delivers_the_next_ste
         .unwrap();
     assert_eq!(status.signal(), Some(9), "{status:?}");
     assert_eq!(env.steps_done("r-unpublished").await, 50);
-    let _second = env.spawn_process(None);
+    let _second = env.spawn_process_with(None, &grace);
     env.wait_status("r-unpublished", RunStatus::Succeeded, WAIT)
         .await;
     assert_eq!(env.chain_ledger("r-unpublished").await, (100, 100));

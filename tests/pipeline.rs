@@ -288,6 +288,7 @@ async fn commit_first_step(
         headers: Default::default(),
         body: b"{}".to_vec(),
         relay_after_ms: 0,
+        holder_pid: None,
     };
     let step = checkpoint::StepCommit {
         run_id,

@@ -23,6 +23,9 @@ pub struct OutgoingMessage {
     pub body: Vec<u8>,
     /// How long the relay leaves the row alone, because its committer publishes it itself.
     pub relay_after_ms: i64,
+    /// The committer's presence backend pid: once that backend is gone, the relay takes the row
+    /// without waiting for `relay_after_ms`.
+    pub holder_pid: Option<i32>,
 }
 
 /// A claimed outbox row.
@@ -45,17 +48,17 @@ pub struct OutboxRow {
 /// The `INSERT` of outbox rows bound by [`bind_rows`] from parameter `$first` on; `filter` may
 /// add a `WHERE` clause (the step commit's fence).
 pub(crate) fn insert_sql(first: usize, filter: &str) -> String {
-    let p: Vec<String> = (first..first + 6).map(|i| format!("${i}")).collect();
+    let p: Vec<String> = (first..first + 7).map(|i| format!("${i}")).collect();
     format!(
-        "INSERT INTO trailmark.outbox (message_id, exchange, routing_key, headers, body, available_at)
-         SELECT m, x, k, h, b, now() + make_interval(secs => d)
-           FROM UNNEST({}::uuid[], {}::text[], {}::text[], {}::jsonb[], {}::bytea[], {}::float8[])
-             AS u(m, x, k, h, b, d) {filter}",
-        p[0], p[1], p[2], p[3], p[4], p[5]
+        "INSERT INTO trailmark.outbox (message_id, exchange, routing_key, headers, body, available_at, holder_pid)
+         SELECT m, x, k, h, b, now() + make_interval(secs => d), pid
+           FROM UNNEST({}::uuid[], {}::text[], {}::text[], {}::jsonb[], {}::bytea[], {}::float8[], {}::int4[])
+             AS u(m, x, k, h, b, d, pid) {filter}",
+        p[0], p[1], p[2], p[3], p[4], p[5], p[6]
     )
 }
 
-/// Binds `messages` as the six arrays [`insert_sql`] expects.
+/// Binds `messages` as the seven arrays [`insert_sql`] expects.
 pub(crate) fn bind_rows<'q>(q: PgQuery<'q>, messages: &[OutgoingMessage]) -> PgQuery<'q> {
     let headers: Vec<serde_json::Value> = messages
         .iter()
@@ -87,6 +90,7 @@ pub(crate) fn bind_rows<'q>(q: PgQuery<'q>, messages: &[OutgoingMessage]) -> PgQ
                 .map(|m| m.relay_after_ms as f64 / 1000.0)
                 .collect::<Vec<_>>(),
         )
+        .bind(messages.iter().map(|m| m.holder_pid).collect::<Vec<_>>())
 }
 
 static INSERT: LazyLock<String> = LazyLock::new(|| insert_sql(1, ""));
@@ -102,11 +106,15 @@ pub async fn insert(db: impl PgExecutor<'_>, messages: &[OutgoingMessage]) -> Re
     Ok(())
 }
 
-/// Locks up to `limit` unpublished rows that no other relay holds, oldest first.
+/// Locks up to `limit` unpublished rows that no other relay holds, oldest first: rows that are
+/// available, and rows held for a committer that has died (its presence backend is gone).
 pub async fn claim(db: impl PgExecutor<'_>, limit: i64) -> Result<Vec<OutboxRow>> {
     Ok(sqlx::query_as(
         "SELECT id, message_id, exchange, routing_key, headers, body FROM trailmark.outbox
-          WHERE published_at IS NULL AND available_at <= now()
+          WHERE published_at IS NULL
+            AND (available_at <= now()
+                 OR (holder_pid IS NOT NULL
+                     AND holder_pid NOT IN (SELECT pid FROM pg_stat_activity WHERE pid IS NOT NULL)))
           ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED",
     )
     .bind(limit)

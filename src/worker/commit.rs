@@ -131,10 +131,13 @@ pub(super) async fn commit(
 }
 
 /// Keeps the relay off rows this worker will publish itself after the commit (for
-/// `relay.eager_grace_ms`; 0 turns eager publishing off and the relay publishes at once).
+/// `relay.eager_grace_ms`, or until this process's presence connection is gone; 0 turns eager
+/// publishing off and the relay publishes at once).
 pub(super) fn hold_for_eager_publish(engine: &Engine, messages: &mut [OutgoingMessage]) {
+    let holder = super::presence::pid(engine);
     for m in messages {
         m.relay_after_ms = engine.settings.relay.eager_grace_ms;
+        m.holder_pid = holder;
     }
 }
 
@@ -204,6 +207,7 @@ pub fn step_message(
         headers,
         body: msg.encode(),
         relay_after_ms: 0,
+        holder_pid: None,
     }
 }
 

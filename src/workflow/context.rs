@@ -186,6 +186,7 @@ impl StepContext {
             headers,
             body,
             relay_after_ms: 0,
+            holder_pid: None,
         };
         self.inner.outgoing.lock().expect("outgoing lock").push(msg);
     }
