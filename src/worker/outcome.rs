@@ -78,6 +78,10 @@ pub(super) async fn settle(
         }
         Disposition::Delay(delay) => {
             Stats::bump(&engine.stats.delayed);
+            tracing::info!(
+                delay_ms = delay.as_millis() as u64,
+                "another live worker holds the run's lease; the message waits in the delay queue"
+            );
             publisher.publish(&delayed(engine, delivery, *delay)).await
         }
         Disposition::DeadLetter { reason, detail } => {

@@ -183,12 +183,9 @@ async fn claim(
         presence_pid: super::presence::pid(engine),
         message: (STEP_CONSUMER, msg.message_id),
     };
-    let claim = match runs::claim(&engine.pool, &request).await? {
-        runs::ClaimOutcome::Claimed(claim) => claim,
-        runs::ClaimOutcome::Duplicate => return Ok(Claimed::No(Disposition::Duplicate)),
-        runs::ClaimOutcome::Refused => {
-            return Ok(Claimed::No(why_not_claimed(engine, msg).await?));
-        }
+    let claim = match claim_or_recheck(engine, msg, &request).await? {
+        Ok(claim) => claim,
+        Err(disposition) => return Ok(Claimed::No(disposition)),
     };
     engine.failpoints.hit("step.after_claim").map_err(infra)?;
     let status = claim.status.parse().unwrap_or(RunStatus::Running);
@@ -252,6 +249,34 @@ fn next_compensation(plan: Option<&serde_json::Value>, current: &str) -> Option<
         next["step"].as_str()?,
         next["seq"].as_i64()? as i32,
     ))
+}
+
+/// Pauses before re-trying a claim refused because another worker holds the lease. A message
+/// redelivered from a worker that was just killed usually arrives before that worker's presence
+/// backend has exited (milliseconds later), and a delay queue would hold it for a whole second.
+const BUSY_RECHECKS_MS: [u64; 3] = [10, 40, 150];
+
+/// Claims, re-checking a busy lease a few times within about 0.2 s before giving up on it.
+async fn claim_or_recheck(
+    engine: &Arc<Engine>,
+    msg: &StepMessage,
+    request: &runs::ClaimRequest<'_>,
+) -> store::Result<Result<runs::Claim, Disposition>> {
+    let mut pauses = BUSY_RECHECKS_MS.iter();
+    loop {
+        match runs::claim(&engine.pool, request).await? {
+            runs::ClaimOutcome::Claimed(claim) => return Ok(Ok(claim)),
+            runs::ClaimOutcome::Duplicate => return Ok(Err(Disposition::Duplicate)),
+            runs::ClaimOutcome::Refused => {}
+        }
+        let why = why_not_claimed(engine, msg).await?;
+        match (&why, pauses.next()) {
+            (Disposition::Delay(_), Some(ms)) => {
+                tokio::time::sleep(Duration::from_millis(*ms)).await
+            }
+            _ => return Ok(Err(why)),
+        }
+    }
 }
 
 async fn why_not_claimed(engine: &Arc<Engine>, msg: &StepMessage) -> store::Result<Disposition> {
