@@ -122,6 +122,14 @@ pub async fn drain_batch(engine: &Engine, publisher: &Publisher) -> Result<usize
         .stats
         .relayed
         .fetch_add(ok.len() as u64, std::sync::atomic::Ordering::Relaxed);
+    // With eager publishing on, rows reach the relay only from operators, the supervisor, or a
+    // worker that died between commit and publish: worth a line each time. Without it, every
+    // message passes here.
+    if engine.settings.relay.eager_grace_ms > 0 {
+        tracing::info!(rows = ok.len(), "relay published outbox rows");
+    } else {
+        tracing::debug!(rows = ok.len(), "relay published outbox rows");
+    }
     if let Some(e) = first_error {
         // A refused message stays in the outbox and is tried again; a dead channel reconnects.
         tracing::error!(error = %e, failed = failed.len(), "relay could not publish some outbox rows");
