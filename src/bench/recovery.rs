@@ -34,7 +34,7 @@ pub struct Recovery {
     pub stranded_runs: usize,
     /// Kill to the first stranded run's next commit (ms).
     pub stranded_first_ms: f64,
-    /// Kill to the last stranded run's next commit (ms): when every run was moving again.
+    /// Kill to the last stranded run's next commit (ms); includes its wait behind a queued backlog.
     pub stranded_all_ms: f64,
     /// Ledger rows and distinct references after all runs finished (both should be runs x steps).
     pub ledger_rows: i64,
