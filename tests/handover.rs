@@ -162,23 +162,32 @@ async fn payables_sum(env: &TestEnv) -> (i64, i64, i64) {
     .unwrap()
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn full_undo_reverses_every_write_newest_first_and_ends_compensated() {
+/// Serves `wf` (the `payables` ledger in place), runs `run_id` to success, undoes it with `opts`
+/// and waits until the undo has finished.
+async fn succeed_then_undo(wf: Workflow, run_id: &str, reason: &str, opts: UndoOptions) -> TestEnv {
     let env = TestEnv::new().await;
     ledger(&env).await;
-    let (engine, running) = serve(&env, payables());
-    env.start_run("payables", "r-undo", json!({})).await;
-    env.wait_status("r-undo", RunStatus::Succeeded, WAIT).await;
-    operator::undo(
-        &engine,
+    let (engine, running) = serve(&env, wf);
+    env.start_run("payables", run_id, json!({})).await;
+    env.wait_status(run_id, RunStatus::Succeeded, WAIT).await;
+    operator::undo(&engine, run_id, &who(reason), opts)
+        .await
+        .unwrap();
+    let run = env.wait_status(run_id, RunStatus::Compensated, WAIT).await;
+    assert_eq!(run.error, None);
+    running.stop().await;
+    env
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn full_undo_reverses_every_write_newest_first_and_ends_compensated() {
+    let env = succeed_then_undo(
+        payables(),
         "r-undo",
-        &who("supplier disputes everything"),
+        "supplier disputes everything",
         UndoOptions::everything(),
     )
-    .await
-    .unwrap();
-    env.wait_status("r-undo", RunStatus::Compensated, WAIT)
-        .await;
+    .await;
     assert_eq!(
         payables_sum(&env).await,
         (10, 5, 0),
@@ -198,35 +207,23 @@ async fn full_undo_reverses_every_write_newest_first_and_ends_compensated() {
         .await
         .unwrap();
     assert_eq!(order, vec!["undo:notify@1", "undo:post@0"], "newest first");
-    running.stop().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn undo_of_a_run_that_used_its_whole_tool_budget_still_reverses_everything() {
-    let env = TestEnv::new().await;
-    ledger(&env).await;
     // Five payables and one mail: exactly the budget, so the forward run succeeds with none left.
     let wf = payables().with_budget(Budget {
         max_tool_calls: 6,
         ..Default::default()
     });
-    let (engine, running) = serve(&env, wf);
-    env.start_run("payables", "r-spent", json!({})).await;
-    env.wait_status("r-spent", RunStatus::Succeeded, WAIT).await;
-    operator::undo(
-        &engine,
+    let env = succeed_then_undo(
+        wf,
         "r-spent",
-        &who("wrong supplier file"),
+        "wrong supplier file",
         UndoOptions::everything(),
     )
-    .await
-    .unwrap();
-    let run = env
-        .wait_status("r-spent", RunStatus::Compensated, WAIT)
-        .await;
-    assert_eq!(run.error, None);
+    .await;
     assert_eq!(payables_sum(&env).await, (10, 5, 0));
-    running.stop().await;
 }
 
 /// Posts two payables, then stops with an error nobody can classify: the run waits for a person
@@ -320,21 +317,13 @@ async fn undo_refuses_to_leave_a_stopped_steps_writes_silently_and_lists_them_wh
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn scoped_undo_reverses_only_the_selected_supplier() {
-    let env = TestEnv::new().await;
-    ledger(&env).await;
-    let (engine, running) = serve(&env, payables());
-    env.start_run("payables", "r-scope", json!({})).await;
-    env.wait_status("r-scope", RunStatus::Succeeded, WAIT).await;
-    operator::undo(
-        &engine,
+    let env = succeed_then_undo(
+        payables(),
         "r-scope",
-        &who("S-07 says its mismatches were wrong"),
+        "S-07 says its mismatches were wrong",
         UndoOptions::scoped(json!({"supplier": "S-07"})),
     )
-    .await
-    .unwrap();
-    env.wait_status("r-scope", RunStatus::Compensated, WAIT)
-        .await;
+    .await;
     let reversed: Vec<String> = sqlx::query_scalar(
         "SELECT reverses FROM payables WHERE reverses IS NOT NULL ORDER BY reverses",
     )
@@ -353,7 +342,6 @@ async fn scoped_undo_reverses_only_the_selected_supplier() {
         ("undo", "maria.ops")
     );
     assert_eq!(decisions[0].details["scope"], json!({"supplier": "S-07"}));
-    running.stop().await;
 }
 
 /// A model step, then a write step that fails while `broken` is set.
