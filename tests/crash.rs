@@ -78,13 +78,11 @@ async fn kill_inside_step_100_and_resume(
     let _second = env.spawn_process(None);
     env.wait_status(run_id, RunStatus::Succeeded, WAIT).await;
     assert_eq!(env.chain_ledger(run_id).await, (150, 150));
-    let seq99 = env
-        .scalar(
-            "SELECT attempts::bigint FROM trailmark.steps WHERE run_id = $1 AND seq = 99",
-            run_id,
-        )
-        .await;
-    assert_eq!(seq99, 2, "the interrupted step ran again");
+    assert_eq!(
+        env.attempts(run_id, 99).await,
+        2,
+        "the interrupted step ran again"
+    );
     assert_eq!(
         attempts(env, run_id).await,
         (151, 1),
@@ -192,12 +190,7 @@ async fn a_worker_frozen_past_its_lease_cannot_write_when_it_wakes() {
     };
     assert!(refusal.contains("r-frozen"), "{refusal}");
     assert_eq!(env.chain_ledger("r-frozen").await, (3, 3));
-    let seq1 = env
-        .scalar(
-            "SELECT attempts::bigint FROM trailmark.steps WHERE run_id = $1 AND seq = 1",
-            "r-frozen",
-        )
-        .await;
+    let seq1 = env.attempts("r-frozen", 1).await;
     assert_eq!(seq1, 2, "the second worker re-ran the frozen step");
     let run = trailmark::store::runs::get(&env.pool, "r-frozen")
         .await

@@ -430,12 +430,7 @@ async fn an_expired_lease_with_no_message_left_is_requeued_by_the_supervisor() {
     env.wait_status("r-orphan", RunStatus::Succeeded, WAIT)
         .await;
     assert_eq!(engine.stats.lease_recoveries.load(Ordering::Relaxed), 1);
-    let attempts = env
-        .scalar(
-            "SELECT attempts::bigint FROM trailmark.steps WHERE run_id = $1 AND seq = 0",
-            "r-orphan",
-        )
-        .await;
+    let attempts = env.attempts("r-orphan", 0).await;
     assert_eq!(attempts, 2, "the ghost's claim and the re-queued step");
     let run = runs::get(&env.pool, "r-orphan").await.unwrap().unwrap();
     assert!(
@@ -462,11 +457,7 @@ async fn a_step_longer_than_its_lease_keeps_it_by_heartbeat_and_runs_once() {
     .await;
     env.wait_status("r-long", RunStatus::Succeeded, WAIT).await;
     assert_eq!(
-        env.scalar(
-            "SELECT attempts::bigint FROM trailmark.steps WHERE run_id = $1 AND seq = 0",
-            "r-long",
-        )
-        .await,
+        env.attempts("r-long", 0).await,
         1,
         "the step was taken from its live worker"
     );

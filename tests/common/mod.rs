@@ -231,6 +231,18 @@ impl TestEnv {
         .await
     }
 
+    /// How many times position `seq` of a run was claimed (0 when never).
+    pub async fn attempts(&self, run_id: &str, seq: i32) -> i64 {
+        sqlx::query_scalar(
+            "SELECT COALESCE(sum(attempts), 0)::bigint FROM trailmark.steps WHERE run_id = $1 AND seq = $2",
+        )
+        .bind(run_id)
+        .bind(seq)
+        .fetch_one(&self.pool)
+        .await
+        .expect("read attempts")
+    }
+
     /// The `trailmark` binary with this environment's settings.
     pub fn command(&self, args: &[&str]) -> Command {
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_trailmark"));
