@@ -112,9 +112,7 @@ pub async fn claim(db: impl PgExecutor<'_>, limit: i64) -> Result<Vec<OutboxRow>
     Ok(sqlx::query_as(
         "SELECT id, message_id, exchange, routing_key, headers, body FROM trailmark.outbox
           WHERE published_at IS NULL
-            AND (available_at <= now()
-                 OR (holder_pid IS NOT NULL
-                     AND holder_pid NOT IN (SELECT pid FROM pg_stat_activity WHERE pid IS NOT NULL)))
+            AND (available_at <= now() OR trailmark.process_gone(holder_pid))
           ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED",
     )
     .bind(limit)

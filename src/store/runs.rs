@@ -189,8 +189,7 @@ pub async fn claim(db: impl PgExecutor<'_>, r: &ClaimRequest<'_>) -> Result<Clai
              WHERE run_id = $1 AND step_seq = $2 AND status IN ('running', 'compensating')
                AND NOT EXISTS (SELECT 1 FROM seen)
                AND (lease_owner IS NULL OR lease_expires_at < now() OR lease_owner = $3
-                    OR (lease_pid IS NOT NULL
-                        AND NOT EXISTS (SELECT 1 FROM pg_stat_activity WHERE pid = lease_pid)))
+                    OR trailmark.process_gone(lease_pid))
             RETURNING fence, status, input, EXTRACT(EPOCH FROM now() - created_at)::float8 AS age_secs, undo
          ), attempt AS (
             INSERT INTO trailmark.steps (run_id, seq, step, attempts) SELECT $1, $2, $6, 1 FROM claimed
