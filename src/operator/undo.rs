@@ -161,11 +161,26 @@ async fn partial_writes(
         run,
         "undo",
         format!(
-            "the step at position {} stopped after recording {} write(s) that no compensation reverses (undo compensates finished steps only): {}. Finish it first (`trailmark run resume {}`, or with --after-fix), then undo; or undo with --leave-partial and reverse those writes by hand",
+            "the step at position {} stopped after recording {} write(s) that no compensation reverses (undo compensates finished steps only): {}. {}; or undo with --leave-partial and reverse those writes by hand",
             partial[0].seq,
             keys.len(),
             keys.join(", "),
-            run.run_id
+            finish_first(run)
         ),
     ))
+}
+
+/// How the operator can let the stopped step finish before undoing, for the run's status.
+fn finish_first(run: &runs::RunRow) -> String {
+    match run.status() {
+        RunStatus::NeedsReview => format!(
+            "Finish it first (`trailmark run resume {}`, or with --after-fix), then undo",
+            run.run_id
+        ),
+        RunStatus::Waiting => format!(
+            "It waits for a decision: approve it first (`trailmark run approve {} --step ...`), then undo",
+            run.run_id
+        ),
+        status => format!("The run is {status}, so that step cannot be finished any more"),
+    }
 }

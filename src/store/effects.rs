@@ -193,8 +193,10 @@ pub async fn list(db: impl PgExecutor<'_>, run_id: &str) -> Result<Vec<EffectSum
     .await?)
 }
 
-/// Effects recorded by positions that never finished (a step that stopped halfway), oldest
+/// Effects recorded by forward steps that never finished (a step that stopped halfway), oldest
 /// first: writes that no compensation will reverse, since undo compensates finished steps only.
+/// A compensation that stopped halfway is left out: it is itself a reversal, keyed, and the next
+/// undo runs it again under the same keys.
 pub async fn of_unfinished_steps(
     db: impl PgExecutor<'_>,
     run_id: &str,
@@ -203,7 +205,7 @@ pub async fn of_unfinished_steps(
         "SELECT e.idempotency_key, e.tool, e.seq, e.result IS NOT NULL AS completed
            FROM trailmark.effects e
            JOIN trailmark.steps s ON s.run_id = e.run_id AND s.seq = e.seq
-          WHERE e.run_id = $1 AND s.finished_at IS NULL
+          WHERE e.run_id = $1 AND s.finished_at IS NULL AND s.step NOT LIKE 'undo:%'
           ORDER BY e.created_at, e.idempotency_key",
     )
     .bind(run_id)
