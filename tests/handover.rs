@@ -226,6 +226,77 @@ async fn undo_of_a_run_that_used_its_whole_tool_budget_still_reverses_everything
     assert_eq!(payables_sum(&env).await, (10, 5, 0));
 }
 
+/// One payable whose compensation posts its reversal and then, while `broken`, stops with an
+/// error nobody can classify: an undo that stops halfway, in `needs_review`.
+fn reversal_stops(broken: Arc<AtomicBool>) -> Workflow {
+    Workflow::new("payables", 1)
+        .step("post", StepKind::Write, |ctx| async move {
+            let key = IdempotencyKey::for_step(ctx.run_id(), "post", "a1");
+            let (pool, reference) = (ctx.pool().clone(), key.to_string());
+            ctx.effect(&key, &json!({"amount": 10}), |_| async move {
+                insert(&pool, &reference, "S-01", 10, None).await
+            })
+            .await?;
+            Ok(StepOutcome::next(json!({})))
+        })
+        .key_recipe("run_id:post:item")
+        .compensate("posts a reversal", move |ctx| {
+            let broken = broken.clone();
+            async move {
+                let original = IdempotencyKey::for_step(ctx.run_id(), "post", "a1");
+                let (pool, reference, orig) = (
+                    ctx.pool().clone(),
+                    original.undo_of().to_string(),
+                    original.to_string(),
+                );
+                ctx.effect(
+                    &original.undo_of(),
+                    &json!({"amount": -10}),
+                    |_| async move { insert(&pool, &reference, "S-01", -10, Some(&orig)).await },
+                )
+                .await?;
+                if broken.load(Ordering::SeqCst) {
+                    return Err(StepError::Unknown("the ledger's reply looked odd".into()));
+                }
+                Ok(StepOutcome::next(json!({})))
+            }
+        })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_undo_that_stopped_halfway_can_be_undone_again_without_leaving_its_reversals() {
+    let env = TestEnv::new().await;
+    ledger(&env).await;
+    let broken = Arc::new(AtomicBool::new(true));
+    let (engine, running) = serve(&env, reversal_stops(broken.clone()));
+    env.start_run("payables", "r-again", json!({})).await;
+    env.wait_status("r-again", RunStatus::Succeeded, WAIT).await;
+    operator::undo(
+        &engine,
+        "r-again",
+        &who("wrong file"),
+        UndoOptions::everything(),
+    )
+    .await
+    .unwrap();
+    env.wait_status("r-again", RunStatus::NeedsReview, WAIT)
+        .await;
+    broken.store(false, Ordering::SeqCst);
+    // The stopped compensation's own reversal is not a write left standing: undo goes ahead.
+    operator::undo(
+        &engine,
+        "r-again",
+        &who("ledger checked"),
+        UndoOptions::everything(),
+    )
+    .await
+    .unwrap();
+    env.wait_status("r-again", RunStatus::Compensated, WAIT)
+        .await;
+    assert_eq!(payables_sum(&env).await, (2, 1, 0), "one reversal, once");
+    running.stop().await;
+}
+
 /// Posts two payables, then stops with an error nobody can classify: the run waits for a person
 /// with two writes of an unfinished step behind it.
 fn stops_halfway() -> Workflow {
