@@ -67,6 +67,8 @@ pub struct BrokerSettings {
 pub struct WorkerSettings {
     /// Deliveries in flight at once (also the channel prefetch).
     pub concurrency: u16,
+    /// Most claims or step commits run as one statement (group commit; 1 = none).
+    pub max_batch: usize,
     /// Lease length in seconds, measured on the database clock.
     pub lease_secs: u64,
     /// Heartbeat period in seconds; must be well under `lease_secs`.
@@ -171,6 +173,12 @@ impl Settings {
         if self.worker.concurrency == 0 {
             return Err(Error("worker.concurrency must be at least 1".into()));
         }
+        if self.worker.max_batch == 0 {
+            return Err(Error(
+                "worker.max_batch must be at least 1 (1 runs every claim and step commit alone)"
+                    .into(),
+            ));
+        }
         Ok(())
     }
 }
@@ -212,6 +220,14 @@ mod tests {
         let s = Settings::load_from(None).expect("defaults load");
         assert!(s.database.url.contains("127.0.0.1"));
         assert_eq!(s.broker.prefix, "trailmark");
+    }
+
+    #[test]
+    fn a_group_commit_size_of_zero_is_refused_naming_the_key() {
+        let mut s = Settings::load_from(None).expect("defaults load");
+        s.worker.max_batch = 0;
+        let e = s.validate().expect_err("max_batch 0 accepted");
+        assert!(e.to_string().contains("worker.max_batch"), "{e}");
     }
 
     #[test]

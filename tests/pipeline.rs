@@ -237,10 +237,10 @@ async fn relay_crash_between_confirm_and_mark_publishes_twice_consumes_once() {
 /// Claims run `run_id` at position 0 for `owner`, as a delivery of a fresh message would.
 async fn claim(env: &TestEnv, run_id: &RunId, owner: &str, lease_secs: f64) -> runs::Claim {
     let request = runs::ClaimRequest {
-        run_id,
+        run_id: run_id.clone(),
         seq: 0,
-        step: "link",
-        owner,
+        step: "link".into(),
+        owner: owner.into(),
         lease_secs,
         presence_pid: None,
         message: ("steps", MessageId::new()),
@@ -291,22 +291,22 @@ async fn commit_first_step(
         holder_pid: None,
     };
     let step = checkpoint::StepCommit {
-        run_id,
+        run_id: run_id.clone(),
         fence,
-        step: "link",
+        step: "link".into(),
         to: checkpoint::Advance {
             seq: 0,
-            next_step: Some("link"),
+            next_step: Some("link".into()),
             status: RunStatus::Running,
             output: None,
             error: None,
             handover: None,
         },
-        step_output: Some(&output),
+        step_output: Some(output),
         finished: true,
         inbox: ("steps", message),
-        parked: &[("inv-1".to_owned(), "unreadable".to_owned())],
-        outbox: std::slice::from_ref(&queued),
+        parked: vec![("inv-1".to_owned(), "unreadable".to_owned())],
+        outbox: vec![queued],
     };
     checkpoint::commit(&env.pool, &step).await
 }
@@ -513,10 +513,10 @@ async fn a_live_worker_keeps_its_lease_after_its_presence_connection_is_reopened
     // Another worker with a fresh delivery of the same step must not get the run.
     let run_id = RunId::parse("r-presence").unwrap();
     let request = runs::ClaimRequest {
-        run_id: &run_id,
+        run_id: run_id.clone(),
         seq: 0,
-        step: "link",
-        owner: "another-worker/1",
+        step: "link".into(),
+        owner: "another-worker/1".into(),
         lease_secs: 30.0,
         presence_pid: None,
         message: ("steps", MessageId::new()),

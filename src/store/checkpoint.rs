@@ -1,145 +1,217 @@
 //! The step commit (DESIGN.md §4 step 5) as one statement: inbox row, fenced run advance,
-//! checkpoint, parked items and outbox rows, all or nothing.
+//! checkpoint, parked items and outbox rows, all or nothing, for one step or for several steps
+//! that reached their commit at the same moment (group commit).
 //!
-//! One statement instead of a transaction of six: a step's cost is dominated by round trips, and
-//! a single statement is atomic by itself. The one case that needs a rollback (the inbox row went
-//! in but the fence check failed) is handled inside the statement by `trailmark.refuse_commit`,
-//! which aborts it.
+//! One statement instead of a transaction of six: a step's cost is dominated by round trips and
+//! per-statement set-up, and a single statement is atomic by itself. The one case that needs a
+//! rollback (an inbox row went in but its fence check failed) is handled inside the statement by
+//! `trailmark.refuse_commit`, which aborts it; a refused batch is then committed step by step, so
+//! one stale worker's step never takes the others down with it.
 
 use std::sync::LazyLock;
 
 use serde_json::Value;
-use sqlx::PgExecutor;
+use sqlx::{PgExecutor, PgPool};
 
 use super::outbox::{self, OutgoingMessage};
 use super::{Error, Result};
 use crate::domain::{Fence, MessageId, RunId, RunStatus};
 
 /// Where a committed step leaves the run.
-pub struct Advance<'a> {
+#[derive(Debug, Clone)]
+pub struct Advance {
     /// Position just executed.
     pub seq: i32,
     /// Next step name, `None` when the run ends.
-    pub next_step: Option<&'a str>,
+    pub next_step: Option<String>,
     /// New status.
     pub status: RunStatus,
     /// Final output, when the run ends.
-    pub output: Option<&'a Value>,
+    pub output: Option<Value>,
     /// Error text for review/failed states.
-    pub error: Option<&'a str>,
+    pub error: Option<String>,
     /// Handover note, when the run goes to a person.
-    pub handover: Option<&'a Value>,
+    pub handover: Option<Value>,
 }
 
-/// Everything one step commit writes.
-pub struct StepCommit<'a> {
+/// Everything one step commit writes (owned, so a group-commit task can carry it).
+#[derive(Debug, Clone)]
+pub struct StepCommit {
     /// The run.
-    pub run_id: &'a RunId,
+    pub run_id: RunId,
     /// The committer's fence.
     pub fence: Fence,
     /// The step name (for parked items).
-    pub step: &'a str,
+    pub step: String,
     /// The run's new head.
-    pub to: Advance<'a>,
+    pub to: Advance,
     /// The step row's new output: the checkpoint, or a waiting step's question.
-    pub step_output: Option<&'a Value>,
+    pub step_output: Option<Value>,
     /// Whether the step is finished (a waiting step is not).
     pub finished: bool,
     /// The inbox consumer and the delivery's message id.
-    pub inbox: (&'a str, MessageId),
+    pub inbox: (&'static str, MessageId),
     /// Items the step parked (id, reason).
-    pub parked: &'a [(String, String)],
+    pub parked: Vec<(String, String)>,
     /// Messages to queue.
-    pub outbox: &'a [OutgoingMessage],
+    pub outbox: Vec<OutgoingMessage>,
 }
 
-/// The commit statement; the parked-items part only when the step parked something, because
-/// every data-changing part costs its executor set-up on each step even when it writes nothing.
+/// The commit statement for any number of steps ("items", numbered from 1 in binding order);
+/// the parked-items part only when a step parked something, because every data-changing part
+/// costs its executor set-up on each step even when it writes nothing.
 fn commit_sql(with_parked: bool) -> String {
-    let fenced = "WHERE EXISTS (SELECT 1 FROM adv)";
+    let committed = "item IN (SELECT n FROM adv)";
     let park = if with_parked {
-        format!(
-            ", park AS (
+        ", park AS (
             INSERT INTO trailmark.parked (run_id, item, seq, step, reason)
-            SELECT $1, i, $3, $13, r FROM UNNEST($14::text[], $15::text[]) AS p(i, r) {fenced}
+            SELECT i.run_id, p.item, i.seq, i.step, p.reason
+              FROM UNNEST($14::int8[], $15::text[], $16::text[]) AS p(n, item, reason)
+              JOIN item i ON i.n = p.n
+             WHERE p.n IN (SELECT n FROM adv)
             ON CONFLICT (run_id, item) DO NOTHING
         )"
-        )
     } else {
-        // Keeps the parameter numbering: $13 to $15 are bound either way.
-        ", park AS (SELECT $13::text, $14::text[], $15::text[])".to_owned()
+        // Keeps the parameter numbering: $14 to $16 are bound either way.
+        ", park AS (SELECT $14::int8[], $15::text[], $16::text[])"
     };
     format!(
-        "WITH fresh AS (
-            INSERT INTO trailmark.inbox (consumer, message_id) VALUES ($11, $12)
-            ON CONFLICT DO NOTHING RETURNING 1
+        "WITH item AS (
+            SELECT * FROM UNNEST($1::text[], $2::int8[], $3::int4[], $4::text[], $5::text[], $6::jsonb[],
+                                 $7::text[], $8::jsonb[], $9::jsonb[], $10::bool[], $11::text[], $12::uuid[], $13::text[])
+              WITH ORDINALITY AS i(run_id, fence, seq, next_step, status, output, error, handover,
+                                   step_output, finished, consumer, message_id, step, n)
+        ), fresh AS (
+            INSERT INTO trailmark.inbox (consumer, message_id) SELECT consumer, message_id FROM item
+            ON CONFLICT DO NOTHING RETURNING consumer, message_id
         ), adv AS (
-            UPDATE trailmark.runs
-               SET step_seq = step_seq + CASE WHEN $5 IN ('running', 'compensating', 'succeeded', 'compensated') THEN 1 ELSE 0 END,
-                   step = $4, status = $5, output = COALESCE($6, output), error = $7, handover = $8,
+            UPDATE trailmark.runs r
+               SET step_seq = r.step_seq + CASE WHEN i.status IN ('running', 'compensating', 'succeeded', 'compensated') THEN 1 ELSE 0 END,
+                   step = i.next_step, status = i.status, output = COALESCE(i.output, r.output),
+                   error = i.error, handover = i.handover,
                    lease_owner = NULL, lease_expires_at = NULL, updated_at = now(),
-                   finished_at = CASE WHEN $5 IN ('succeeded', 'compensated', 'failed', 'cancelled') THEN now() END
-             WHERE run_id = $1 AND fence = $2 AND step_seq = $3 AND EXISTS (SELECT 1 FROM fresh)
-            RETURNING 1
+                   finished_at = CASE WHEN i.status IN ('succeeded', 'compensated', 'failed', 'cancelled') THEN now() END
+              FROM item i
+             WHERE r.run_id = i.run_id AND r.fence = i.fence AND r.step_seq = i.seq
+               AND (i.consumer, i.message_id) IN (SELECT consumer, message_id FROM fresh)
+            RETURNING i.n
         ), checkpoint AS (
-            UPDATE trailmark.steps SET output = $9, finished_at = CASE WHEN $10 THEN now() END
-             WHERE run_id = $1 AND seq = $3 AND $9::jsonb IS NOT NULL AND EXISTS (SELECT 1 FROM adv)
+            UPDATE trailmark.steps s SET output = i.step_output, finished_at = CASE WHEN i.finished THEN now() END
+              FROM item i
+             WHERE s.run_id = i.run_id AND s.seq = i.seq AND i.step_output IS NOT NULL
+               AND i.n IN (SELECT n FROM adv)
         ){park}, queue AS ({queue})
-        SELECT CASE WHEN EXISTS (SELECT 1 FROM adv) THEN 'committed'
-                    WHEN EXISTS (SELECT 1 FROM fresh) THEN trailmark.refuse_commit($1, $2)
-                    WHEN EXISTS (SELECT 1 FROM trailmark.runs WHERE run_id = $1 AND fence = $2) THEN 'duplicate'
-                    ELSE 'fenced' END",
-        queue = outbox::insert_sql(16, fenced),
+        SELECT CASE WHEN i.n IN (SELECT n FROM adv) THEN 'committed'
+                    WHEN (i.consumer, i.message_id) IN (SELECT consumer, message_id FROM fresh)
+                         THEN trailmark.refuse_commit(i.run_id, i.fence)
+                    WHEN EXISTS (SELECT 1 FROM trailmark.runs r WHERE r.run_id = i.run_id AND r.fence = i.fence)
+                         THEN 'duplicate'
+                    ELSE 'fenced' END
+          FROM item i ORDER BY i.n",
+        queue = outbox::insert_sql(17, Some(committed)),
     )
 }
 
 static COMMIT: LazyLock<String> = LazyLock::new(|| commit_sql(false));
 static COMMIT_PARKED: LazyLock<String> = LazyLock::new(|| commit_sql(true));
 
-/// Commits the step; `Ok(false)` means another delivery of the same message committed first,
+/// Commits one step; `Ok(false)` means another delivery of the same message committed first,
 /// [`Error::FencedOut`] that a newer worker holds the run (or it moved on). Nothing is written
 /// in either case.
-pub async fn commit(db: impl PgExecutor<'_>, c: &StepCommit<'_>) -> Result<bool> {
-    let (items, reasons): (Vec<&str>, Vec<&str>) = c
-        .parked
-        .iter()
-        .map(|(i, r)| (i.as_str(), r.as_str()))
-        .unzip();
-    let sql = if c.parked.is_empty() {
+pub async fn commit(db: impl PgExecutor<'_>, c: &StepCommit) -> Result<bool> {
+    let verdicts = commit_batch(db, std::slice::from_ref(c))
+        .await
+        .map_err(|e| refused(e, c))?;
+    verdict(&verdicts[0], c)
+}
+
+/// Commits several steps, each with the outcome [`commit`] would give it: in one statement when
+/// none is refused, else one by one (a stale fence or a lock conflict between two processes'
+/// batches aborts the whole statement, and must not cost the other steps their commit).
+pub async fn commit_all(pool: &PgPool, steps: &[StepCommit]) -> Vec<Result<bool>> {
+    if steps.len() > 1 {
+        match commit_batch(pool, steps).await {
+            Ok(verdicts) => {
+                return steps
+                    .iter()
+                    .zip(&verdicts)
+                    .map(|(c, v)| verdict(v, c))
+                    .collect();
+            }
+            Err(e) => {
+                tracing::debug!(error = %e, steps = steps.len(), "group commit refused; committing its steps one by one")
+            }
+        }
+    }
+    let mut each = Vec::with_capacity(steps.len());
+    for c in steps {
+        each.push(commit(pool, c).await);
+    }
+    each
+}
+
+async fn commit_batch(
+    db: impl PgExecutor<'_>,
+    steps: &[StepCommit],
+) -> std::result::Result<Vec<String>, sqlx::Error> {
+    let parked: Vec<(i64, &(String, String))> = numbered(steps, |c| c.parked.iter());
+    let sql = if parked.is_empty() {
         &COMMIT
     } else {
         &COMMIT_PARKED
     };
+    let queued: Vec<(i64, &OutgoingMessage)> = numbered(steps, |c| c.outbox.iter());
+    let col = |f: fn(&StepCommit) -> Option<&str>| steps.iter().map(f).collect::<Vec<_>>();
+    let json = |f: fn(&StepCommit) -> Option<&Value>| steps.iter().map(f).collect::<Vec<_>>();
     let q = sqlx::query(sql.as_str())
-        .bind(c.run_id.as_str())
-        .bind(c.fence.0)
-        .bind(c.to.seq)
-        .bind(c.to.next_step)
-        .bind(c.to.status.as_str())
-        .bind(c.to.output)
-        .bind(c.to.error)
-        .bind(c.to.handover)
-        .bind(c.step_output)
-        .bind(c.finished)
-        .bind(c.inbox.0)
-        .bind(c.inbox.1.0)
-        .bind(c.step)
-        .bind(items)
-        .bind(reasons);
-    let row = outbox::bind_rows(q, c.outbox)
-        .fetch_one(db)
-        .await
-        .map_err(|e| refused(e, c))?;
-    // A delivery whose fence is stale is reported as fenced out even when the same message was
-    // also committed by the newer worker: that is what the operator needs to read in the log.
-    match sqlx::Row::try_get::<String, _>(&row, 0)?.as_str() {
+        .bind(col(|c| Some(c.run_id.as_str())))
+        .bind(steps.iter().map(|c| c.fence.0).collect::<Vec<_>>())
+        .bind(steps.iter().map(|c| c.to.seq).collect::<Vec<_>>())
+        .bind(col(|c| c.to.next_step.as_deref()))
+        .bind(col(|c| Some(c.to.status.as_str())))
+        .bind(json(|c| c.to.output.as_ref()))
+        .bind(col(|c| c.to.error.as_deref()))
+        .bind(json(|c| c.to.handover.as_ref()))
+        .bind(json(|c| c.step_output.as_ref()))
+        .bind(steps.iter().map(|c| c.finished).collect::<Vec<_>>())
+        .bind(col(|c| Some(c.inbox.0)))
+        .bind(steps.iter().map(|c| c.inbox.1.0).collect::<Vec<_>>())
+        .bind(col(|c| Some(c.step.as_str())))
+        .bind(parked.iter().map(|p| p.0).collect::<Vec<_>>())
+        .bind(parked.iter().map(|p| p.1.0.as_str()).collect::<Vec<_>>())
+        .bind(parked.iter().map(|p| p.1.1.as_str()).collect::<Vec<_>>());
+    let messages: Vec<&OutgoingMessage> = queued.iter().map(|q| q.1).collect();
+    let rows = outbox::bind_rows(q, messages.iter().copied())
+        .bind(queued.iter().map(|q| q.0).collect::<Vec<_>>())
+        .fetch_all(db)
+        .await?;
+    rows.iter().map(|r| sqlx::Row::try_get(r, 0)).collect()
+}
+
+/// Flattens each step's `rows`, tagged with the step's item number (1-based, as `ORDINALITY`).
+fn numbered<'a, T, I>(steps: &'a [StepCommit], rows: impl Fn(&'a StepCommit) -> I) -> Vec<(i64, T)>
+where
+    I: Iterator<Item = T>,
+{
+    steps
+        .iter()
+        .enumerate()
+        .flat_map(|(n, c)| rows(c).map(move |r| (n as i64 + 1, r)))
+        .collect()
+}
+
+/// One step's outcome. A delivery whose fence is stale is reported as fenced out even when the
+/// same message was also committed by the newer worker: that is what the operator needs to read
+/// in the log.
+fn verdict(v: &str, c: &StepCommit) -> Result<bool> {
+    match v {
         "committed" => Ok(true),
         "duplicate" => Ok(false),
         _ => Err(fenced_out(c)),
     }
 }
 
-fn refused(e: sqlx::Error, c: &StepCommit<'_>) -> Error {
+fn refused(e: sqlx::Error, c: &StepCommit) -> Error {
     let code = e.as_database_error().and_then(|d| d.code());
     if code.as_deref() == Some("TMF01") {
         return fenced_out(c);
@@ -147,7 +219,7 @@ fn refused(e: sqlx::Error, c: &StepCommit<'_>) -> Error {
     e.into()
 }
 
-fn fenced_out(c: &StepCommit<'_>) -> Error {
+fn fenced_out(c: &StepCommit) -> Error {
     Error::FencedOut {
         run_id: c.run_id.to_string(),
         fence: c.fence.0,

@@ -45,21 +45,31 @@ pub struct OutboxRow {
     pub body: Vec<u8>,
 }
 
-/// The `INSERT` of outbox rows bound by [`bind_rows`] from parameter `$first` on; `filter` may
-/// add a `WHERE` clause (the step commit's fence).
-pub(crate) fn insert_sql(first: usize, filter: &str) -> String {
-    let p: Vec<String> = (first..first + 7).map(|i| format!("${i}")).collect();
+/// The `INSERT` of outbox rows bound by [`bind_rows`] from parameter `$first` on. With
+/// `only_items`, each row also carries the number of the step commit it belongs to (an eighth
+/// array, bound after the seven), and only rows whose `item` satisfies the condition go in.
+pub(crate) fn insert_sql(first: usize, only_items: Option<&str>) -> String {
+    let p: Vec<String> = (first..first + 8).map(|i| format!("${i}")).collect();
+    let (item, filter) = match only_items {
+        Some(condition) => (format!(", {}::int8[]", p[7]), format!("WHERE {condition}")),
+        None => (String::new(), String::new()),
+    };
+    let item_col = if only_items.is_some() { ", item" } else { "" };
     format!(
         "INSERT INTO trailmark.outbox (message_id, exchange, routing_key, headers, body, available_at, holder_pid)
          SELECT m, x, k, h, b, now() + make_interval(secs => d), pid
-           FROM UNNEST({}::uuid[], {}::text[], {}::text[], {}::jsonb[], {}::bytea[], {}::float8[], {}::int4[])
-             AS u(m, x, k, h, b, d, pid) {filter}",
+           FROM UNNEST({}::uuid[], {}::text[], {}::text[], {}::jsonb[], {}::bytea[], {}::float8[], {}::int4[]{item})
+             AS u(m, x, k, h, b, d, pid{item_col}) {filter}",
         p[0], p[1], p[2], p[3], p[4], p[5], p[6]
     )
 }
 
 /// Binds `messages` as the seven arrays [`insert_sql`] expects.
-pub(crate) fn bind_rows<'q>(q: PgQuery<'q>, messages: &[OutgoingMessage]) -> PgQuery<'q> {
+pub(crate) fn bind_rows<'q, 'm: 'q>(
+    q: PgQuery<'q>,
+    messages: impl IntoIterator<Item = &'m OutgoingMessage>,
+) -> PgQuery<'q> {
+    let messages: Vec<&OutgoingMessage> = messages.into_iter().collect();
     let headers: Vec<serde_json::Value> = messages
         .iter()
         .map(|m| serde_json::to_value(&m.headers).expect("string map"))
@@ -93,7 +103,7 @@ pub(crate) fn bind_rows<'q>(q: PgQuery<'q>, messages: &[OutgoingMessage]) -> PgQ
         .bind(messages.iter().map(|m| m.holder_pid).collect::<Vec<_>>())
 }
 
-static INSERT: LazyLock<String> = LazyLock::new(|| insert_sql(1, ""));
+static INSERT: LazyLock<String> = LazyLock::new(|| insert_sql(1, None));
 
 /// Queues messages in the caller's transaction.
 pub async fn insert(db: impl PgExecutor<'_>, messages: &[OutgoingMessage]) -> Result<()> {

@@ -4,7 +4,7 @@
 use chrono::{DateTime, Utc};
 use serde::Serialize;
 use serde_json::Value;
-use sqlx::PgExecutor;
+use sqlx::{PgExecutor, PgPool};
 
 use super::Result;
 use crate::domain::{Fence, MessageId, RunId, RunStatus};
@@ -132,22 +132,24 @@ pub struct Claim {
     pub journaled: i32,
 }
 
-/// A worker asking for a run's lease to execute one step delivery.
-pub struct ClaimRequest<'a> {
+/// A worker asking for a run's lease to execute one step delivery (owned, so a group-commit task
+/// can carry it).
+#[derive(Debug, Clone)]
+pub struct ClaimRequest {
     /// The run.
-    pub run_id: &'a RunId,
+    pub run_id: RunId,
     /// The position the delivery is for.
     pub seq: i32,
     /// The step name (for the attempt row).
-    pub step: &'a str,
+    pub step: String,
     /// Who asks (worker id and delivery).
-    pub owner: &'a str,
+    pub owner: String,
     /// Lease length.
     pub lease_secs: f64,
     /// Backend pid of the asker's presence connection.
     pub presence_pid: Option<i32>,
     /// The inbox consumer and the delivery's message id: a processed message is never claimed.
-    pub message: (&'a str, MessageId),
+    pub message: (&'static str, MessageId),
 }
 
 /// What a claim found.
@@ -173,53 +175,90 @@ struct ClaimRow {
     journaled: i32,
 }
 
-/// Checks the inbox, takes the lease of `run_id` at position `seq` if it is free, expired, or
-/// already `owner`'s (a delivery retried in place after an infrastructure failure), raises the
-/// fence and counts the attempt: one statement, committed before any outside call is made.
-pub async fn claim(db: impl PgExecutor<'_>, r: &ClaimRequest<'_>) -> Result<ClaimOutcome> {
-    // A lease is free when released, expired, ours, or held by a process whose presence
-    // connection is gone (it died: kill -9 closes its sockets, so Postgres ends its backend).
-    let row: ClaimRow = sqlx::query_as(
-        "WITH seen AS (
-            SELECT 1 FROM trailmark.inbox WHERE consumer = $7 AND message_id = $8
-         ), claimed AS (
-            UPDATE trailmark.runs
-               SET lease_owner = $3, lease_expires_at = now() + make_interval(secs => $4),
-                   lease_pid = $5, fence = fence + 1, updated_at = now()
-             WHERE run_id = $1 AND step_seq = $2 AND status IN ('running', 'compensating')
-               AND NOT EXISTS (SELECT 1 FROM seen)
-               AND (lease_owner IS NULL OR lease_expires_at < now() OR lease_owner = $3
-                    OR trailmark.process_gone(lease_pid))
-            RETURNING fence, status, input, EXTRACT(EPOCH FROM now() - created_at)::float8 AS age_secs, undo
-         ), attempt AS (
-            INSERT INTO trailmark.steps (run_id, seq, step, attempts) SELECT $1, $2, $6, 1 FROM claimed
-            ON CONFLICT (run_id, seq) DO UPDATE SET attempts = trailmark.steps.attempts + 1
-            RETURNING attempts
-         )
-         SELECT EXISTS (SELECT 1 FROM seen) AS seen, c.fence, c.status, c.input, c.age_secs, c.undo,
-                a.attempts,
-                (SELECT count(*) FROM trailmark.journal WHERE run_id = $1 AND seq = $2)::int4 AS journaled
-           FROM (SELECT 1) AS one LEFT JOIN claimed c ON true LEFT JOIN attempt a ON true",
+/// The claim statement for any number of requests ("items", numbered from 1 in binding order).
+/// A lease is free when released, expired, the asker's own (a delivery retried in place after an
+/// infrastructure failure), or held by a process whose presence connection is gone (it died:
+/// kill -9 closes its sockets, so Postgres ends its backend). Two requests for the same run in
+/// one batch (two deliveries of its step) update the row once; the other is refused.
+const CLAIM: &str = "WITH req AS (
+        SELECT * FROM UNNEST($1::text[], $2::int4[], $3::text[], $4::float8[], $5::int4[], $6::text[],
+                             $7::text[], $8::uuid[])
+          WITH ORDINALITY AS r(run_id, seq, owner, lease_secs, pid, step, consumer, message_id, n)
+    ), seen AS (
+        SELECT r.n FROM req r JOIN trailmark.inbox i ON i.consumer = r.consumer AND i.message_id = r.message_id
+    ), claimed AS (
+        UPDATE trailmark.runs u
+           SET lease_owner = r.owner, lease_expires_at = now() + make_interval(secs => r.lease_secs),
+               lease_pid = r.pid, fence = u.fence + 1, updated_at = now()
+          FROM req r
+         WHERE u.run_id = r.run_id AND u.step_seq = r.seq AND u.status IN ('running', 'compensating')
+           AND r.n NOT IN (SELECT n FROM seen)
+           AND (u.lease_owner IS NULL OR u.lease_expires_at < now() OR u.lease_owner = r.owner
+                OR trailmark.process_gone(u.lease_pid))
+        RETURNING r.n, r.run_id, r.seq, r.step, u.fence, u.status, u.input,
+                  EXTRACT(EPOCH FROM now() - u.created_at)::float8 AS age_secs, u.undo
+    ), attempt AS (
+        INSERT INTO trailmark.steps (run_id, seq, step, attempts) SELECT run_id, seq, step, 1 FROM claimed
+        ON CONFLICT (run_id, seq) DO UPDATE SET attempts = trailmark.steps.attempts + 1
+        RETURNING run_id, seq, attempts
     )
-    .bind(r.run_id.as_str())
-    .bind(r.seq)
-    .bind(r.owner)
-    .bind(r.lease_secs)
-    .bind(r.presence_pid)
-    .bind(r.step)
-    .bind(r.message.0)
-    .bind(r.message.1.0)
-    .fetch_one(db)
-    .await?;
+    SELECT r.n IN (SELECT n FROM seen) AS seen, c.fence, c.status, c.input, c.age_secs, c.undo, a.attempts,
+           (SELECT count(*) FROM trailmark.journal j WHERE j.run_id = r.run_id AND j.seq = r.seq)::int4 AS journaled
+      FROM req r LEFT JOIN claimed c ON c.n = r.n LEFT JOIN attempt a ON a.run_id = c.run_id AND a.seq = c.seq
+     ORDER BY r.n";
+
+/// Checks the inbox, takes the lease of the run at the request's position if it is free, raises
+/// the fence and counts the attempt: one statement, committed before any outside call is made.
+pub async fn claim(db: impl PgExecutor<'_>, r: &ClaimRequest) -> Result<ClaimOutcome> {
+    let mut outcomes = claim_batch(db, std::slice::from_ref(r)).await?;
+    Ok(outcomes.remove(0))
+}
+
+/// Claims for several deliveries, each with the outcome [`claim`] would give it: in one statement,
+/// or one by one when that fails (two processes' batches that lock the same runs in opposite
+/// orders deadlock, and one of them is aborted).
+pub async fn claim_all(pool: &PgPool, reqs: &[ClaimRequest]) -> Vec<Result<ClaimOutcome>> {
+    if reqs.len() > 1 {
+        match claim_batch(pool, reqs).await {
+            Ok(outcomes) => return outcomes.into_iter().map(Ok).collect(),
+            Err(e) => {
+                tracing::debug!(error = %e, claims = reqs.len(), "group claim failed; claiming one by one")
+            }
+        }
+    }
+    let mut each = Vec::with_capacity(reqs.len());
+    for r in reqs {
+        each.push(claim(pool, r).await);
+    }
+    each
+}
+
+async fn claim_batch(db: impl PgExecutor<'_>, reqs: &[ClaimRequest]) -> Result<Vec<ClaimOutcome>> {
+    let text = |f: fn(&ClaimRequest) -> &str| reqs.iter().map(f).collect::<Vec<_>>();
+    let rows: Vec<ClaimRow> = sqlx::query_as(CLAIM)
+        .bind(text(|r| r.run_id.as_str()))
+        .bind(reqs.iter().map(|r| r.seq).collect::<Vec<_>>())
+        .bind(text(|r| r.owner.as_str()))
+        .bind(reqs.iter().map(|r| r.lease_secs).collect::<Vec<_>>())
+        .bind(reqs.iter().map(|r| r.presence_pid).collect::<Vec<_>>())
+        .bind(text(|r| r.step.as_str()))
+        .bind(text(|r| r.message.0))
+        .bind(reqs.iter().map(|r| r.message.1.0).collect::<Vec<_>>())
+        .fetch_all(db)
+        .await?;
+    Ok(rows.into_iter().map(outcome).collect())
+}
+
+fn outcome(row: ClaimRow) -> ClaimOutcome {
     if row.seen {
-        return Ok(ClaimOutcome::Duplicate);
+        return ClaimOutcome::Duplicate;
     }
     let (Some(fence), Some(status), Some(input), Some(age_secs), Some(attempt)) =
         (row.fence, row.status, row.input, row.age_secs, row.attempts)
     else {
-        return Ok(ClaimOutcome::Refused);
+        return ClaimOutcome::Refused;
     };
-    Ok(ClaimOutcome::Claimed(Claim {
+    ClaimOutcome::Claimed(Claim {
         fence: Fence(fence),
         status,
         input,
@@ -227,7 +266,7 @@ pub async fn claim(db: impl PgExecutor<'_>, r: &ClaimRequest<'_>) -> Result<Clai
         undo: row.undo,
         attempt,
         journaled: row.journaled,
-    }))
+    })
 }
 
 /// Extends a held lease and re-stamps the holder's presence pid (the presence connection may

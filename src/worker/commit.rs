@@ -8,6 +8,7 @@ use std::sync::Arc;
 use serde_json::Value;
 
 use super::STEP_CONSUMER;
+use super::batch::{Batches, batch_gone};
 use crate::domain::{Fence, MessageId, RunId, RunStatus, STEP_ROUTING_KEY, StepMessage};
 use crate::engine::Engine;
 use crate::store;
@@ -52,82 +53,86 @@ pub(super) enum Ending {
 /// means another delivery of the same message committed first.
 pub(super) async fn commit(
     engine: &Arc<Engine>,
+    batches: &Batches,
     msg: &StepMessage,
     fence: Fence,
     ending: Ending,
 ) -> store::Result<Option<Vec<OutgoingMessage>>> {
-    let mut queued = Vec::new();
-    let mut parked = Vec::new();
+    let mut step = step_commit(engine, msg, fence, ending);
+    hold_for_eager_publish(engine, &mut step.outbox);
+    let queued = step.outbox.clone();
+    let fp = &engine.failpoints;
+    fp.hit("step.before_commit").map_err(infra)?;
+    let committed = batches.commits.call(step).await.ok_or_else(batch_gone)?;
+    if !committed? {
+        return Ok(None);
+    }
+    fp.hit("step.after_commit").map_err(infra)?;
+    Ok(Some(to_publish_eagerly(engine, queued)))
+}
+
+/// What the step commit writes for `ending`.
+fn step_commit(
+    engine: &Engine,
+    msg: &StepMessage,
+    fence: Fence,
+    ending: Ending,
+) -> checkpoint::StepCommit {
     let head = |status, handover| checkpoint::Advance {
         seq: msg.seq,
-        next_step: Some(msg.step.as_str()),
+        next_step: Some(msg.step.clone()),
         status,
         output: None,
         error: None,
         handover,
     };
-    let (to, step_output, finished) = match &ending {
+    let (to, step_output, finished, outbox, parked) = match ending {
         Ending::Advance {
             output,
             next,
             status,
-            sent,
-            parked: items,
+            mut sent,
+            parked,
         } => {
             let done = next.is_none();
-            queued = sent.clone();
-            if let Some(next) = next {
-                queued.push(next_message(engine, msg, next));
+            if let Some(next) = &next {
+                sent.push(next_message(engine, msg, next));
             }
-            parked = parked_rows(items);
             let to = checkpoint::Advance {
-                next_step: next.as_deref(),
+                next_step: next,
                 status: match (done, status) {
-                    (false, s) => *s,
+                    (false, s) => s,
                     (true, RunStatus::Compensating) => RunStatus::Compensated,
                     (true, _) => RunStatus::Succeeded,
                 },
-                output: if done { Some(output) } else { None },
-                ..head(*status, None)
+                output: done.then(|| output.clone()),
+                ..head(status, None)
             };
-            (to, Some(output), true)
+            (to, Some(output), true, sent, parked_rows(&parked))
         }
-        Ending::Wait {
-            note,
-            sent,
-            parked: items,
-        } => {
-            queued = sent.clone();
-            parked = parked_rows(items);
-            (head(RunStatus::Waiting, Some(note)), Some(note), false)
+        Ending::Wait { note, sent, parked } => {
+            let to = head(RunStatus::Waiting, Some(note.clone()));
+            (to, Some(note), false, sent, parked_rows(&parked))
         }
         Ending::Review { error, note } => {
             let to = checkpoint::Advance {
                 error: Some(error),
                 ..head(RunStatus::NeedsReview, Some(note))
             };
-            (to, None, false)
+            (to, None, false, Vec::new(), Vec::new())
         }
     };
-    hold_for_eager_publish(engine, &mut queued);
-    let fp = &engine.failpoints;
-    fp.hit("step.before_commit").map_err(infra)?;
-    let step = checkpoint::StepCommit {
-        run_id: &msg.run_id,
+    checkpoint::StepCommit {
+        run_id: msg.run_id.clone(),
         fence,
-        step: &msg.step,
+        step: msg.step.clone(),
         to,
         step_output,
         finished,
         inbox: (STEP_CONSUMER, msg.message_id),
-        parked: &parked,
-        outbox: &queued,
-    };
-    if !checkpoint::commit(&engine.pool, &step).await? {
-        return Ok(None);
+        parked,
+        outbox,
     }
-    fp.hit("step.after_commit").map_err(infra)?;
-    Ok(Some(to_publish_eagerly(engine, queued)))
 }
 
 /// Keeps the relay off rows this worker will publish itself after the commit (for

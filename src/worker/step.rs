@@ -8,6 +8,7 @@ use futures_util::FutureExt;
 use lapin::message::Delivery;
 
 use super::STEP_CONSUMER;
+use super::batch::{Batches, batch_gone};
 use super::commit::{self, Ending};
 use super::handover;
 use super::lease::Heartbeat;
@@ -25,6 +26,7 @@ use crate::workflow::{
 /// Processes a step delivery; `Err` means infrastructure failed and the delivery should be retried.
 pub(super) async fn process(
     engine: &Arc<Engine>,
+    batches: &Batches,
     delivery: &Delivery,
     owner: &str,
 ) -> store::Result<Disposition> {
@@ -40,11 +42,12 @@ pub(super) async fn process(
     span.record("workflow", msg.workflow.as_str());
     span.record("step", msg.step.as_str());
     span.record("seq", msg.seq);
-    process_message(engine, msg, owner).await
+    process_message(engine, batches, msg, owner).await
 }
 
 async fn process_message(
     engine: &Arc<Engine>,
+    batches: &Batches,
     msg: StepMessage,
     owner: &str,
 ) -> store::Result<Disposition> {
@@ -52,7 +55,7 @@ async fn process_message(
         Ok(found) => found,
         Err(poison) => return Ok(poison),
     };
-    let claimed = match claim(engine, &workflow, &msg, owner).await? {
+    let claimed = match claim(engine, batches, &workflow, &msg, owner).await? {
         Claimed::Yes(c) => c,
         Claimed::No(d) => return Ok(d),
     };
@@ -61,7 +64,7 @@ async fn process_message(
     span.record("attempt", ctx.attempt());
     span.record("fence", ctx.fence().0);
     if let Some(stop) = refuse_before_running(engine, ctx, claimed.age_secs) {
-        return finish(engine, &workflow, &msg, &claimed, Err(stop)).await;
+        return finish(engine, batches, &workflow, &msg, &claimed, Err(stop)).await;
     }
     if step.freeze_unless_clear
         && let Some(evidence) = doubt(engine, &msg).await?
@@ -69,6 +72,7 @@ async fn process_message(
         tracing::warn!("items in doubt: step frozen until a person approves");
         return commit_ending(
             engine,
+            batches,
             &msg,
             ctx,
             Ending::Wait {
@@ -81,7 +85,7 @@ async fn process_message(
     }
     Stats::bump(&engine.stats.handler_runs);
     let result = execute(engine, &step, ctx.clone()).await;
-    finish(engine, &workflow, &msg, &claimed, result).await
+    finish(engine, batches, &workflow, &msg, &claimed, result).await
 }
 
 /// Evidence of doubt before a frozen step: parked items and effects of unknown outcome, unless a
@@ -170,20 +174,21 @@ enum Claimed {
 /// on its own, so the raised fence is durable before any outside call is made.
 async fn claim(
     engine: &Arc<Engine>,
+    batches: &Batches,
     workflow: &Workflow,
     msg: &StepMessage,
     owner: &str,
 ) -> store::Result<Claimed> {
     let request = runs::ClaimRequest {
-        run_id: &msg.run_id,
+        run_id: msg.run_id.clone(),
         seq: msg.seq,
-        step: &msg.step,
-        owner,
+        step: msg.step.clone(),
+        owner: owner.to_owned(),
         lease_secs: engine.settings.worker.lease_secs as f64,
         presence_pid: super::presence::pid(engine),
         message: (STEP_CONSUMER, msg.message_id),
     };
-    let claim = match claim_or_recheck(engine, msg, &request).await? {
+    let claim = match claim_or_recheck(engine, batches, msg, &request).await? {
         Ok(claim) => claim,
         Err(disposition) => return Ok(Claimed::No(disposition)),
     };
@@ -259,12 +264,14 @@ const BUSY_RECHECKS_MS: [u64; 3] = [10, 40, 150];
 /// Claims, re-checking a busy lease a few times within about 0.2 s before giving up on it.
 async fn claim_or_recheck(
     engine: &Arc<Engine>,
+    batches: &Batches,
     msg: &StepMessage,
-    request: &runs::ClaimRequest<'_>,
+    request: &runs::ClaimRequest,
 ) -> store::Result<Result<runs::Claim, Disposition>> {
     let mut pauses = BUSY_RECHECKS_MS.iter();
     loop {
-        match runs::claim(&engine.pool, request).await? {
+        let outcome = batches.claims.call(request.clone()).await;
+        match outcome.ok_or_else(batch_gone)?? {
             runs::ClaimOutcome::Claimed(claim) => return Ok(Ok(claim)),
             runs::ClaimOutcome::Duplicate => return Ok(Err(Disposition::Duplicate)),
             runs::ClaimOutcome::Refused => {}
@@ -346,6 +353,7 @@ async fn execute(
 
 async fn finish(
     engine: &Arc<Engine>,
+    batches: &Batches,
     workflow: &Workflow,
     msg: &StepMessage,
     claimed: &ClaimedStep,
@@ -361,7 +369,7 @@ async fn finish(
             let note = serde_json::json!({ "waiting_for": "decision", "step": msg.step, "seq": msg.seq, "question": output });
             let (sent, parked) = ctx.take_pending();
             let ending = Ending::Wait { note, sent, parked };
-            return commit_ending(engine, msg, ctx, ending).await;
+            return commit_ending(engine, batches, msg, ctx, ending).await;
         }
         Ok(outcome) => match next_step(workflow, msg, claimed, &outcome.next) {
             Ok(next) => {
@@ -373,7 +381,7 @@ async fn finish(
                     sent,
                     parked,
                 };
-                return commit_ending(engine, msg, ctx, ending).await;
+                return commit_ending(engine, batches, msg, ctx, ending).await;
             }
             Err(e) => e,
         },
@@ -409,7 +417,7 @@ async fn finish(
         ctx.seq(),
         ctx.attempt()
     );
-    commit_ending(engine, msg, ctx, Ending::Review { error, note }).await
+    commit_ending(engine, batches, msg, ctx, Ending::Review { error, note }).await
 }
 
 /// The step after this one: the next compensation while undoing, else the workflow's choice.
@@ -427,11 +435,12 @@ fn next_step(
 
 async fn commit_ending(
     engine: &Arc<Engine>,
+    batches: &Batches,
     msg: &StepMessage,
     ctx: &StepContext,
     ending: Ending,
 ) -> store::Result<Disposition> {
-    match commit::commit(engine, msg, ctx.fence(), ending).await {
+    match commit::commit(engine, batches, msg, ctx.fence(), ending).await {
         Ok(Some(queued)) => {
             Stats::bump(&engine.stats.steps_committed);
             Ok(Disposition::Committed(queued))

@@ -1,0 +1,220 @@
+//! Group commit against the real Postgres: claims and step commits of several deliveries in one
+//! statement give each delivery the outcome it would get alone.
+
+mod common;
+
+use common::TestEnv;
+use serde_json::json;
+use trailmark::domain::{Fence, MessageId, RunId, RunStatus, STEP_ROUTING_KEY};
+use trailmark::store::outbox::OutgoingMessage;
+use trailmark::store::{self, checkpoint, runs};
+
+fn request(run_id: &RunId, owner: &str, message: MessageId) -> runs::ClaimRequest {
+    runs::ClaimRequest {
+        run_id: run_id.clone(),
+        seq: 0,
+        step: "link".into(),
+        owner: owner.into(),
+        lease_secs: 30.0,
+        presence_pid: None,
+        message: ("steps", message),
+    }
+}
+
+async fn claim(env: &TestEnv, run_id: &RunId, owner: &str, lease_secs: f64) -> Fence {
+    let r = runs::ClaimRequest {
+        lease_secs,
+        ..request(run_id, owner, MessageId::new())
+    };
+    match runs::claim(&env.pool, &r).await.unwrap() {
+        runs::ClaimOutcome::Claimed(c) => c.fence,
+        other => panic!("{owner} could not claim {run_id}: {other:?}"),
+    }
+}
+
+/// Position 0 of `run_id` committed by `fence`, parking `parked` and queueing `queued` messages.
+fn first_step(
+    env: &TestEnv,
+    run_id: &RunId,
+    fence: Fence,
+    parked: &[&str],
+    queued: usize,
+) -> checkpoint::StepCommit {
+    let message = |_| OutgoingMessage {
+        message_id: MessageId::new(),
+        exchange: env.topology().steps_exchange(),
+        routing_key: STEP_ROUTING_KEY.into(),
+        headers: Default::default(),
+        body: b"{}".to_vec(),
+        relay_after_ms: 0,
+        holder_pid: None,
+    };
+    checkpoint::StepCommit {
+        run_id: run_id.clone(),
+        fence,
+        step: "link".into(),
+        to: checkpoint::Advance {
+            seq: 0,
+            next_step: Some("link".into()),
+            status: RunStatus::Running,
+            output: None,
+            error: None,
+            handover: None,
+        },
+        step_output: Some(json!({ "link": run_id.as_str() })),
+        finished: true,
+        inbox: ("steps", MessageId::new()),
+        parked: parked
+            .iter()
+            .map(|i| (i.to_string(), "unreadable".to_owned()))
+            .collect(),
+        outbox: (0..queued).map(message).collect(),
+    }
+}
+
+/// Sorted rows of `sql` (one text column).
+async fn texts(env: &TestEnv, sql: &'static str) -> Vec<String> {
+    let mut rows: Vec<String> = sqlx::query_scalar(sql).fetch_all(&env.pool).await.unwrap();
+    rows.sort();
+    rows
+}
+
+fn queued_ids(steps: &[&checkpoint::StepCommit]) -> Vec<String> {
+    let mut ids: Vec<String> = steps
+        .iter()
+        .flat_map(|s| s.outbox.iter().map(|m| m.message_id.to_string()))
+        .collect();
+    ids.sort();
+    ids
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_group_with_a_stale_step_commits_the_others_and_writes_nothing_for_it() {
+    let env = TestEnv::new().await;
+    let (a, b, c) = (
+        env.insert_chain_run("r-a").await,
+        env.insert_chain_run("r-b").await,
+        env.insert_chain_run("r-c").await,
+    );
+    let fence_a = claim(&env, &a, "w-a", 30.0).await;
+    // Worker 1 claims r-b with a lease that expires at once; worker 2 takes it over.
+    let stale_b = claim(&env, &b, "w-b1", 0.0).await;
+    let current_b = claim(&env, &b, "w-b2", 30.0).await;
+    let fence_c = claim(&env, &c, "w-c", 30.0).await;
+    let step_a = first_step(&env, &a, fence_a, &["inv-a"], 1);
+    let step_b_stale = first_step(&env, &b, stale_b, &["inv-b"], 1);
+    let step_c = first_step(&env, &c, fence_c, &["inv-c1", "inv-c2"], 2);
+    let group = [step_a.clone(), step_b_stale, step_c.clone()];
+
+    let outcomes = checkpoint::commit_all(&env.pool, &group).await;
+    assert!(matches!(outcomes[0], Ok(true)), "{:?}", outcomes[0]);
+    assert!(
+        matches!(&outcomes[1], Err(store::Error::FencedOut { run_id, .. }) if run_id == "r-b"),
+        "{:?}",
+        outcomes[1]
+    );
+    assert!(matches!(outcomes[2], Ok(true)), "{:?}", outcomes[2]);
+    let seqs = texts(&env, "SELECT run_id || '@' || step_seq FROM trailmark.runs").await;
+    assert_eq!(seqs, ["r-a@1", "r-b@0", "r-c@1"]);
+    // Each committed step's own rows, nothing of the refused one.
+    assert_eq!(
+        texts(&env, "SELECT message_id::text FROM trailmark.outbox").await,
+        queued_ids(&[&step_a, &step_c])
+    );
+    assert_eq!(
+        texts(&env, "SELECT run_id || '/' || item FROM trailmark.parked").await,
+        ["r-a/inv-a", "r-c/inv-c1", "r-c/inv-c2"]
+    );
+    assert_eq!(
+        texts(
+            &env,
+            "SELECT run_id || ':' || (output->>'link') FROM trailmark.steps WHERE output IS NOT NULL"
+        )
+        .await,
+        ["r-a:r-a", "r-c:r-c"]
+    );
+    assert_eq!(
+        texts(&env, "SELECT message_id::text FROM trailmark.inbox").await,
+        {
+            let mut ids = vec![step_a.inbox.1.to_string(), step_c.inbox.1.to_string()];
+            ids.sort();
+            ids
+        },
+        "the refused step's inbox row would drop the current worker's delivery as a duplicate"
+    );
+
+    // The same two messages again (redeliveries) with the current worker's step of r-b.
+    let step_b = first_step(&env, &b, current_b, &["inv-b"], 1);
+    let again = [step_a.clone(), step_b.clone(), step_c.clone()];
+    let outcomes = checkpoint::commit_all(&env.pool, &again).await;
+    assert!(
+        matches!(
+            (&outcomes[0], &outcomes[1], &outcomes[2]),
+            (Ok(false), Ok(true), Ok(false))
+        ),
+        "{outcomes:?}"
+    );
+    assert_eq!(
+        texts(&env, "SELECT message_id::text FROM trailmark.outbox").await,
+        queued_ids(&[&step_a, &step_b, &step_c]),
+        "a repeated commit queued its messages again"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn claims_in_one_group_take_each_run_once_and_drop_processed_messages() {
+    let env = TestEnv::new().await;
+    let (x, y, z) = (
+        env.insert_chain_run("r-x").await,
+        env.insert_chain_run("r-y").await,
+        env.insert_chain_run("r-z").await,
+    );
+    let processed = MessageId::new();
+    sqlx::query("INSERT INTO trailmark.inbox (consumer, message_id) VALUES ('steps', $1)")
+        .bind(processed.0)
+        .execute(&env.pool)
+        .await
+        .unwrap();
+    // Two deliveries of r-x's step (a redelivery next to the original), one of r-y's, and one
+    // of r-z's that was processed already.
+    let group = [
+        request(&x, "w-1", MessageId::new()),
+        request(&x, "w-2", MessageId::new()),
+        request(&y, "w-3", MessageId::new()),
+        request(&z, "w-4", processed),
+    ];
+    let outcomes = runs::claim_all(&env.pool, &group).await;
+    let won: Vec<&str> = group[..2]
+        .iter()
+        .zip(&outcomes)
+        .filter(|(_, o)| matches!(o, Ok(runs::ClaimOutcome::Claimed(_))))
+        .map(|(r, _)| r.owner.as_str())
+        .collect();
+    assert_eq!(won.len(), 1, "r-x claimed by {won:?}: {outcomes:?}");
+    assert!(
+        outcomes[..2]
+            .iter()
+            .any(|o| matches!(o, Ok(runs::ClaimOutcome::Refused))),
+        "{outcomes:?}"
+    );
+    assert!(
+        matches!(&outcomes[2], Ok(runs::ClaimOutcome::Claimed(c)) if c.attempt == 1),
+        "{:?}",
+        outcomes[2]
+    );
+    assert!(
+        matches!(outcomes[3], Ok(runs::ClaimOutcome::Duplicate)),
+        "{:?}",
+        outcomes[3]
+    );
+    let x_run = runs::get(&env.pool, "r-x").await.unwrap().unwrap();
+    assert_eq!(x_run.lease_owner.as_deref(), Some(won[0]));
+    assert_eq!(x_run.fence, 1, "r-x's fence was raised twice");
+    assert_eq!(env.attempts("r-x", 0).await, 1, "one attempt counted twice");
+    let z_run = runs::get(&env.pool, "r-z").await.unwrap().unwrap();
+    assert_eq!(
+        (z_run.fence, z_run.lease_owner),
+        (0, None),
+        "a processed message took a lease"
+    );
+}
