@@ -68,7 +68,13 @@ fn options(settings: &DatabaseSettings) -> Result<PgConnectOptions> {
         ))
     })?;
     // Statement logging would print bodies and ids at info level; keep it for debugging only.
-    Ok(opts.log_statements(tracing::log::LevelFilter::Trace))
+    // Generic plans: every statement here looks rows up by key, so a plan made once per
+    // connection is the right one; with the default, Postgres re-plans the group-commit
+    // statements on every execution, because a plan made for a known number of array elements
+    // always looks cheaper than the generic one.
+    Ok(opts
+        .log_statements(tracing::log::LevelFilter::Trace)
+        .options([("plan_cache_mode", "force_generic_plan")]))
 }
 
 fn down(settings: &DatabaseSettings, e: &sqlx::Error) -> Error {
