@@ -34,6 +34,7 @@
 
 #![warn(missing_docs)]
 
+pub(crate) mod batch;
 pub mod bench;
 pub mod broker;
 pub mod builtin;

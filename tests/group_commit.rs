@@ -1,13 +1,15 @@
-//! Group commit against the real Postgres: claims and step commits of several deliveries in one
-//! statement give each delivery the outcome it would get alone.
+//! Group commit against the real Postgres: claims, step commits and records (journal entries,
+//! effect results) of several deliveries in one statement give each the outcome it would get
+//! alone.
 
 mod common;
 
 use common::TestEnv;
 use serde_json::json;
-use trailmark::domain::{Fence, MessageId, RunId, RunStatus, STEP_ROUTING_KEY};
+use trailmark::domain::{Fence, IdempotencyKey, MessageId, RunId, RunStatus, STEP_ROUTING_KEY};
 use trailmark::store::outbox::OutgoingMessage;
-use trailmark::store::{self, checkpoint, runs};
+use trailmark::store::records::{self, Record};
+use trailmark::store::{self, checkpoint, effects, journal, runs};
 
 fn request(run_id: &RunId, owner: &str, message: MessageId) -> runs::ClaimRequest {
     runs::ClaimRequest {
@@ -216,5 +218,77 @@ async fn claims_in_one_group_take_each_run_once_and_drop_processed_messages() {
         (z_run.fence, z_run.lease_owner),
         (0, None),
         "a processed message took a lease"
+    );
+}
+
+fn entry(call_no: i32, answer: &str) -> journal::JournalEntry {
+    journal::JournalEntry {
+        seq: 0,
+        call_no,
+        kind: "model".into(),
+        request_hash: "h".into(),
+        response: json!({ "content": answer }),
+        tokens: 1,
+        cost: 0.0,
+        latency_ms: 1,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn records_of_several_steps_go_in_together_and_a_call_journaled_twice_keeps_the_first() {
+    let env = TestEnv::new().await;
+    let (p, q) = (
+        env.insert_chain_run("r-p").await,
+        env.insert_chain_run("r-q").await,
+    );
+    let fence = claim(&env, &p, "w", 30.0).await;
+    let key = IdempotencyKey::parse("r-p:link:0").unwrap();
+    let intent = effects::Intent {
+        key: &key,
+        tool: "ledger",
+        run_id: &p,
+        seq: 0,
+        request_hash: "h",
+        fence,
+        max_calls: 0,
+        repeat_limit: 0,
+    };
+    assert!(matches!(
+        effects::begin(&env.pool, &intent).await,
+        Ok(effects::Begun::Known(effects::Known::New))
+    ));
+    let group = [
+        Record::Journal(p.clone(), entry(0, "p0")),
+        Record::Journal(q.clone(), entry(0, "q0")),
+        Record::EffectResult(key.clone(), json!({ "posted": 1 })),
+    ];
+    let answers = records::write_all(&env.pool, &group).await;
+    assert!(
+        matches!(answers[..], [Ok(true), Ok(true), Ok(true)]),
+        "{answers:?}"
+    );
+    // Two answers to the same call in one group (a stale worker next to the current one): the
+    // first goes in, the second is told so, and the journal keeps one answer.
+    let twice = [
+        Record::Journal(p.clone(), entry(1, "first")),
+        Record::Journal(p.clone(), entry(1, "second")),
+    ];
+    let answers = records::write_all(&env.pool, &twice).await;
+    assert!(matches!(answers[..], [Ok(true), Ok(false)]), "{answers:?}");
+    assert_eq!(
+        texts(
+            &env,
+            "SELECT run_id || '/' || call_no || ':' || (response->>'content') FROM trailmark.journal"
+        )
+        .await,
+        ["r-p/0:p0", "r-p/1:first", "r-q/0:q0"]
+    );
+    assert_eq!(
+        texts(
+            &env,
+            "SELECT idempotency_key || '=' || result::text FROM trailmark.effects"
+        )
+        .await,
+        [r#"r-p:link:0={"posted": 1}"#]
     );
 }

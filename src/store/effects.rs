@@ -147,18 +147,6 @@ pub async fn begin(db: impl PgExecutor<'_>, i: &Intent<'_>) -> Result<Begun> {
     }
 }
 
-/// Stores the result of the call made under `key`.
-pub async fn complete(db: impl PgExecutor<'_>, key: &IdempotencyKey, result: &Value) -> Result<()> {
-    sqlx::query(
-        "UPDATE trailmark.effects SET result = $2, completed_at = now() WHERE idempotency_key = $1",
-    )
-    .bind(key.as_str())
-    .bind(result)
-    .execute(db)
-    .await?;
-    Ok(())
-}
-
 /// Counts (all, completed) effects of a run, for `run show`.
 pub async fn totals(db: impl PgExecutor<'_>, run_id: &str) -> Result<(i64, i64)> {
     Ok(

@@ -46,26 +46,6 @@ pub async fn get(
     .await?)
 }
 
-/// Records an answer; a second writer of the same call keeps the first answer and gets `false`.
-pub async fn insert(db: impl PgExecutor<'_>, run_id: &RunId, e: &JournalEntry) -> Result<bool> {
-    let done = sqlx::query(
-        "INSERT INTO trailmark.journal (run_id, seq, call_no, kind, request_hash, response, tokens, cost, latency_ms)
-         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9) ON CONFLICT DO NOTHING",
-    )
-    .bind(run_id.as_str())
-    .bind(e.seq)
-    .bind(e.call_no)
-    .bind(&e.kind)
-    .bind(&e.request_hash)
-    .bind(&e.response)
-    .bind(e.tokens)
-    .bind(e.cost)
-    .bind(e.latency_ms)
-    .execute(db)
-    .await?;
-    Ok(done.rows_affected() == 1)
-}
-
 /// Entries, tokens and cost of a run, for `run show`.
 pub async fn totals(db: impl PgExecutor<'_>, run_id: &str) -> Result<(i64, i64, f64)> {
     Ok(sqlx::query_as(

@@ -8,6 +8,7 @@ pub mod inbox;
 pub mod journal;
 pub mod outbox;
 pub mod parked;
+pub mod records;
 pub mod runs;
 pub mod steps;
 

@@ -8,7 +8,8 @@ use std::sync::Arc;
 use serde_json::Value;
 
 use super::STEP_CONSUMER;
-use super::batch::{Batches, batch_gone};
+use super::batch::Batches;
+use crate::batch::gone as batch_gone;
 use crate::domain::{Fence, MessageId, RunId, RunStatus, STEP_ROUTING_KEY, StepMessage};
 use crate::engine::Engine;
 use crate::store;

@@ -8,11 +8,12 @@ use futures_util::FutureExt;
 use lapin::message::Delivery;
 
 use super::STEP_CONSUMER;
-use super::batch::{Batches, batch_gone};
+use super::batch::Batches;
 use super::commit::{self, Ending};
 use super::handover;
 use super::lease::Heartbeat;
 use super::outcome::{Disposition, dead};
+use crate::batch::gone as batch_gone;
 use crate::domain::{RunStatus, StepMessage};
 use crate::engine::{Engine, Stats};
 use crate::guard::Budget;

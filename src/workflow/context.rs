@@ -4,12 +4,13 @@
 
 use std::collections::BTreeMap;
 use std::sync::atomic::AtomicI32;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use serde_json::Value;
 use sqlx::PgPool;
 
 use super::StepError;
+use crate::batch::Batcher;
 use crate::config::Settings;
 use crate::domain::{Fence, IdempotencyKey, MessageId, RunId};
 use crate::failpoint::Failpoints;
@@ -17,6 +18,7 @@ use crate::guard::{Breakers, Budget};
 use crate::model::ModelClient;
 use crate::store;
 use crate::store::outbox::OutgoingMessage;
+use crate::store::records::{self, Record};
 
 /// The header that carries an outside message's idempotency key (see [`StepContext::send`]), for
 /// receivers to recognise a rare repeat.
@@ -34,6 +36,24 @@ pub(crate) struct Services {
     pub settings: Settings,
     /// Size of the recorded stand-in answer when no model is configured.
     pub standin_answer_bytes: usize,
+    /// Group commit of journal entries and effect results, started on first use (inside the
+    /// runtime that runs the steps).
+    pub records: OnceLock<Batcher<Record, store::Result<bool>>>,
+}
+
+impl Services {
+    /// Writes a journal entry or an effect result at once, in one statement with whatever other
+    /// steps of this process are writing at the same moment (on the relaxed pool).
+    pub async fn record(&self, record: Record) -> store::Result<bool> {
+        let batcher = self.records.get_or_init(|| {
+            let pool = self.relaxed.clone();
+            Batcher::start(self.settings.worker.max_batch, move |batch| {
+                let pool = pool.clone();
+                async move { records::write_all(&pool, &batch).await }
+            })
+        });
+        batcher.call(record).await.ok_or_else(crate::batch::gone)?
+    }
 }
 
 /// An item set aside with a reason (permanent error for that item).
@@ -136,10 +156,6 @@ impl StepContext {
     /// Trailmark's database, for handlers of built-in workflows.
     pub fn pool(&self) -> &PgPool {
         &self.inner.services.pool
-    }
-    /// Where journal entries and effect results go (see [`crate::store::relaxed_pool`]).
-    pub(super) fn relaxed_pool(&self) -> &PgPool {
-        &self.inner.services.relaxed
     }
     pub(super) fn services(&self) -> &Services {
         &self.inner.services

@@ -13,6 +13,7 @@ use serde_json::Value;
 use super::{StepContext, StepError, parse_undo_step};
 use crate::domain::IdempotencyKey;
 use crate::guard::{self, Decision};
+use crate::store::records::Record;
 use crate::store::{self, effects};
 
 /// An outside tool as recovery sees it.
@@ -132,7 +133,9 @@ impl StepContext {
             }
             effects::Known::Unknown => match lookup(key.clone()).await? {
                 Lookup::Done(result) => {
-                    effects::complete(self.relaxed_pool(), key, &result).await?;
+                    self.services()
+                        .record(Record::EffectResult(key.clone(), result.clone()))
+                        .await?;
                     return Ok(result);
                 }
                 Lookup::NotDone => tracing::info!("lookup says the call did not happen; calling"),
@@ -151,7 +154,9 @@ impl StepContext {
         // done, and its replay (and the handover note) knows this call happened. Only a crash of
         // Postgres before the step's next synchronous commit could lose it (relaxed_pool); the
         // replay then calls again under the same key.
-        effects::complete(self.relaxed_pool(), key, &result).await?;
+        self.services()
+            .record(Record::EffectResult(key.clone(), result.clone()))
+            .await?;
         Ok(result)
     }
 

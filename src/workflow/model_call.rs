@@ -9,6 +9,7 @@ use backon::Retryable;
 use super::{StepContext, StepError};
 use crate::guard;
 use crate::model::{self, ChatAnswer, ChatRequest, ModelClient};
+use crate::store::records::Record;
 use crate::store::{self, journal};
 
 impl StepContext {
@@ -44,7 +45,8 @@ impl StepContext {
         // Committed on its own, right now: a crash later in the step keeps the paid answer. The
         // commit does not wait for its WAL flush; the effect intent or step commit that follows
         // does, and flushes this entry with it.
-        if !journal::insert(self.relaxed_pool(), self.run_id(), &entry).await? {
+        let record = Record::Journal(self.run_id().clone(), entry.clone());
+        if !self.services().record(record).await? {
             // Another worker journaled this call first (it held the run before us): the step
             // goes on with the recorded answer, so the journal stays the one truth.
             let stored = journal::get(self.pool(), self.run_id(), self.seq(), call_no)
