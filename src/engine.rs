@@ -118,6 +118,7 @@ impl Engine {
             settings: settings.clone(),
             standin_answer_bytes: 64,
             records: Default::default(),
+            intents: Default::default(),
         });
         let topology = Topology::new(&settings.broker.prefix, settings.broker.delivery_limit);
         let worker_id = format!(

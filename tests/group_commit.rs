@@ -221,6 +221,19 @@ async fn claims_in_one_group_take_each_run_once_and_drop_processed_messages() {
     );
 }
 
+fn intent(run_id: &RunId, key: &str, hash: &str, fence: Fence) -> effects::Intent {
+    effects::Intent {
+        key: IdempotencyKey::parse(key).unwrap(),
+        tool: "ledger".into(),
+        run_id: run_id.clone(),
+        seq: 0,
+        request_hash: hash.into(),
+        fence,
+        max_calls: 0,
+        repeat_limit: 0,
+    }
+}
+
 fn entry(call_no: i32, answer: &str) -> journal::JournalEntry {
     journal::JournalEntry {
         seq: 0,
@@ -243,18 +256,8 @@ async fn records_of_several_steps_go_in_together_and_a_call_journaled_twice_keep
     );
     let fence = claim(&env, &p, "w", 30.0).await;
     let key = IdempotencyKey::parse("r-p:link:0").unwrap();
-    let intent = effects::Intent {
-        key: &key,
-        tool: "ledger",
-        run_id: &p,
-        seq: 0,
-        request_hash: "h",
-        fence,
-        max_calls: 0,
-        repeat_limit: 0,
-    };
     assert!(matches!(
-        effects::begin(&env.pool, &intent).await,
+        effects::begin(&env.pool, &intent(&p, "r-p:link:0", "h", fence)).await,
         Ok(effects::Begun::Known(effects::Known::New))
     ));
     let group = [
@@ -290,5 +293,69 @@ async fn records_of_several_steps_go_in_together_and_a_call_journaled_twice_keep
         )
         .await,
         [r#"r-p:link:0={"posted": 1}"#]
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn intents_in_one_group_each_get_their_own_verdict() {
+    let env = TestEnv::new().await;
+    let (s, t, u) = (
+        env.insert_chain_run("r-s").await,
+        env.insert_chain_run("r-t").await,
+        env.insert_chain_run("r-u").await,
+    );
+    let fence_s = claim(&env, &s, "w-s", 30.0).await;
+    let stale_t = claim(&env, &t, "w-t1", 0.0).await;
+    let _current_t = claim(&env, &t, "w-t2", 30.0).await;
+    let fence_u = claim(&env, &u, "w-u", 30.0).await;
+    // r-u's key was used before with another request.
+    assert!(matches!(
+        effects::begin(&env.pool, &intent(&u, "r-u:link:0", "old", fence_u)).await,
+        Ok(effects::Begun::Known(effects::Known::New))
+    ));
+    let group = [
+        intent(&s, "r-s:link:0", "h", fence_s),
+        intent(&t, "r-t:link:0", "h", stale_t),
+        intent(&u, "r-u:link:0", "new", fence_u),
+        intent(&s, "r-s:link:1", "h", fence_s),
+    ];
+    let verdicts = effects::begin_all(&env.pool, &group).await;
+    assert!(
+        matches!(
+            &verdicts[..],
+            [
+                Ok(effects::Begun::Known(effects::Known::New)),
+                Err(store::Error::FencedOut { .. }),
+                Err(store::Error::Conflict { .. }),
+                Ok(effects::Begun::Known(effects::Known::New)),
+            ]
+        ),
+        "{verdicts:?}"
+    );
+    assert_eq!(
+        texts(
+            &env,
+            "SELECT idempotency_key || '=' || request_hash FROM trailmark.effects"
+        )
+        .await,
+        ["r-s:link:0=h", "r-s:link:1=h", "r-u:link:0=old"],
+        "a stale worker's intent was recorded, or a conflicting one replaced the first"
+    );
+    // The same key twice in one group (a stale step next to the current one): one intent, and
+    // the second learns that the call may have been made.
+    let twice = [
+        intent(&s, "r-s:link:2", "h", fence_s),
+        intent(&s, "r-s:link:2", "h", fence_s),
+    ];
+    let verdicts = effects::begin_all(&env.pool, &twice).await;
+    assert!(
+        matches!(
+            &verdicts[..],
+            [
+                Ok(effects::Begun::Known(effects::Known::New)),
+                Ok(effects::Begun::Known(effects::Known::Unknown)),
+            ]
+        ),
+        "{verdicts:?}"
     );
 }

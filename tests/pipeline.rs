@@ -260,11 +260,11 @@ async fn intent(
     fence: Fence,
 ) -> store::Result<effects::Begun> {
     let intent = effects::Intent {
-        key,
-        tool: "ledger",
-        run_id,
+        key: key.clone(),
+        tool: "ledger".into(),
+        run_id: run_id.clone(),
         seq: 0,
-        request_hash: hash,
+        request_hash: hash.into(),
         fence,
         max_calls: 0,
         repeat_limit: 0,

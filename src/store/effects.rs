@@ -2,7 +2,7 @@
 
 use serde::Serialize;
 use serde_json::Value;
-use sqlx::{FromRow, PgExecutor};
+use sqlx::{FromRow, PgExecutor, PgPool};
 
 use super::{Error, Result};
 use crate::domain::{Fence, IdempotencyKey, RunId};
@@ -23,6 +23,7 @@ pub struct EffectRow {
 }
 
 /// What is known about a key before calling out.
+#[derive(Debug)]
 pub enum Known {
     /// Nothing: intent just recorded, call out.
     New,
@@ -33,6 +34,7 @@ pub enum Known {
 }
 
 /// What recording an intent found.
+#[derive(Debug)]
 pub enum Begun {
     /// The key's state.
     Known(Known),
@@ -49,18 +51,20 @@ pub struct Usage {
     pub repeats: i64,
 }
 
-/// A call about to be made, as recorded before it is made.
-pub struct Intent<'a> {
+/// A call about to be made, as recorded before it is made (owned, so a group-commit task can
+/// carry it).
+#[derive(Debug, Clone)]
+pub struct Intent {
     /// The key.
-    pub key: &'a IdempotencyKey,
+    pub key: IdempotencyKey,
     /// The tool's name.
-    pub tool: &'a str,
+    pub tool: String,
     /// The run.
-    pub run_id: &'a RunId,
+    pub run_id: RunId,
     /// The step position.
     pub seq: i32,
     /// SHA-256 of the request.
-    pub request_hash: &'a str,
+    pub request_hash: String,
     /// The caller's fence: no intent is recorded unless it is current.
     pub fence: Fence,
     /// The run's tool-call budget (0: none).
@@ -78,51 +82,101 @@ struct BeginRow {
     result: Option<Value>,
 }
 
+/// The intent statement for any number of calls ("items", numbered from 1 in binding order).
+/// Usage is counted only for a limit that is set: a long run would otherwise count all its
+/// effects on every call (the repeat count reads effects_repeat_idx). Calls of one batch count
+/// each other no more than concurrent single statements would: each sees the effects committed
+/// before it started.
 const BEGIN: &str = "
-    WITH usage AS (
-        -- Counted only for a limit that is set: a long run would otherwise count all its effects
-        -- on every call. The repeat count reads effects_repeat_idx.
-        SELECT CASE WHEN $7 > 0 THEN (SELECT count(*) FROM trailmark.effects
-                                       WHERE run_id = $2 AND idempotency_key <> $1) ELSE 0 END AS calls,
-               CASE WHEN $8 > 0 THEN (SELECT count(*) FROM trailmark.effects
-                                       WHERE run_id = $2 AND tool = $6 AND request_hash = $4
-                                         AND idempotency_key <> $1) ELSE 0 END AS repeats
+    WITH req AS (
+        SELECT * FROM UNNEST($1::text[], $2::text[], $3::int4[], $4::text[], $5::int8[], $6::text[],
+                             $7::int8[], $8::int8[])
+          WITH ORDINALITY AS r(key, run_id, seq, hash, fence, tool, max_calls, repeat_limit, n)
+    ), usage AS (
+        SELECT r.n,
+               CASE WHEN r.max_calls > 0 THEN (SELECT count(*) FROM trailmark.effects e
+                                                WHERE e.run_id = r.run_id AND e.idempotency_key <> r.key) ELSE 0 END AS calls,
+               CASE WHEN r.repeat_limit > 0 THEN (SELECT count(*) FROM trailmark.effects e
+                                                   WHERE e.run_id = r.run_id AND e.tool = r.tool AND e.request_hash = r.hash
+                                                     AND e.idempotency_key <> r.key) ELSE 0 END AS repeats
+          FROM req r
     ), existing AS (
-        SELECT request_hash, result FROM trailmark.effects WHERE idempotency_key = $1
+        SELECT r.n, e.request_hash, e.result FROM req r JOIN trailmark.effects e ON e.idempotency_key = r.key
     ), ins AS (
         INSERT INTO trailmark.effects (idempotency_key, run_id, seq, request_hash, fence, tool)
-        SELECT $1, $2, $3, $4, $5, $6 FROM trailmark.runs r, usage u
-         WHERE r.run_id = $2 AND r.fence = $5 AND NOT EXISTS (SELECT 1 FROM existing)
-           AND ($7 = 0 OR u.calls < $7) AND ($8 = 0 OR u.repeats < $8)
+        SELECT r.key, r.run_id, r.seq, r.hash, r.fence, r.tool
+          FROM req r JOIN usage u ON u.n = r.n JOIN trailmark.runs x ON x.run_id = r.run_id AND x.fence = r.fence
+         WHERE r.n NOT IN (SELECT n FROM existing)
+           AND (r.max_calls = 0 OR u.calls < r.max_calls) AND (r.repeat_limit = 0 OR u.repeats < r.repeat_limit)
         ON CONFLICT (idempotency_key) DO NOTHING
-        RETURNING 1
+        RETURNING idempotency_key
     )
-    SELECT EXISTS (SELECT 1 FROM ins) AS inserted, u.calls, u.repeats,
+    SELECT r.key IN (SELECT idempotency_key FROM ins) AS inserted, u.calls, u.repeats,
            e.request_hash AS stored_hash, e.result
-      FROM usage u LEFT JOIN existing e ON true";
+      FROM req r JOIN usage u ON u.n = r.n LEFT JOIN existing e ON e.n = r.n
+     ORDER BY r.n";
 
 /// Records the intent for `i.key` (only while `i.fence` is the run's current fence and within
 /// the limits), or reports what an earlier attempt left, in one statement.
 /// A key already used with a different request hash is a [`Error::Conflict`].
-pub async fn begin(db: impl PgExecutor<'_>, i: &Intent<'_>) -> Result<Begun> {
-    let row: BeginRow = sqlx::query_as(BEGIN)
-        .bind(i.key.as_str())
-        .bind(i.run_id.as_str())
-        .bind(i.seq)
-        .bind(i.request_hash)
-        .bind(i.fence.0)
-        .bind(i.tool)
-        .bind(i.max_calls as i64)
-        .bind(i.repeat_limit as i64)
-        .fetch_one(db)
-        .await?;
+pub async fn begin(db: impl PgExecutor<'_>, i: &Intent) -> Result<Begun> {
+    let row = begin_batch(db, std::slice::from_ref(i)).await?.remove(0);
+    begun(row, i)
+}
+
+/// Records several intents, each with the outcome [`begin`] would give it: in one statement,
+/// unless two are for the same key (the statement could not tell which one went in) or the
+/// statement fails; then one by one.
+pub async fn begin_all(pool: &PgPool, intents: &[Intent]) -> Vec<Result<Begun>> {
+    let mut keys: Vec<&str> = intents.iter().map(|i| i.key.as_str()).collect();
+    keys.sort_unstable();
+    keys.dedup();
+    if intents.len() > 1 && keys.len() == intents.len() {
+        match begin_batch(pool, intents).await {
+            Ok(rows) => {
+                return rows
+                    .into_iter()
+                    .zip(intents)
+                    .map(|(r, i)| begun(r, i))
+                    .collect();
+            }
+            Err(e) => {
+                tracing::debug!(error = %e, intents = intents.len(), "group intent failed; recording one by one")
+            }
+        }
+    }
+    let mut each = Vec::with_capacity(intents.len());
+    for i in intents {
+        each.push(begin(pool, i).await);
+    }
+    each
+}
+
+async fn begin_batch(db: impl PgExecutor<'_>, intents: &[Intent]) -> Result<Vec<BeginRow>> {
+    let text = |f: fn(&Intent) -> &str| intents.iter().map(f).collect::<Vec<_>>();
+    let number = |f: fn(&Intent) -> u64| intents.iter().map(|i| f(i) as i64).collect::<Vec<_>>();
+    Ok(sqlx::query_as(BEGIN)
+        .bind(text(|i| i.key.as_str()))
+        .bind(text(|i| i.run_id.as_str()))
+        .bind(intents.iter().map(|i| i.seq).collect::<Vec<_>>())
+        .bind(text(|i| i.request_hash.as_str()))
+        .bind(intents.iter().map(|i| i.fence.0).collect::<Vec<_>>())
+        .bind(text(|i| i.tool.as_str()))
+        .bind(number(|i| i.max_calls))
+        .bind(number(|i| i.repeat_limit))
+        .fetch_all(db)
+        .await?)
+}
+
+/// What one intent's row means.
+fn begun(row: BeginRow, i: &Intent) -> Result<Begun> {
     if let Some(stored) = &row.stored_hash
-        && stored != i.request_hash
+        && stored != &i.request_hash
     {
         return Err(Error::Conflict {
             key: i.key.to_string(),
             stored: stored.clone(),
-            new: i.request_hash.to_owned(),
+            new: i.request_hash.clone(),
         });
     }
     let usage = Usage {

@@ -17,6 +17,7 @@ use crate::failpoint::Failpoints;
 use crate::guard::{Breakers, Budget};
 use crate::model::ModelClient;
 use crate::store;
+use crate::store::effects;
 use crate::store::outbox::OutgoingMessage;
 use crate::store::records::{self, Record};
 
@@ -36,23 +37,49 @@ pub(crate) struct Services {
     pub settings: Settings,
     /// Size of the recorded stand-in answer when no model is configured.
     pub standin_answer_bytes: usize,
-    /// Group commit of journal entries and effect results, started on first use (inside the
-    /// runtime that runs the steps).
+    /// Group commit of journal entries and effect results (relaxed pool), started on first use
+    /// (inside the runtime that runs the steps).
     pub records: OnceLock<Batcher<Record, store::Result<bool>>>,
+    /// Group commit of effect intents (strict pool: an intent is durable before its call).
+    pub intents: OnceLock<Batcher<effects::Intent, store::Result<effects::Begun>>>,
 }
 
 impl Services {
     /// Writes a journal entry or an effect result at once, in one statement with whatever other
-    /// steps of this process are writing at the same moment (on the relaxed pool).
+    /// steps of this process are writing at the same moment.
     pub async fn record(&self, record: Record) -> store::Result<bool> {
-        let batcher = self.records.get_or_init(|| {
-            let pool = self.relaxed.clone();
-            Batcher::start(self.settings.worker.max_batch, move |batch| {
-                let pool = pool.clone();
-                async move { records::write_all(&pool, &batch).await }
-            })
+        let batcher = self.batcher(&self.records, &self.relaxed, |pool, batch| async move {
+            records::write_all(&pool, &batch).await
         });
         batcher.call(record).await.ok_or_else(crate::batch::gone)?
+    }
+
+    /// Records an effect intent, in one statement with the other steps' intents of the moment.
+    pub async fn begin_effect(&self, intent: effects::Intent) -> store::Result<effects::Begun> {
+        let batcher = self.batcher(&self.intents, &self.pool, |pool, batch| async move {
+            effects::begin_all(&pool, &batch).await
+        });
+        batcher.call(intent).await.ok_or_else(crate::batch::gone)?
+    }
+
+    fn batcher<'a, Req, Resp, F, Fut>(
+        &self,
+        cell: &'a OnceLock<Batcher<Req, Resp>>,
+        pool: &PgPool,
+        run: F,
+    ) -> &'a Batcher<Req, Resp>
+    where
+        Req: Send + 'static,
+        Resp: Send + 'static,
+        F: Fn(PgPool, Vec<Req>) -> Fut + Send + Sync + 'static,
+        Fut: std::future::Future<Output = Vec<Resp>> + Send + 'static,
+    {
+        cell.get_or_init(|| {
+            let pool = pool.clone();
+            Batcher::start(self.settings.worker.max_batch, move |batch| {
+                run(pool.clone(), batch)
+            })
+        })
     }
 }
 

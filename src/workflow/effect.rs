@@ -176,27 +176,28 @@ impl StepContext {
             Some(_) => 0,
             None => self.inner.pos.budget.max_tool_calls,
         };
+        let repeat_limit = self.services().settings.guards.repeat_limit;
         let intent = effects::Intent {
-            key,
-            tool: &tool.name,
-            run_id: self.run_id(),
+            key: key.clone(),
+            tool: tool.name.clone(),
+            run_id: self.run_id().clone(),
             seq: self.seq(),
-            request_hash: hash,
+            request_hash: hash.to_owned(),
             fence: self.fence(),
             max_calls,
-            repeat_limit: self.services().settings.guards.repeat_limit,
+            repeat_limit,
         };
-        let known = effects::begin(self.pool(), &intent).await?;
+        let known = self.services().begin_effect(intent).await?;
         let used = match known {
             effects::Begun::Known(known) => return Ok(known),
             effects::Begun::OverLimit(used) => used,
         };
-        if intent.max_calls > 0 && used.calls as u64 >= intent.max_calls {
+        if max_calls > 0 && used.calls as u64 >= max_calls {
             return Err(guard::budget_exhausted(format!(
                 "run {} made {} tool calls, its budget is {}",
                 self.run_id(),
                 used.calls,
-                intent.max_calls
+                max_calls
             )));
         }
         Err(guard::repeated_action(
