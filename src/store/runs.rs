@@ -191,7 +191,10 @@ const CLAIM: &str = "WITH req AS (
            SET lease_owner = r.owner, lease_expires_at = now() + make_interval(secs => r.lease_secs),
                lease_pid = r.pid, fence = u.fence + 1, updated_at = now()
           FROM req r
-         WHERE u.run_id = r.run_id AND u.step_seq = r.seq AND u.status IN ('running', 'compensating')
+         WHERE u.run_id = r.run_id AND u.step_seq = r.seq
+           -- An expression the status index cannot serve: a plan cached while the table was
+           -- young would otherwise read every running run through it on each claim.
+           AND CASE WHEN u.status IN ('running', 'compensating') THEN true ELSE false END
            AND r.n NOT IN (SELECT n FROM seen)
            AND (u.lease_owner IS NULL OR u.lease_expires_at < now() OR u.lease_owner = r.owner
                 OR trailmark.process_gone(u.lease_pid))
