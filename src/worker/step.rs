@@ -18,7 +18,7 @@ use crate::domain::{RunStatus, StepMessage};
 use crate::engine::{Engine, Stats};
 use crate::guard::Budget;
 use crate::store::decisions;
-use crate::store::{self, runs, steps};
+use crate::store::{self, inbox, runs, steps};
 use crate::workflow::{
     Next, Position, StepContext, StepDef, StepError, StepOutcome, UndoTarget, Workflow,
     parse_undo_step, undo_step_name,
@@ -288,6 +288,11 @@ async fn claim_or_recheck(
 }
 
 async fn why_not_claimed(engine: &Arc<Engine>, msg: &StepMessage) -> store::Result<Disposition> {
+    // The original delivery may have committed since the claim was refused (two deliveries of
+    // one message claim together in a batch): that is a duplicate, not a stale message.
+    if inbox::seen(&engine.pool, STEP_CONSUMER, msg.message_id).await? {
+        return Ok(Disposition::Duplicate);
+    }
     let Some(run) = runs::get(&engine.pool, msg.run_id.as_str()).await? else {
         return Ok(dead(
             "unknown_run",
