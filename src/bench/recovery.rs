@@ -42,6 +42,11 @@ pub struct Recovery {
     pub ledger_distinct: i64,
 }
 
+/// Fewest runs a scenario starts. With group commit a worker moves dozens of steps per batch,
+/// so a handful of runs (`--quick`) could all finish between reaching 50% and the kill, leaving
+/// nothing to recover.
+const MIN_RUNS: usize = 200;
+
 /// Both scenarios, one after the other.
 pub async fn run(env: &mut BenchEnv, cfg: &Config) -> Result<Vec<Recovery>> {
     let lease = cfg.lease_secs.unwrap_or(env.settings.worker.lease_secs);
@@ -86,10 +91,9 @@ async fn scenario(
     env.wait_consumers(&system.queue(env), n as u32, Duration::from_secs(30))
         .await?;
     let prefix = format!("{tag}-");
-    system
-        .start_runs(env, &ids(tag, cfg.runs), cfg.steps)
-        .await?;
-    let total = cfg.runs as i64 * cfg.steps as i64;
+    let runs = cfg.runs.max(MIN_RUNS);
+    system.start_runs(env, &ids(tag, runs), cfg.steps).await?;
+    let total = runs as i64 * cfg.steps as i64;
     let label = format!(
         "recovery ({})",
         if second_alive {
@@ -113,10 +117,7 @@ async fn scenario(
         "{label}: killed worker pid {pid} at {killed_at_steps}/{total} steps; it held {} leases",
         stranded.len()
     ));
-    wait_all(
-        env, system, &prefix, cfg.runs, cfg.steps, &label, &mut procs,
-    )
-    .await?;
+    wait_all(env, system, &prefix, runs, cfg.steps, &label, &mut procs).await?;
     let next_commit_ms = first_commit_after(env, &prefix, killed_at).await?;
     let resumed = resumed_after(env, &stranded, killed_at).await?;
     let (ledger_rows, ledger_distinct) = ledger(env, &prefix).await?;
@@ -130,7 +131,7 @@ async fn scenario(
     };
     Ok(Recovery {
         scenario: scenario.into(),
-        runs: cfg.runs,
+        runs,
         steps: cfg.steps,
         lease_secs,
         killed_at_steps,
