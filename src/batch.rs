@@ -1,7 +1,7 @@
 //! Group commit: the statements that concurrent work reaches at the same moment are gathered
 //! and run as one statement, so N steps pay one round trip, one executor set-up and one commit
 //! instead of N (the batching lever of the benchmark issue). Used for lease claims and step
-//! commits (`worker`) and for journal entries and effect results (`workflow`).
+//! commits (`worker`) and for effect intents, journal entries and effect results (`workflow`).
 //!
 //! Nothing waits on a timer: a batch is whatever queued while the previous batch of its kind was
 //! running. An unloaded process therefore runs each statement alone and at once (no added
@@ -74,9 +74,21 @@ async fn drive<Req, Resp, F, Fut>(
         let (reqs, replies): (Vec<Req>, Vec<oneshot::Sender<Resp>>) = pending.drain(..).unzip();
         let answers = run(reqs);
         tokio::spawn(async move {
-            // A reply whose asker gave up (its delivery was abandoned) is simply dropped.
-            for (reply, answer) in replies.into_iter().zip(answers.await) {
-                let _ = reply.send(answer);
+            let answers = answers.await;
+            // Answers are matched to askers by position: a batch function that answered a
+            // different number would hand outcomes to the wrong steps. Nobody gets one then; every
+            // asker sees the task as gone and retries (the function is a bug to fix).
+            if answers.len() == replies.len() {
+                // A reply whose asker gave up (its delivery was abandoned) is simply dropped.
+                for (reply, answer) in replies.into_iter().zip(answers) {
+                    let _ = reply.send(answer);
+                }
+            } else {
+                tracing::error!(
+                    asked = replies.len(),
+                    answered = answers.len(),
+                    "a group-commit batch answered the wrong number of requests; its steps are retried"
+                );
             }
             drop(lane);
         });

@@ -67,7 +67,8 @@ pub struct BrokerSettings {
 pub struct WorkerSettings {
     /// Deliveries in flight at once (also the channel prefetch).
     pub concurrency: u16,
-    /// Most claims or step commits run as one statement (group commit; 1 = none).
+    /// Most claims, effect intents, records or step commits run as one statement (group commit;
+    /// 1 = none).
     pub max_batch: usize,
     /// Lease length in seconds, measured on the database clock.
     pub lease_secs: u64,
@@ -175,7 +176,7 @@ impl Settings {
         }
         if self.worker.max_batch == 0 {
             return Err(Error(
-                "worker.max_batch must be at least 1 (1 runs every claim and step commit alone)"
+                "worker.max_batch must be at least 1 (1 runs every claim, intent, record and step commit alone)"
                     .into(),
             ));
         }

@@ -359,3 +359,54 @@ async fn intents_in_one_group_each_get_their_own_verdict() {
         "{verdicts:?}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn intents_of_one_run_in_a_group_count_each_other_against_its_budget() {
+    let env = TestEnv::new().await;
+    let v = env.insert_chain_run("r-v").await;
+    let fence = claim(&env, &v, "w-v", 30.0).await;
+    let budget_of_one = |key| effects::Intent {
+        max_calls: 1,
+        ..intent(&v, key, "h", fence)
+    };
+    let group = [budget_of_one("r-v:link:0"), budget_of_one("r-v:link:1")];
+    let verdicts = effects::begin_all(&env.pool, &group).await;
+    assert!(
+        matches!(
+            &verdicts[..],
+            [
+                Ok(effects::Begun::Known(effects::Known::New)),
+                Ok(effects::Begun::OverLimit(_)),
+            ]
+        ),
+        "a budget of one call let two through: {verdicts:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_group_meeting_an_unreachable_database_fails_at_once_not_step_by_step() {
+    // Nothing listens on port 1: every connection attempt fails until the acquire timeout.
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .acquire_timeout(std::time::Duration::from_secs(1))
+        .connect_lazy("postgres://postgres@127.0.0.1:1/none")
+        .unwrap();
+    let run_id = RunId::parse("r-down").unwrap();
+    let group: Vec<runs::ClaimRequest> = (0..20)
+        .map(|_| request(&run_id, "w", MessageId::new()))
+        .collect();
+    // One by one, the 20 claims would each wait out the timeout: 20 s and more, while every
+    // other step of the process queues behind the batch.
+    let outcomes = tokio::time::timeout(
+        std::time::Duration::from_secs(10),
+        runs::claim_all(&pool, &group),
+    )
+    .await
+    .expect("the batch ran its claims one by one against a database that is down");
+    assert_eq!(outcomes.len(), 20);
+    assert!(
+        outcomes
+            .iter()
+            .all(|o| matches!(o, Err(store::Error::Unavailable(_)))),
+        "{outcomes:?}"
+    );
+}

@@ -128,26 +128,16 @@ pub async fn commit(db: impl PgExecutor<'_>, c: &StepCommit) -> Result<bool> {
 /// Commits several steps, each with the outcome [`commit`] would give it: in one statement when
 /// none is refused, else one by one (a stale fence or a lock conflict between two processes'
 /// batches aborts the whole statement, and must not cost the other steps their commit).
-pub async fn commit_all(pool: &PgPool, steps: &[StepCommit]) -> Vec<Result<bool>> {
-    if steps.len() > 1 {
-        match commit_batch(pool, steps).await {
-            Ok(verdicts) => {
-                return steps
-                    .iter()
-                    .zip(&verdicts)
-                    .map(|(c, v)| verdict(v, c))
-                    .collect();
-            }
-            Err(e) => {
-                tracing::debug!(error = %e, steps = steps.len(), "group commit refused; committing its steps one by one")
-            }
-        }
-    }
-    let mut each = Vec::with_capacity(steps.len());
-    for c in steps {
-        each.push(commit(pool, c).await);
-    }
-    each
+pub async fn commit_all<'a>(pool: &'a PgPool, steps: &'a [StepCommit]) -> Vec<Result<bool>> {
+    let batch = |steps: &'a [StepCommit]| async move {
+        let verdicts = commit_batch(pool, steps).await?;
+        Ok(steps
+            .iter()
+            .zip(&verdicts)
+            .map(|(c, v)| verdict(v, c))
+            .collect())
+    };
+    super::batch_or_each("commit", steps, true, batch, |c| commit(pool, c)).await
 }
 
 async fn commit_batch(

@@ -127,29 +127,35 @@ pub async fn begin(db: impl PgExecutor<'_>, i: &Intent) -> Result<Begun> {
 /// Records several intents, each with the outcome [`begin`] would give it: in one statement,
 /// unless two are for the same key (the statement could not tell which one went in) or the
 /// statement fails; then one by one.
-pub async fn begin_all(pool: &PgPool, intents: &[Intent]) -> Vec<Result<Begun>> {
-    let mut keys: Vec<&str> = intents.iter().map(|i| i.key.as_str()).collect();
-    keys.sort_unstable();
-    keys.dedup();
-    if intents.len() > 1 && keys.len() == intents.len() {
-        match begin_batch(pool, intents).await {
-            Ok(rows) => {
-                return rows
-                    .into_iter()
-                    .zip(intents)
-                    .map(|(r, i)| begun(r, i))
-                    .collect();
-            }
-            Err(e) => {
-                tracing::debug!(error = %e, intents = intents.len(), "group intent failed; recording one by one")
-            }
-        }
-    }
-    let mut each = Vec::with_capacity(intents.len());
-    for i in intents {
-        each.push(begin(pool, i).await);
-    }
-    each
+pub async fn begin_all<'a>(pool: &'a PgPool, intents: &'a [Intent]) -> Vec<Result<Begun>> {
+    let batch = |intents: &'a [Intent]| async move {
+        let rows = begin_batch(pool, intents).await?;
+        Ok(rows
+            .into_iter()
+            .zip(intents)
+            .map(|(r, i)| begun(r, i))
+            .collect())
+    };
+    super::batch_or_each("intent", intents, batchable(intents), batch, |i| {
+        begin(pool, i)
+    })
+    .await
+}
+
+/// Whether one statement can give each intent its own outcome: not when two share a key (it
+/// could not tell which one went in), nor when two of one run are counted against a limit (they
+/// would not count each other; one at a time, the second sees the first).
+fn batchable(intents: &[Intent]) -> bool {
+    let distinct = |key: fn(&Intent) -> &str| {
+        let mut keys: Vec<&str> = intents.iter().map(key).collect();
+        keys.sort_unstable();
+        keys.dedup();
+        keys.len() == intents.len()
+    };
+    let limited = intents
+        .iter()
+        .any(|i| i.max_calls > 0 || i.repeat_limit > 0);
+    distinct(|i| i.key.as_str()) && (!limited || distinct(|i| i.run_id.as_str()))
 }
 
 async fn begin_batch(db: impl PgExecutor<'_>, intents: &[Intent]) -> Result<Vec<BeginRow>> {

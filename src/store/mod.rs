@@ -200,6 +200,53 @@ pub async fn migrate(pool: &PgPool) -> Result<()> {
         .map_err(|e| Error::Unavailable(format!("migrations failed: {e}")))
 }
 
+/// Runs `items` as one statement through `batch` when there are several and `batchable` says
+/// the statement can tell them apart, so each item gets the outcome it would get alone. When the
+/// statement is refused because of one item (a stale fence aborts it, two processes' batches
+/// deadlock, a value is out of range) the items run one by one through `one`. When Postgres
+/// itself failed, every item gets that failure at once: running them one by one would make each
+/// wait out the connection timeout, holding up every step behind the batch. The group-commit
+/// functions of this module all go through here.
+pub(crate) async fn batch_or_each<'a, T, R, BF, OF>(
+    what: &str,
+    items: &'a [T],
+    batchable: bool,
+    batch: impl FnOnce(&'a [T]) -> BF,
+    one: impl Fn(&'a T) -> OF,
+) -> Vec<Result<R>>
+where
+    BF: std::future::Future<Output = Result<Vec<Result<R>>>>,
+    OF: std::future::Future<Output = Result<R>>,
+{
+    if items.len() > 1 && batchable {
+        match batch(items).await {
+            Ok(each) => return each,
+            Err(e) if !caused_by_one_item(&e) => {
+                let failure = e.to_string();
+                return items
+                    .iter()
+                    .map(|_| Err(Error::Unavailable(failure.clone())))
+                    .collect();
+            }
+            Err(e) => {
+                tracing::debug!(error = %e, items = items.len(), "group {what} refused; running its items one by one")
+            }
+        }
+    }
+    let mut each = Vec::with_capacity(items.len());
+    for item in items {
+        each.push(one(item).await);
+    }
+    each
+}
+
+/// Whether a failed batch statement may have failed because of one of its items, rather than
+/// because Postgres is unreachable: any error Postgres answered with (a refused fence, a
+/// deadlock, bad data), as opposed to I/O, pool and protocol failures.
+fn caused_by_one_item(e: &Error) -> bool {
+    matches!(e, Error::Database(sqlx::Error::Database(_)))
+}
+
 /// SHA-256 of a JSON value, hex; the request hash of journal entries and effects.
 pub fn hash_json(value: &serde_json::Value) -> String {
     use sha2::{Digest, Sha256};

@@ -41,20 +41,14 @@ const WRITE: &str = "WITH entry AS (
 /// writer recorded that call first), for an effect result always `true`. One statement, unless
 /// two entries are for the same call: the statement could not tell which one went in, so those
 /// records are written one at a time.
-pub async fn write_all(pool: &PgPool, records: &[Record]) -> Vec<Result<bool>> {
-    if records.len() > 1 && !same_call_twice(records) {
-        match write(pool, records).await {
-            Ok(answers) => return answers.into_iter().map(Ok).collect(),
-            Err(e) => {
-                tracing::debug!(error = %e, records = records.len(), "group write of records failed; writing them one by one")
-            }
-        }
-    }
-    let mut each = Vec::with_capacity(records.len());
-    for r in records {
-        each.push(write(pool, std::slice::from_ref(r)).await.map(|a| a[0]));
-    }
-    each
+pub async fn write_all<'a>(pool: &'a PgPool, records: &'a [Record]) -> Vec<Result<bool>> {
+    let batch = |records: &'a [Record]| async move {
+        let answers = write(pool, records).await?;
+        Ok(answers.into_iter().map(Ok).collect())
+    };
+    let one = |r: &'a Record| async move { Ok(write(pool, std::slice::from_ref(r)).await?[0]) };
+    let batchable = !same_call_twice(records);
+    super::batch_or_each("record write", records, batchable, batch, one).await
 }
 
 fn same_call_twice(records: &[Record]) -> bool {

@@ -220,20 +220,15 @@ pub async fn claim(db: impl PgExecutor<'_>, r: &ClaimRequest) -> Result<ClaimOut
 /// Claims for several deliveries, each with the outcome [`claim`] would give it: in one statement,
 /// or one by one when that fails (two processes' batches that lock the same runs in opposite
 /// orders deadlock, and one of them is aborted).
-pub async fn claim_all(pool: &PgPool, reqs: &[ClaimRequest]) -> Vec<Result<ClaimOutcome>> {
-    if reqs.len() > 1 {
-        match claim_batch(pool, reqs).await {
-            Ok(outcomes) => return outcomes.into_iter().map(Ok).collect(),
-            Err(e) => {
-                tracing::debug!(error = %e, claims = reqs.len(), "group claim failed; claiming one by one")
-            }
-        }
-    }
-    let mut each = Vec::with_capacity(reqs.len());
-    for r in reqs {
-        each.push(claim(pool, r).await);
-    }
-    each
+pub async fn claim_all<'a>(
+    pool: &'a PgPool,
+    reqs: &'a [ClaimRequest],
+) -> Vec<Result<ClaimOutcome>> {
+    let batch = |reqs: &'a [ClaimRequest]| async move {
+        let outcomes = claim_batch(pool, reqs).await?;
+        Ok(outcomes.into_iter().map(Ok).collect())
+    };
+    super::batch_or_each("claim", reqs, true, batch, |r| claim(pool, r)).await
 }
 
 async fn claim_batch(db: impl PgExecutor<'_>, reqs: &[ClaimRequest]) -> Result<Vec<ClaimOutcome>> {
