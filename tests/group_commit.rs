@@ -4,10 +4,9 @@
 
 mod common;
 
-use common::TestEnv;
+use common::{TestEnv, first_step_commit};
 use serde_json::json;
-use trailmark::domain::{Fence, IdempotencyKey, MessageId, RunId, RunStatus, STEP_ROUTING_KEY};
-use trailmark::store::outbox::OutgoingMessage;
+use trailmark::domain::{Fence, IdempotencyKey, MessageId, RunId};
 use trailmark::store::records::{self, Record};
 use trailmark::store::{self, checkpoint, effects, journal, runs};
 
@@ -31,46 +30,6 @@ async fn claim(env: &TestEnv, run_id: &RunId, owner: &str, lease_secs: f64) -> F
     match runs::claim(&env.pool, &r).await.unwrap() {
         runs::ClaimOutcome::Claimed(c) => c.fence,
         other => panic!("{owner} could not claim {run_id}: {other:?}"),
-    }
-}
-
-/// Position 0 of `run_id` committed by `fence`, parking `parked` and queueing `queued` messages.
-fn first_step(
-    env: &TestEnv,
-    run_id: &RunId,
-    fence: Fence,
-    parked: &[&str],
-    queued: usize,
-) -> checkpoint::StepCommit {
-    let message = |_| OutgoingMessage {
-        message_id: MessageId::new(),
-        exchange: env.topology().steps_exchange(),
-        routing_key: STEP_ROUTING_KEY.into(),
-        headers: Default::default(),
-        body: b"{}".to_vec(),
-        relay_after_ms: 0,
-        holder_pid: None,
-    };
-    checkpoint::StepCommit {
-        run_id: run_id.clone(),
-        fence,
-        step: "link".into(),
-        to: checkpoint::Advance {
-            seq: 0,
-            next_step: Some("link".into()),
-            status: RunStatus::Running,
-            output: None,
-            error: None,
-            handover: None,
-        },
-        step_output: Some(json!({ "link": run_id.as_str() })),
-        finished: true,
-        inbox: ("steps", MessageId::new()),
-        parked: parked
-            .iter()
-            .map(|i| (i.to_string(), "unreadable".to_owned()))
-            .collect(),
-        outbox: (0..queued).map(message).collect(),
     }
 }
 
@@ -103,9 +62,9 @@ async fn a_group_with_a_stale_step_commits_the_others_and_writes_nothing_for_it(
     let stale_b = claim(&env, &b, "w-b1", 0.0).await;
     let current_b = claim(&env, &b, "w-b2", 30.0).await;
     let fence_c = claim(&env, &c, "w-c", 30.0).await;
-    let step_a = first_step(&env, &a, fence_a, &["inv-a"], 1);
-    let step_b_stale = first_step(&env, &b, stale_b, &["inv-b"], 1);
-    let step_c = first_step(&env, &c, fence_c, &["inv-c1", "inv-c2"], 2);
+    let step_a = first_step_commit(&env, &a, fence_a, &["inv-a"], 1);
+    let step_b_stale = first_step_commit(&env, &b, stale_b, &["inv-b"], 1);
+    let step_c = first_step_commit(&env, &c, fence_c, &["inv-c1", "inv-c2"], 2);
     let group = [step_a.clone(), step_b_stale, step_c.clone()];
 
     let outcomes = checkpoint::commit_all(&env.pool, &group).await;
@@ -146,7 +105,7 @@ async fn a_group_with_a_stale_step_commits_the_others_and_writes_nothing_for_it(
     );
 
     // The same two messages again (redeliveries) with the current worker's step of r-b.
-    let step_b = first_step(&env, &b, current_b, &["inv-b"], 1);
+    let step_b = first_step_commit(&env, &b, current_b, &["inv-b"], 1);
     let again = [step_a.clone(), step_b.clone(), step_c.clone()];
     let outcomes = checkpoint::commit_all(&env.pool, &again).await;
     assert!(

@@ -13,7 +13,6 @@ use trailmark::domain::{
     Fence, IdempotencyKey, MessageId, RunId, RunStatus, STEP_ROUTING_KEY, StepMessage,
 };
 use trailmark::failpoint::{Action, Failpoints};
-use trailmark::store::outbox::OutgoingMessage;
 use trailmark::store::{self, checkpoint, effects, runs};
 
 const WAIT: Duration = Duration::from_secs(60);
@@ -280,33 +279,9 @@ async fn commit_first_step(
     fence: Fence,
     message: MessageId,
 ) -> store::Result<bool> {
-    let output = json!({"link": 0});
-    let queued = OutgoingMessage {
-        message_id: MessageId::new(),
-        exchange: env.topology().steps_exchange(),
-        routing_key: STEP_ROUTING_KEY.into(),
-        headers: Default::default(),
-        body: b"{}".to_vec(),
-        relay_after_ms: 0,
-        holder_pid: None,
-    };
     let step = checkpoint::StepCommit {
-        run_id: run_id.clone(),
-        fence,
-        step: "link".into(),
-        to: checkpoint::Advance {
-            seq: 0,
-            next_step: Some("link".into()),
-            status: RunStatus::Running,
-            output: None,
-            error: None,
-            handover: None,
-        },
-        step_output: Some(output),
-        finished: true,
         inbox: ("steps", message),
-        parked: vec![("inv-1".to_owned(), "unreadable".to_owned())],
-        outbox: vec![queued],
+        ..common::first_step_commit(env, run_id, fence, &["inv-1"], 1)
     };
     checkpoint::commit(&env.pool, &step).await
 }

@@ -389,3 +389,46 @@ impl Drop for ChildGuard {
         self.kill9();
     }
 }
+
+/// The commit of position 0 of `run_id` by `fence` (moving it to position 1), parking `parked`
+/// and queueing `queued` step messages, from a fresh message id.
+pub fn first_step_commit(
+    env: &TestEnv,
+    run_id: &RunId,
+    fence: trailmark::domain::Fence,
+    parked: &[&str],
+    queued: usize,
+) -> trailmark::store::checkpoint::StepCommit {
+    use trailmark::domain::{MessageId, STEP_ROUTING_KEY};
+    use trailmark::store::checkpoint::{Advance, StepCommit};
+    let message = |_| trailmark::store::outbox::OutgoingMessage {
+        message_id: MessageId::new(),
+        exchange: env.topology().steps_exchange(),
+        routing_key: STEP_ROUTING_KEY.into(),
+        headers: Default::default(),
+        body: b"{}".to_vec(),
+        relay_after_ms: 0,
+        holder_pid: None,
+    };
+    StepCommit {
+        run_id: run_id.clone(),
+        fence,
+        step: "link".into(),
+        to: Advance {
+            seq: 0,
+            next_step: Some("link".into()),
+            status: RunStatus::Running,
+            output: None,
+            error: None,
+            handover: None,
+        },
+        step_output: Some(serde_json::json!({ "link": run_id.as_str() })),
+        finished: true,
+        inbox: ("steps", MessageId::new()),
+        parked: parked
+            .iter()
+            .map(|i| (i.to_string(), "unreadable".to_owned()))
+            .collect(),
+        outbox: (0..queued).map(message).collect(),
+    }
+}
