@@ -155,7 +155,7 @@ async fn claims_in_one_group_take_each_run_once_and_drop_processed_messages() {
     assert!(
         outcomes[..2]
             .iter()
-            .any(|o| matches!(o, Ok(runs::ClaimOutcome::Refused))),
+            .any(|o| matches!(o, Ok(runs::ClaimOutcome::Refused(runs::Refusal::Busy)))),
         "{outcomes:?}"
     );
     assert!(
@@ -366,6 +366,41 @@ async fn a_group_meeting_an_unreachable_database_fails_at_once_not_step_by_step(
         outcomes
             .iter()
             .all(|o| matches!(o, Err(store::Error::Unavailable(_)))),
+        "{outcomes:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_claim_says_why_as_the_run_stood() {
+    let env = TestEnv::new().await;
+    let (w, e) = (
+        env.insert_chain_run("r-w").await,
+        env.insert_chain_run("r-e").await,
+    );
+    sqlx::query("UPDATE trailmark.runs SET step_seq = 3 WHERE run_id = 'r-w'")
+        .execute(&env.pool)
+        .await
+        .unwrap();
+    sqlx::query("UPDATE trailmark.runs SET status = 'needs_review' WHERE run_id = 'r-e'")
+        .execute(&env.pool)
+        .await
+        .unwrap();
+    let missing = RunId::parse("r-missing").unwrap();
+    let group = [
+        request(&w, "w-1", MessageId::new()),
+        request(&e, "w-2", MessageId::new()),
+        request(&missing, "w-3", MessageId::new()),
+    ];
+    let outcomes = runs::claim_all(&env.pool, &group).await;
+    assert!(
+        matches!(
+            &outcomes[..],
+            [
+                Ok(runs::ClaimOutcome::Refused(runs::Refusal::Position(3))),
+                Ok(runs::ClaimOutcome::Refused(runs::Refusal::Status(s))),
+                Ok(runs::ClaimOutcome::Refused(runs::Refusal::UnknownRun)),
+            ] if s == "needs_review"
+        ),
         "{outcomes:?}"
     );
 }

@@ -498,7 +498,7 @@ async fn a_live_worker_keeps_its_lease_after_its_presence_connection_is_reopened
     };
     let outcome = runs::claim(&env.pool, &request).await.unwrap();
     assert!(
-        matches!(outcome, runs::ClaimOutcome::Refused),
+        matches!(outcome, runs::ClaimOutcome::Refused(runs::Refusal::Busy)),
         "a live worker's lease was taken: {outcome:?}"
     );
     env.wait_status("r-presence", RunStatus::Succeeded, WAIT)

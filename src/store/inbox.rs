@@ -16,15 +16,3 @@ pub async fn record(db: impl PgExecutor<'_>, consumer: &str, id: MessageId) -> R
     .await?;
     Ok(done.rows_affected() == 1)
 }
-
-/// Whether `id` was processed by `consumer` (a refused claim asks this first: a delivery whose
-/// original committed while it waited is a duplicate, whatever state the run is in now).
-pub async fn seen(db: impl PgExecutor<'_>, consumer: &str, id: MessageId) -> Result<bool> {
-    Ok(sqlx::query_scalar(
-        "SELECT EXISTS (SELECT 1 FROM trailmark.inbox WHERE consumer = $1 AND message_id = $2)",
-    )
-    .bind(consumer)
-    .bind(id.0)
-    .fetch_one(db)
-    .await?)
-}

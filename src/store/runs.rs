@@ -157,10 +157,25 @@ pub struct ClaimRequest {
 pub enum ClaimOutcome {
     /// The message was processed before: drop it.
     Duplicate,
-    /// Not claimable: the run is not at that step, not executable, or leased by a live worker.
-    Refused,
+    /// Not claimable, and why.
+    Refused(Refusal),
     /// The lease is ours.
     Claimed(Claim),
+}
+
+/// Why a claim was refused, as the run stood when the claim statement ran (the same snapshot in
+/// which the inbox showed the message as unprocessed, so a delivery whose original committed
+/// first is a duplicate, never a refusal).
+#[derive(Debug, PartialEq, Eq)]
+pub enum Refusal {
+    /// No such run.
+    UnknownRun,
+    /// The run does not take steps in this status (it ended, waits for a person, ...).
+    Status(String),
+    /// The run is at another position.
+    Position(i32),
+    /// Another live worker holds the lease.
+    Busy,
 }
 
 #[derive(sqlx::FromRow)]
@@ -173,6 +188,8 @@ struct ClaimRow {
     undo: Option<Value>,
     attempts: Option<i32>,
     journaled: i32,
+    run_status: Option<String>,
+    run_seq: Option<i32>,
 }
 
 /// The claim statement for any number of requests ("items", numbered from 1 in binding order).
@@ -206,8 +223,12 @@ const CLAIM: &str = "WITH req AS (
         RETURNING run_id, seq, attempts
     )
     SELECT r.n IN (SELECT n FROM seen) AS seen, c.fence, c.status, c.input, c.age_secs, c.undo, a.attempts,
-           (SELECT count(*) FROM trailmark.journal j WHERE j.run_id = r.run_id AND j.seq = r.seq)::int4 AS journaled
+           (SELECT count(*) FROM trailmark.journal j WHERE j.run_id = r.run_id AND j.seq = r.seq)::int4 AS journaled,
+           o.status AS run_status, o.step_seq AS run_seq
       FROM req r LEFT JOIN claimed c ON c.n = r.n LEFT JOIN attempt a ON a.run_id = c.run_id AND a.seq = c.seq
+      -- Only for a refused claim: the run as it stood, to say why.
+      LEFT JOIN LATERAL (SELECT u.status, u.step_seq FROM trailmark.runs u
+                          WHERE u.run_id = r.run_id AND c.n IS NULL) o ON true
      ORDER BY r.n";
 
 /// Checks the inbox, takes the lease of the run at the request's position if it is free, raises
@@ -244,17 +265,21 @@ async fn claim_batch(db: impl PgExecutor<'_>, reqs: &[ClaimRequest]) -> Result<V
         .bind(reqs.iter().map(|r| r.message.1.0).collect::<Vec<_>>())
         .fetch_all(db)
         .await?;
-    Ok(rows.into_iter().map(outcome).collect())
+    Ok(rows
+        .into_iter()
+        .zip(reqs)
+        .map(|(row, r)| outcome(row, r.seq))
+        .collect())
 }
 
-fn outcome(row: ClaimRow) -> ClaimOutcome {
+fn outcome(row: ClaimRow, asked_seq: i32) -> ClaimOutcome {
     if row.seen {
         return ClaimOutcome::Duplicate;
     }
     let (Some(fence), Some(status), Some(input), Some(age_secs), Some(attempt)) =
         (row.fence, row.status, row.input, row.age_secs, row.attempts)
     else {
-        return ClaimOutcome::Refused;
+        return ClaimOutcome::Refused(refusal(row.run_status, row.run_seq, asked_seq));
     };
     ClaimOutcome::Claimed(Claim {
         fence: Fence(fence),
@@ -265,6 +290,22 @@ fn outcome(row: ClaimRow) -> ClaimOutcome {
         attempt,
         journaled: row.journaled,
     })
+}
+
+fn refusal(status: Option<String>, seq: Option<i32>, asked_seq: i32) -> Refusal {
+    let (Some(status), Some(seq)) = (status, seq) else {
+        return Refusal::UnknownRun;
+    };
+    if !status
+        .parse::<RunStatus>()
+        .is_ok_and(RunStatus::accepts_steps)
+    {
+        Refusal::Status(status)
+    } else if seq != asked_seq {
+        Refusal::Position(seq)
+    } else {
+        Refusal::Busy
+    }
 }
 
 /// Extends a held lease and re-stamps the holder's presence pid (the presence connection may

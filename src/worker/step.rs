@@ -18,7 +18,7 @@ use crate::domain::{RunStatus, StepMessage};
 use crate::engine::{Engine, Stats};
 use crate::guard::Budget;
 use crate::store::decisions;
-use crate::store::{self, inbox, runs, steps};
+use crate::store::{self, runs, steps};
 use crate::workflow::{
     Next, Position, StepContext, StepDef, StepError, StepOutcome, UndoTarget, Workflow,
     parse_undo_step, undo_step_name,
@@ -272,47 +272,35 @@ async fn claim_or_recheck(
     let mut pauses = BUSY_RECHECKS_MS.iter();
     loop {
         let outcome = batches.claims.call(request.clone()).await;
-        match outcome.ok_or_else(batch_gone)?? {
+        let why = match outcome.ok_or_else(batch_gone)?? {
             runs::ClaimOutcome::Claimed(claim) => return Ok(Ok(claim)),
             runs::ClaimOutcome::Duplicate => return Ok(Err(Disposition::Duplicate)),
-            runs::ClaimOutcome::Refused => {}
-        }
-        let why = why_not_claimed(engine, msg).await?;
-        match (&why, pauses.next()) {
-            (Disposition::Delay(_), Some(ms)) => {
-                tokio::time::sleep(Duration::from_millis(*ms)).await
-            }
-            _ => return Ok(Err(why)),
+            runs::ClaimOutcome::Refused(why) => why,
+        };
+        match (why, pauses.next()) {
+            (runs::Refusal::Busy, Some(ms)) => tokio::time::sleep(Duration::from_millis(*ms)).await,
+            (why, _) => return Ok(Err(not_claimed(engine, msg, why))),
         }
     }
 }
 
-async fn why_not_claimed(engine: &Arc<Engine>, msg: &StepMessage) -> store::Result<Disposition> {
-    // The original delivery may have committed since the claim was refused (two deliveries of
-    // one message claim together in a batch): that is a duplicate, not a stale message.
-    if inbox::seen(&engine.pool, STEP_CONSUMER, msg.message_id).await? {
-        return Ok(Disposition::Duplicate);
-    }
-    let Some(run) = runs::get(&engine.pool, msg.run_id.as_str()).await? else {
-        return Ok(dead(
+/// What becomes of a delivery whose claim was refused.
+fn not_claimed(engine: &Engine, msg: &StepMessage, why: runs::Refusal) -> Disposition {
+    match why {
+        runs::Refusal::UnknownRun => dead(
             "unknown_run",
             format!("run {} does not exist in this database", msg.run_id),
-        ));
-    };
-    let status = run.status();
-    if !status.accepts_steps() {
-        return Ok(Disposition::Stale(format!("run is {status}")));
+        ),
+        runs::Refusal::Status(status) => Disposition::Stale(format!("run is {status}")),
+        runs::Refusal::Position(seq) => Disposition::Stale(format!(
+            "run is at position {seq}, message is for {}",
+            msg.seq
+        )),
+        // Another live worker holds the lease: wait in a delay queue rather than spin.
+        runs::Refusal::Busy => {
+            Disposition::Delay(Duration::from_millis(engine.settings.worker.busy_retry_ms))
+        }
     }
-    if run.step_seq != msg.seq {
-        return Ok(Disposition::Stale(format!(
-            "run is at position {}, message is for {}",
-            run.step_seq, msg.seq
-        )));
-    }
-    // Another live worker holds the lease: wait in a delay queue rather than spin.
-    Ok(Disposition::Delay(Duration::from_millis(
-        engine.settings.worker.busy_retry_ms,
-    )))
 }
 
 /// Guards checked before the handler runs: the attempt cap (so a step that kills its worker
