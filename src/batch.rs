@@ -1,7 +1,7 @@
 //! Group commit: the statements that concurrent work reaches at the same moment are gathered
 //! and run as one statement, so N steps pay one round trip, one executor set-up and one commit
 //! instead of N (the batching lever of the benchmark issue). Used for lease claims and step
-//! commits (`worker`) and for effect intents, journal entries and effect results (`workflow`).
+//! commits, effect intents, journal entries and effect results (`workflow::Services`).
 //!
 //! Nothing waits on a timer: a batch is whatever queued while the previous batch of its kind was
 //! running. An unloaded process therefore runs each statement alone and at once (no added
@@ -12,40 +12,38 @@ use std::sync::Arc;
 
 use tokio::sync::{Semaphore, mpsc, oneshot};
 
+use crate::store::{Error, Result};
+
 /// One queued request and where its answer goes.
-type Pending<Req, Resp> = (Req, oneshot::Sender<Resp>);
+type Pending<Req, T> = (Req, oneshot::Sender<Result<T>>);
 
-/// Runs requests of one kind in batches; cheap to clone, one task per kind.
-pub(crate) struct Batcher<Req, Resp> {
-    queue: mpsc::UnboundedSender<Pending<Req, Resp>>,
+/// Runs requests of one kind in batches, one task per kind.
+pub(crate) struct Batcher<Req, T> {
+    queue: mpsc::UnboundedSender<Pending<Req, T>>,
 }
 
-impl<Req, Resp> Clone for Batcher<Req, Resp> {
-    fn clone(&self) -> Self {
-        Self {
-            queue: self.queue.clone(),
-        }
-    }
-}
-
-impl<Req: Send + 'static, Resp: Send + 'static> Batcher<Req, Resp> {
+impl<Req: Send + 'static, T: Send + 'static> Batcher<Req, T> {
     /// Starts the task that runs up to `max` requests at a time through `run`, which must answer
-    /// each request, in order. The task ends when the last clone is dropped.
+    /// each request, in order. The task ends when the batcher is dropped.
     pub fn start<F, Fut>(max: usize, run: F) -> Self
     where
         F: Fn(Vec<Req>) -> Fut + Send + Sync + 'static,
-        Fut: Future<Output = Vec<Resp>> + Send + 'static,
+        Fut: Future<Output = Vec<Result<T>>> + Send + 'static,
     {
         let (queue, rx) = mpsc::unbounded_channel();
         tokio::spawn(drive(rx, max.max(1), run));
         Self { queue }
     }
 
-    /// Queues `req` and waits for its answer; `None` if the batch task is gone (it panicked).
-    pub async fn call(&self, req: Req) -> Option<Resp> {
+    /// Queues `req` and waits for its answer. If the batch task is gone (it panicked, or its
+    /// batch answered the wrong number of requests) the error is an infrastructure one, so the
+    /// delivery is retried.
+    pub async fn call(&self, req: Req) -> Result<T> {
         let (tx, rx) = oneshot::channel();
-        self.queue.send((req, tx)).ok()?;
-        rx.await.ok()
+        let gone =
+            || Error::Unavailable("a group-commit task of this process stopped; retrying".into());
+        self.queue.send((req, tx)).map_err(|_| gone())?;
+        rx.await.map_err(|_| gone())?
     }
 }
 
@@ -54,15 +52,12 @@ impl<Req: Send + 'static, Resp: Send + 'static> Batcher<Req, Resp> {
 /// batches (1.8 steps per batch instead of 2.5) and cost more CPU per step than they saved in wait.
 const LANES: usize = 1;
 
-async fn drive<Req, Resp, F, Fut>(
-    mut rx: mpsc::UnboundedReceiver<Pending<Req, Resp>>,
-    max: usize,
-    run: F,
-) where
+async fn drive<Req, T, F, Fut>(mut rx: mpsc::UnboundedReceiver<Pending<Req, T>>, max: usize, run: F)
+where
     Req: Send + 'static,
-    Resp: Send + 'static,
+    T: Send + 'static,
     F: Fn(Vec<Req>) -> Fut + Send + Sync + 'static,
-    Fut: Future<Output = Vec<Resp>> + Send + 'static,
+    Fut: Future<Output = Vec<Result<T>>> + Send + 'static,
 {
     let lanes = Arc::new(Semaphore::new(LANES));
     let mut pending = Vec::with_capacity(max);
@@ -71,7 +66,8 @@ async fn drive<Req, Resp, F, Fut>(
         if rx.recv_many(&mut pending, max).await == 0 {
             return;
         }
-        let (reqs, replies): (Vec<Req>, Vec<oneshot::Sender<Resp>>) = pending.drain(..).unzip();
+        let (reqs, replies): (Vec<Req>, Vec<oneshot::Sender<Result<T>>>) =
+            pending.drain(..).unzip();
         let answers = run(reqs);
         tokio::spawn(async move {
             let answers = answers.await;
@@ -93,10 +89,4 @@ async fn drive<Req, Resp, F, Fut>(
             drop(lane);
         });
     }
-}
-
-/// The error a caller gets when its batch task is gone (it panicked): infrastructure, so the
-/// delivery is retried.
-pub(crate) fn gone() -> crate::store::Error {
-    crate::store::Error::Unavailable("a group-commit task of this process stopped; retrying".into())
 }

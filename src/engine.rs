@@ -119,6 +119,8 @@ impl Engine {
             standin_answer_bytes: 64,
             records: Default::default(),
             intents: Default::default(),
+            claims: Default::default(),
+            commits: Default::default(),
         });
         let topology = Topology::new(&settings.broker.prefix, settings.broker.delivery_limit);
         let worker_id = format!(

@@ -8,8 +8,6 @@ use std::sync::Arc;
 use serde_json::Value;
 
 use super::STEP_CONSUMER;
-use super::batch::Batches;
-use crate::batch::gone as batch_gone;
 use crate::domain::{Fence, MessageId, RunId, RunStatus, STEP_ROUTING_KEY, StepMessage};
 use crate::engine::Engine;
 use crate::store;
@@ -54,7 +52,6 @@ pub(super) enum Ending {
 /// means another delivery of the same message committed first.
 pub(super) async fn commit(
     engine: &Arc<Engine>,
-    batches: &Batches,
     msg: &StepMessage,
     fence: Fence,
     ending: Ending,
@@ -64,8 +61,7 @@ pub(super) async fn commit(
     let queued = step.outbox.clone();
     let fp = &engine.failpoints;
     fp.hit("step.before_commit").map_err(infra)?;
-    let committed = batches.commits.call(step).await.ok_or_else(batch_gone)?;
-    if !committed? {
+    if !engine.services.commit(step).await? {
         return Ok(None);
     }
     fp.hit("step.after_commit").map_err(infra)?;

@@ -5,7 +5,6 @@
 //! that records its effects has committed, so a crash anywhere means a redelivery that the inbox
 //! turns into a no-op.
 
-mod batch;
 mod commit;
 mod handover;
 mod lease;
@@ -29,7 +28,6 @@ use tracing::Instrument;
 
 use crate::broker::{self, Publisher};
 use crate::engine::Engine;
-use batch::Batches;
 use published::PublishedRows;
 
 pub use commit::step_message;
@@ -48,10 +46,9 @@ pub async fn run(engine: Arc<Engine>, shutdown: CancellationToken) -> Result<(),
     let presence_stop = CancellationToken::new();
     let presence = tokio::spawn(presence::hold(engine.clone(), presence_stop.clone()));
     let (published, forgetting) = PublishedRows::start(engine.clone());
-    let batches = Batches::start(&engine);
     let mut backoff = Duration::from_millis(200);
     while !shutdown.is_cancelled() {
-        match session(&engine, &shutdown, &tracker, &published, &batches).await {
+        match session(&engine, &shutdown, &tracker, &published).await {
             Ok(()) => break,
             Err(e) => {
                 tracing::warn!(error = %e, retry_in_ms = backoff.as_millis() as u64, "worker lost the broker; reconnecting");
@@ -87,7 +84,6 @@ async fn session(
     shutdown: &CancellationToken,
     tracker: &TaskTracker,
     published: &PublishedRows,
-    batches: &Batches,
 ) -> Result<(), broker::Error> {
     let settings = &engine.settings;
     let conn = broker::connect(&settings.broker, &format!("worker-{}", engine.worker_id)).await?;
@@ -139,12 +135,9 @@ async fn session(
             .await
             .expect("semaphore never closed");
         let (engine, publisher, stop) = (engine.clone(), publisher.clone(), shutdown.clone());
-        let (published, batches) = (published.clone(), batches.clone());
+        let published = published.clone();
         tracker.spawn(async move {
-            handle(
-                &engine, &publisher, &published, &batches, delivery, is_step, &stop,
-            )
-            .await;
+            handle(&engine, &publisher, &published, delivery, is_step, &stop).await;
             drop(permit);
         });
     };
@@ -168,7 +161,6 @@ async fn handle(
     engine: &Arc<Engine>,
     publisher: &Publisher,
     published: &PublishedRows,
-    batches: &Batches,
     delivery: Delivery,
     is_step: bool,
     shutdown: &CancellationToken,
@@ -177,11 +169,9 @@ async fn handle(
     let id = outcome::message_id(&delivery);
     let span = tracing::info_span!("delivery", message.id = %id, run.id = Empty, workflow = Empty, step = Empty,
         seq = Empty, attempt = Empty, fence = Empty);
-    handle_in_span(
-        engine, publisher, published, batches, delivery, is_step, shutdown,
-    )
-    .instrument(span)
-    .await
+    handle_in_span(engine, publisher, published, delivery, is_step, shutdown)
+        .instrument(span)
+        .await
 }
 
 /// Processes one delivery to its disposition, retrying infrastructure failures in place
@@ -190,7 +180,6 @@ async fn handle_in_span(
     engine: &Arc<Engine>,
     publisher: &Publisher,
     published: &PublishedRows,
-    batches: &Batches,
     delivery: Delivery,
     is_step: bool,
     shutdown: &CancellationToken,
@@ -199,7 +188,7 @@ async fn handle_in_span(
     let owner = format!("{}/{}", engine.worker_id, uuid::Uuid::new_v4().simple());
     loop {
         let result = if is_step {
-            step::process(engine, batches, &delivery, &owner).await
+            step::process(engine, &delivery, &owner).await
         } else {
             run_start::process(engine, &delivery).await
         };

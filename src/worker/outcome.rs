@@ -80,7 +80,7 @@ pub(super) async fn settle(
             Stats::bump(&engine.stats.delayed);
             tracing::info!(
                 delay_ms = delay.as_millis() as u64,
-                "another live worker holds the run's lease; the message waits in the delay queue"
+                "the message waits in the delay queue (its run is busy, or its step is retried later)"
             );
             publisher.publish(&delayed(engine, delivery, *delay)).await
         }

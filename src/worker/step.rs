@@ -8,12 +8,10 @@ use futures_util::FutureExt;
 use lapin::message::Delivery;
 
 use super::STEP_CONSUMER;
-use super::batch::Batches;
 use super::commit::{self, Ending};
 use super::handover;
 use super::lease::Heartbeat;
 use super::outcome::{Disposition, dead};
-use crate::batch::gone as batch_gone;
 use crate::domain::{RunStatus, StepMessage};
 use crate::engine::{Engine, Stats};
 use crate::guard::Budget;
@@ -27,7 +25,6 @@ use crate::workflow::{
 /// Processes a step delivery; `Err` means infrastructure failed and the delivery should be retried.
 pub(super) async fn process(
     engine: &Arc<Engine>,
-    batches: &Batches,
     delivery: &Delivery,
     owner: &str,
 ) -> store::Result<Disposition> {
@@ -43,12 +40,11 @@ pub(super) async fn process(
     span.record("workflow", msg.workflow.as_str());
     span.record("step", msg.step.as_str());
     span.record("seq", msg.seq);
-    process_message(engine, batches, msg, owner).await
+    process_message(engine, msg, owner).await
 }
 
 async fn process_message(
     engine: &Arc<Engine>,
-    batches: &Batches,
     msg: StepMessage,
     owner: &str,
 ) -> store::Result<Disposition> {
@@ -56,7 +52,7 @@ async fn process_message(
         Ok(found) => found,
         Err(poison) => return Ok(poison),
     };
-    let claimed = match claim(engine, batches, &workflow, &msg, owner).await? {
+    let claimed = match claim(engine, &workflow, &msg, owner).await? {
         Claimed::Yes(c) => c,
         Claimed::No(d) => return Ok(d),
     };
@@ -65,7 +61,7 @@ async fn process_message(
     span.record("attempt", ctx.attempt());
     span.record("fence", ctx.fence().0);
     if let Some(stop) = refuse_before_running(engine, ctx, claimed.age_secs) {
-        return finish(engine, batches, &workflow, &msg, &claimed, Err(stop)).await;
+        return finish(engine, &workflow, &msg, &claimed, Err(stop)).await;
     }
     if step.freeze_unless_clear
         && let Some(evidence) = doubt(engine, &msg).await?
@@ -73,7 +69,6 @@ async fn process_message(
         tracing::warn!("items in doubt: step frozen until a person approves");
         return commit_ending(
             engine,
-            batches,
             &msg,
             ctx,
             Ending::Wait {
@@ -86,7 +81,7 @@ async fn process_message(
     }
     Stats::bump(&engine.stats.handler_runs);
     let result = execute(engine, &step, ctx.clone()).await;
-    finish(engine, batches, &workflow, &msg, &claimed, result).await
+    finish(engine, &workflow, &msg, &claimed, result).await
 }
 
 /// Evidence of doubt before a frozen step: parked items and effects of unknown outcome, unless a
@@ -175,7 +170,6 @@ enum Claimed {
 /// on its own, so the raised fence is durable before any outside call is made.
 async fn claim(
     engine: &Arc<Engine>,
-    batches: &Batches,
     workflow: &Workflow,
     msg: &StepMessage,
     owner: &str,
@@ -189,7 +183,7 @@ async fn claim(
         presence_pid: super::presence::pid(engine),
         message: (STEP_CONSUMER, msg.message_id),
     };
-    let claim = match claim_or_recheck(engine, batches, msg, &request).await? {
+    let claim = match claim_or_recheck(engine, msg, &request).await? {
         Ok(claim) => claim,
         Err(disposition) => return Ok(Claimed::No(disposition)),
     };
@@ -265,14 +259,12 @@ const BUSY_RECHECKS_MS: [u64; 3] = [10, 40, 150];
 /// Claims, re-checking a busy lease a few times within about 0.2 s before giving up on it.
 async fn claim_or_recheck(
     engine: &Arc<Engine>,
-    batches: &Batches,
     msg: &StepMessage,
     request: &runs::ClaimRequest,
 ) -> store::Result<Result<runs::Claim, Disposition>> {
     let mut pauses = BUSY_RECHECKS_MS.iter();
     loop {
-        let outcome = batches.claims.call(request.clone()).await;
-        let why = match outcome.ok_or_else(batch_gone)?? {
+        let why = match engine.services.claim(request.clone()).await? {
             runs::ClaimOutcome::Claimed(claim) => return Ok(Ok(claim)),
             runs::ClaimOutcome::Duplicate => return Ok(Err(Disposition::Duplicate)),
             runs::ClaimOutcome::Refused(why) => why,
@@ -296,7 +288,7 @@ fn not_claimed(engine: &Engine, msg: &StepMessage, why: runs::Refusal) -> Dispos
             "run is at position {seq}, message is for {}",
             msg.seq
         )),
-        // Another live worker holds the lease: wait in a delay queue rather than spin.
+        // Still busy after the re-checks: wait in a delay queue rather than spin.
         runs::Refusal::Busy => {
             Disposition::Delay(Duration::from_millis(engine.settings.worker.busy_retry_ms))
         }
@@ -347,7 +339,6 @@ async fn execute(
 
 async fn finish(
     engine: &Arc<Engine>,
-    batches: &Batches,
     workflow: &Workflow,
     msg: &StepMessage,
     claimed: &ClaimedStep,
@@ -363,7 +354,7 @@ async fn finish(
             let note = serde_json::json!({ "waiting_for": "decision", "step": msg.step, "seq": msg.seq, "question": output });
             let (sent, parked) = ctx.take_pending();
             let ending = Ending::Wait { note, sent, parked };
-            return commit_ending(engine, batches, msg, ctx, ending).await;
+            return commit_ending(engine, msg, ctx, ending).await;
         }
         Ok(outcome) => match next_step(workflow, msg, claimed, &outcome.next) {
             Ok(next) => {
@@ -375,7 +366,7 @@ async fn finish(
                     sent,
                     parked,
                 };
-                return commit_ending(engine, batches, msg, ctx, ending).await;
+                return commit_ending(engine, msg, ctx, ending).await;
             }
             Err(e) => e,
         },
@@ -411,7 +402,7 @@ async fn finish(
         ctx.seq(),
         ctx.attempt()
     );
-    commit_ending(engine, batches, msg, ctx, Ending::Review { error, note }).await
+    commit_ending(engine, msg, ctx, Ending::Review { error, note }).await
 }
 
 /// The step after this one: the next compensation while undoing, else the workflow's choice.
@@ -429,12 +420,11 @@ fn next_step(
 
 async fn commit_ending(
     engine: &Arc<Engine>,
-    batches: &Batches,
     msg: &StepMessage,
     ctx: &StepContext,
     ending: Ending,
 ) -> store::Result<Disposition> {
-    match commit::commit(engine, batches, msg, ctx.fence(), ending).await {
+    match commit::commit(engine, msg, ctx.fence(), ending).await {
         Ok(Some(queued)) => {
             Stats::bump(&engine.stats.steps_committed);
             Ok(Disposition::Committed(queued))

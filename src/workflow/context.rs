@@ -17,9 +17,9 @@ use crate::failpoint::Failpoints;
 use crate::guard::{Breakers, Budget};
 use crate::model::ModelClient;
 use crate::store;
-use crate::store::effects;
 use crate::store::outbox::OutgoingMessage;
 use crate::store::records::{self, Record};
+use crate::store::{checkpoint, effects, runs};
 
 /// The header that carries an outside message's idempotency key (see [`StepContext::send`]), for
 /// receivers to recognise a rare repeat.
@@ -37,11 +37,14 @@ pub(crate) struct Services {
     pub settings: Settings,
     /// Size of the recorded stand-in answer when no model is configured.
     pub standin_answer_bytes: usize,
-    /// Group commit of journal entries and effect results (relaxed pool), started on first use
-    /// (inside the runtime that runs the steps).
-    pub records: OnceLock<Batcher<Record, store::Result<bool>>>,
+    /// Group commit of journal entries and effect results (relaxed pool).
+    pub records: OnceLock<Batcher<Record, bool>>,
     /// Group commit of effect intents (strict pool: an intent is durable before its call).
-    pub intents: OnceLock<Batcher<effects::Intent, store::Result<effects::Begun>>>,
+    pub intents: OnceLock<Batcher<effects::Intent, effects::Begun>>,
+    /// Group commit of the worker's lease claims.
+    pub claims: OnceLock<Batcher<runs::ClaimRequest, runs::ClaimOutcome>>,
+    /// Group commit of the worker's step commits.
+    pub commits: OnceLock<Batcher<checkpoint::StepCommit, bool>>,
 }
 
 impl Services {
@@ -51,7 +54,7 @@ impl Services {
         let batcher = self.batcher(&self.records, &self.relaxed, |pool, batch| async move {
             records::write_all(&pool, &batch).await
         });
-        batcher.call(record).await.ok_or_else(crate::batch::gone)?
+        batcher.call(record).await
     }
 
     /// Records an effect intent, in one statement with the other steps' intents of the moment.
@@ -59,20 +62,37 @@ impl Services {
         let batcher = self.batcher(&self.intents, &self.pool, |pool, batch| async move {
             effects::begin_all(&pool, &batch).await
         });
-        batcher.call(intent).await.ok_or_else(crate::batch::gone)?
+        batcher.call(intent).await
     }
 
-    fn batcher<'a, Req, Resp, F, Fut>(
+    /// Claims a run's lease for a step delivery, with the other deliveries' claims of the moment.
+    pub async fn claim(&self, request: runs::ClaimRequest) -> store::Result<runs::ClaimOutcome> {
+        let batcher = self.batcher(&self.claims, &self.pool, |pool, batch| async move {
+            runs::claim_all(&pool, &batch).await
+        });
+        batcher.call(request).await
+    }
+
+    /// Commits a step, with the other steps' commits of the moment.
+    pub async fn commit(&self, step: checkpoint::StepCommit) -> store::Result<bool> {
+        let batcher = self.batcher(&self.commits, &self.pool, |pool, batch| async move {
+            checkpoint::commit_all(&pool, &batch).await
+        });
+        batcher.call(step).await
+    }
+
+    /// The batcher in `cell`, started on first use (inside the runtime that runs the steps).
+    fn batcher<'a, Req, T, F, Fut>(
         &self,
-        cell: &'a OnceLock<Batcher<Req, Resp>>,
+        cell: &'a OnceLock<Batcher<Req, T>>,
         pool: &PgPool,
         run: F,
-    ) -> &'a Batcher<Req, Resp>
+    ) -> &'a Batcher<Req, T>
     where
         Req: Send + 'static,
-        Resp: Send + 'static,
+        T: Send + 'static,
         F: Fn(PgPool, Vec<Req>) -> Fut + Send + Sync + 'static,
-        Fut: std::future::Future<Output = Vec<Resp>> + Send + 'static,
+        Fut: std::future::Future<Output = Vec<store::Result<T>>> + Send + 'static,
     {
         cell.get_or_init(|| {
             let pool = pool.clone();
