@@ -58,14 +58,15 @@ pub(super) async fn commit(
 ) -> store::Result<Option<Vec<OutgoingMessage>>> {
     let mut step = step_commit(engine, msg, fence, ending);
     hold_for_eager_publish(engine, &mut step.outbox);
-    let queued = step.outbox.clone();
+    // Copied only when the worker publishes them itself; the originals go into the commit.
+    let eager = to_publish_eagerly(engine, &step.outbox);
     let fp = &engine.failpoints;
     fp.hit("step.before_commit").map_err(infra)?;
     if !engine.services.commit(step).await? {
         return Ok(None);
     }
     fp.hit("step.after_commit").map_err(infra)?;
-    Ok(Some(to_publish_eagerly(engine, queued)))
+    Ok(Some(eager))
 }
 
 /// What the step commit writes for `ending`.
@@ -147,10 +148,10 @@ pub(super) fn hold_for_eager_publish(engine: &Engine, messages: &mut [OutgoingMe
 /// eager publishing is off.
 pub(super) fn to_publish_eagerly(
     engine: &Engine,
-    messages: Vec<OutgoingMessage>,
+    messages: &[OutgoingMessage],
 ) -> Vec<OutgoingMessage> {
     if engine.settings.relay.eager_grace_ms > 0 {
-        messages
+        messages.to_vec()
     } else {
         Vec::new()
     }

@@ -85,6 +85,6 @@ async fn start(
     tx.commit().await?;
     Stats::bump(&engine.stats.runs_started);
     tracing::info!("run started");
-    let eager = super::commit::to_publish_eagerly(engine, vec![first_message]);
+    let eager = super::commit::to_publish_eagerly(engine, std::slice::from_ref(&first_message));
     Ok(Disposition::Committed(eager))
 }
