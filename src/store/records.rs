@@ -39,8 +39,8 @@ const WRITE: &str = "WITH entry AS (
 
 /// Writes `records`, answering each: for a journal entry whether it went in (`false`: another
 /// writer recorded that call first), for an effect result always `true`. One statement, unless
-/// two entries are for the same call: the statement could not tell which one went in, so those
-/// records are written one at a time.
+/// two entries are for the same call: the statement could not tell which one went in, so then
+/// the batch's records are written one at a time.
 pub async fn write_all<'a>(pool: &'a PgPool, records: &'a [Record]) -> Vec<Result<bool>> {
     let batch = |records: &'a [Record]| async move {
         let answers = write(pool, records).await?;

@@ -163,9 +163,10 @@ pub enum ClaimOutcome {
     Claimed(Claim),
 }
 
-/// Why a claim was refused, as the run stood when the claim statement ran (the same snapshot in
-/// which the inbox showed the message as unprocessed, so a delivery whose original committed
-/// first is a duplicate, never a refusal).
+/// Why a claim was refused, as the run stood when the claim statement began (the snapshot in
+/// which the inbox showed the message as unprocessed). A delivery whose original commits while
+/// the claim waits for the run's row lock reads `Busy`; the worker's next re-check then finds the
+/// inbox row and drops it as a duplicate.
 #[derive(Debug, PartialEq, Eq)]
 pub enum Refusal {
     /// No such run.

@@ -42,7 +42,7 @@ impl StepContext {
             cost: answer.cost,
             latency_ms: answer.latency_ms as i64,
         };
-        // Committed on its own, right now: a crash later in the step keeps the paid answer. The
+        // Committed now, not with the step commit (in one statement with other steps' records): a crash later in the step keeps the paid answer. The
         // commit does not wait for its WAL flush; the effect intent or step commit that follows
         // does, and flushes this entry with it.
         let record = Record::Journal(self.run_id().clone(), entry.clone());
