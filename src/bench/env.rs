@@ -278,6 +278,24 @@ impl Proc {
         }
     }
 
+    /// SIGSTOP: the process keeps its connections, leases and unacked deliveries but does
+    /// nothing, so what it holds can be read without racing it.
+    pub fn freeze(&self) {
+        self.signal(libc::SIGSTOP);
+    }
+
+    /// SIGCONT after [`Proc::freeze`].
+    pub fn thaw(&self) {
+        self.signal(libc::SIGCONT);
+    }
+
+    fn signal(&self, sig: libc::c_int) {
+        if let Some(child) = &self.child {
+            // SAFETY: signalling our own child, whose pid cannot be reused before we reap it.
+            unsafe { libc::kill(child.id() as libc::pid_t, sig) };
+        }
+    }
+
     /// `kill -9`: no shutdown, no ack, no flush.
     pub fn kill9(&mut self) {
         if let Some(mut c) = self.child.take() {
@@ -288,11 +306,10 @@ impl Proc {
 
     /// SIGTERM, then SIGKILL if it has not exited within `grace`.
     pub async fn stop(&mut self, grace: Duration) {
+        self.signal(libc::SIGTERM);
         let Some(child) = self.child.as_mut() else {
             return;
         };
-        // SAFETY: sending a signal to our own child, whose pid cannot be reused before we reap it.
-        unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
         let deadline = Instant::now() + grace;
         while Instant::now() < deadline {
             if matches!(child.try_wait(), Ok(Some(_))) {

@@ -105,11 +105,11 @@ async fn scenario(
     let killed_at_steps = wait_half(env, &prefix, total, &label).await?;
     let mut victim = procs.remove(0);
     let pid = victim.pid();
-    // Read before the kill: a live worker takes a dead process's leases within milliseconds (its
-    // presence connection is gone), so a query after the kill finds few or none of them.
-    let stranded = stranded(env, pid).await?;
-    victim.kill9();
+    let stranded = freeze_holding_leases(env, &victim, &prefix, runs, &label).await?;
+    // Taken before the signal: the victim is frozen, so it commits nothing in between, and every
+    // commit of a stranded run comes after this instant.
     let killed_at = Utc::now();
+    victim.kill9();
     if !second_alive {
         procs.push(env.spawn(&format!("{tag}-worker-restarted"), &["worker"])?);
     }
@@ -161,6 +161,36 @@ async fn wait_half(env: &BenchEnv, prefix: &str, total: i64, label: &str) -> Res
     }
 }
 
+/// Freezes the victim while it holds at least one lease and returns the runs it holds.
+///
+/// Read under SIGSTOP rather than just before the kill: a live worker takes a dead process's
+/// leases within milliseconds (its presence connection is gone), so a query after the kill
+/// finds few of them, and on a loaded machine a running victim could finish every lease it holds
+/// (or the whole load) between a query and the kill, leaving no recovery to measure.
+async fn freeze_holding_leases(
+    env: &BenchEnv,
+    victim: &Proc,
+    prefix: &str,
+    runs: usize,
+    label: &str,
+) -> Result<Vec<String>> {
+    loop {
+        victim.freeze();
+        let held = stranded(env, victim.pid()).await?;
+        if !held.is_empty() {
+            return Ok(held);
+        }
+        victim.thaw();
+        if System::Trailmark.progress(env, prefix).await?.runs_done >= runs as i64 {
+            return Err(Error::Failed(format!(
+                "{label}: every run finished before the worker to kill held a lease; \
+                 start more runs (--runs) so that work remains at 50%"
+            )));
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
 /// Runs leased by the killed process: lease owners are `<host>-<pid>-<random>/<delivery>`.
 async fn stranded(env: &BenchEnv, pid: u32) -> Result<Vec<String>> {
     Ok(
@@ -180,7 +210,12 @@ async fn first_commit_after(env: &BenchEnv, prefix: &str, at: DateTime<Utc>) -> 
     .bind(at)
     .fetch_one(&env.pool)
     .await?;
-    ms.ok_or_else(|| Error::Failed("recovery: no step committed after the kill".into()))
+    ms.ok_or_else(|| {
+        Error::Failed(format!(
+            "recovery: no step of the runs {prefix}* committed after the kill; \
+             see the workers' logs"
+        ))
+    })
 }
 
 /// For each stranded run, kill to its first commit after the kill (ms), sorted.
