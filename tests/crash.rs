@@ -170,13 +170,11 @@ async fn a_worker_frozen_past_its_lease_cannot_write_when_it_wakes() {
         run.is_some_and(|r| r.step_seq == 1 && r.lease_owner.is_some())
     })
     .await;
-    let pid = frozen.pid() as i32;
-    // SAFETY: signalling our own child process.
-    unsafe { libc::kill(pid, libc::SIGSTOP) };
+    frozen.signal(libc::SIGSTOP);
     let _second = env.spawn_process(None);
     env.wait_status("r-frozen", RunStatus::Succeeded, WAIT)
         .await;
-    unsafe { libc::kill(pid, libc::SIGCONT) };
+    frozen.signal(libc::SIGCONT);
 
     // The woken worker must notice it was fenced out, by heartbeat, effect or commit.
     let deadline = std::time::Instant::now() + WAIT;
@@ -216,17 +214,24 @@ async fn a_killed_workers_lease_is_taken_over_at_once_by_a_live_worker() {
         json!({"steps": 40, "step_delay_ms": 300}),
     )
     .await;
-    env.wait_until("ten steps done and one in flight", WAIT, || async {
+    // Both frozen while the holder is read: a loaded machine could otherwise let the holder
+    // commit its step between the read and the kill, and no takeover would happen.
+    let deadline = std::time::Instant::now() + WAIT;
+    let run = loop {
+        workers.iter().for_each(|w| w.signal(libc::SIGSTOP));
         let run = trailmark::store::runs::get(&env.pool, "r-takeover")
             .await
             .unwrap();
-        run.is_some_and(|r| r.step_seq >= 10 && r.lease_owner.is_some())
-    })
-    .await;
-    let run = trailmark::store::runs::get(&env.pool, "r-takeover")
-        .await
-        .unwrap()
-        .unwrap();
+        match run {
+            Some(r) if r.step_seq >= 10 && r.lease_owner.is_some() => break r,
+            _ => workers.iter().for_each(|w| w.signal(libc::SIGCONT)),
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "ten steps done and one in flight: not within {WAIT:?}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    };
     // Lease owners read `<host>-<pid>-<tag>/<delivery>`.
     let process = run
         .lease_owner
@@ -241,6 +246,11 @@ async fn a_killed_workers_lease_is_taken_over_at_once_by_a_live_worker() {
         .find(|w| w.pid() == holder)
         .expect("the lease holder is one of ours");
     victim.kill9();
+    workers.iter().for_each(|w| {
+        if w.0.is_some() {
+            w.signal(libc::SIGCONT)
+        }
+    });
     let expiry = run.lease_expires_at.unwrap();
     env.wait_status("r-takeover", RunStatus::Succeeded, WAIT)
         .await;

@@ -382,6 +382,13 @@ impl ChildGuard {
     pub fn pid(&self) -> u32 {
         self.0.as_ref().expect("process").id()
     }
+
+    /// Sends `signal` (SIGSTOP freezes the process with its connections and leases held, so
+    /// what it holds can be read without racing it; SIGCONT wakes it).
+    pub fn signal(&self, signal: libc::c_int) {
+        // SAFETY: signalling our own child, whose pid cannot be reused before we reap it.
+        unsafe { libc::kill(self.pid() as libc::pid_t, signal) };
+    }
 }
 
 impl Drop for ChildGuard {
