@@ -1,10 +1,18 @@
 //! The files under `deploy/` against the binary and its defaults: every command they start exists,
-//! and a worker is given time to finish its steps in flight before it is killed.
+//! a worker is given time to finish its steps in flight before it is killed, and a process opens
+//! no more Postgres connections than the README tells operators to plan for.
+
+mod common;
 
 use std::path::Path;
 use std::process::Command;
+use std::time::{Duration, Instant};
 
+use chrono::{DateTime, Utc};
+use serde_json::json;
+use sqlx::{Connection, PgConnection};
 use trailmark::config::Settings;
+use trailmark::store::connections_per_process;
 
 const UNITS: [&str; 4] = [
     "deploy/systemd/trailmark-worker.service",
@@ -89,4 +97,57 @@ fn a_stopping_worker_gets_a_lease_period_and_more_before_it_is_killed() {
             "a worker is killed {secs} s after SIGTERM, before its in-flight steps had their {needed} s"
         );
     }
+}
+
+/// A `serve` process under load opens no more Postgres connections than
+/// `store::connections_per_process` counts: the figure the README gives operators for sizing
+/// `max_connections`, and the one `trailmark bench --scale` sizes its processes' pools with.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_loaded_process_opens_no_more_connections_than_documented() {
+    const POOL: u32 = 4;
+    const RUNS: i64 = 40;
+    let env = common::TestEnv::new().await;
+    // Its own connection, opened before the process: only the process's backends start later.
+    let mut sampler = PgConnection::connect(&env.settings.database.url)
+        .await
+        .expect("connect");
+    let since: DateTime<Utc> = sqlx::query_scalar("SELECT clock_timestamp()")
+        .fetch_one(&mut sampler)
+        .await
+        .unwrap();
+    let _serve = env.spawn_process_with(
+        None,
+        &[("TRAILMARK__DATABASE__MAX_CONNECTIONS", POOL.to_string())],
+    );
+    for i in 0..RUNS {
+        env.start_run("chain", &format!("r-conn-{i}"), json!({"steps": 5}))
+            .await;
+    }
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let mut most = 0;
+    loop {
+        let (open, done): (i64, i64) = sqlx::query_as(
+            "SELECT (SELECT count(*) FROM pg_stat_activity
+                      WHERE datname = current_database() AND backend_start > $1),
+                    (SELECT count(*) FROM trailmark.runs WHERE status = 'succeeded')",
+        )
+        .bind(since)
+        .fetch_one(&mut sampler)
+        .await
+        .unwrap();
+        most = most.max(open);
+        if done == RUNS {
+            break;
+        }
+        assert!(Instant::now() < deadline, "{done} of {RUNS} runs succeeded");
+        // A sampling period, not a wait for an event: the loop ends when the runs are done.
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let counted = connections_per_process(POOL);
+    assert!(
+        most <= i64::from(counted),
+        "a process with a pool of {POOL} opened {most} connections; connections_per_process says {counted}"
+    );
+    // Presence, listener and at least one pool connection: the sampler saw the process.
+    assert!(most >= 3, "only {most} connections seen");
 }

@@ -228,10 +228,10 @@ async fn measure_all(env: &mut BenchEnv, cfg: &Config) -> Result<Report> {
     } else {
         Vec::new()
     };
-    let scale = if cfg.scale {
-        scale::run(env, cfg, model.as_ref()).await?
+    let (scale, scale_failure) = if cfg.scale {
+        scale::run(env, cfg, model.as_ref()).await
     } else {
-        Vec::new()
+        (Vec::new(), None)
     };
     drop(model);
     let background_cores_after = window::background_cores(window::BACKGROUND_SPAN).await?;
@@ -245,15 +245,9 @@ async fn measure_all(env: &mut BenchEnv, cfg: &Config) -> Result<Report> {
         background_cores_before,
         background_cores_after,
     };
-    Ok(build(
-        setup,
-        fsync,
-        env,
-        cfg,
-        (&trailmark, &b3),
-        recovery,
-        scale,
-    ))
+    let mut report = build(setup, fsync, env, cfg, (&trailmark, &b3), recovery, scale);
+    report.scale_failure = scale_failure.map(|e| e.to_string());
+    Ok(report)
 }
 
 fn build(
@@ -302,6 +296,7 @@ fn build(
         recovery_target: report::recovery_target(&recovery),
         recovery,
         scale,
+        scale_failure: None,
         left_out,
     }
 }

@@ -31,6 +31,8 @@ pub struct Report {
     pub recovery_target: Option<Target>,
     /// Scale points (trailmark only; empty unless `--scale`).
     pub scale: Vec<ScalePoint>,
+    /// Why the scale phase stopped before its last point (the points before it are kept).
+    pub scale_failure: Option<String>,
     /// What this run did not measure.
     pub left_out: Vec<String>,
 }
@@ -396,8 +398,15 @@ fn recovery(o: &mut String, r: &Report) {
     }
 }
 
+fn scale_failure(o: &mut String, r: &Report) {
+    if let Some(e) = &r.scale_failure {
+        let _ = writeln!(o, "scale phase stopped early: {e}");
+    }
+}
+
 fn scale(o: &mut String, r: &Report) {
     if r.scale.is_empty() {
+        scale_failure(o, r);
         return;
     }
     let _ = writeln!(
@@ -434,4 +443,5 @@ fn scale(o: &mut String, r: &Report) {
             p.pool_per_process
         );
     }
+    scale_failure(o, r);
 }

@@ -10,10 +10,12 @@ use super::env::{BenchEnv, Proc};
 use super::load::{ids, peak_rss_mib};
 use super::systems::System;
 use super::window::measured;
-use super::{Config, Result, progress};
+use super::{Config, Error, Result, progress};
+use crate::store::connections_per_process;
 
-/// Total Postgres connections the bench lets the measured processes open.
-const CONNECTION_BUDGET: u32 = 64;
+/// Connections kept free for anything else on the server (an operator's psql, the bench's
+/// NOTIFY listener).
+const SPARE_CONNECTIONS: i64 = 4;
 
 /// One point of the scale phase.
 #[derive(Debug, Clone, Serialize)]
@@ -42,20 +44,56 @@ pub struct ScalePoint {
     pub pool_per_process: u32,
 }
 
-/// Every configured (runs, workers) point.
+/// Every configured (runs, workers) point, and why the phase stopped early if it did: a long
+/// phase keeps what it measured before a failure, so the report can still show it.
 pub async fn run(
     env: &mut BenchEnv,
     cfg: &Config,
     model: Option<&Proc>,
-) -> Result<Vec<ScalePoint>> {
+) -> (Vec<ScalePoint>, Option<Error>) {
     let mut points = Vec::new();
-    for &runs in &cfg.scale_runs {
+    let mut failure = None;
+    'all: for &runs in &cfg.scale_runs {
         for &workers in &cfg.scale_workers {
-            points.push(point(env, cfg, model, runs, workers).await?);
+            match point(env, cfg, model, runs, workers).await {
+                Ok(p) => points.push(p),
+                Err(e) => {
+                    failure = Some(e);
+                    break 'all;
+                }
+            }
         }
     }
     env.remove_child_env("TRAILMARK__DATABASE__MAX_CONNECTIONS");
-    Ok(points)
+    (points, failure)
+}
+
+/// The largest pool (up to the configured one) that lets `workers` processes fit in what the
+/// server has left, so that no process is refused connections mid-point ("too many clients"
+/// made a 4-process point at 100,000 runs fail after 20 minutes when this was a fixed budget).
+async fn pool_per_process(env: &BenchEnv, workers: usize) -> Result<u32> {
+    let (max, reserved, open): (i32, i32, i64) = sqlx::query_as(
+        "SELECT current_setting('max_connections')::int,
+                current_setting('superuser_reserved_connections')::int,
+                (SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'client backend')",
+    )
+    .fetch_one(&env.pool)
+    .await?;
+    // The bench's own pool may still grow to its maximum.
+    let own = i64::from(env.settings.database.max_connections);
+    let free = i64::from(max - reserved) - open - own - SPARE_CONNECTIONS;
+    let each = u32::try_from(free / workers.max(1) as i64).unwrap_or(0);
+    (1..=env.child_pool.max(1))
+        .rev()
+        .find(|&p| connections_per_process(p) <= each)
+        .ok_or_else(|| {
+            Error::Failed(format!(
+                "Postgres allows {max} connections ({reserved} reserved) and {open} are open: too \
+                 few for {workers} trailmark processes of {} connections each; raise \
+                 max_connections or leave out --scale-workers {workers}",
+                connections_per_process(1)
+            ))
+        })
 }
 
 async fn point(
@@ -66,7 +104,7 @@ async fn point(
     workers: usize,
 ) -> Result<ScalePoint> {
     let system = System::Trailmark;
-    let pool = (CONNECTION_BUDGET / workers.max(1) as u32).clamp(4, env.child_pool.max(4));
+    let pool = pool_per_process(env, workers).await?;
     env.set_child_env("TRAILMARK__DATABASE__MAX_CONNECTIONS", &pool.to_string());
     system.reset(env).await?;
     let tag = format!("scale-{runs}x{workers}");

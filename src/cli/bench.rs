@@ -72,7 +72,13 @@ pub async fn run(settings: &Settings, args: BenchArgs) -> anyhow::Result<()> {
     } else {
         print!("{}", bench::report::render(&report));
     }
-    Ok(())
+    match &report.scale_failure {
+        // After the report: what was measured before the failure is not lost.
+        Some(e) => anyhow::bail!(
+            "the scale phase stopped early ({e}); the report above has what it measured before"
+        ),
+        None => Ok(()),
+    }
 }
 
 /// The configuration the arguments ask for.

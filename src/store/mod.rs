@@ -125,11 +125,22 @@ pub fn relaxed_pool(pool: &PgPool) -> PgPool {
         .options([("synchronous_commit", "off")]);
     let strict = pool.options();
     PgPoolOptions::new()
-        // Half the strict pool: these statements are short and a step holds one at a time.
-        .max_connections((strict.get_max_connections() / 2).max(1))
+        .max_connections(relaxed_size(strict.get_max_connections()))
         .acquire_timeout(strict.get_acquire_timeout())
         .test_before_acquire(false)
         .connect_lazy_with(options)
+}
+
+/// Half the strict pool: relaxed statements are short and a step holds one at a time.
+fn relaxed_size(pool: u32) -> u32 {
+    (pool / 2).max(1)
+}
+
+/// Most Postgres connections one process running a worker and a relay (`trailmark serve`) opens
+/// with `database.max_connections = pool`: the pool, the relaxed pool, the worker's presence
+/// connection and the relay's listener. Size the server's `max_connections` with it.
+pub fn connections_per_process(pool: u32) -> u32 {
+    pool + relaxed_size(pool) + 2
 }
 
 /// One connection outside the pool, for a process's presence (see `worker::presence`).
