@@ -174,6 +174,7 @@ async fn freeze_holding_leases(
     runs: usize,
     label: &str,
 ) -> Result<Vec<String>> {
+    let deadline = Instant::now() + Duration::from_secs(60);
     loop {
         victim.freeze();
         let held = stranded(env, victim.pid()).await?;
@@ -185,6 +186,14 @@ async fn freeze_holding_leases(
             return Err(Error::Failed(format!(
                 "{label}: every run finished before the worker to kill held a lease; \
                  start more runs (--runs) so that work remains at 50%"
+            )));
+        }
+        if Instant::now() > deadline {
+            return Err(Error::Failed(format!(
+                "{label}: the worker to kill (pid {}) held no lease for 60 s while runs remained; \
+                 see its log in {}",
+                victim.pid(),
+                env.log_dir.display()
             )));
         }
         tokio::time::sleep(Duration::from_millis(5)).await;
