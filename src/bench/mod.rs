@@ -228,7 +228,7 @@ async fn measure_all(env: &mut BenchEnv, cfg: &Config) -> Result<Report> {
     } else {
         Vec::new()
     };
-    let (scale, scale_failure) = if cfg.scale {
+    let scale = if cfg.scale {
         scale::run(env, cfg, model.as_ref()).await
     } else {
         (Vec::new(), None)
@@ -245,9 +245,15 @@ async fn measure_all(env: &mut BenchEnv, cfg: &Config) -> Result<Report> {
         background_cores_before,
         background_cores_after,
     };
-    let mut report = build(setup, fsync, env, cfg, (&trailmark, &b3), recovery, scale);
-    report.scale_failure = scale_failure.map(|e| e.to_string());
-    Ok(report)
+    Ok(build(
+        setup,
+        fsync,
+        env,
+        cfg,
+        (&trailmark, &b3),
+        recovery,
+        scale,
+    ))
 }
 
 fn build(
@@ -257,7 +263,7 @@ fn build(
     cfg: &Config,
     reps: (&[RepFigures], &[RepFigures]),
     recovery: Vec<recovery::Recovery>,
-    scale: Vec<scale::ScalePoint>,
+    (scale, scale_failure): (Vec<scale::ScalePoint>, Option<Error>),
 ) -> Report {
     let model = match cfg.model {
         ModelMode::Http { .. } => {
@@ -296,7 +302,7 @@ fn build(
         recovery_target: report::recovery_target(&recovery),
         recovery,
         scale,
-        scale_failure: None,
+        scale_failure: scale_failure.map(|e| e.to_string()),
         left_out,
     }
 }

@@ -276,6 +276,7 @@ pub fn render(r: &Report) -> String {
     segments(&mut o, r);
     recovery(&mut o, r);
     scale(&mut o, r);
+    scale_failure(&mut o, r);
     if !r.left_out.is_empty() {
         let _ = writeln!(o, "\nnot measured in this run:");
         for l in &r.left_out {
@@ -406,7 +407,6 @@ fn scale_failure(o: &mut String, r: &Report) {
 
 fn scale(o: &mut String, r: &Report) {
     if r.scale.is_empty() {
-        scale_failure(o, r);
         return;
     }
     let _ = writeln!(
@@ -443,5 +443,4 @@ fn scale(o: &mut String, r: &Report) {
             p.pool_per_process
         );
     }
-    scale_failure(o, r);
 }

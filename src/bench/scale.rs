@@ -52,20 +52,23 @@ pub async fn run(
     model: Option<&Proc>,
 ) -> (Vec<ScalePoint>, Option<Error>) {
     let mut points = Vec::new();
-    let mut failure = None;
-    'all: for &runs in &cfg.scale_runs {
-        for &workers in &cfg.scale_workers {
-            match point(env, cfg, model, runs, workers).await {
-                Ok(p) => points.push(p),
-                Err(e) => {
-                    failure = Some(e);
-                    break 'all;
-                }
-            }
-        }
-    }
+    let failure = all_points(env, cfg, model, &mut points).await.err();
     env.remove_child_env("TRAILMARK__DATABASE__MAX_CONNECTIONS");
     (points, failure)
+}
+
+async fn all_points(
+    env: &mut BenchEnv,
+    cfg: &Config,
+    model: Option<&Proc>,
+    points: &mut Vec<ScalePoint>,
+) -> Result<()> {
+    for &runs in &cfg.scale_runs {
+        for &workers in &cfg.scale_workers {
+            points.push(point(env, cfg, model, runs, workers).await?);
+        }
+    }
+    Ok(())
 }
 
 /// The largest pool (up to the configured one) that lets `workers` processes fit in what the
