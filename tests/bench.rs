@@ -96,3 +96,29 @@ async fn quick_bench_reports_every_figure_for_both_systems_and_cleans_up() {
             .unwrap();
     assert!(!left, "the bench left its database {db} behind");
 }
+
+/// A scale point the server cannot hold (1,000 processes) stops the scale phase; the points
+/// measured before it are still reported, with the reason, and the command exits non-zero.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_scale_point_keeps_the_points_before_it_and_exits_1() {
+    let out = Command::new(env!("CARGO_BIN_EXE_trailmark"))
+        .args(["bench", "--quick", "--no-recovery", "--json", "--scale"])
+        .args(["--scale-runs", "20", "--scale-workers", "1,1000"])
+        .env("DATABASE_URL", format!("{}/postgres", base_url()))
+        .env("AMQP_URL", amqp_url())
+        .env("RUST_LOG", "warn")
+        .env_remove("TRAILMARK_FAILPOINTS")
+        .output()
+        .expect("run trailmark bench");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "stderr: {stderr}");
+    let report: Value = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
+        panic!("the report is printed before the error ({e}); stderr: {stderr}")
+    });
+    let points = report["scale"].as_array().expect("scale");
+    assert_eq!(points.len(), 1, "the 1-process point is kept: {points:?}");
+    assert_eq!(points[0]["workers"], 1);
+    let why = report["scale_failure"].as_str().expect("scale_failure");
+    assert!(why.contains("max_connections"), "{why}");
+    assert!(stderr.contains("scale phase stopped early"), "{stderr}");
+}
