@@ -103,13 +103,17 @@ async fn scenario(
         }
     );
     let killed_at_steps = wait_half(env, &prefix, total, &label).await?;
-    let mut victim = procs.remove(0);
+    let (index, stranded) =
+        freeze_holding_leases(env, &mut procs[..n], &prefix, runs, &label).await?;
+    let mut victim = procs.remove(index);
     let pid = victim.pid();
-    let stranded = freeze_holding_leases(env, &victim, &prefix, runs, &label).await?;
-    // Taken before the signal: the victim is frozen, so it commits nothing in between, and every
+    // Taken before the signal: every worker is frozen, so nothing commits in between, and every
     // commit of a stranded run comes after this instant.
     let killed_at = Utc::now();
     victim.kill9();
+    for p in &procs[..n - 1] {
+        p.thaw();
+    }
     if !second_alive {
         procs.push(env.spawn(&format!("{tag}-worker-restarted"), &["worker"])?);
     }
@@ -161,38 +165,55 @@ async fn wait_half(env: &BenchEnv, prefix: &str, total: i64, label: &str) -> Res
     }
 }
 
-/// Freezes the victim while it holds at least one lease and returns the runs it holds.
+/// Freezes every worker at a moment when one of them holds leases, and returns the one holding
+/// the most (the victim, left frozen; the others too, so that nothing commits before the kill)
+/// with the runs it holds.
 ///
 /// Read under SIGSTOP rather than just before the kill: a live worker takes a dead process's
 /// leases within milliseconds (its presence connection is gone), so a query after the kill
 /// finds few of them, and on a loaded machine a running victim could finish every lease it holds
-/// (or the whole load) between a query and the kill, leaving no recovery to measure.
+/// (or the whole load) between a query and the kill, leaving no recovery to measure. The victim
+/// is chosen by what it holds, not in advance: on a busy CI machine one worker can end up with
+/// all the work (a slow start, or its connections refused), and killing the idle one would
+/// measure nothing.
 async fn freeze_holding_leases(
     env: &BenchEnv,
-    victim: &Proc,
+    workers: &mut [Proc],
     prefix: &str,
     runs: usize,
     label: &str,
-) -> Result<Vec<String>> {
+) -> Result<(usize, Vec<String>)> {
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
-        victim.freeze();
-        let held = stranded(env, victim.pid()).await?;
-        if !held.is_empty() {
-            return Ok(held);
+        for w in workers.iter_mut() {
+            w.check_alive()?;
+            w.freeze();
         }
-        victim.thaw();
+        let mut held = Vec::with_capacity(workers.len());
+        for w in workers.iter() {
+            held.push(leases_of(env, w.pid()).await?);
+        }
+        let (index, most) = held
+            .into_iter()
+            .enumerate()
+            .max_by_key(|(_, runs)| runs.len())
+            .unwrap_or_default();
+        if !most.is_empty() {
+            return Ok((index, most));
+        }
+        for w in workers.iter() {
+            w.thaw();
+        }
         if System::Trailmark.progress(env, prefix).await?.runs_done >= runs as i64 {
             return Err(Error::Failed(format!(
-                "{label}: every run finished before the worker to kill held a lease; \
+                "{label}: every run finished before a worker was seen holding a lease; \
                  start more runs (--runs) so that work remains at 50%"
             )));
         }
         if Instant::now() > deadline {
             return Err(Error::Failed(format!(
-                "{label}: the worker to kill (pid {}) held no lease for 60 s while runs remained; \
-                 see its log in {}",
-                victim.pid(),
+                "{label}: no worker held a lease for 60 s while runs remained; see the workers' \
+                 logs in {} (refused database connections, an open circuit breaker?)",
                 env.log_dir.display()
             )));
         }
@@ -200,8 +221,8 @@ async fn freeze_holding_leases(
     }
 }
 
-/// Runs leased by the killed process: lease owners are `<host>-<pid>-<random>/<delivery>`.
-async fn stranded(env: &BenchEnv, pid: u32) -> Result<Vec<String>> {
+/// Runs leased by the process `pid`: lease owners are `<host>-<pid>-<random>/<delivery>`.
+async fn leases_of(env: &BenchEnv, pid: u32) -> Result<Vec<String>> {
     Ok(
         sqlx::query_scalar("SELECT run_id FROM trailmark.runs WHERE lease_owner LIKE $1")
             .bind(format!("%-{pid}-%/%"))
