@@ -20,6 +20,13 @@ use crate::store;
 /// `application_name` of the bench's own Postgres connections (not counted as the system's CPU).
 pub const APPLICATION_NAME: &str = "trailmark-bench";
 
+/// Connections kept free for anything else on the server (an operator's psql, the bench's
+/// NOTIFY listener).
+const SPARE_CONNECTIONS: i64 = 4;
+
+/// The setting that sizes a child's Postgres pool.
+const POOL_ENV: &str = "TRAILMARK__DATABASE__MAX_CONNECTIONS";
+
 /// One isolated place to measure in, on the configured servers.
 pub struct BenchEnv {
     /// Settings pointing at the bench database and prefix (children get them through env).
@@ -41,10 +48,10 @@ pub struct BenchEnv {
 
 impl BenchEnv {
     /// Creates the database (migrated, plus the B3 schema) and declares the topology.
-    pub async fn create(base: &Settings) -> Result<Self> {
+    pub async fn create(base: &Settings, child_pool: Option<u32>) -> Result<Self> {
         let tag = uuid::Uuid::new_v4().simple().to_string()[..10].to_owned();
         let (db_name, prefix) = (format!("tm_bench_{tag}"), format!("tmbench-{tag}"));
-        let child_pool = base.database.max_connections;
+        let child_pool = child_pool.unwrap_or(base.database.max_connections);
         let mut settings = base.clone();
         settings.database.url = with_database(&base.database.url, &db_name)?;
         settings.database.max_connections = 4;
@@ -71,6 +78,7 @@ impl BenchEnv {
             ("DATABASE_URL".into(), settings.database.url.clone()),
             ("AMQP_URL".into(), settings.broker.url.clone()),
             ("TRAILMARK__BROKER__PREFIX".into(), prefix.clone()),
+            (POOL_ENV.into(), child_pool.to_string()),
         ];
         Ok(Self {
             settings,
@@ -89,6 +97,32 @@ impl BenchEnv {
     pub fn set_child_env(&mut self, key: &str, value: &str) {
         self.child_env.retain(|(k, _)| k != key);
         self.child_env.push((key.into(), value.into()));
+    }
+
+    /// Gives children started from now on a Postgres pool of `size` (the scale phase sizes it
+    /// per point); [`BenchEnv::child_pool`] is the size to return to.
+    pub fn set_child_pool(&mut self, size: u32) {
+        self.set_child_env(POOL_ENV, &size.to_string());
+    }
+
+    /// What the server has left for the bench's children: its limit, less what is open, the
+    /// bench's own pool at its maximum and a few to spare.
+    pub async fn connection_budget(&self) -> Result<ConnectionBudget> {
+        let (max, reserved, open): (i32, i32, i64) = sqlx::query_as(
+            "SELECT current_setting('max_connections')::int,
+                    current_setting('superuser_reserved_connections')::int,
+                    (SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'client backend')",
+        )
+        .fetch_one(&self.pool)
+        .await?;
+        // The bench's own pool may still grow to its maximum.
+        let own = i64::from(self.settings.database.max_connections);
+        Ok(ConnectionBudget {
+            max,
+            reserved,
+            open,
+            free: i64::from(max - reserved) - open - own - SPARE_CONNECTIONS,
+        })
     }
 
     /// Stops passing `key` to children started from now on.
@@ -218,6 +252,29 @@ fn quorum() -> FieldTable {
         AMQPValue::LongString("quorum".into()),
     );
     args
+}
+
+/// Postgres connections at one moment, as [`BenchEnv::connection_budget`] reads them.
+#[derive(Debug, Clone, Copy)]
+pub struct ConnectionBudget {
+    /// `max_connections`.
+    pub max: i32,
+    /// `superuser_reserved_connections`.
+    pub reserved: i32,
+    /// Client connections open (anyone's).
+    pub open: i64,
+    /// What the bench's children may open.
+    pub free: i64,
+}
+
+impl std::fmt::Display for ConnectionBudget {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "Postgres allows {} connections ({} reserved) and {} are open",
+            self.max, self.reserved, self.open
+        )
+    }
 }
 
 /// The same Postgres URL with another database name.

@@ -125,6 +125,10 @@ pub struct Config {
     pub scale_runs: Vec<usize>,
     /// Writes timed by the fsync probe.
     pub fsync_samples: usize,
+    /// Postgres pool of each process the bench starts (None: `database.max_connections`).
+    /// A smoke run beside other work (the test suite) must leave the server connections to
+    /// spare: a refused connection stalls a worker and skews what is measured.
+    pub pool: Option<u32>,
 }
 
 impl Default for Config {
@@ -143,6 +147,7 @@ impl Default for Config {
             scale_workers: vec![1, 2, 4],
             scale_runs: vec![1_000, 10_000, 100_000],
             fsync_samples: 200,
+            pool: None,
         }
     }
 }
@@ -160,6 +165,7 @@ impl Config {
             scale_workers: vec![1, 2],
             scale_runs: vec![20],
             fsync_samples: 20,
+            pool: Some(4),
             ..Self::default()
         }
     }
@@ -178,10 +184,33 @@ pub(crate) fn progress(msg: &str) {
     eprintln!("bench: {msg}");
 }
 
+/// Says so up front when the server cannot hold the processes the bench will start at once:
+/// a worker refused its connections retries its deliveries and leaves the work to the others,
+/// which would skew every figure (and, in the recovery phase, who holds the leases).
+async fn warn_if_short_of_connections(env: &BenchEnv, cfg: &Config) -> Result<()> {
+    // Recovery runs two workers beside a relay and a supervisor.
+    let processes = if cfg.recovery {
+        cfg.workers.max(4)
+    } else {
+        cfg.workers
+    };
+    let each = crate::store::connections_per_process(env.child_pool);
+    let need = processes as i64 * i64::from(each);
+    let budget = env.connection_budget().await?;
+    if need > budget.free {
+        progress(&format!(
+            "warning: {budget}; up to {processes} processes of {each} connections each may need \
+             {need} but {} are free; lower --pool or raise max_connections",
+            budget.free.max(0)
+        ));
+    }
+    Ok(())
+}
+
 /// Runs the whole bench in a fresh database and broker prefix, removed at the end (also on
 /// Ctrl-C); `base` supplies the servers' URLs and the processes' settings.
 pub async fn run(base: &Settings, cfg: &Config) -> Result<Report> {
-    let mut env = BenchEnv::create(base).await?;
+    let mut env = BenchEnv::create(base, cfg.pool).await?;
     progress(&format!(
         "database {}, broker prefix {} (both removed at the end); child logs in {}",
         env.db_name,
@@ -200,6 +229,7 @@ pub async fn run(base: &Settings, cfg: &Config) -> Result<Report> {
 
 async fn measure_all(env: &mut BenchEnv, cfg: &Config) -> Result<Report> {
     let (postgres, durability, data_dir) = server_info(env).await?;
+    warn_if_short_of_connections(env, cfg).await?;
     let background_cores_before = window::background_cores(window::BACKGROUND_SPAN).await?;
     let fsync = measure::probe_fsync(data_dir.as_deref(), cfg.fsync_samples)?;
     progress(&format!(
@@ -281,6 +311,7 @@ fn build(
         unloaded_runs: cfg.unloaded_runs,
         workers: cfg.workers,
         concurrency: env.settings.worker.concurrency,
+        pool: env.child_pool,
         model: model.into(),
         answer_bytes: cfg.answer_bytes(),
     };

@@ -75,6 +75,8 @@ pub struct Workload {
     pub workers: usize,
     /// Deliveries in flight per process.
     pub concurrency: u16,
+    /// Postgres pool of each process.
+    pub pool: u32,
     /// Where the model answers come from.
     pub model: String,
     /// Size of each answer.
@@ -315,8 +317,8 @@ fn header(o: &mut String, r: &Report) {
     );
     let _ = writeln!(
         o,
-        "  processes per system: {} (trailmark: `serve` = worker + relay + supervisor; B3: consumer + relay), {} deliveries in flight each",
-        w.workers, w.concurrency
+        "  processes per system: {} (trailmark: `serve` = worker + relay + supervisor; B3: consumer + relay), {} deliveries in flight and a Postgres pool of {} each",
+        w.workers, w.concurrency, w.pool
     );
     let _ = writeln!(o, "  model answers: {} B, {}", w.answer_bytes, w.model);
     let _ = writeln!(

@@ -13,10 +13,6 @@ use super::window::measured;
 use super::{Config, Error, Result, progress};
 use crate::store::connections_per_process;
 
-/// Connections kept free for anything else on the server (an operator's psql, the bench's
-/// NOTIFY listener).
-const SPARE_CONNECTIONS: i64 = 4;
-
 /// One point of the scale phase.
 #[derive(Debug, Clone, Serialize)]
 pub struct ScalePoint {
@@ -53,7 +49,7 @@ pub async fn run(
 ) -> (Vec<ScalePoint>, Option<Error>) {
     let mut points = Vec::new();
     let failure = all_points(env, cfg, model, &mut points).await.err();
-    env.remove_child_env("TRAILMARK__DATABASE__MAX_CONNECTIONS");
+    env.set_child_pool(env.child_pool);
     (points, failure)
 }
 
@@ -75,25 +71,15 @@ async fn all_points(
 /// server has left, so that no process is refused connections mid-point ("too many clients"
 /// made a 4-process point at 100,000 runs fail after 20 minutes when this was a fixed budget).
 async fn pool_per_process(env: &BenchEnv, workers: usize) -> Result<u32> {
-    let (max, reserved, open): (i32, i32, i64) = sqlx::query_as(
-        "SELECT current_setting('max_connections')::int,
-                current_setting('superuser_reserved_connections')::int,
-                (SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'client backend')",
-    )
-    .fetch_one(&env.pool)
-    .await?;
-    // The bench's own pool may still grow to its maximum.
-    let own = i64::from(env.settings.database.max_connections);
-    let free = i64::from(max - reserved) - open - own - SPARE_CONNECTIONS;
-    let each = u32::try_from(free / workers.max(1) as i64).unwrap_or(0);
+    let budget = env.connection_budget().await?;
+    let each = u32::try_from(budget.free / workers.max(1) as i64).unwrap_or(0);
     (1..=env.child_pool.max(1))
         .rev()
         .find(|&p| connections_per_process(p) <= each)
         .ok_or_else(|| {
             Error::Failed(format!(
-                "Postgres allows {max} connections ({reserved} reserved) and {open} are open: too \
-                 few for {workers} trailmark processes of {} connections each; raise \
-                 max_connections or leave out --scale-workers {workers}",
+                "{budget}: too few for {workers} trailmark processes of {} connections each; \
+                 raise max_connections or leave out --scale-workers {workers}",
                 connections_per_process(1)
             ))
         })
@@ -108,7 +94,7 @@ async fn point(
 ) -> Result<ScalePoint> {
     let system = System::Trailmark;
     let pool = pool_per_process(env, workers).await?;
-    env.set_child_env("TRAILMARK__DATABASE__MAX_CONNECTIONS", &pool.to_string());
+    env.set_child_pool(pool);
     system.reset(env).await?;
     let tag = format!("scale-{runs}x{workers}");
     let mut procs = system.spawn(env, workers, &tag, cfg.answer_bytes())?;

@@ -49,6 +49,9 @@ pub struct BenchArgs {
     /// Run counts of the scale phase [default: 1000,10000,100000].
     #[arg(long, value_delimiter = ',')]
     pub scale_runs: Option<Vec<usize>>,
+    /// Postgres pool of each process the bench starts [default: database.max_connections; --quick: 4].
+    #[arg(long)]
+    pub pool: Option<u32>,
     /// A smoke configuration: tiny sizes, one repetition, a 3 s lease.
     #[arg(long)]
     pub quick: bool,
@@ -106,6 +109,7 @@ pub fn config(args: &BenchArgs) -> anyhow::Result<Config> {
     }
     cfg.recovery = !args.no_recovery;
     cfg.lease_secs = args.lease_secs.or(cfg.lease_secs);
+    cfg.pool = args.pool.or(cfg.pool);
     cfg.scale = args.scale;
     cfg.scale_workers = args.scale_workers.clone().unwrap_or(cfg.scale_workers);
     cfg.scale_runs = args.scale_runs.clone().unwrap_or(cfg.scale_runs);
@@ -113,6 +117,9 @@ pub fn config(args: &BenchArgs) -> anyhow::Result<Config> {
         anyhow::bail!(
             "--runs, --reps and --workers must be at least 1 and --steps at least 2 (step gaps need two steps)"
         );
+    }
+    if cfg.pool == Some(0) {
+        anyhow::bail!("--pool must be at least 1 (connections per process)");
     }
     if cfg.scale_workers.contains(&0) || cfg.scale_runs.contains(&0) {
         anyhow::bail!("--scale-workers and --scale-runs take positive numbers, e.g. 1,2,4");

@@ -250,6 +250,12 @@ impl TestEnv {
             .env("DATABASE_URL", &self.settings.database.url)
             .env("AMQP_URL", &self.settings.broker.url)
             .env("TRAILMARK__BROKER__PREFIX", &self.prefix)
+            // The test's pool, not the production default of 24: tests run in parallel and two
+            // children at the default could alone take most of the server's 100 connections.
+            .env(
+                "TRAILMARK__DATABASE__MAX_CONNECTIONS",
+                self.settings.database.max_connections.to_string(),
+            )
             .env(
                 "TRAILMARK__BROKER__HEARTBEAT_SECS",
                 self.settings.broker.heartbeat_secs.to_string(),
