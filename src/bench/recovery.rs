@@ -107,13 +107,13 @@ async fn scenario(
         freeze_holding_leases(env, &mut procs[..n], &prefix, runs, &label).await?;
     let mut victim = procs.remove(index);
     let pid = victim.pid();
-    // Taken before the signal: every worker is frozen, so nothing commits in between, and every
-    // commit of a stranded run comes after this instant.
-    let killed_at = Utc::now();
-    victim.kill9();
+    // The other worker runs again before the kill, as it would in production; the victim stays
+    // frozen, so the runs it holds commit nothing before this instant, taken before the signal.
     for p in &procs[..n - 1] {
         p.thaw();
     }
+    let killed_at = Utc::now();
+    victim.kill9();
     if !second_alive {
         procs.push(env.spawn(&format!("{tag}-worker-restarted"), &["worker"])?);
     }
@@ -166,8 +166,8 @@ async fn wait_half(env: &BenchEnv, prefix: &str, total: i64, label: &str) -> Res
 }
 
 /// Freezes every worker at a moment when one of them holds leases, and returns the one holding
-/// the most (the victim, left frozen; the others too, so that nothing commits before the kill)
-/// with the runs it holds.
+/// the most (the victim) with the runs it holds; all are left frozen, for the caller to thaw
+/// the others.
 ///
 /// Read under SIGSTOP rather than just before the kill: a live worker takes a dead process's
 /// leases within milliseconds (its presence connection is gone), so a query after the kill
