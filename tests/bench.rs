@@ -68,6 +68,9 @@ async fn quick_bench_reports_every_figure_for_both_systems_and_cleans_up() {
         report["fsync"]
     );
 
+    // --quick keeps each process's pool small, so the bench fits beside the parallel tests.
+    assert_eq!(report["workload"]["pool"], 4, "{}", report["workload"]);
+
     let recovery = report["recovery"].as_array().expect("recovery");
     assert_eq!(recovery.len(), 2, "both recovery scenarios: {recovery:?}");
     for r in recovery {

@@ -97,7 +97,7 @@ async fn unreachable_servers_give_one_clear_line_without_the_password_and_exit_2
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_requests_are_refused_with_what_to_do() {
     let env = TestEnv::new().await;
-    let cases: [(&[&str], &str); 4] = [
+    let cases: [(&[&str], &str); 5] = [
         (
             &["run", "start", "nope", "--run-id", "r3"],
             "unknown workflow \"nope\"",
@@ -111,6 +111,10 @@ async fn bad_requests_are_refused_with_what_to_do() {
             "--input is not valid JSON",
         ),
         (&["run", "show", "missing"], "run missing not found"),
+        (
+            &["bench", "--quick", "--pool", "0"],
+            "--pool must be at least 1",
+        ),
     ];
     for (args, expected) in cases {
         let out = env.command(args).output().unwrap();
