@@ -123,12 +123,7 @@ impl Engine {
             commits: Default::default(),
         });
         let topology = Topology::new(&settings.broker.prefix, settings.broker.delivery_limit);
-        let worker_id = format!(
-            "{}-{}-{}",
-            hostname(),
-            std::process::id(),
-            &uuid::Uuid::new_v4().simple().to_string()[..8]
-        );
+        let worker_id = new_worker_id();
         Ok(Arc::new(Self {
             settings,
             pool,
@@ -148,10 +143,42 @@ impl Engine {
     }
 }
 
+/// `<host>-<pid>-<tag>`: unique per process start, and it names the machine and the process an
+/// operator would look for. Lease owners are `<worker id>/<delivery>`.
+fn new_worker_id() -> String {
+    format!(
+        "{}-{}-{}",
+        hostname(),
+        std::process::id(),
+        &uuid::Uuid::new_v4().simple().to_string()[..8]
+    )
+}
+
+/// The OS pid of the process holding a lease, read from its owner (see [`Engine::worker_id`]):
+/// what tooling needs to tell which process to look at, freeze or kill.
+pub fn lease_owner_pid(owner: &str) -> Option<u32> {
+    let worker = owner.split('/').next()?;
+    // From the right: the host name may itself contain '-', the tag never does.
+    worker.rsplit('-').nth(1)?.parse().ok()
+}
+
 fn hostname() -> String {
     std::fs::read_to_string("/proc/sys/kernel/hostname")
         .map(|h| h.trim().to_owned())
         .ok()
         .filter(|h| !h.is_empty())
         .unwrap_or_else(|| "host".into())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_lease_owner_names_the_pid_of_the_process_that_made_it() {
+        let owner = format!("{}/{}", new_worker_id(), uuid::Uuid::new_v4().simple());
+        assert_eq!(lease_owner_pid(&owner), Some(std::process::id()));
+        assert_eq!(lease_owner_pid("db-01-eu-4242-0a1b2c3d/ff00"), Some(4242));
+        assert_eq!(lease_owner_pid("not an owner"), None);
+    }
 }

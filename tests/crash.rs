@@ -232,15 +232,8 @@ async fn a_killed_workers_lease_is_taken_over_at_once_by_a_live_worker() {
         );
         tokio::time::sleep(std::time::Duration::from_millis(20)).await;
     };
-    // Lease owners read `<host>-<pid>-<tag>/<delivery>`.
-    let process = run
-        .lease_owner
-        .as_deref()
-        .unwrap()
-        .split('/')
-        .next()
-        .unwrap();
-    let holder: u32 = process.rsplit('-').nth(1).unwrap().parse().unwrap();
+    let holder = trailmark::engine::lease_owner_pid(run.lease_owner.as_deref().unwrap())
+        .expect("a lease owner names its process");
     let victim = workers
         .iter_mut()
         .find(|w| w.pid() == holder)

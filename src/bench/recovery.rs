@@ -14,6 +14,7 @@ use super::env::{BenchEnv, Proc};
 use super::load::{ids, wait_all};
 use super::systems::System;
 use super::{Config, Error, Result, progress};
+use crate::engine::lease_owner_pid;
 
 /// The figures of one recovery scenario.
 #[derive(Debug, Clone, Serialize)]
@@ -189,12 +190,10 @@ async fn freeze_holding_leases(
             w.check_alive()?;
             w.freeze();
         }
-        let mut held = Vec::with_capacity(workers.len());
-        for w in workers.iter() {
-            held.push(leases_of(env, w.pid()).await?);
-        }
-        let (index, most) = held
-            .into_iter()
+        let leases = leases(env, prefix).await?;
+        let (index, most) = workers
+            .iter()
+            .map(|w| held_by(&leases, w.pid()))
             .enumerate()
             .max_by_key(|(_, runs)| runs.len())
             .unwrap_or_default();
@@ -221,14 +220,24 @@ async fn freeze_holding_leases(
     }
 }
 
-/// Runs leased by the process `pid`: lease owners are `<host>-<pid>-<random>/<delivery>`.
-async fn leases_of(env: &BenchEnv, pid: u32) -> Result<Vec<String>> {
-    Ok(
-        sqlx::query_scalar("SELECT run_id FROM trailmark.runs WHERE lease_owner LIKE $1")
-            .bind(format!("%-{pid}-%/%"))
-            .fetch_all(&env.pool)
-            .await?,
+/// Every lease on the scenario's runs, as (run, owner): one read for all workers, while they
+/// are frozen.
+async fn leases(env: &BenchEnv, prefix: &str) -> Result<Vec<(String, String)>> {
+    Ok(sqlx::query_as(
+        "SELECT run_id, lease_owner FROM trailmark.runs WHERE run_id LIKE $1 AND lease_owner IS NOT NULL",
     )
+    .bind(format!("{prefix}%"))
+    .fetch_all(&env.pool)
+    .await?)
+}
+
+/// The runs among `leases` that the process `pid` holds.
+fn held_by(leases: &[(String, String)], pid: u32) -> Vec<String> {
+    leases
+        .iter()
+        .filter(|(_, owner)| lease_owner_pid(owner) == Some(pid))
+        .map(|(run, _)| run.clone())
+        .collect()
 }
 
 async fn first_commit_after(env: &BenchEnv, prefix: &str, at: DateTime<Utc>) -> Result<f64> {
