@@ -188,9 +188,8 @@ pub(crate) fn progress(msg: &str) {
 /// a worker refused its connections retries its deliveries and leaves the work to the others,
 /// which would skew every figure (and, in the recovery phase, who holds the leases).
 async fn warn_if_short_of_connections(env: &BenchEnv, cfg: &Config) -> Result<()> {
-    // Recovery runs two workers beside a relay and a supervisor.
     let processes = if cfg.recovery {
-        cfg.workers.max(4)
+        cfg.workers.max(recovery::PROCESSES)
     } else {
         cfg.workers
     };

@@ -43,6 +43,9 @@ pub struct Recovery {
     pub ledger_distinct: i64,
 }
 
+/// Processes a scenario runs at once: two workers (one killed), a relay and a supervisor.
+pub const PROCESSES: usize = 4;
+
 /// Fewest runs a scenario starts. With group commit a worker moves dozens of steps per batch,
 /// so a handful of runs (`--quick`) could all finish between reaching 50% and the kill, leaving
 /// nothing to recover.
