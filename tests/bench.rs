@@ -4,7 +4,7 @@
 
 mod common;
 
-use std::process::Command;
+use std::process::{Command, Output};
 
 use common::{amqp_url, base_url};
 use serde_json::Value;
@@ -20,16 +20,22 @@ const ALWAYS_POSITIVE: [&str; 7] = [
     "peak_rss_mib",
 ];
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn quick_bench_reports_every_figure_for_both_systems_and_cleans_up() {
-    let out = Command::new(env!("CARGO_BIN_EXE_trailmark"))
-        .args(["bench", "--quick", "--json"])
+/// `trailmark bench ARGS` against the local servers; the bench makes its own database and prefix.
+fn bench(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_trailmark"))
+        .arg("bench")
+        .args(args)
         .env("DATABASE_URL", format!("{}/postgres", base_url()))
         .env("AMQP_URL", amqp_url())
         .env("RUST_LOG", "warn")
         .env_remove("TRAILMARK_FAILPOINTS")
         .output()
-        .expect("run trailmark bench");
+        .expect("run trailmark bench")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn quick_bench_reports_every_figure_for_both_systems_and_cleans_up() {
+    let out = bench(&["--quick", "--json"]);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "bench failed: {stderr}");
     let report: Value = serde_json::from_slice(&out.stdout)
@@ -104,15 +110,16 @@ async fn quick_bench_reports_every_figure_for_both_systems_and_cleans_up() {
 /// measured before it are still reported, with the reason, and the command exits non-zero.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failed_scale_point_keeps_the_points_before_it_and_exits_1() {
-    let out = Command::new(env!("CARGO_BIN_EXE_trailmark"))
-        .args(["bench", "--quick", "--no-recovery", "--json", "--scale"])
-        .args(["--scale-runs", "20", "--scale-workers", "1,1000"])
-        .env("DATABASE_URL", format!("{}/postgres", base_url()))
-        .env("AMQP_URL", amqp_url())
-        .env("RUST_LOG", "warn")
-        .env_remove("TRAILMARK_FAILPOINTS")
-        .output()
-        .expect("run trailmark bench");
+    let out = bench(&[
+        "--quick",
+        "--no-recovery",
+        "--json",
+        "--scale",
+        "--scale-runs",
+        "20",
+        "--scale-workers",
+        "1,1000",
+    ]);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "stderr: {stderr}");
     let report: Value = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
