@@ -195,7 +195,7 @@ async fn a_worker_frozen_past_its_lease_cannot_write_when_it_wakes() {
         .unwrap()
         .unwrap();
     assert_eq!(
-        (run.status(), run.step_seq),
+        (run.status, run.step_seq),
         (RunStatus::Succeeded, 3),
         "the stale worker changed the run"
     );

@@ -487,7 +487,7 @@ async fn unknown_outcome_run(
             .await
             .unwrap();
         if let Some(run) =
-            run.filter(|r| r.status().is_terminal() || r.status() == RunStatus::NeedsReview)
+            run.filter(|r| r.status.is_terminal() || r.status == RunStatus::NeedsReview)
         {
             break run;
         }
@@ -501,7 +501,7 @@ async fn unknown_outcome_run(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unknown_outcome_of_a_non_idempotent_tool_is_resolved_by_its_lookup() {
     let (_env, calls, run) = unknown_outcome_run(Lookup::Done(json!({ "sent": true }))).await;
-    assert_eq!(run.status(), RunStatus::Succeeded);
+    assert_eq!(run.status, RunStatus::Succeeded);
     assert_eq!(
         calls, 1,
         "the lookup found the first call; it was not repeated"
@@ -511,7 +511,7 @@ async fn unknown_outcome_of_a_non_idempotent_tool_is_resolved_by_its_lookup() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unknown_outcome_that_the_lookup_cannot_tell_goes_to_review_with_the_key() {
     let (_env, calls, run) = unknown_outcome_run(Lookup::CannotTell).await;
-    assert_eq!(run.status(), RunStatus::NeedsReview);
+    assert_eq!(run.status, RunStatus::NeedsReview);
     assert_eq!(calls, 1, "never guess: no second call");
     let note = run.handover.unwrap();
     assert!(

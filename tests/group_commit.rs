@@ -399,7 +399,7 @@ async fn a_refused_claim_says_why_as_the_run_stood() {
                 Ok(runs::ClaimOutcome::Refused(runs::Refusal::Position(3))),
                 Ok(runs::ClaimOutcome::Refused(runs::Refusal::Status(s))),
                 Ok(runs::ClaimOutcome::Refused(runs::Refusal::UnknownRun)),
-            ] if s == "needs_review"
+            ] if *s == trailmark::domain::RunStatus::NeedsReview
         ),
         "{outcomes:?}"
     );

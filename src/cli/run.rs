@@ -138,7 +138,7 @@ pub async fn show(settings: &Settings, run_id: &str, as_json: bool) -> anyhow::R
         "steps done {}  attempts {}  next {}",
         r.steps_done,
         r.attempts,
-        run.step.as_deref().unwrap_or("-")
+        run.step.as_ref().map_or("-", |s| s.as_str())
     );
     println!(
         "journal entries {} (tokens {}, cost {:.4})  effects {} recorded, {} completed",

@@ -4,7 +4,7 @@
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use super::{MessageId, RunId};
+use super::{MessageId, RunId, StepAddress};
 
 /// Routing key of run-start events on the `<prefix>.runs` exchange.
 pub const RUN_START_ROUTING_KEY: &str = "run.start";
@@ -70,8 +70,8 @@ pub struct StepMessage {
     pub workflow: String,
     /// Workflow version the run follows.
     pub version: i32,
-    /// Step name.
-    pub step: String,
+    /// The step to run (a declared step, or a compensation).
+    pub step: StepAddress,
     /// Position in the run (0-based); a message whose seq is behind the run is stale.
     pub seq: i32,
 }

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use serde_json::json;
 
 use super::{Decider, Outcome, Result, enqueue, lock, record, refused, set_run};
-use crate::domain::RunStatus;
+use crate::domain::{RunStatus, StepAddress};
 use crate::engine::Engine;
 use crate::store::runs::RunRow;
 use crate::workflow::{Next, StepDef, StepKind, Workflow};
@@ -28,20 +28,20 @@ async fn waiting_at(
 ) -> Result<Waiting> {
     let mut tx = engine.pool.begin().await?;
     let run = lock(&mut tx, run_id).await?;
-    if run.status() != RunStatus::Waiting {
+    if run.status != RunStatus::Waiting {
         return Err(refused(
             &run,
             action,
             format!("it is {}, not waiting for a decision", run.status),
         ));
     }
-    if run.step.as_deref() != Some(step) {
+    if run.step.as_ref().map(StepAddress::as_str) != Some(step) {
         return Err(refused(
             &run,
             action,
             format!(
                 "it waits at step {}, not {step}",
-                run.step.as_deref().unwrap_or("-")
+                run.step.as_ref().map_or("-", StepAddress::as_str)
             ),
         ));
     }
@@ -89,10 +89,11 @@ async fn close_step(
 pub async fn approve(engine: &Engine, run_id: &str, step: &str, who: &Decider) -> Result<Outcome> {
     let (mut tx, run, wf, def) = waiting_at(engine, run_id, step, "approve").await?;
     let (seq, version) = (run.step_seq, run.workflow_version);
+    let here = StepAddress::step(step);
     let details = json!({ "waiting_for": run.handover });
     if def.kind != StepKind::Human {
-        set_run(&mut tx, &run, RunStatus::Running, Some(step), seq, version).await?;
-        enqueue(&mut tx, engine, &run, step, seq, version).await?;
+        set_run(&mut tx, &run, RunStatus::Running, Some(&here), seq, version).await?;
+        enqueue(&mut tx, engine, &run, &here, seq, version).await?;
         let next = format!("frozen step {step} runs now");
         return record(
             tx,
@@ -100,7 +101,7 @@ pub async fn approve(engine: &Engine, run_id: &str, step: &str, who: &Decider) -
             "approve",
             who,
             RunStatus::Running,
-            Some((step, seq)),
+            Some((&here, seq)),
             version,
             details,
             next,
@@ -109,7 +110,7 @@ pub async fn approve(engine: &Engine, run_id: &str, step: &str, who: &Decider) -
     }
     close_step(&mut tx, &run, "approved", who).await?;
     let next_step = wf
-        .resolve_next(step, &Next::Continue)
+        .resolve_next(&here, &Next::Continue)
         .map_err(|e| refused(&run, "approve", e.to_string()))?;
     let (after, next) = match &next_step {
         Some(n) => {
@@ -131,7 +132,7 @@ pub async fn approve(engine: &Engine, run_id: &str, step: &str, who: &Decider) -
         "approve",
         who,
         after,
-        Some((step, seq)),
+        Some((&here, seq)),
         version,
         details,
         next,
@@ -144,20 +145,22 @@ pub async fn approve(engine: &Engine, run_id: &str, step: &str, who: &Decider) -
 pub async fn reject(engine: &Engine, run_id: &str, step: &str, who: &Decider) -> Result<Outcome> {
     let (mut tx, run, _, def) = waiting_at(engine, run_id, step, "reject").await?;
     let (seq, version) = (run.step_seq, run.workflow_version);
+    let here = StepAddress::step(step);
     let details = json!({ "waiting_for": run.handover });
     close_step(&mut tx, &run, "rejected", who).await?;
     let (after, next) = match &def.on_reject {
         Some(target) => {
+            let target = StepAddress::step(target.as_str());
             set_run(
                 &mut tx,
                 &run,
                 RunStatus::Running,
-                Some(target),
+                Some(&target),
                 seq + 1,
                 version,
             )
             .await?;
-            enqueue(&mut tx, engine, &run, target, seq + 1, version).await?;
+            enqueue(&mut tx, engine, &run, &target, seq + 1, version).await?;
             (
                 RunStatus::Running,
                 format!("the run is diverted to step {target}"),
@@ -168,7 +171,7 @@ pub async fn reject(engine: &Engine, run_id: &str, step: &str, who: &Decider) ->
                 &mut tx,
                 &run,
                 RunStatus::Cancelled,
-                Some(step),
+                Some(&here),
                 seq,
                 version,
             )
@@ -185,7 +188,7 @@ pub async fn reject(engine: &Engine, run_id: &str, step: &str, who: &Decider) ->
         "reject",
         who,
         after,
-        Some((step, seq)),
+        Some((&here, seq)),
         version,
         details,
         next,

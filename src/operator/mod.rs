@@ -14,7 +14,7 @@ pub use human::{approve, reject};
 pub use resume::resume;
 pub use undo::{UndoOptions, undo};
 
-use crate::domain::{RunId, RunStatus};
+use crate::domain::{IllegalMove, RunId, RunStatus, StepAddress};
 use crate::engine::Engine;
 use crate::store::decisions::{self, NewDecision};
 use crate::store::{self, outbox, runs};
@@ -39,6 +39,9 @@ pub enum Error {
     /// The database failed; nothing was changed.
     #[error(transparent)]
     Store(#[from] store::Error),
+    /// The decision would move the run where the status table does not allow (a bug).
+    #[error(transparent)]
+    IllegalMove(#[from] IllegalMove),
 }
 
 impl From<sqlx::Error> for Error {
@@ -97,22 +100,24 @@ async fn set_run(
     tx: &mut PgConnection,
     run: &runs::RunRow,
     status: RunStatus,
-    step: Option<&str>,
+    step: Option<&StepAddress>,
     seq: i32,
     version: i32,
 ) -> Result<()> {
+    let to = run.status.move_to(status)?;
     sqlx::query(
         "UPDATE trailmark.runs SET status = $2, step = $3, step_seq = $4, workflow_version = $5,
                 fence = fence + 1, lease_owner = NULL, lease_expires_at = NULL, error = NULL,
                 handover = NULL, updated_at = now(),
-                finished_at = CASE WHEN $2 IN ('succeeded', 'compensated', 'failed', 'cancelled') THEN now() END
+                finished_at = CASE WHEN $6 THEN now() END
           WHERE run_id = $1",
     )
     .bind(&run.run_id)
-    .bind(status.as_str())
+    .bind(to.to)
     .bind(step)
     .bind(seq)
     .bind(version)
+    .bind(to.to.is_terminal())
     .execute(tx)
     .await?;
     Ok(())
@@ -123,7 +128,7 @@ async fn enqueue(
     tx: &mut PgConnection,
     engine: &Engine,
     run: &runs::RunRow,
-    step: &str,
+    step: &StepAddress,
     seq: i32,
     version: i32,
 ) -> Result<()> {
@@ -141,7 +146,7 @@ async fn record(
     action: &'static str,
     who: &Decider,
     after: RunStatus,
-    step: Option<(&str, i32)>,
+    step: Option<(&StepAddress, i32)>,
     version_after: i32,
     details: Value,
     next: String,
@@ -151,9 +156,9 @@ async fn record(
         action,
         actor: &who.actor,
         reason: &who.reason,
-        step: step.map(|(s, _)| s),
+        step: step.map(|(s, _)| s.as_str()),
         seq: step.map(|(_, q)| q),
-        status_before: &run.status,
+        status_before: run.status.as_str(),
         status_after: after.as_str(),
         version_before: run.workflow_version,
         version_after,
@@ -165,7 +170,7 @@ async fn record(
     Ok(Outcome {
         run_id: run.run_id.clone(),
         action: action.into(),
-        status_before: run.status.clone(),
+        status_before: run.status.as_str().into(),
         status_after: after.as_str().into(),
         next,
     })
@@ -175,7 +180,7 @@ async fn record(
 pub async fn cancel(engine: &Engine, run_id: &str, who: &Decider) -> Result<Outcome> {
     let mut tx = engine.pool.begin().await?;
     let run = lock(&mut tx, run_id).await?;
-    if run.status().is_terminal() {
+    if run.status.is_terminal() {
         return Err(refused(
             &run,
             "cancel",
@@ -186,7 +191,7 @@ pub async fn cancel(engine: &Engine, run_id: &str, who: &Decider) -> Result<Outc
         &mut tx,
         &run,
         RunStatus::Cancelled,
-        run.step.as_deref(),
+        run.step.as_ref(),
         run.step_seq,
         run.workflow_version,
     )

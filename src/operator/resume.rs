@@ -5,7 +5,6 @@ use serde_json::json;
 use super::{Decider, Outcome, Result, enqueue, lock, record, refused, set_run};
 use crate::domain::RunStatus;
 use crate::engine::Engine;
-use crate::workflow::parse_undo_step;
 
 /// Resumes a run in `needs_review` at the step that stopped it. Completed steps and journaled
 /// model answers are not repeated. With `after_fix`, the failed step's attempt count is reset and
@@ -23,8 +22,8 @@ pub async fn resume(
     };
     let mut tx = engine.pool.begin().await?;
     let run = lock(&mut tx, run_id).await?;
-    if run.status() != RunStatus::NeedsReview {
-        let hint = match run.status() {
+    if run.status != RunStatus::NeedsReview {
+        let hint = match run.status {
             RunStatus::Waiting => {
                 "it waits for a person: use `trailmark run approve` or `run reject`"
             }
@@ -70,7 +69,7 @@ pub async fn resume(
             ),
         ));
     }
-    let status = if parse_undo_step(&step).is_some() {
+    let status = if step.is_undo() {
         RunStatus::Compensating
     } else {
         RunStatus::Running

@@ -6,10 +6,10 @@ use std::sync::Arc;
 use serde_json::{Value, json};
 
 use super::{Decider, Outcome, Result, enqueue, lock, record, refused, set_run};
-use crate::domain::RunStatus;
+use crate::domain::{RunStatus, UndoPlan, UndoTarget};
 use crate::engine::Engine;
 use crate::store::{effects, runs, steps};
-use crate::workflow::{Workflow, undo_step_name};
+use crate::workflow::Workflow;
 
 /// What an undo covers.
 #[derive(Debug, Clone)]
@@ -49,23 +49,29 @@ pub async fn undo(
     let run = lock(&mut tx, run_id).await?;
     let wf = undoable(engine, &run)?;
     let left = partial_writes(&mut tx, &run, opts.leave_partial).await?;
-    let targets: Vec<Value> = steps::finished_forward(&mut *tx, &run.run_id)
+    let targets: Vec<UndoTarget> = steps::finished_forward(&mut *tx, &run.run_id)
         .await?
-        .iter()
+        .into_iter()
         .filter(|(_, step)| wf.find(step).is_some_and(|d| d.compensation.is_some()))
-        .map(|(seq, step)| json!({ "seq": seq, "step": step }))
+        .map(|(seq, step)| UndoTarget { seq, step })
         .collect();
     let next_seq = steps::next_position(&mut *tx, &run.run_id).await?;
-    let plan = json!({ "scope": opts.scope, "targets": targets, "left_standing": left });
-    let left_note = match left.len() {
+    let plan = UndoPlan {
+        scope: opts.scope,
+        targets,
+        left_standing: left,
+    };
+    let left_standing = &plan.left_standing;
+    let left_note = match left_standing.len() {
         0 => String::new(),
         n => format!(
             "; {n} write(s) of the step that stopped are left standing: {}",
-            left.join(", ")
+            left_standing.join(", ")
         ),
     };
+    let details = serde_json::to_value(&plan).expect("an undo plan serialises");
     runs::set_undo_plan(&mut *tx, &run.run_id, &plan).await?;
-    let Some(first) = targets.first() else {
+    let Some(step) = plan.first() else {
         set_run(
             &mut tx,
             &run,
@@ -84,15 +90,11 @@ pub async fn undo(
             RunStatus::Compensated,
             None,
             run.workflow_version,
-            plan,
+            details,
             next,
         )
         .await;
     };
-    let step = undo_step_name(
-        first["step"].as_str().unwrap_or_default(),
-        first["seq"].as_i64().unwrap_or(0) as i32,
-    );
     set_run(
         &mut tx,
         &run,
@@ -105,7 +107,7 @@ pub async fn undo(
     enqueue(&mut tx, engine, &run, &step, next_seq, run.workflow_version).await?;
     let next = format!(
         "{} compensations run newest first, each keyed undo:<original key>{left_note}",
-        targets.len()
+        plan.targets.len()
     );
     record(
         tx,
@@ -115,7 +117,7 @@ pub async fn undo(
         RunStatus::Compensating,
         None,
         run.workflow_version,
-        plan,
+        details,
         next,
     )
     .await
@@ -123,7 +125,7 @@ pub async fn undo(
 
 /// The run's workflow, when the run may be undone: stopped, and its compensations deployed.
 fn undoable(engine: &Engine, run: &runs::RunRow) -> Result<Arc<Workflow>> {
-    if matches!(run.status(), RunStatus::Running | RunStatus::Compensating) {
+    if run.status.accepts_steps() {
         return Err(refused(
             run,
             "undo",
@@ -172,7 +174,7 @@ async fn partial_writes(
 
 /// How the operator can let the stopped step finish before undoing, for the run's status.
 fn finish_first(run: &runs::RunRow) -> String {
-    match run.status() {
+    match run.status {
         RunStatus::NeedsReview => format!(
             "Finish it first (`trailmark run resume {}`, or with --after-fix), then undo",
             run.run_id

@@ -13,7 +13,7 @@ use super::night::Night;
 use super::workflow::{self as reconcile, STEPS};
 use super::{Result, invoices, ledger, mail, stock};
 use crate::store::{runs, steps};
-use crate::workflow::{StepKind, parse_undo_step};
+use crate::workflow::StepKind;
 
 /// Everything the demo reports about one run.
 #[derive(Debug, Clone, Serialize)]
@@ -82,28 +82,28 @@ pub async fn measure(
     figures.version = "trailmark".into();
     figures.status = run
         .as_ref()
-        .map_or_else(|| "not started".into(), |r| r.status.clone());
+        .map_or_else(|| "not started".into(), |r| r.status.to_string());
     figures.error = run.and_then(|r| r.error);
     figures.model_calls = model_calls;
     figures.restarts = restarts;
     figures.steps = rows
         .iter()
         .map(|s| {
-            let base = parse_undo_step(&s.step).map_or(s.step.as_str(), |(step, _)| step);
+            let base = s.step.declared();
             let kind = STEPS
                 .iter()
                 .find(|(name, _)| *name == base)
                 .map_or(StepKind::Read, |(_, k)| *k);
             StepFigure {
                 number: s.seq + 1,
-                step: s.step.clone(),
+                step: s.step.to_string(),
                 kind,
                 attempts: s.attempts,
                 ms: s.finished_at.map(|f| (f - s.started_at).num_milliseconds()),
                 did: s
                     .output
                     .as_ref()
-                    .map_or_else(|| "unfinished".into(), |o| describe(&s.step, o)),
+                    .map_or_else(|| "unfinished".into(), |o| describe(s.step.as_str(), o)),
             }
         })
         .collect();
@@ -135,7 +135,7 @@ pub async fn outside_figures(outside: &PgPool, night: &Night, run_id: &str) -> R
 
 /// One line about what a step's checkpoint records (a compensation reads like its step).
 fn describe(step: &str, output: &Value) -> String {
-    if let Some((original, _)) = parse_undo_step(step) {
+    if let Some((original, _)) = crate::domain::StepAddress::from(step).undo_of() {
         return format!("undo: {}", describe(original, output));
     }
     fn read<T: serde::de::DeserializeOwned>(v: &Value) -> Option<T> {

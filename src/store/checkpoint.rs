@@ -15,17 +15,17 @@ use sqlx::{PgExecutor, PgPool};
 
 use super::outbox::{self, OutgoingMessage};
 use super::{Error, Result};
-use crate::domain::{Fence, MessageId, RunId, RunStatus};
+use crate::domain::{Fence, MessageId, RunId, StepAddress, Transition};
 
 /// Where a committed step leaves the run.
 #[derive(Debug, Clone)]
 pub struct Advance {
     /// Position just executed.
     pub seq: i32,
-    /// Next step name, `None` when the run ends.
-    pub next_step: Option<String>,
-    /// New status.
-    pub status: RunStatus,
+    /// Next step, `None` when the run ends.
+    pub next_step: Option<StepAddress>,
+    /// The status move this commit makes.
+    pub status: Transition,
     /// Final output, when the run ends.
     pub output: Option<Value>,
     /// Error text for review/failed states.
@@ -41,8 +41,8 @@ pub struct StepCommit {
     pub run_id: RunId,
     /// The committer's fence.
     pub fence: Fence,
-    /// The step name (for parked items).
-    pub step: String,
+    /// The step (for parked items).
+    pub step: StepAddress,
     /// The run's new head.
     pub to: Advance,
     /// The step row's new output: the checkpoint, or a waiting step's question.
@@ -66,31 +66,32 @@ fn commit_sql(with_parked: bool) -> String {
         ", park AS (
             INSERT INTO trailmark.parked (run_id, item, seq, step, reason)
             SELECT i.run_id, p.item, i.seq, i.step, p.reason
-              FROM UNNEST($14::int8[], $15::text[], $16::text[]) AS p(n, item, reason)
+              FROM UNNEST($16::int8[], $17::text[], $18::text[]) AS p(n, item, reason)
               JOIN item i ON i.n = p.n
              WHERE p.n IN (SELECT n FROM adv)
             ON CONFLICT (run_id, item) DO NOTHING
         )"
     } else {
-        // Keeps the parameter numbering: $14 to $16 are bound either way.
-        ", park AS (SELECT $14::int8[], $15::text[], $16::text[])"
+        // Keeps the parameter numbering: $16 to $18 are bound either way.
+        ", park AS (SELECT $16::int8[], $17::text[], $18::text[])"
     };
     format!(
         "WITH item AS (
             SELECT * FROM UNNEST($1::text[], $2::int8[], $3::int4[], $4::text[], $5::text[], $6::jsonb[],
-                                 $7::text[], $8::jsonb[], $9::jsonb[], $10::bool[], $11::text[], $12::uuid[], $13::text[])
+                                 $7::text[], $8::jsonb[], $9::jsonb[], $10::bool[], $11::text[], $12::uuid[], $13::text[],
+                                 $14::bool[], $15::bool[])
               WITH ORDINALITY AS i(run_id, fence, seq, next_step, status, output, error, handover,
-                                   step_output, finished, consumer, message_id, step, n)
+                                   step_output, finished, consumer, message_id, step, advances, ends, n)
         ), fresh AS (
             INSERT INTO trailmark.inbox (consumer, message_id) SELECT consumer, message_id FROM item
             ON CONFLICT DO NOTHING RETURNING consumer, message_id
         ), adv AS (
             UPDATE trailmark.runs r
-               SET step_seq = r.step_seq + CASE WHEN i.status IN ('running', 'compensating', 'succeeded', 'compensated') THEN 1 ELSE 0 END,
+               SET step_seq = r.step_seq + CASE WHEN i.advances THEN 1 ELSE 0 END,
                    step = i.next_step, status = i.status, output = COALESCE(i.output, r.output),
                    error = i.error, handover = i.handover,
                    lease_owner = NULL, lease_expires_at = NULL, updated_at = now(),
-                   finished_at = CASE WHEN i.status IN ('succeeded', 'compensated', 'failed', 'cancelled') THEN now() END
+                   finished_at = CASE WHEN i.ends THEN now() END
               FROM item i
              WHERE r.run_id = i.run_id AND r.fence = i.fence AND r.step_seq = i.seq
                AND (i.consumer, i.message_id) IN (SELECT consumer, message_id FROM fresh)
@@ -108,7 +109,7 @@ fn commit_sql(with_parked: bool) -> String {
                          THEN 'duplicate'
                     ELSE 'fenced' END
           FROM item i ORDER BY i.n",
-        queue = outbox::insert_sql(17, Some(committed)),
+        queue = outbox::insert_sql(19, Some(committed)),
     )
 }
 
@@ -153,12 +154,14 @@ async fn commit_batch(
     let queued: Vec<(i64, &OutgoingMessage)> = numbered(steps, |c| c.outbox.iter());
     let col = |f: fn(&StepCommit) -> Option<&str>| steps.iter().map(f).collect::<Vec<_>>();
     let json = |f: fn(&StepCommit) -> Option<&Value>| steps.iter().map(f).collect::<Vec<_>>();
+    let flag =
+        |f: fn(&Transition) -> bool| steps.iter().map(|c| f(&c.to.status)).collect::<Vec<_>>();
     let q = sqlx::query(sql.as_str())
         .bind(col(|c| Some(c.run_id.as_str())))
         .bind(steps.iter().map(|c| c.fence.0).collect::<Vec<_>>())
         .bind(steps.iter().map(|c| c.to.seq).collect::<Vec<_>>())
-        .bind(col(|c| c.to.next_step.as_deref()))
-        .bind(col(|c| Some(c.to.status.as_str())))
+        .bind(col(|c| c.to.next_step.as_ref().map(StepAddress::as_str)))
+        .bind(steps.iter().map(|c| c.to.status.to).collect::<Vec<_>>())
         .bind(json(|c| c.to.output.as_ref()))
         .bind(col(|c| c.to.error.as_deref()))
         .bind(json(|c| c.to.handover.as_ref()))
@@ -167,6 +170,8 @@ async fn commit_batch(
         .bind(col(|c| Some(c.inbox.0)))
         .bind(steps.iter().map(|c| c.inbox.1.0).collect::<Vec<_>>())
         .bind(col(|c| Some(c.step.as_str())))
+        .bind(flag(|t| t.advances()))
+        .bind(flag(|t| t.to.is_terminal()))
         .bind(parked.iter().map(|p| p.0).collect::<Vec<_>>())
         .bind(parked.iter().map(|p| p.1.0.as_str()).collect::<Vec<_>>())
         .bind(parked.iter().map(|p| p.1.1.as_str()).collect::<Vec<_>>());

@@ -5,7 +5,7 @@ use serde_json::Value;
 use sqlx::{FromRow, PgExecutor, PgPool};
 
 use super::{Error, Result};
-use crate::domain::{Fence, IdempotencyKey, RunId};
+use crate::domain::{Fence, IdempotencyKey, RunId, StepAddress};
 
 /// One effect as stored.
 #[derive(Debug, Clone, Serialize, sqlx::FromRow)]
@@ -253,10 +253,11 @@ pub async fn of_unfinished_steps(
         "SELECT e.idempotency_key, e.tool, e.seq, e.result IS NOT NULL AS completed
            FROM trailmark.effects e
            JOIN trailmark.steps s ON s.run_id = e.run_id AND s.seq = e.seq
-          WHERE e.run_id = $1 AND s.finished_at IS NULL AND s.step NOT LIKE 'undo:%'
+          WHERE e.run_id = $1 AND s.finished_at IS NULL AND s.step NOT LIKE $2
           ORDER BY e.created_at, e.idempotency_key",
     )
     .bind(run_id)
+    .bind(StepAddress::UNDO_LIKE)
     .fetch_all(db)
     .await?)
 }

@@ -11,6 +11,7 @@ pub mod parked;
 pub mod records;
 pub mod runs;
 pub mod steps;
+mod types;
 
 use std::time::Duration;
 

@@ -7,7 +7,7 @@ use serde_json::Value;
 use sqlx::{PgExecutor, PgPool};
 
 use super::Result;
-use crate::domain::{Fence, MessageId, RunId, RunStatus};
+use crate::domain::{Fence, MessageId, RunId, RunStatus, StepAddress, UndoPlan};
 
 /// A run as stored.
 #[derive(Debug, Clone, Serialize, sqlx::FromRow)]
@@ -18,10 +18,11 @@ pub struct RunRow {
     pub workflow: String,
     /// Workflow version.
     pub workflow_version: i32,
-    /// Status name (see [`RunStatus`]).
-    pub status: String,
+    /// Where the run stands; a name this build does not know fails the read instead of being
+    /// guessed.
+    pub status: RunStatus,
     /// The step to run next.
-    pub step: Option<String>,
+    pub step: Option<StepAddress>,
     /// Position of the next step.
     pub step_seq: i32,
     /// Input given at start.
@@ -33,7 +34,7 @@ pub struct RunRow {
     /// The handover note while the run needs review (or what a person must decide while waiting).
     pub handover: Option<Value>,
     /// The undo plan, once an undo was decided.
-    pub undo: Option<Value>,
+    pub undo: Option<sqlx::types::Json<UndoPlan>>,
     /// Worker holding the lease.
     pub lease_owner: Option<String>,
     /// Backend pid of the holder's presence connection.
@@ -50,13 +51,6 @@ pub struct RunRow {
     pub finished_at: Option<DateTime<Utc>>,
 }
 
-impl RunRow {
-    /// The parsed status; an unknown name (newer schema) counts as failed.
-    pub fn status(&self) -> RunStatus {
-        self.status.parse().unwrap_or(RunStatus::Failed)
-    }
-}
-
 /// A new run; the first step is queued by the caller in the same transaction.
 pub struct NewRun<'a> {
     /// Id.
@@ -66,7 +60,7 @@ pub struct NewRun<'a> {
     /// Workflow version.
     pub version: i32,
     /// First step.
-    pub first_step: &'a str,
+    pub first_step: &'a StepAddress,
     /// Input.
     pub input: &'a Value,
 }
@@ -75,13 +69,14 @@ pub struct NewRun<'a> {
 pub async fn insert(db: impl PgExecutor<'_>, run: &NewRun<'_>) -> Result<bool> {
     let done = sqlx::query(
         "INSERT INTO trailmark.runs (run_id, workflow, workflow_version, status, step, input)
-         VALUES ($1, $2, $3, 'running', $4, $5) ON CONFLICT (run_id) DO NOTHING",
+         VALUES ($1, $2, $3, $6, $4, $5) ON CONFLICT (run_id) DO NOTHING",
     )
     .bind(run.run_id.as_str())
     .bind(run.workflow)
     .bind(run.version)
     .bind(run.first_step)
     .bind(run.input)
+    .bind(RunStatus::Running)
     .execute(db)
     .await?;
     Ok(done.rows_affected() == 1)
@@ -107,7 +102,7 @@ pub async fn list(
         "SELECT * FROM trailmark.runs WHERE ($1::text IS NULL OR status = $1)
          ORDER BY created_at DESC, run_id LIMIT $2",
     )
-    .bind(status.map(RunStatus::as_str))
+    .bind(status)
     .bind(limit)
     .fetch_all(db)
     .await?)
@@ -118,14 +113,14 @@ pub async fn list(
 pub struct Claim {
     /// The new fencing token.
     pub fence: Fence,
-    /// Status at claim time (running or compensating).
-    pub status: String,
+    /// Status at claim time (one of [`RunStatus::EXECUTING`]).
+    pub status: RunStatus,
     /// Run input.
     pub input: Value,
     /// Seconds since the run was created (database clock), for the run's hard timeout.
     pub age_secs: f64,
     /// The undo plan while compensating.
-    pub undo: Option<Value>,
+    pub undo: Option<UndoPlan>,
     /// Which attempt at this position this is (1-based, counted across crashes).
     pub attempt: i32,
     /// Journal entries already recorded at this position (a replay reads them back).
@@ -140,8 +135,8 @@ pub struct ClaimRequest {
     pub run_id: RunId,
     /// The position the delivery is for.
     pub seq: i32,
-    /// The step name (for the attempt row).
-    pub step: String,
+    /// The step (for the attempt row).
+    pub step: StepAddress,
     /// Who asks (worker id and delivery).
     pub owner: String,
     /// Lease length.
@@ -172,7 +167,7 @@ pub enum Refusal {
     /// No such run.
     UnknownRun,
     /// The run does not take steps in this status (it ended, waits for a person, ...).
-    Status(String),
+    Status(RunStatus),
     /// The run is at another position.
     Position(i32),
     /// Another live worker holds the lease.
@@ -183,13 +178,13 @@ pub enum Refusal {
 struct ClaimRow {
     seen: bool,
     fence: Option<i64>,
-    status: Option<String>,
+    status: Option<RunStatus>,
     input: Option<Value>,
     age_secs: Option<f64>,
-    undo: Option<Value>,
+    undo: Option<sqlx::types::Json<UndoPlan>>,
     attempts: Option<i32>,
     journaled: i32,
-    run_status: Option<String>,
+    run_status: Option<RunStatus>,
     run_seq: Option<i32>,
 }
 
@@ -212,7 +207,7 @@ const CLAIM: &str = "WITH req AS (
          WHERE u.run_id = r.run_id AND u.step_seq = r.seq
            -- An expression the status index cannot serve: a plan cached while the table was
            -- young would otherwise read every running run through it on each claim.
-           AND CASE WHEN u.status IN ('running', 'compensating') THEN true ELSE false END
+           AND CASE WHEN u.status = ANY($9::text[]) THEN true ELSE false END
            AND r.n NOT IN (SELECT n FROM seen)
            AND (u.lease_owner IS NULL OR u.lease_expires_at < now() OR u.lease_owner = r.owner
                 OR trailmark.process_gone(u.lease_pid))
@@ -261,9 +256,10 @@ async fn claim_batch(db: impl PgExecutor<'_>, reqs: &[ClaimRequest]) -> Result<V
         .bind(text(|r| r.owner.as_str()))
         .bind(reqs.iter().map(|r| r.lease_secs).collect::<Vec<_>>())
         .bind(reqs.iter().map(|r| r.presence_pid).collect::<Vec<_>>())
-        .bind(text(|r| r.step.as_str()))
+        .bind(reqs.iter().map(|r| &r.step).collect::<Vec<_>>())
         .bind(text(|r| r.message.0))
         .bind(reqs.iter().map(|r| r.message.1.0).collect::<Vec<_>>())
+        .bind(&RunStatus::EXECUTING[..])
         .fetch_all(db)
         .await?;
     Ok(rows
@@ -287,20 +283,17 @@ fn outcome(row: ClaimRow, asked_seq: i32) -> ClaimOutcome {
         status,
         input,
         age_secs,
-        undo: row.undo,
+        undo: row.undo.map(|plan| plan.0),
         attempt,
         journaled: row.journaled,
     })
 }
 
-fn refusal(status: Option<String>, seq: Option<i32>, asked_seq: i32) -> Refusal {
+fn refusal(status: Option<RunStatus>, seq: Option<i32>, asked_seq: i32) -> Refusal {
     let (Some(status), Some(seq)) = (status, seq) else {
         return Refusal::UnknownRun;
     };
-    if !status
-        .parse::<RunStatus>()
-        .is_ok_and(RunStatus::accepts_steps)
-    {
+    if !status.accepts_steps() {
         Refusal::Status(status)
     } else if seq != asked_seq {
         Refusal::Position(seq)
@@ -333,10 +326,10 @@ pub async fn heartbeat(
 }
 
 /// Stores the undo plan its compensation steps read (targets, scope, writes left standing).
-pub async fn set_undo_plan(db: impl PgExecutor<'_>, run_id: &str, plan: &Value) -> Result<()> {
+pub async fn set_undo_plan(db: impl PgExecutor<'_>, run_id: &str, plan: &UndoPlan) -> Result<()> {
     sqlx::query("UPDATE trailmark.runs SET undo = $2 WHERE run_id = $1")
         .bind(run_id)
-        .bind(plan)
+        .bind(sqlx::types::Json(plan))
         .execute(db)
         .await?;
     Ok(())

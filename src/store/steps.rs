@@ -6,15 +6,15 @@ use serde_json::Value;
 use sqlx::PgExecutor;
 
 use super::Result;
-use crate::domain::RunId;
+use crate::domain::{RunId, StepAddress};
 
 /// A step checkpoint as stored.
 #[derive(Debug, Clone, Serialize, sqlx::FromRow)]
 pub struct StepRow {
     /// Position.
     pub seq: i32,
-    /// Step name.
-    pub step: String,
+    /// The step (a declared step, or a compensation).
+    pub step: StepAddress,
     /// Claims so far (a crash mid-step still counts).
     pub attempts: i32,
     /// Output once committed.
@@ -71,9 +71,10 @@ pub async fn output_at(db: impl PgExecutor<'_>, run_id: &RunId, seq: i32) -> Res
 pub async fn finished_forward(db: impl PgExecutor<'_>, run_id: &str) -> Result<Vec<(i32, String)>> {
     Ok(sqlx::query_as(
         "SELECT seq, step FROM trailmark.steps WHERE run_id = $1 AND finished_at IS NOT NULL
-            AND step NOT LIKE 'undo:%' ORDER BY seq DESC",
+            AND step NOT LIKE $2 ORDER BY seq DESC",
     )
     .bind(run_id)
+    .bind(StepAddress::UNDO_LIKE)
     .fetch_all(db)
     .await?)
 }

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
 
-use crate::domain::RunId;
+use crate::domain::{RunId, StepAddress};
 use crate::engine::Engine;
 use crate::store;
 use crate::store::outbox;
@@ -37,7 +37,7 @@ struct Expired {
     run_id: String,
     workflow: String,
     workflow_version: i32,
-    step: String,
+    step: StepAddress,
     step_seq: i32,
 }
 
@@ -85,7 +85,7 @@ struct Late {
     run_id: String,
     handover: Option<serde_json::Value>,
     step_seq: i32,
-    step: Option<String>,
+    step: Option<StepAddress>,
     workflow_version: i32,
 }
 
@@ -116,7 +116,7 @@ pub async fn escalate_waiting(engine: &Engine) -> store::Result<usize> {
             action: "timeout",
             actor: "supervisor",
             reason: "no decision within supervisor.human_timeout_secs",
-            step: run.step.as_deref(),
+            step: run.step.as_ref().map(StepAddress::as_str),
             seq: Some(run.step_seq),
             status_before: "waiting",
             status_after: "needs_review",

@@ -8,7 +8,9 @@ use std::sync::Arc;
 use serde_json::Value;
 
 use super::STEP_CONSUMER;
-use crate::domain::{Fence, MessageId, RunId, RunStatus, STEP_ROUTING_KEY, StepMessage};
+use crate::domain::{
+    Fence, IllegalMove, MessageId, RunId, RunStatus, STEP_ROUTING_KEY, StepAddress, StepMessage,
+};
 use crate::engine::Engine;
 use crate::store;
 use crate::store::checkpoint;
@@ -22,7 +24,7 @@ pub(super) enum Ending {
         /// The step's output.
         output: Value,
         /// The next step.
-        next: Option<String>,
+        next: Option<StepAddress>,
         /// The run's status while executing (running or compensating).
         status: RunStatus,
         /// Outside messages the step queued with `ctx.send`.
@@ -38,6 +40,8 @@ pub(super) enum Ending {
         sent: Vec<OutgoingMessage>,
         /// Items it parked.
         parked: Vec<Parked>,
+        /// The run's status while executing.
+        status: RunStatus,
     },
     /// Stop the run for a person; the step is not advanced.
     Review {
@@ -45,6 +49,8 @@ pub(super) enum Ending {
         error: String,
         /// The handover note.
         note: Value,
+        /// The run's status while executing.
+        status: RunStatus,
     },
 }
 
@@ -56,7 +62,7 @@ pub(super) async fn commit(
     fence: Fence,
     ending: Ending,
 ) -> store::Result<Option<Vec<OutgoingMessage>>> {
-    let mut step = step_commit(engine, msg, fence, ending);
+    let mut step = step_commit(engine, msg, fence, ending).map_err(infra)?;
     hold_for_eager_publish(engine, &mut step.outbox);
     // Copied only when the worker publishes them itself; the originals go into the commit.
     let eager = to_publish_eagerly(engine, &step.outbox);
@@ -75,7 +81,7 @@ fn step_commit(
     msg: &StepMessage,
     fence: Fence,
     ending: Ending,
-) -> checkpoint::StepCommit {
+) -> Result<checkpoint::StepCommit, IllegalMove> {
     let head = |status, handover| checkpoint::Advance {
         seq: msg.seq,
         next_step: Some(msg.step.clone()),
@@ -98,29 +104,38 @@ fn step_commit(
             }
             let to = checkpoint::Advance {
                 next_step: next,
-                status: match (done, status) {
+                status: status.move_to(match (done, status) {
                     (false, s) => s,
                     (true, RunStatus::Compensating) => RunStatus::Compensated,
                     (true, _) => RunStatus::Succeeded,
-                },
+                })?,
                 output: done.then(|| output.clone()),
-                ..head(status, None)
+                ..head(status.move_to(status)?, None)
             };
             (to, Some(output), true, sent, parked_rows(&parked))
         }
-        Ending::Wait { note, sent, parked } => {
-            let to = head(RunStatus::Waiting, Some(note.clone()));
+        Ending::Wait {
+            note,
+            sent,
+            parked,
+            status,
+        } => {
+            let to = head(status.move_to(RunStatus::Waiting)?, Some(note.clone()));
             (to, Some(note), false, sent, parked_rows(&parked))
         }
-        Ending::Review { error, note } => {
+        Ending::Review {
+            error,
+            note,
+            status,
+        } => {
             let to = checkpoint::Advance {
                 error: Some(error),
-                ..head(RunStatus::NeedsReview, Some(note))
+                ..head(status.move_to(RunStatus::NeedsReview)?, Some(note))
             };
             (to, None, false, Vec::new(), Vec::new())
         }
     };
-    checkpoint::StepCommit {
+    Ok(checkpoint::StepCommit {
         run_id: msg.run_id.clone(),
         fence,
         step: msg.step.clone(),
@@ -130,7 +145,7 @@ fn step_commit(
         inbox: (STEP_CONSUMER, msg.message_id),
         parked,
         outbox,
-    }
+    })
 }
 
 /// Keeps the relay off rows this worker will publish itself after the commit (for
@@ -187,7 +202,7 @@ pub fn step_message(
     run_id: &RunId,
     workflow: &str,
     version: i32,
-    step: &str,
+    step: &StepAddress,
     seq: i32,
 ) -> OutgoingMessage {
     let msg = StepMessage {
@@ -196,12 +211,12 @@ pub fn step_message(
         run_id: run_id.clone(),
         workflow: workflow.to_owned(),
         version,
-        step: step.to_owned(),
+        step: step.clone(),
         seq,
     };
     let headers = BTreeMap::from([
         ("x-trailmark-run-id".to_owned(), run_id.to_string()),
-        ("x-trailmark-step".to_owned(), step.to_owned()),
+        ("x-trailmark-step".to_owned(), step.to_string()),
     ]);
     OutgoingMessage {
         message_id: msg.message_id,
@@ -214,7 +229,7 @@ pub fn step_message(
     }
 }
 
-fn next_message(engine: &Engine, msg: &StepMessage, next: &str) -> OutgoingMessage {
+fn next_message(engine: &Engine, msg: &StepMessage, next: &StepAddress) -> OutgoingMessage {
     step_message(
         engine,
         &msg.run_id,

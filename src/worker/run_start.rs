@@ -64,7 +64,7 @@ async fn start(
         run_id: &event.run_id,
         workflow: &workflow.name,
         version: workflow.version,
-        first_step: first,
+        first_step: &first,
         input: &event.input,
     };
     if !runs::insert(&mut *tx, &new).await? {
@@ -77,7 +77,7 @@ async fn start(
         &event.run_id,
         &workflow.name,
         workflow.version,
-        first,
+        &first,
         0,
     );
     super::commit::hold_for_eager_publish(engine, std::slice::from_mut(&mut first_message));

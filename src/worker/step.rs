@@ -12,14 +12,13 @@ use super::commit::{self, Ending};
 use super::handover;
 use super::lease::Heartbeat;
 use super::outcome::{Disposition, dead};
-use crate::domain::{RunStatus, StepMessage};
+use crate::domain::{RunStatus, StepAddress, StepMessage, UndoPlan};
 use crate::engine::{Engine, Stats};
 use crate::guard::Budget;
 use crate::store::decisions;
 use crate::store::{self, runs, steps};
 use crate::workflow::{
     Next, Position, StepContext, StepDef, StepError, StepOutcome, UndoTarget, Workflow,
-    parse_undo_step, undo_step_name,
 };
 
 /// Processes a step delivery; `Err` means infrastructure failed and the delivery should be retried.
@@ -75,6 +74,7 @@ async fn process_message(
                 note: evidence,
                 sent: Vec::new(),
                 parked: Vec::new(),
+                status: claimed.status,
             },
         )
         .await;
@@ -126,22 +126,18 @@ fn resolve(engine: &Engine, msg: &StepMessage) -> Result<(Arc<Workflow>, StepDef
             ),
         ));
     }
-    // A compensation travels as `undo:<step>@<seq>` and runs the step's declared compensation.
-    let (name, undo) = match parse_undo_step(&msg.step) {
-        Some((original, _)) => (original, true),
-        None => (msg.step.as_str(), false),
-    };
-    let found = workflow
-        .find(name)
-        .and_then(|def| match (undo, &def.compensation) {
+    // A compensation runs the step's declared compensation.
+    let found = workflow.find(msg.step.declared()).and_then(|def| {
+        match (msg.step.is_undo(), &def.compensation) {
             (false, _) => Some(def.clone()),
             (true, Some(c)) => Some(StepDef {
-                name: msg.step.clone(),
+                name: msg.step.to_string(),
                 handler: c.handler.clone(),
                 ..def.clone()
             }),
             (true, None) => None,
-        });
+        }
+    });
     let Some(step) = found else {
         return Err(dead(
             "unknown_step",
@@ -158,7 +154,7 @@ struct ClaimedStep {
     ctx: StepContext,
     status: RunStatus,
     age_secs: f64,
-    plan: Option<serde_json::Value>,
+    plan: Option<UndoPlan>,
 }
 
 enum Claimed {
@@ -188,7 +184,7 @@ async fn claim(
         Err(disposition) => return Ok(Claimed::No(disposition)),
     };
     engine.failpoints.hit("step.after_claim").map_err(infra)?;
-    let status = claim.status.parse().unwrap_or(RunStatus::Running);
+    let status = claim.status;
     let undo = undo_target(engine, msg, claim.undo.as_ref()).await?;
     let pos = Position {
         run_id: msg.run_id.clone(),
@@ -217,17 +213,16 @@ async fn claim(
 async fn undo_target(
     engine: &Engine,
     msg: &StepMessage,
-    plan: Option<&serde_json::Value>,
+    plan: Option<&UndoPlan>,
 ) -> store::Result<Option<UndoTarget>> {
-    let Some((step, seq)) = parse_undo_step(&msg.step) else {
+    let Some((step, seq)) = msg.step.undo_of() else {
         return Ok(None);
     };
     let output = steps::output_at(&engine.pool, &msg.run_id, seq)
         .await?
         .unwrap_or_default();
     let scope = plan
-        .and_then(|p| p.get("scope"))
-        .cloned()
+        .map(|p| p.scope.clone())
         .unwrap_or_else(|| serde_json::json!({}));
     Ok(Some(UndoTarget {
         step: step.to_owned(),
@@ -235,20 +230,6 @@ async fn undo_target(
         output,
         scope,
     }))
-}
-
-/// The compensation after `current` in the undo plan (newest first), or `None` when done.
-fn next_compensation(plan: Option<&serde_json::Value>, current: &str) -> Option<String> {
-    let (_, seq) = parse_undo_step(current)?;
-    let targets = plan?.get("targets")?.as_array()?;
-    let pos = targets
-        .iter()
-        .position(|t| t["seq"].as_i64() == Some(seq as i64))?;
-    let next = targets.get(pos + 1)?;
-    Some(undo_step_name(
-        next["step"].as_str()?,
-        next["seq"].as_i64()? as i32,
-    ))
 }
 
 /// Pauses before re-trying a claim refused because another worker holds the lease. A message
@@ -353,7 +334,12 @@ async fn finish(
         }) => {
             let note = serde_json::json!({ "waiting_for": "decision", "step": msg.step, "seq": msg.seq, "question": output });
             let (sent, parked) = ctx.take_pending();
-            let ending = Ending::Wait { note, sent, parked };
+            let ending = Ending::Wait {
+                note,
+                sent,
+                parked,
+                status,
+            };
             return commit_ending(engine, msg, ctx, ending).await;
         }
         Ok(outcome) => match next_step(workflow, msg, claimed, &outcome.next) {
@@ -402,7 +388,12 @@ async fn finish(
         ctx.seq(),
         ctx.attempt()
     );
-    commit_ending(engine, msg, ctx, Ending::Review { error, note }).await
+    let ending = Ending::Review {
+        error,
+        note,
+        status,
+    };
+    commit_ending(engine, msg, ctx, ending).await
 }
 
 /// The step after this one: the next compensation while undoing, else the workflow's choice.
@@ -411,9 +402,9 @@ fn next_step(
     msg: &StepMessage,
     claimed: &ClaimedStep,
     next: &Next,
-) -> Result<Option<String>, StepError> {
-    if parse_undo_step(&msg.step).is_some() {
-        return Ok(next_compensation(claimed.plan.as_ref(), &msg.step));
+) -> Result<Option<StepAddress>, StepError> {
+    if msg.step.is_undo() {
+        return Ok(claimed.plan.as_ref().and_then(|p| p.after(&msg.step)));
     }
     workflow.resolve_next(&msg.step, next)
 }

@@ -12,7 +12,7 @@ use sqlx::PgPool;
 use super::StepError;
 use crate::batch::Batcher;
 use crate::config::Settings;
-use crate::domain::{Fence, IdempotencyKey, MessageId, RunId};
+use crate::domain::{Fence, IdempotencyKey, MessageId, RunId, StepAddress};
 use crate::failpoint::Failpoints;
 use crate::guard::{Breakers, Budget};
 use crate::model::ModelClient;
@@ -129,7 +129,7 @@ pub struct UndoTarget {
 pub(crate) struct Position {
     pub run_id: RunId,
     pub workflow: String,
-    pub step: String,
+    pub step: StepAddress,
     pub seq: i32,
     pub attempt: i32,
     /// Journal entries recorded at this position before this attempt.
@@ -176,9 +176,9 @@ impl StepContext {
     pub fn workflow(&self) -> &str {
         &self.inner.pos.workflow
     }
-    /// This step's name.
+    /// This step's address: its declared name, or `undo:<step>@<seq>` for a compensation.
     pub fn step(&self) -> &str {
-        &self.inner.pos.step
+        self.inner.pos.step.as_str()
     }
     /// This step's position in the run (0-based).
     pub fn seq(&self) -> i32 {

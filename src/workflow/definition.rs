@@ -5,6 +5,7 @@ use std::future::Future;
 use std::sync::Arc;
 
 use super::{Handler, Next, StepContext, StepError, StepKind, StepOutcome};
+use crate::domain::StepAddress;
 use crate::guard::Budget;
 
 /// How to undo a `write` or `message` step: a handler that posts reversals (new entries that point
@@ -135,38 +136,34 @@ impl Workflow {
         self.steps.iter().find(|s| s.name == name)
     }
 
-    /// The first step's name.
-    pub fn first_step(&self) -> Option<&str> {
-        self.steps.first().map(|s| s.name.as_str())
+    /// The step every run starts with.
+    pub fn first_step(&self) -> Option<StepAddress> {
+        self.steps
+            .first()
+            .map(|s| StepAddress::step(s.name.as_str()))
     }
 
-    /// Resolves `next` after `current` to a step name, or `None` when the run ends.
-    pub fn resolve_next(&self, current: &str, next: &Next) -> Result<Option<String>, StepError> {
+    /// Resolves `next` after `current` to a step, or `None` when the run ends.
+    pub fn resolve_next(
+        &self,
+        current: &StepAddress,
+        next: &Next,
+    ) -> Result<Option<StepAddress>, StepError> {
         match next {
             Next::Finish => Ok(None),
             Next::Continue | Next::Wait => {
-                let pos = self.steps.iter().position(|s| s.name == current);
+                let pos = self.steps.iter().position(|s| current == s.name.as_str());
                 Ok(pos
                     .and_then(|p| self.steps.get(p + 1))
-                    .map(|s| s.name.clone()))
+                    .map(|s| StepAddress::step(s.name.as_str())))
             }
-            Next::Goto(name) if self.find(name).is_some() => Ok(Some(name.clone())),
+            Next::Goto(name) if self.find(name).is_some() => {
+                Ok(Some(StepAddress::step(name.as_str())))
+            }
             Next::Goto(name) => Err(StepError::Unknown(format!(
                 "step {current} chose next step {name:?}, which workflow {} v{} does not declare",
                 self.name, self.version
             ))),
         }
     }
-}
-
-/// The step name of the compensation of `step` at position `seq`, as it travels in messages.
-pub fn undo_step_name(step: &str, seq: i32) -> String {
-    format!("undo:{step}@{seq}")
-}
-
-/// Parses an undo step name back into the original step and its position.
-pub fn parse_undo_step(name: &str) -> Option<(&str, i32)> {
-    let rest = name.strip_prefix("undo:")?;
-    let (step, seq) = rest.rsplit_once('@')?;
-    Some((step, seq.parse().ok()?))
 }

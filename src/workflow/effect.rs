@@ -10,7 +10,7 @@ use std::time::Instant;
 use backon::Retryable;
 use serde_json::Value;
 
-use super::{StepContext, StepError, parse_undo_step};
+use super::{StepContext, StepError};
 use crate::domain::IdempotencyKey;
 use crate::guard::{self, Decision};
 use crate::store::records::Record;
@@ -75,7 +75,7 @@ impl StepContext {
         };
         let no_lookup = |_key: IdempotencyKey| async { Ok(Lookup::CannotTell) };
         // Named after the step, so each receiver gets its own breaker and repeat count.
-        let base = parse_undo_step(self.step()).map_or(self.step(), |(original, _)| original);
+        let base = self.inner.pos.step.declared();
         let tool = Tool::idempotent(&format!("{}.{base}", self.workflow()));
         self.run_effect(&tool, key, request, 0, call, no_lookup)
             .await

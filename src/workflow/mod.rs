@@ -20,7 +20,7 @@ use serde_json::Value;
 pub use context::UndoTarget;
 pub use context::{IDEMPOTENCY_KEY_HEADER, Parked, StepContext};
 pub(crate) use context::{Position, Services};
-pub use definition::{Compensation, StepDef, Workflow, parse_undo_step, undo_step_name};
+pub use definition::{Compensation, StepDef, Workflow};
 pub use effect::{Lookup, Tool};
 pub use error::{ResultExt, StepError};
 

@@ -47,7 +47,7 @@ impl TestEnv {
             run_id: &run_id,
             workflow: "chain",
             version: 1,
-            first_step: "link",
+            first_step: &"link".into(),
             input: &input,
         };
         assert!(
@@ -172,7 +172,7 @@ impl TestEnv {
         let deadline = Instant::now() + within;
         loop {
             if let Some(run) = runs::get(&self.pool, run_id).await.expect("read run")
-                && run.status() == status
+                && run.status == status
             {
                 return run;
             }
@@ -430,7 +430,7 @@ pub fn first_step_commit(
         to: Advance {
             seq: 0,
             next_step: Some("link".into()),
-            status: RunStatus::Running,
+            status: RunStatus::Running.move_to(RunStatus::Running).unwrap(),
             output: None,
             error: None,
             handover: None,

@@ -60,7 +60,7 @@ pub async fn run(settings: &Settings, opts: &Options) -> anyhow::Result<Outcome>
     let stage = Stage::prepare(settings, night, run_id.as_str()).await?;
     let existing = runs::get(&pool, run_id.as_str()).await?;
     if let Some(run) = &existing {
-        match run.status() {
+        match run.status {
             RunStatus::Succeeded => {
                 let when = run.finished_at.map(|t| t.to_rfc3339()).unwrap_or_default();
                 say(&format!(
@@ -236,11 +236,11 @@ async fn watch(
             return Ok(Watched::WorkerEnded(describe(status)));
         }
         if let Some(run) = runs::get(pool, run_id.as_str()).await? {
-            let status = run.status();
+            let status = run.status;
             let (rows, _) = ledger::counts(&stage.outside, run_id.as_str()).await?;
             let reads = invoices::reads(&stage.outside, night, run_id.as_str()).await?;
             let calls = model.calls().await?;
-            let head = match run.step.as_deref() {
+            let head = match run.step.as_ref() {
                 Some(step) if !status.is_terminal() => {
                     format!("step {:>2}/10 {step:<30}", run.step_seq + 1)
                 }
