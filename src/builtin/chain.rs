@@ -11,6 +11,7 @@ use sqlx::PgPool;
 
 use crate::domain::{IdempotencyKey, RunId};
 use crate::model::{ChatMessage, ChatRequest};
+use crate::store::chain_ledger;
 use crate::workflow::{StepContext, StepError, StepKind, StepOutcome, Workflow};
 
 /// Workflow name.
@@ -130,26 +131,22 @@ async fn post(
     reference: &str,
     payload: &str,
 ) -> Result<Value, StepError> {
-    let inserted = sqlx::query(
-        "INSERT INTO trailmark.chain_ledger (reference, run_id, step, payload) VALUES ($1, $2, $3, $4)
-         ON CONFLICT (reference) DO NOTHING",
-    )
-    .bind(reference)
-    .bind(run_id.as_str())
-    .bind(step)
-    .bind(payload)
-    .execute(pool)
-    .await
-    .map_err(|e| StepError::temporary(format!("chain ledger write {reference}: {e}")))?
-    .rows_affected()
-        == 1;
+    let entry = chain_ledger::Entry {
+        reference,
+        run_id: run_id.as_str(),
+        step,
+        payload,
+    };
+    let inserted = chain_ledger::post(pool, entry)
+        .await
+        .map_err(|e| StepError::temporary(format!("chain ledger write {reference}: {e}")))?;
     if !inserted {
-        let stored: String =
-            sqlx::query_scalar("SELECT payload FROM trailmark.chain_ledger WHERE reference = $1")
-                .bind(reference)
-                .fetch_one(pool)
-                .await
-                .map_err(|e| StepError::temporary(format!("chain ledger read {reference}: {e}")))?;
+        let stored = chain_ledger::payload(pool, reference)
+            .await
+            .map_err(|e| StepError::temporary(format!("chain ledger read {reference}: {e}")))?
+            .ok_or_else(|| {
+                StepError::temporary(format!("chain ledger read {reference}: the row is gone"))
+            })?;
         if stored != payload {
             return Err(StepError::Conflict(format!(
                 "chain ledger reference {reference} already holds a different payload; the write was not repeated"

@@ -11,8 +11,7 @@ pub async fn migrate(settings: &Settings) -> anyhow::Result<()> {
     store::ensure_database(&settings.database).await?;
     let pool = store::connect(&settings.database).await?;
     store::migrate(&pool).await?;
-    let applied: i64 = sqlx::query_scalar("SELECT count(*) FROM _sqlx_migrations WHERE success")
-        .fetch_one(&pool)
+    let applied = store::migrations_applied(&pool)
         .await
         .context("reading the migration history")?;
     println!(

@@ -9,6 +9,7 @@ use super::{Decider, Outcome, Result, enqueue, lock, record, refused, set_run};
 use crate::domain::{RunStatus, StepAddress};
 use crate::engine::Engine;
 use crate::store::runs::RunRow;
+use crate::store::steps;
 use crate::workflow::{Next, StepDef, StepKind, Workflow};
 
 /// What a decision about a waiting run works on: its locked row, workflow and waiting step.
@@ -69,18 +70,12 @@ async fn close_step(
     decision: &str,
     who: &Decider,
 ) -> Result<()> {
-    sqlx::query(
-        "UPDATE trailmark.steps SET finished_at = now(),
-                output = jsonb_build_object('question', output, 'decision', $3::text, 'actor', $4::text, 'reason', $5::text)
-          WHERE run_id = $1 AND seq = $2",
-    )
-    .bind(&run.run_id)
-    .bind(run.step_seq)
-    .bind(decision)
-    .bind(&who.actor)
-    .bind(&who.reason)
-    .execute(tx)
-    .await?;
+    let answer = steps::Answer {
+        decision,
+        actor: &who.actor,
+        reason: &who.reason,
+    };
+    steps::close_waiting(tx, &run.run_id, run.step_seq, answer).await?;
     Ok(())
 }
 

@@ -79,9 +79,7 @@ pub struct Outcome {
 
 /// Locks the run row for the decision's transaction.
 async fn lock(tx: &mut PgConnection, run_id: &str) -> Result<runs::RunRow> {
-    sqlx::query_as("SELECT * FROM trailmark.runs WHERE run_id = $1 FOR UPDATE")
-        .bind(run_id)
-        .fetch_optional(tx)
+    runs::lock(tx, run_id)
         .await?
         .ok_or_else(|| Error::NotFound(run_id.to_owned()))
 }
@@ -94,8 +92,8 @@ fn refused(run: &runs::RunRow, action: &'static str, why: impl Into<String>) -> 
     }
 }
 
-/// Moves the run to `status` at (`step`, `seq`) on `version`, voids any lease (fence + 1) and
-/// clears the error and handover note (the decision row keeps them).
+/// Moves the run to `status` at (`step`, `seq`) on `version`, if the status table allows it,
+/// voiding any lease (see [`runs::set_by_decision`]).
 async fn set_run(
     tx: &mut PgConnection,
     run: &runs::RunRow,
@@ -104,22 +102,13 @@ async fn set_run(
     seq: i32,
     version: i32,
 ) -> Result<()> {
-    let to = run.status.move_to(status)?;
-    sqlx::query(
-        "UPDATE trailmark.runs SET status = $2, step = $3, step_seq = $4, workflow_version = $5,
-                fence = fence + 1, lease_owner = NULL, lease_expires_at = NULL, error = NULL,
-                handover = NULL, updated_at = now(),
-                finished_at = CASE WHEN $6 THEN now() END
-          WHERE run_id = $1",
-    )
-    .bind(&run.run_id)
-    .bind(to.to)
-    .bind(step)
-    .bind(seq)
-    .bind(version)
-    .bind(to.to.is_terminal())
-    .execute(tx)
-    .await?;
+    let to = runs::Decided {
+        status: run.status.move_to(status)?,
+        step,
+        seq,
+        version,
+    };
+    runs::set_by_decision(tx, &run.run_id, to).await?;
     Ok(())
 }
 

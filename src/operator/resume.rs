@@ -5,6 +5,7 @@ use serde_json::json;
 use super::{Decider, Outcome, Result, enqueue, lock, record, refused, set_run};
 use crate::domain::RunStatus;
 use crate::engine::Engine;
+use crate::store::steps;
 
 /// Resumes a run in `needs_review` at the step that stopped it. Completed steps and journaled
 /// model answers are not repeated. With `after_fix`, the failed step's attempt count is reset and
@@ -40,13 +41,7 @@ pub async fn resume(
         .step
         .clone()
         .ok_or_else(|| refused(&run, action, "it has no step to resume at"))?;
-    let attempts: i32 = sqlx::query_scalar(
-        "SELECT COALESCE(max(attempts), 0) FROM trailmark.steps WHERE run_id = $1 AND seq = $2",
-    )
-    .bind(&run.run_id)
-    .bind(run.step_seq)
-    .fetch_one(&mut *tx)
-    .await?;
+    let attempts = steps::attempts_at(&mut *tx, &run.run_id, run.step_seq).await?;
     let max = engine.settings.worker.max_attempts;
     let mut version = run.workflow_version;
     if after_fix {
@@ -54,11 +49,7 @@ pub async fn resume(
             refused(&run, action, format!("workflow {} is not deployed in this build; run the command from a build that has the fix", run.workflow))
         })?;
         version = deployed.version;
-        sqlx::query("UPDATE trailmark.steps SET attempts = 0 WHERE run_id = $1 AND seq = $2")
-            .bind(&run.run_id)
-            .bind(run.step_seq)
-            .execute(&mut *tx)
-            .await?;
+        steps::reset_attempts(&mut *tx, &run.run_id, run.step_seq).await?;
     } else if attempts >= max {
         return Err(refused(
             &run,

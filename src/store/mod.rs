@@ -1,6 +1,7 @@
 //! All SQL. Every function takes an executor, so a caller that begins a transaction owns it; the
 //! hot path needs none: its claim, effect intent and step commit are one statement each.
 
+pub mod chain_ledger;
 pub mod checkpoint;
 pub mod decisions;
 pub mod effects;
@@ -210,6 +211,22 @@ pub async fn migrate(pool: &PgPool) -> Result<()> {
         .run(pool)
         .await
         .map_err(|e| Error::Unavailable(format!("migrations failed: {e}")))
+}
+
+/// How many migrations the database has applied successfully.
+pub async fn migrations_applied(db: impl sqlx::PgExecutor<'_>) -> Result<i64> {
+    Ok(
+        sqlx::query_scalar("SELECT count(*) FROM _sqlx_migrations WHERE success")
+            .fetch_one(db)
+            .await?,
+    )
+}
+
+/// The server process serving this connection: what a process's presence stores with its leases.
+pub async fn backend_pid(db: impl sqlx::PgExecutor<'_>) -> Result<i32> {
+    Ok(sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(db)
+        .await?)
 }
 
 /// Runs `items` as one statement through `batch` when there are several and `batchable` says

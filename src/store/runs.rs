@@ -7,7 +7,7 @@ use serde_json::Value;
 use sqlx::{PgExecutor, PgPool};
 
 use super::Result;
-use crate::domain::{Fence, MessageId, RunId, RunStatus, StepAddress, UndoPlan};
+use crate::domain::{Fence, MessageId, RunId, RunStatus, StepAddress, Transition, UndoPlan};
 
 /// A run as stored.
 #[derive(Debug, Clone, Serialize, sqlx::FromRow)]
@@ -332,5 +332,140 @@ pub async fn set_undo_plan(db: impl PgExecutor<'_>, run_id: &str, plan: &UndoPla
         .bind(sqlx::types::Json(plan))
         .execute(db)
         .await?;
+    Ok(())
+}
+
+/// Gives a lease back without advancing the run (its step is retried later from a delay queue).
+pub async fn release(db: impl PgExecutor<'_>, run_id: &RunId, fence: Fence) -> Result<()> {
+    sqlx::query(
+        "UPDATE trailmark.runs SET lease_owner = NULL, lease_expires_at = NULL, updated_at = now()
+          WHERE run_id = $1 AND fence = $2",
+    )
+    .bind(run_id.as_str())
+    .bind(fence.0)
+    .execute(db)
+    .await?;
+    Ok(())
+}
+
+/// A run whose lease expired without progress, taken back by [`take_expired_leases`].
+#[derive(Debug, sqlx::FromRow)]
+pub struct ExpiredLease {
+    /// The run.
+    pub run_id: String,
+    /// Its workflow.
+    pub workflow: String,
+    /// The workflow version it follows.
+    pub workflow_version: i32,
+    /// The step its worker was executing.
+    pub step: StepAddress,
+    /// That step's position.
+    pub step_seq: i32,
+}
+
+/// Voids up to `limit` expired leases of executing runs (fence + 1, so their holders can never
+/// commit) and returns those runs, oldest expiry first, for their steps to be queued again in the
+/// caller's transaction. Rows other scanners hold are skipped.
+pub async fn take_expired_leases(db: impl PgExecutor<'_>, limit: i64) -> Result<Vec<ExpiredLease>> {
+    Ok(sqlx::query_as(
+        "UPDATE trailmark.runs r
+            SET lease_owner = NULL, lease_expires_at = NULL, fence = r.fence + 1, updated_at = now()
+           FROM (SELECT run_id FROM trailmark.runs
+                  WHERE lease_owner IS NOT NULL AND lease_expires_at < now()
+                    AND status = ANY($1::text[]) AND step IS NOT NULL
+                  ORDER BY lease_expires_at LIMIT $2 FOR UPDATE SKIP LOCKED) e
+          WHERE r.run_id = e.run_id
+      RETURNING r.run_id, r.workflow, r.workflow_version, r.step, r.step_seq",
+    )
+    .bind(&RunStatus::EXECUTING[..])
+    .bind(limit)
+    .fetch_all(db)
+    .await?)
+}
+
+/// A waiting run escalated by [`escalate_waiting`].
+#[derive(Debug, sqlx::FromRow)]
+pub struct Escalated {
+    /// The run.
+    pub run_id: String,
+    /// What it waited for (the note it had), wrapped into the review note.
+    pub handover: Option<Value>,
+    /// The position it waits at.
+    pub step_seq: i32,
+    /// The step it waits at.
+    pub step: Option<StepAddress>,
+    /// Its workflow version.
+    pub workflow_version: i32,
+}
+
+/// Moves up to `limit` runs that have waited for a person longer than `after_secs` to
+/// needs_review, keeping what they waited for in the note; returns them for their decisions to be
+/// recorded in the caller's transaction.
+pub async fn escalate_waiting(
+    db: impl PgExecutor<'_>,
+    after_secs: u64,
+    limit: i64,
+) -> Result<Vec<Escalated>> {
+    let to = RunStatus::Waiting
+        .move_to(RunStatus::NeedsReview)
+        .expect("the status table lets a waiting run be escalated");
+    Ok(sqlx::query_as(
+        "UPDATE trailmark.runs r SET status = $3, updated_at = now(),
+                handover = jsonb_build_object('waiting_for', r.handover, 'error_class', 'human_timeout',
+                    'error', format('no decision within %s s; approve or reject, or resume to ask again', $1::bigint))
+           FROM (SELECT run_id FROM trailmark.runs WHERE status = $2
+                  AND updated_at < now() - make_interval(secs => $1::float8) LIMIT $4 FOR UPDATE SKIP LOCKED) w
+          WHERE r.run_id = w.run_id
+      RETURNING r.run_id, r.handover, r.step_seq, r.step, r.workflow_version",
+    )
+    .bind(after_secs as i64)
+    .bind(to.from)
+    .bind(to.to)
+    .bind(limit)
+    .fetch_all(db)
+    .await?)
+}
+
+/// Reads a run and locks its row until the caller's transaction ends (operator decisions).
+pub async fn lock(db: impl PgExecutor<'_>, run_id: &str) -> Result<Option<RunRow>> {
+    Ok(
+        sqlx::query_as("SELECT * FROM trailmark.runs WHERE run_id = $1 FOR UPDATE")
+            .bind(run_id)
+            .fetch_optional(db)
+            .await?,
+    )
+}
+
+/// Where an operator decision puts a run.
+#[derive(Debug, Clone, Copy)]
+pub struct Decided<'a> {
+    /// The status move.
+    pub status: Transition,
+    /// The step it runs next (or stopped at).
+    pub step: Option<&'a StepAddress>,
+    /// That step's position.
+    pub seq: i32,
+    /// The workflow version it follows from now on.
+    pub version: i32,
+}
+
+/// Applies an operator decision: moves the run, voids any lease (fence + 1, so a step in flight
+/// commits nothing) and clears the error and handover note (the decision row keeps them).
+pub async fn set_by_decision(db: impl PgExecutor<'_>, run_id: &str, to: Decided<'_>) -> Result<()> {
+    sqlx::query(
+        "UPDATE trailmark.runs SET status = $2, step = $3, step_seq = $4, workflow_version = $5,
+                fence = fence + 1, lease_owner = NULL, lease_expires_at = NULL, error = NULL,
+                handover = NULL, updated_at = now(),
+                finished_at = CASE WHEN $6 THEN now() END
+          WHERE run_id = $1",
+    )
+    .bind(run_id)
+    .bind(to.status.to)
+    .bind(to.step)
+    .bind(to.seq)
+    .bind(to.version)
+    .bind(to.status.to.is_terminal())
+    .execute(db)
+    .await?;
     Ok(())
 }

@@ -88,3 +88,58 @@ pub async fn next_position(db: impl PgExecutor<'_>, run_id: &str) -> Result<i32>
     .fetch_one(db)
     .await?)
 }
+
+/// Claims so far of the step at position `seq` (0 before the first).
+pub async fn attempts_at(db: impl PgExecutor<'_>, run_id: &str, seq: i32) -> Result<i32> {
+    Ok(sqlx::query_scalar(
+        "SELECT COALESCE(max(attempts), 0) FROM trailmark.steps WHERE run_id = $1 AND seq = $2",
+    )
+    .bind(run_id)
+    .bind(seq)
+    .fetch_one(db)
+    .await?)
+}
+
+/// Starts the attempt count of the step at `seq` again (a resume after a fix).
+pub async fn reset_attempts(db: impl PgExecutor<'_>, run_id: &str, seq: i32) -> Result<()> {
+    sqlx::query("UPDATE trailmark.steps SET attempts = 0 WHERE run_id = $1 AND seq = $2")
+        .bind(run_id)
+        .bind(seq)
+        .execute(db)
+        .await?;
+    Ok(())
+}
+
+/// Who answered a waiting step, how and why.
+#[derive(Debug, Clone, Copy)]
+pub struct Answer<'a> {
+    /// `approved` or `rejected`.
+    pub decision: &'a str,
+    /// The person.
+    pub actor: &'a str,
+    /// Their reason.
+    pub reason: &'a str,
+}
+
+/// Marks the waiting step at `seq` finished, with the person's answer in its output next to the
+/// question it asked.
+pub async fn close_waiting(
+    db: impl PgExecutor<'_>,
+    run_id: &str,
+    seq: i32,
+    answer: Answer<'_>,
+) -> Result<()> {
+    sqlx::query(
+        "UPDATE trailmark.steps SET finished_at = now(),
+                output = jsonb_build_object('question', output, 'decision', $3::text, 'actor', $4::text, 'reason', $5::text)
+          WHERE run_id = $1 AND seq = $2",
+    )
+    .bind(run_id)
+    .bind(seq)
+    .bind(answer.decision)
+    .bind(answer.actor)
+    .bind(answer.reason)
+    .execute(db)
+    .await?;
+    Ok(())
+}

@@ -185,15 +185,7 @@ pub(super) async fn release(
     run_id: &RunId,
     fence: Fence,
 ) -> store::Result<()> {
-    sqlx::query(
-        "UPDATE trailmark.runs SET lease_owner = NULL, lease_expires_at = NULL, updated_at = now()
-          WHERE run_id = $1 AND fence = $2",
-    )
-    .bind(run_id.as_str())
-    .bind(fence.0)
-    .execute(&engine.pool)
-    .await?;
-    Ok(())
+    store::runs::release(&engine.pool, run_id, fence).await
 }
 
 /// The outbox row of a step message for `step` at position `seq` of a run.

@@ -21,10 +21,7 @@ pub(super) async fn hold(engine: Arc<Engine>, shutdown: CancellationToken) {
         match store::connect_one(&engine.settings.database).await {
             Ok(mut conn) => {
                 backoff = Duration::from_millis(200);
-                match sqlx::query_scalar::<_, i32>("SELECT pg_backend_pid()")
-                    .fetch_one(&mut conn)
-                    .await
-                {
+                match store::backend_pid(&mut conn).await {
                     Ok(pid) => engine.presence_pid.store(pid, Ordering::SeqCst),
                     Err(e) => {
                         tracing::warn!(error = %e, "presence connection: cannot read its pid")
