@@ -40,8 +40,10 @@ impl<Req: Send + 'static, T: Send + 'static> Batcher<Req, T> {
     /// delivery is retried.
     pub async fn call(&self, req: Req) -> Result<T> {
         let (tx, rx) = oneshot::channel();
-        let gone =
-            || Error::Unavailable("a group-commit task of this process stopped; retrying".into());
+        let gone = || Error::Unavailable {
+            what: "a group-commit task of this process stopped; retrying".into(),
+            source: None,
+        };
         self.queue.send((req, tx)).map_err(|_| gone())?;
         rx.await.map_err(|_| gone())?
     }

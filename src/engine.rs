@@ -16,13 +16,14 @@ use crate::workflow::{Registry, Services};
 
 /// Why an engine could not start.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum Error {
     /// The database is unreachable or misconfigured.
-    #[error(transparent)]
+    #[error("the engine cannot open its database")]
     Store(#[from] crate::store::Error),
     /// The model settings are unusable.
-    #[error("model client: {0}")]
-    Model(String),
+    #[error("the [model] settings are unusable")]
+    Model(#[source] crate::model::Error),
 }
 
 /// Counters a process keeps about its own work (exported as metrics, read by tests).
@@ -96,7 +97,7 @@ impl Engine {
         pool: PgPool,
     ) -> Result<Arc<Self>, Error> {
         let model = if settings.model.is_configured() {
-            Some(ModelClient::new(&settings.model).map_err(|e| Error::Model(e.to_string()))?)
+            Some(ModelClient::new(&settings.model).map_err(Error::Model)?)
         } else {
             None
         };

@@ -43,6 +43,7 @@ pub mod config;
 pub mod dlq;
 pub mod domain;
 pub mod engine;
+pub mod error;
 pub mod failpoint;
 pub mod guard;
 pub mod model;

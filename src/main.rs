@@ -86,7 +86,7 @@ async fn main() -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("error: {e:#}");
-            ExitCode::from(if cli::is_unavailable(&e) { 2 } else { 1 })
+            ExitCode::from(cli::exit_code(&e))
         }
     }
 }

@@ -365,7 +365,7 @@ async fn a_group_meeting_an_unreachable_database_fails_at_once_not_step_by_step(
     assert!(
         outcomes
             .iter()
-            .all(|o| matches!(o, Err(store::Error::Unavailable(_)))),
+            .all(|o| matches!(o, Err(store::Error::Unavailable { .. }))),
         "{outcomes:?}"
     );
 }

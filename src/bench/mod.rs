@@ -39,10 +39,10 @@ use crate::config::Settings;
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     /// Postgres failed or is unreachable.
-    #[error(transparent)]
+    #[error("the bench lost the database")]
     Store(#[from] crate::store::Error),
     /// RabbitMQ failed or is unreachable.
-    #[error(transparent)]
+    #[error("the bench lost the broker")]
     Broker(#[from] crate::broker::Error),
     /// A measured system misbehaved: a run stopped, progress stalled, a child died.
     #[error("{0}")]

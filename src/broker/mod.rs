@@ -15,15 +15,33 @@ pub use publisher::{Outgoing, Publisher};
 pub use topology::Topology;
 
 use crate::config::{BrokerSettings, redact_url};
+use crate::error::{Cause, Reaction};
 
-/// Broker errors, by what the caller does about them.
+/// Broker errors, by how the caller reacts to them ([`Error::reaction`]).
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum Error {
-    /// Could not connect; the message names the (redacted) URL and how to start RabbitMQ.
-    #[error("{0}")]
-    Unavailable(String),
+    /// Could not connect: the broker is down or unreachable. Retry later.
+    #[error("{what}")]
+    Unavailable {
+        /// What failed (with the redacted URL) and what to do.
+        what: String,
+        /// Why.
+        #[source]
+        source: Option<Cause>,
+    },
+    /// The broker refuses what no retry can fix (a malformed URL, wrong credentials, a missing
+    /// vhost, no permission): a person must fix the configuration.
+    #[error("{what}")]
+    Misconfigured {
+        /// What is wrong and how to fix it.
+        what: String,
+        /// Why.
+        #[source]
+        source: Option<Cause>,
+    },
     /// The connection or channel failed: reconnect and try again.
-    #[error("broker connection failed: {0}")]
+    #[error("the broker connection failed")]
     Connection(#[from] lapin::Error),
     /// The broker refused a publish (nack) or returned it as unroutable.
     #[error(
@@ -44,6 +62,19 @@ pub enum Error {
     ConfirmTimeout(Duration),
 }
 
+impl Error {
+    /// How a caller reacts to this error.
+    pub fn reaction(&self) -> Reaction {
+        match self {
+            Self::Misconfigured { .. } => Reaction::Fix,
+            Self::Refused { .. } => Reaction::Refused,
+            Self::Unavailable { .. } | Self::Connection(_) | Self::ConfirmTimeout(_) => {
+                Reaction::Retry
+            }
+        }
+    }
+}
+
 /// Shorthand for broker results.
 pub type Result<T> = std::result::Result<T, Error>;
 
@@ -52,16 +83,14 @@ pub type Result<T> = std::result::Result<T, Error>;
 /// long GC-like pause, SIGSTOP) stops heartbeating, so the broker closes its connection and hands
 /// its unacknowledged messages to live consumers instead of leaving them with a sleeper.
 pub async fn connect(settings: &BrokerSettings, name: &str) -> Result<Connection> {
-    let unavailable = |why: String| {
-        Error::Unavailable(format!(
-            "cannot connect to RabbitMQ at {}: {why}. Is it running? Start it with `rabbitmq-server -detached`, or set AMQP_URL",
-            redact_url(&settings.url)
-        ))
-    };
+    let url = redact_url(&settings.url);
     let mut uri: AMQPUri = settings
         .url
         .parse()
-        .map_err(|e: String| unavailable(format!("invalid AMQP URL ({e})")))?;
+        .map_err(|e: String| Error::Misconfigured {
+            what: format!("AMQP_URL {url} is not a valid AMQP URL"),
+            source: Some(e.into()),
+        })?;
     if uri.query.heartbeat.is_none() && settings.heartbeat_secs > 0 {
         uri.query.heartbeat = Some(settings.heartbeat_secs);
     }
@@ -69,7 +98,12 @@ pub async fn connect(settings: &BrokerSettings, name: &str) -> Result<Connection
         ConnectionProperties::default().with_connection_name(format!("trailmark-{name}").into());
     Connection::connect_uri(uri, props)
         .await
-        .map_err(|e| unavailable(e.to_string()))
+        .map_err(|e| Error::Unavailable {
+            what: format!(
+                "cannot connect to RabbitMQ at {url} (is it running? Start it with `rabbitmq-server -detached`, or set AMQP_URL)"
+            ),
+            source: Some(e.into()),
+        })
 }
 
 /// Connects, publishes one message with a confirm, and disconnects: for the CLI and the demo,

@@ -10,33 +10,14 @@ pub mod run;
 pub mod runs;
 pub mod serve;
 
-/// Whether an error means a server is down or misaddressed (exit code 2) rather than a bad
-/// request or a failure (exit code 1).
-pub fn is_unavailable(e: &anyhow::Error) -> bool {
-    use crate::{bench, broker, dlq, engine, store};
-    // The library errors that wrap store or broker errors are transparent (their text is the
-    // inner one's), so the inner error is not in the chain: look inside them here.
-    let store_down = |e: &store::Error| matches!(e, store::Error::Unavailable(_));
-    let broker_down = |e: &broker::Error| matches!(e, broker::Error::Unavailable(_));
-    e.chain().any(|cause| {
-        cause.downcast_ref::<store::Error>().is_some_and(store_down)
-            || cause
-                .downcast_ref::<broker::Error>()
-                .is_some_and(broker_down)
-            || match cause.downcast_ref::<engine::Error>() {
-                Some(engine::Error::Store(e)) => store_down(e),
-                _ => false,
-            }
-            || match cause.downcast_ref::<bench::Error>() {
-                Some(bench::Error::Store(e)) => store_down(e),
-                Some(bench::Error::Broker(e)) => broker_down(e),
-                _ => false,
-            }
-            || match cause.downcast_ref::<dlq::Error>() {
-                Some(dlq::Error::Broker(e)) => broker_down(e),
-                _ => false,
-            }
-    })
+/// The exit code for an error: 2 when a server is down or the configuration is wrong (what an
+/// operator or a supervisor like systemd must look at), 1 when the request itself was refused.
+pub fn exit_code(e: &anyhow::Error) -> u8 {
+    use crate::error::{Reaction, reaction};
+    match reaction(e.as_ref()) {
+        Reaction::Retry | Reaction::Fix => 2,
+        _ => 1,
+    }
 }
 
 /// Asks on the terminal before a change that cannot be taken back, unless `yes`; refuses when

@@ -24,12 +24,12 @@ use crate::config::BrokerSettings;
 
 /// DLQ errors, by what the operator does about them.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum Error {
     /// RabbitMQ is unreachable, or the connection failed mid-pass (messages taken and not yet
-    /// handled go back to the DLQ by themselves). Displayed as the broker error itself, which
-    /// is not repeated as a source.
-    #[error("{0}")]
-    Broker(broker::Error),
+    /// handled go back to the DLQ by themselves).
+    #[error("the dead-letter pass stopped")]
+    Broker(#[source] broker::Error),
     /// No message with this id is in the DLQ.
     #[error(
         "no dead letter with id {id} in {queue}{}; list them with `trailmark dlq list` (the id is the first column)",

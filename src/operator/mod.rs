@@ -22,6 +22,7 @@ use crate::worker::step_message;
 
 /// Why a decision was refused.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum Error {
     /// No such run.
     #[error("run {0} not found: list runs with `trailmark run list`")]
@@ -37,10 +38,10 @@ pub enum Error {
         why: String,
     },
     /// The database failed; nothing was changed.
-    #[error(transparent)]
+    #[error("the decision was not recorded")]
     Store(#[from] store::Error),
     /// The decision would move the run where the status table does not allow (a bug).
-    #[error(transparent)]
+    #[error("the decision was not recorded")]
     IllegalMove(#[from] IllegalMove),
 }
 

@@ -148,7 +148,7 @@ pub async fn counts(pool: &PgPool, run_id: &str) -> Result<SinkCounts> {
 #[derive(Debug, thiserror::Error)]
 pub enum SenderError {
     /// RabbitMQ went away.
-    #[error(transparent)]
+    #[error("the mail sender lost the broker")]
     Broker(#[from] broker::Error),
 }
 

@@ -81,7 +81,7 @@ pub enum Error {
     #[error("outside database: {0}")]
     Database(#[from] sqlx::Error),
     /// Trailmark's own database failed while reading a run's checkpoints.
-    #[error(transparent)]
+    #[error("reading the run's checkpoints failed")]
     Trailmark(#[from] crate::store::Error),
 }
 

@@ -19,12 +19,13 @@ use crate::store::{self, outbox};
 
 /// Relay errors: either side went away; [`run`] reconnects by itself.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum Error {
     /// RabbitMQ failed.
-    #[error(transparent)]
+    #[error("the relay lost the broker")]
     Broker(#[from] broker::Error),
     /// Postgres failed.
-    #[error(transparent)]
+    #[error("the relay lost the database")]
     Store(#[from] store::Error),
 }
 
@@ -44,7 +45,7 @@ pub async fn run(engine: Arc<Engine>, shutdown: CancellationToken) -> Result<(),
         match session(&engine, &shutdown).await {
             Ok(()) => break,
             Err(e) => {
-                tracing::warn!(error = %e, retry_in_ms = backoff.as_millis() as u64, "relay failed; reconnecting");
+                tracing::warn!(error = %crate::error::Report(&e), retry_in_ms = backoff.as_millis() as u64, "relay failed; reconnecting");
                 tokio::select! {
                     _ = tokio::time::sleep(backoff) => {}
                     _ = shutdown.cancelled() => break,
@@ -114,7 +115,7 @@ pub async fn drain_batch(engine: &Engine, publisher: &Publisher) -> Result<usize
     engine
         .failpoints
         .hit("relay.after_confirm")
-        .map_err(|e| store::Error::Unavailable(e.to_string()))?;
+        .map_err(|e| store::Error::unavailable("relay interrupted", e))?;
     outbox::mark_published(&mut *tx, &ok).await?;
     outbox::mark_failed(&mut *tx, &failed).await?;
     tx.commit().await?;
@@ -132,7 +133,7 @@ pub async fn drain_batch(engine: &Engine, publisher: &Publisher) -> Result<usize
     }
     if let Some(e) = first_error {
         // A refused message stays in the outbox and is tried again; a dead channel reconnects.
-        tracing::error!(error = %e, failed = failed.len(), "relay could not publish some outbox rows");
+        tracing::error!(error = %crate::error::Report(&e), failed = failed.len(), "relay could not publish some outbox rows");
         return Err(e.into());
     }
     Ok(ok.len())

@@ -20,13 +20,31 @@ use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{ConnectOptions, PgPool};
 
 use crate::config::{DatabaseSettings, redact_url};
+use crate::error::{Cause, Reaction};
 
-/// Store errors, split by what the caller does about them.
+/// Store errors, split by how the caller reacts to them ([`Error::reaction`]).
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum Error {
-    /// Postgres failed or is unreachable: retry later, nothing was decided.
-    #[error("database error: {0}")]
-    Database(#[from] sqlx::Error),
+    /// Postgres failed or could not be reached; nothing was decided. Retry later.
+    #[error("{what}")]
+    Unavailable {
+        /// What failed, with what to do about it.
+        what: String,
+        /// Why.
+        #[source]
+        source: Option<Cause>,
+    },
+    /// Postgres refuses what no retry can fix: a malformed URL, a wrong password, a missing
+    /// database or role, a schema this build cannot use. A person must fix the configuration.
+    #[error("{what}")]
+    Misconfigured {
+        /// What is wrong, with what to do about it.
+        what: String,
+        /// Why.
+        #[source]
+        source: Option<Cause>,
+    },
     /// A newer lease holder owns the run: roll back and drop the work.
     #[error(
         "run {run_id}: fenced out (fence {fence} is no longer current); a newer worker owns the run"
@@ -49,9 +67,63 @@ pub enum Error {
         /// Hash of the new request.
         new: String,
     },
-    /// The database or its schema is not there.
-    #[error("{0}")]
-    Unavailable(String),
+}
+
+impl Error {
+    /// Postgres failed or could not be reached while doing `what`.
+    pub fn unavailable(what: impl Into<String>, source: impl Into<Cause>) -> Self {
+        Self::Unavailable {
+            what: what.into(),
+            source: Some(source.into()),
+        }
+    }
+
+    /// The configuration is wrong: `what` says what and how to fix it.
+    pub fn misconfigured(what: impl Into<String>, source: impl Into<Cause>) -> Self {
+        Self::Misconfigured {
+            what: what.into(),
+            source: Some(source.into()),
+        }
+    }
+
+    /// How a caller reacts to this error.
+    pub fn reaction(&self) -> Reaction {
+        match self {
+            Self::Unavailable { .. } => Reaction::Retry,
+            Self::Misconfigured { .. } => Reaction::Fix,
+            Self::FencedOut { .. } | Self::Conflict { .. } => Reaction::Refused,
+        }
+    }
+
+    /// The driver's error behind this one, if any.
+    pub fn sqlx_cause(&self) -> Option<&sqlx::Error> {
+        match self {
+            Self::Unavailable { source, .. } | Self::Misconfigured { source, .. } => {
+                source.as_deref()?.downcast_ref()
+            }
+            _ => None,
+        }
+    }
+}
+
+/// SQLSTATEs no retry can fix: authorization refused (class 28), database missing (3D000),
+/// privilege missing (42501), schema or table missing (3F000, 42P01: the database was never
+/// migrated).
+const MISCONFIGURED_STATES: [&str; 4] = ["3D000", "42501", "3F000", "42P01"];
+
+impl From<sqlx::Error> for Error {
+    fn from(e: sqlx::Error) -> Self {
+        let code = e.as_database_error().and_then(|d| d.code());
+        let misconfigured = matches!(e, sqlx::Error::Configuration(_))
+            || code
+                .as_deref()
+                .is_some_and(|c| c.starts_with("28") || MISCONFIGURED_STATES.contains(&c));
+        if misconfigured {
+            Self::misconfigured("the database refused the request", e)
+        } else {
+            Self::unavailable("database error", e)
+        }
+    }
 }
 
 /// A Postgres statement being bound (the fragments that several statements share bind into it).
@@ -65,10 +137,13 @@ pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
 
 fn options(settings: &DatabaseSettings) -> Result<PgConnectOptions> {
     let opts: PgConnectOptions = settings.url.parse().map_err(|e| {
-        Error::Unavailable(format!(
-            "DATABASE_URL {} is not a valid Postgres URL: {e}",
-            redact_url(&settings.url)
-        ))
+        Error::misconfigured(
+            format!(
+                "DATABASE_URL {} is not a valid Postgres URL",
+                redact_url(&settings.url)
+            ),
+            e,
+        )
     })?;
     // Statement logging would print bodies and ids at info level; keep it for debugging only.
     // Every statement trailmark runs looks rows up by key, several keys at a time in the
@@ -91,11 +166,14 @@ fn options(settings: &DatabaseSettings) -> Result<PgConnectOptions> {
         ]))
 }
 
-fn down(settings: &DatabaseSettings, e: &sqlx::Error) -> Error {
-    Error::Unavailable(format!(
-        "cannot connect to Postgres at {}: {e}. Is it running? Start it with `pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main start`, or set DATABASE_URL",
-        redact_url(&settings.url)
-    ))
+fn down(settings: &DatabaseSettings, e: sqlx::Error) -> Error {
+    Error::unavailable(
+        format!(
+            "cannot connect to Postgres at {} (is it running? Start it with `pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main start`, or set DATABASE_URL)",
+            redact_url(&settings.url)
+        ),
+        e,
+    )
 }
 
 /// Opens a pool and checks it with one round trip, so a wrong URL fails at start-up.
@@ -109,7 +187,7 @@ pub async fn connect(settings: &DatabaseSettings) -> Result<PgPool> {
         .test_before_acquire(false)
         .connect_with(options(settings)?)
         .await
-        .map_err(|e| down(settings, &e))?;
+        .map_err(|e| down(settings, e))?;
     Ok(pool)
 }
 
@@ -150,7 +228,7 @@ pub async fn connect_one(settings: &DatabaseSettings) -> Result<sqlx::PgConnecti
     options(settings)?
         .connect()
         .await
-        .map_err(|e| down(settings, &e))
+        .map_err(|e| down(settings, e))
 }
 
 /// Creates the database named in the URL when it is missing (connecting to `postgres` first).
@@ -159,7 +237,7 @@ pub async fn ensure_database(settings: &DatabaseSettings) -> Result<()> {
         .await
         .map_err(|e| match e.as_database_error() {
             Some(_) => e.into(),
-            None => down(settings, &e),
+            None => down(settings, e),
         })
 }
 
@@ -210,7 +288,7 @@ pub async fn migrate(pool: &PgPool) -> Result<()> {
     MIGRATOR
         .run(pool)
         .await
-        .map_err(|e| Error::Unavailable(format!("migrations failed: {e}")))
+        .map_err(|e| Error::misconfigured("the migrations failed", e))
 }
 
 /// How many migrations the database has applied successfully.
@@ -251,14 +329,19 @@ where
         match batch(items).await {
             Ok(each) => return each,
             Err(e) if !caused_by_one_item(&e) => {
-                let failure = e.to_string();
+                let failure = crate::error::Report(&e).to_string();
                 return items
                     .iter()
-                    .map(|_| Err(Error::Unavailable(failure.clone())))
+                    .map(|_| {
+                        Err(Error::Unavailable {
+                            what: format!("group {what} failed: {failure}"),
+                            source: None,
+                        })
+                    })
                     .collect();
             }
             Err(e) => {
-                tracing::debug!(error = %e, items = items.len(), "group {what} refused; running its items one by one")
+                tracing::debug!(error = %crate::error::Report(&e), items = items.len(), "group {what} refused; running its items one by one")
             }
         }
     }
@@ -273,7 +356,7 @@ where
 /// because Postgres is unreachable: any error Postgres answered with (a refused fence, a
 /// deadlock, bad data), as opposed to I/O, pool and protocol failures.
 fn caused_by_one_item(e: &Error) -> bool {
-    matches!(e, Error::Database(sqlx::Error::Database(_)))
+    matches!(e.sqlx_cause(), Some(sqlx::Error::Database(_)))
 }
 
 /// SHA-256 of a JSON value, hex; the request hash of journal entries and effects.

@@ -19,10 +19,12 @@ pub async fn run(engine: Arc<Engine>, shutdown: CancellationToken) -> Result<(),
         match recover_expired(&engine).await {
             Ok(0) => {}
             Ok(n) => tracing::info!(runs = n, "re-queued steps of runs whose lease expired"),
-            Err(e) => tracing::warn!(error = %e, "supervisor scan failed; will try again"),
+            Err(e) => {
+                tracing::warn!(error = %crate::error::Report(&e), "supervisor scan failed; will try again")
+            }
         }
         if let Err(e) = escalate_waiting(&engine).await {
-            tracing::warn!(error = %e, "supervisor scan of waiting runs failed; will try again");
+            tracing::warn!(error = %crate::error::Report(&e), "supervisor scan of waiting runs failed; will try again");
         }
         tokio::select! {
             _ = shutdown.cancelled() => return Ok(()),

@@ -232,6 +232,6 @@ fn next_message(engine: &Engine, msg: &StepMessage, next: &StepAddress) -> Outgo
     )
 }
 
-fn infra(e: impl std::fmt::Display) -> store::Error {
-    store::Error::Unavailable(e.to_string())
+fn infra(e: impl std::error::Error + Send + Sync + 'static) -> store::Error {
+    store::Error::unavailable("step commit interrupted", e)
 }

@@ -44,7 +44,7 @@ impl Heartbeat {
                     // The database may come back before the lease runs out; the commit's fence
                     // check is what finally decides.
                     Err(e) => {
-                        tracing::warn!(run.id = %run_id, error = %e, "heartbeat failed; will try again")
+                        tracing::warn!(run.id = %run_id, error = %crate::error::Report(&e), "heartbeat failed; will try again")
                     }
                 }
             }

@@ -51,7 +51,7 @@ pub async fn run(engine: Arc<Engine>, shutdown: CancellationToken) -> Result<(),
         match session(&engine, &shutdown, &tracker, &published).await {
             Ok(()) => break,
             Err(e) => {
-                tracing::warn!(error = %e, retry_in_ms = backoff.as_millis() as u64, "worker lost the broker; reconnecting");
+                tracing::warn!(error = %crate::error::Report(&e), retry_in_ms = backoff.as_millis() as u64, "worker lost the broker; reconnecting");
                 tokio::select! {
                     _ = tokio::time::sleep(backoff) => {}
                     _ = shutdown.cancelled() => break,
@@ -124,9 +124,10 @@ async fn session(
             _ = shutdown.cancelled() => break Ok(()),
         };
         let Some((is_step, delivery)) = next else {
-            break Err(broker::Error::Unavailable(
-                "consumer stream ended (connection closed)".into(),
-            ));
+            break Err(broker::Error::Unavailable {
+                what: "the consumer stream ended (connection closed)".into(),
+                source: None,
+            });
         };
         let delivery = delivery?;
         let permit = permits
@@ -200,10 +201,10 @@ async fn handle_in_span(
             Err(e) => {
                 // A closed channel means the broker will redeliver elsewhere: stop here.
                 if shutdown.is_cancelled() || !delivery.acker.usable() {
-                    tracing::warn!(error = %e, "delivery abandoned unacknowledged; the broker will redeliver it");
+                    tracing::warn!(error = %crate::error::Report(&e), "delivery abandoned unacknowledged; the broker will redeliver it");
                     return;
                 }
-                tracing::warn!(error = %e, retry_in_ms = backoff.as_millis() as u64, "delivery failed on infrastructure; retrying it");
+                tracing::warn!(error = %crate::error::Report(&e), retry_in_ms = backoff.as_millis() as u64, "delivery failed on infrastructure; retrying it");
                 tokio::time::sleep(backoff).await;
                 backoff = (backoff * 2).min(Duration::from_secs(5));
             }

@@ -93,12 +93,12 @@ pub(super) async fn settle(
         }
     };
     if let Err(e) = moved {
-        tracing::warn!(error = %e, "could not move the message; leaving it unacknowledged for redelivery");
+        tracing::warn!(error = %crate::error::Report(&e), "could not move the message; leaving it unacknowledged for redelivery");
         return;
     }
     if let Err(e) = delivery.acker.ack(BasicAckOptions::default()).await {
         // The work is committed; the redelivery this causes is dropped by the inbox.
-        tracing::warn!(error = %e, "ack failed after commit; the redelivery will be dropped as a duplicate");
+        tracing::warn!(error = %crate::error::Report(&e), "ack failed after commit; the redelivery will be dropped as a duplicate");
     }
 }
 
@@ -115,7 +115,7 @@ async fn publish_committed(
     let outgoing: Vec<Outgoing> = messages.iter().map(crate::relay::to_outgoing).collect();
     let results = publisher.publish_all(&outgoing).await;
     if let Some(Err(e)) = results.iter().find(|r| r.is_err()) {
-        tracing::warn!(error = %e, "eager publish failed; the relay will publish after the grace period");
+        tracing::warn!(error = %crate::error::Report(e), "eager publish failed; the relay will publish after the grace period");
     }
     published.forget(
         messages

@@ -24,7 +24,7 @@ pub(super) async fn hold(engine: Arc<Engine>, shutdown: CancellationToken) {
                 match store::backend_pid(&mut conn).await {
                     Ok(pid) => engine.presence_pid.store(pid, Ordering::SeqCst),
                     Err(e) => {
-                        tracing::warn!(error = %e, "presence connection: cannot read its pid")
+                        tracing::warn!(error = %crate::error::Report(&e), "presence connection: cannot read its pid")
                     }
                 }
                 keep_alive(&mut conn, &shutdown).await;
@@ -32,7 +32,7 @@ pub(super) async fn hold(engine: Arc<Engine>, shutdown: CancellationToken) {
                 let _ = conn.close().await;
             }
             Err(e) => {
-                tracing::warn!(error = %e, "presence connection failed; leases fall back to expiry")
+                tracing::warn!(error = %crate::error::Report(&e), "presence connection failed; leases fall back to expiry")
             }
         }
         tokio::select! {
@@ -50,7 +50,7 @@ async fn keep_alive(conn: &mut sqlx::PgConnection, shutdown: &CancellationToken)
             _ = tokio::time::sleep(Duration::from_secs(5)) => {}
         }
         if let Err(e) = conn.ping().await {
-            tracing::warn!(error = %e, "presence connection lost; reconnecting");
+            tracing::warn!(error = %crate::error::Report(&e), "presence connection lost; reconnecting");
             return;
         }
     }

@@ -48,7 +48,7 @@ async fn mark_batches(engine: Arc<Engine>, mut rx: mpsc::UnboundedReceiver<uuid:
         gather(&mut rx, &mut batch).await;
         if let Err(e) = outbox::forget_published(engine.relaxed_pool(), &batch).await {
             // Unmarked rows are published again by the relay: a duplicate the inbox drops.
-            tracing::warn!(error = %e, rows = batch.len(), "could not remove eagerly published outbox rows");
+            tracing::warn!(error = %crate::error::Report(&e), rows = batch.len(), "could not remove eagerly published outbox rows");
         }
         batch.clear();
     }

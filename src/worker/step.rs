@@ -359,7 +359,12 @@ async fn finish(
         Err(StepError::FencedOut) => {
             return Ok(Disposition::Stale("fenced out while executing".into()));
         }
-        Err(StepError::Infrastructure(e)) => return Err(store::Error::Unavailable(e)),
+        Err(StepError::Infrastructure(e)) => {
+            return Err(store::Error::Unavailable {
+                what: e,
+                source: None,
+            });
+        }
         Err(StepError::Temporary {
             reason,
             retry_after,
@@ -428,8 +433,8 @@ async fn commit_ending(
     }
 }
 
-fn infra(e: impl std::fmt::Display) -> store::Error {
-    store::Error::Unavailable(e.to_string())
+fn infra(e: crate::failpoint::Injected) -> store::Error {
+    store::Error::unavailable("step interrupted", e)
 }
 
 fn panic_text(panic: &Box<dyn std::any::Any + Send>) -> String {

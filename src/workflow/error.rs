@@ -62,7 +62,9 @@ impl From<crate::store::Error> for StepError {
         match e {
             S::FencedOut { .. } => Self::FencedOut,
             S::Conflict { .. } => Self::Conflict(e.to_string()),
-            S::Database(_) | S::Unavailable(_) => Self::Infrastructure(e.to_string()),
+            S::Unavailable { .. } | S::Misconfigured { .. } => {
+                Self::Infrastructure(crate::error::Report(&e).to_string())
+            }
         }
     }
 }
