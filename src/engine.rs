@@ -12,7 +12,8 @@ use crate::config::Settings;
 use crate::failpoint::Failpoints;
 use crate::guard::Breakers;
 use crate::model::ModelClient;
-use crate::workflow::{Registry, Services};
+use crate::worker::StepTx;
+use crate::workflow::{Models, Registry, Tools};
 
 /// Why an engine could not start.
 #[derive(Debug, thiserror::Error)]
@@ -75,7 +76,10 @@ pub struct Engine {
     /// Backend pid of this process's presence connection (0: none yet); stored with every lease
     /// so that other workers can tell at once when this process has died.
     pub presence_pid: std::sync::atomic::AtomicI32,
-    pub(crate) services: Arc<Services>,
+    /// The step transaction: claims, records, commits and releases with their group commit.
+    pub(crate) step_tx: Arc<StepTx>,
+    /// What step contexts use besides their position (records, model, breakers).
+    pub(crate) tools: Arc<Tools>,
 }
 
 impl Engine {
@@ -101,27 +105,27 @@ impl Engine {
         } else {
             None
         };
-        let fallback_model = match (&model, settings.model.fallback_model.is_empty()) {
+        let fallback = match (&model, settings.model.fallback_model.is_empty()) {
             (Some(client), false) => client.fallback(),
             _ => None,
         };
         let guards = &settings.guards;
-        let services = Arc::new(Services {
-            relaxed: crate::store::relaxed_pool(&pool),
+        let step_tx = Arc::new(StepTx::new(&pool, settings.worker.max_batch));
+        let tools = Arc::new(Tools {
             pool: pool.clone(),
-            model,
-            fallback_model,
+            records: step_tx.clone(),
+            models: Models {
+                primary: model,
+                fallback,
+                offline_bytes: crate::model::offline::ANSWER_BYTES,
+            },
             failpoints: failpoints.clone(),
             breakers: Breakers::new(
                 guards.breaker_failures,
                 Duration::from_secs(guards.breaker_open_secs),
             ),
-            settings: settings.clone(),
-            standin_answer_bytes: 64,
-            records: Default::default(),
-            intents: Default::default(),
-            claims: Default::default(),
-            commits: Default::default(),
+            call_retries: settings.worker.call_retries,
+            repeat_limit: guards.repeat_limit,
         });
         let topology = Topology::new(&settings.broker.prefix, settings.broker.delivery_limit);
         let worker_id = new_worker_id();
@@ -134,13 +138,9 @@ impl Engine {
             stats: Stats::default(),
             worker_id,
             presence_pid: Default::default(),
-            services,
+            step_tx,
+            tools,
         }))
-    }
-
-    /// The pool for records a later synchronous commit makes durable ([`crate::store::relaxed_pool`]).
-    pub(crate) fn relaxed_pool(&self) -> &PgPool {
-        &self.services.relaxed
     }
 }
 

@@ -34,7 +34,6 @@
 
 #![warn(missing_docs)]
 
-pub(crate) mod batch;
 pub mod bench;
 pub mod broker;
 pub mod builtin;

@@ -6,9 +6,11 @@ mod common;
 
 use common::{TestEnv, first_step_commit};
 use serde_json::json;
-use trailmark::domain::{Fence, IdempotencyKey, MessageId, RunId};
+use trailmark::domain::{
+    EffectIntent, EffectState, Fence, IdempotencyKey, IntentOutcome, JournalEntry, MessageId, RunId,
+};
 use trailmark::store::records::{self, Record};
-use trailmark::store::{self, checkpoint, effects, journal, runs};
+use trailmark::store::{self, checkpoint, effects, runs};
 
 fn request(run_id: &RunId, owner: &str, message: MessageId) -> runs::ClaimRequest {
     runs::ClaimRequest {
@@ -180,8 +182,8 @@ async fn claims_in_one_group_take_each_run_once_and_drop_processed_messages() {
     );
 }
 
-fn intent(run_id: &RunId, key: &str, hash: &str, fence: Fence) -> effects::Intent {
-    effects::Intent {
+fn intent(run_id: &RunId, key: &str, hash: &str, fence: Fence) -> EffectIntent {
+    EffectIntent {
         key: IdempotencyKey::parse(key).unwrap(),
         tool: "ledger".into(),
         run_id: run_id.clone(),
@@ -193,8 +195,8 @@ fn intent(run_id: &RunId, key: &str, hash: &str, fence: Fence) -> effects::Inten
     }
 }
 
-fn entry(call_no: i32, answer: &str) -> journal::JournalEntry {
-    journal::JournalEntry {
+fn entry(call_no: i32, answer: &str) -> JournalEntry {
+    JournalEntry {
         seq: 0,
         call_no,
         kind: "model".into(),
@@ -217,7 +219,7 @@ async fn records_of_several_steps_go_in_together_and_a_call_journaled_twice_keep
     let key = IdempotencyKey::parse("r-p:link:0").unwrap();
     assert!(matches!(
         effects::begin(&env.pool, &intent(&p, "r-p:link:0", "h", fence)).await,
-        Ok(effects::Begun::Known(effects::Known::New))
+        Ok(IntentOutcome::Recorded(EffectState::New))
     ));
     let group = [
         Record::Journal(p.clone(), entry(0, "p0")),
@@ -270,7 +272,7 @@ async fn intents_in_one_group_each_get_their_own_verdict() {
     // r-u's key was used before with another request.
     assert!(matches!(
         effects::begin(&env.pool, &intent(&u, "r-u:link:0", "old", fence_u)).await,
-        Ok(effects::Begun::Known(effects::Known::New))
+        Ok(IntentOutcome::Recorded(EffectState::New))
     ));
     let group = [
         intent(&s, "r-s:link:0", "h", fence_s),
@@ -283,10 +285,10 @@ async fn intents_in_one_group_each_get_their_own_verdict() {
         matches!(
             &verdicts[..],
             [
-                Ok(effects::Begun::Known(effects::Known::New)),
+                Ok(IntentOutcome::Recorded(EffectState::New)),
                 Err(store::Error::FencedOut { .. }),
                 Err(store::Error::Conflict { .. }),
-                Ok(effects::Begun::Known(effects::Known::New)),
+                Ok(IntentOutcome::Recorded(EffectState::New)),
             ]
         ),
         "{verdicts:?}"
@@ -311,8 +313,8 @@ async fn intents_in_one_group_each_get_their_own_verdict() {
         matches!(
             &verdicts[..],
             [
-                Ok(effects::Begun::Known(effects::Known::New)),
-                Ok(effects::Begun::Known(effects::Known::Unknown)),
+                Ok(IntentOutcome::Recorded(EffectState::New)),
+                Ok(IntentOutcome::Recorded(EffectState::Unknown)),
             ]
         ),
         "{verdicts:?}"
@@ -324,7 +326,7 @@ async fn intents_of_one_run_in_a_group_count_each_other_against_its_budget() {
     let env = TestEnv::new().await;
     let v = env.insert_chain_run("r-v").await;
     let fence = claim(&env, &v, "w-v", 30.0).await;
-    let budget_of_one = |key| effects::Intent {
+    let budget_of_one = |key| EffectIntent {
         max_calls: 1,
         ..intent(&v, key, "h", fence)
     };
@@ -334,8 +336,8 @@ async fn intents_of_one_run_in_a_group_count_each_other_against_its_budget() {
         matches!(
             &verdicts[..],
             [
-                Ok(effects::Begun::Known(effects::Known::New)),
-                Ok(effects::Begun::OverLimit(_)),
+                Ok(IntentOutcome::Recorded(EffectState::New)),
+                Ok(IntentOutcome::OverLimit(_)),
             ]
         ),
         "a budget of one call let two through: {verdicts:?}"

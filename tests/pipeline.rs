@@ -10,7 +10,8 @@ use common::TestEnv;
 use serde_json::json;
 use trailmark::broker::{Outgoing, map_to_headers};
 use trailmark::domain::{
-    Fence, IdempotencyKey, MessageId, RunId, RunStatus, STEP_ROUTING_KEY, StepMessage,
+    EffectIntent, EffectState, Fence, IdempotencyKey, IntentOutcome, MessageId, RunId, RunStatus,
+    STEP_ROUTING_KEY, StepMessage,
 };
 use trailmark::failpoint::{Action, Failpoints};
 use trailmark::store::{self, checkpoint, effects, runs};
@@ -257,8 +258,8 @@ async fn intent(
     key: &IdempotencyKey,
     hash: &str,
     fence: Fence,
-) -> store::Result<effects::Begun> {
-    let intent = effects::Intent {
+) -> store::Result<IntentOutcome> {
+    let intent = EffectIntent {
         key: key.clone(),
         tool: "ledger".into(),
         run_id: run_id.clone(),
@@ -378,11 +379,11 @@ async fn reused_key_with_a_different_request_is_a_conflict() {
     let first = intent(&env, &run_id, &key, "hash-a", claim.fence).await;
     assert!(matches!(
         first,
-        Ok(effects::Begun::Known(effects::Known::New))
+        Ok(IntentOutcome::Recorded(EffectState::New))
     ));
     let again = intent(&env, &run_id, &key, "hash-a", claim.fence).await;
     assert!(
-        matches!(again, Ok(effects::Begun::Known(effects::Known::Unknown))),
+        matches!(again, Ok(IntentOutcome::Recorded(EffectState::Unknown))),
         "same key, same request: outcome unknown, call again"
     );
     match intent(&env, &run_id, &key, "hash-b", claim.fence).await {

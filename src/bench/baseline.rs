@@ -205,7 +205,7 @@ async fn step(b3: &B3, body: &[u8]) -> Result<()> {
         .execute(&mut *tx)
         .await?;
     if let Some(answer) = &answer {
-        let payload = crate::store::hash_json(&json!(answer));
+        let payload = crate::domain::request_hash(&json!(answer));
         sqlx::query("INSERT INTO b3.ledger (reference, run_id, step, payload) VALUES ($1, $2, $3, $4) ON CONFLICT (reference) DO NOTHING")
             .bind(format!("{}:{}", msg.run, msg.seq)).bind(&msg.run).bind(msg.seq).bind(payload)
             .execute(&mut *tx).await?;

@@ -12,7 +12,12 @@ use lapin::types::{AMQPValue, FieldTable};
 use lapin::{Channel, ExchangeKind};
 
 use super::Outgoing;
-use crate::domain::{RUN_START_ROUTING_KEY, RunStartEvent, STEP_ROUTING_KEY};
+use std::collections::BTreeMap;
+
+use crate::domain::{
+    MessageId, OutgoingMessage, RUN_START_ROUTING_KEY, RunId, RunStartEvent, STEP_ROUTING_KEY,
+    StepAddress, StepMessage,
+};
 
 /// Delay tiers for step retries, in milliseconds. A per-message TTL only expires at the head of a
 /// queue, so each delay gets its own queue with one queue-wide TTL.
@@ -54,6 +59,39 @@ impl Topology {
     /// Exchange of step messages.
     pub fn steps_exchange(&self) -> String {
         format!("{}.steps", self.prefix)
+    }
+    /// The outbox row that queues `step` at position `seq` of a run, with a fresh message id
+    /// (a retried delivery keeps its own id; a new message is a new decision to run the step).
+    pub fn step_message(
+        &self,
+        run_id: &RunId,
+        workflow: &str,
+        version: i32,
+        step: &StepAddress,
+        seq: i32,
+    ) -> OutgoingMessage {
+        let msg = StepMessage {
+            v: 1,
+            message_id: MessageId::new(),
+            run_id: run_id.clone(),
+            workflow: workflow.to_owned(),
+            version,
+            step: step.clone(),
+            seq,
+        };
+        let headers = BTreeMap::from([
+            ("x-trailmark-run-id".to_owned(), run_id.to_string()),
+            ("x-trailmark-step".to_owned(), step.to_string()),
+        ]);
+        OutgoingMessage {
+            message_id: msg.message_id,
+            exchange: self.steps_exchange(),
+            routing_key: STEP_ROUTING_KEY.to_owned(),
+            headers,
+            body: msg.encode(),
+            relay_after_ms: 0,
+            holder_pid: None,
+        }
     }
     /// Work queue of step messages.
     pub fn steps_queue(&self) -> String {

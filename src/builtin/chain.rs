@@ -93,7 +93,7 @@ async fn link(ctx: StepContext) -> Result<StepOutcome, StepError> {
     };
     let answer = ctx.model(&request).await?;
     let reference = reference(ctx.run_id(), i);
-    let payload = crate::store::hash_json(&json!(answer.content));
+    let payload = crate::domain::request_hash(&json!(answer.content));
     // The checkpoint names the answer by its hash: the journal already holds it word for word,
     // and storing it twice would double the bytes a step writes.
     let output = json!({ "link": i, "answer_sha256": payload });

@@ -92,15 +92,15 @@ pub async fn report(pool: &sqlx::PgPool, run_id: &str) -> anyhow::Result<Option<
         return Ok(None);
     };
     let steps = steps::list(pool, run_id).await?;
-    let (entries, tokens, cost) = journal::totals(pool, run_id).await?;
+    let spent = journal::totals(pool, run_id).await?;
     let (recorded, completed) = effects::totals(pool, run_id).await?;
     Ok(Some(RunReport {
         steps_done: steps.iter().filter(|s| s.finished_at.is_some()).count(),
         attempts: steps.iter().map(|s| s.attempts as i64).sum(),
         journal: JournalTotals {
-            entries,
-            tokens,
-            cost,
+            entries: spent.entries,
+            tokens: spent.tokens,
+            cost: spent.cost,
         },
         effects: EffectTotals {
             recorded,

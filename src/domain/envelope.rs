@@ -1,6 +1,8 @@
 //! The two message bodies trailmark exchanges: the run-start event (published by upstream
 //! services, in any language) and the step message (published by the relay).
 
+use std::collections::BTreeMap;
+
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
@@ -74,6 +76,26 @@ pub struct StepMessage {
     pub step: StepAddress,
     /// Position in the run (0-based); a message whose seq is behind the run is stale.
     pub seq: i32,
+}
+
+/// A message to publish once the surrounding transaction commits.
+#[derive(Debug, Clone)]
+pub struct OutgoingMessage {
+    /// Becomes the AMQP `message_id` and the consumer's dedup key.
+    pub message_id: MessageId,
+    /// Target exchange.
+    pub exchange: String,
+    /// Routing key.
+    pub routing_key: String,
+    /// String headers.
+    pub headers: BTreeMap<String, String>,
+    /// Body.
+    pub body: Vec<u8>,
+    /// How long the relay leaves the row alone, because its committer publishes it itself.
+    pub relay_after_ms: i64,
+    /// The committer's presence backend pid: once that backend is gone, the relay takes the row
+    /// without waiting for `relay_after_ms`.
+    pub holder_pid: Option<i32>,
 }
 
 fn empty_object() -> Value {

@@ -1,14 +1,20 @@
 //! The vocabulary of the engine as types, with no I/O: ids, run status and its allowed moves,
-//! step addresses and undo plans, and the messages that travel through RabbitMQ.
+//! step addresses and undo plans, journal entries and effect records, and the messages that
+//! travel through RabbitMQ.
 
 mod envelope;
 mod ids;
+mod record;
 mod status;
 mod step;
 
 pub use envelope::{
-    DecodeError, RUN_START_ROUTING_KEY, RunStartEvent, STEP_ROUTING_KEY, StepMessage,
+    DecodeError, OutgoingMessage, RUN_START_ROUTING_KEY, RunStartEvent, STEP_ROUTING_KEY,
+    StepMessage,
 };
 pub use ids::{Fence, IdError, IdempotencyKey, MessageId, RunId};
+pub use record::{
+    EffectIntent, EffectState, IntentOutcome, JournalEntry, Spent, ToolUsage, request_hash,
+};
 pub use status::{IllegalMove, RunStatus, Transition, UnknownStatus};
 pub use step::{StepAddress, UndoPlan, UndoTarget};

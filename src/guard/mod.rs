@@ -5,12 +5,10 @@ mod breaker;
 
 pub use breaker::{Breakers, Decision};
 
-use serde::Serialize;
-use sqlx::PgPool;
-
 use crate::config::GuardSettings;
-use crate::domain::RunId;
+use crate::domain::{RunId, Spent};
 use crate::workflow::StepError;
+use serde::Serialize;
 
 /// Per-run limits; 0 means unlimited. Replayed calls are not counted twice, because only calls
 /// that reach the outside world leave a new journal entry or effect record.
@@ -25,6 +23,11 @@ pub struct Budget {
 }
 
 impl Budget {
+    /// Whether model tokens or cost are capped (a run's spending need not be read otherwise).
+    pub fn caps_models(&self) -> bool {
+        self.max_model_tokens > 0 || self.max_cost > 0.0
+    }
+
     /// The configured default budget.
     pub fn from_settings(g: &GuardSettings) -> Self {
         Self {
@@ -43,15 +46,8 @@ pub fn budget_exhausted(what: String) -> StepError {
 }
 
 /// Refuses a new model call when the run has used its token or cost budget.
-pub async fn check_model_budget(
-    pool: &PgPool,
-    run_id: &RunId,
-    budget: &Budget,
-) -> Result<(), StepError> {
-    if budget.max_model_tokens == 0 && budget.max_cost <= 0.0 {
-        return Ok(());
-    }
-    let (_, tokens, cost) = crate::store::journal::totals(pool, run_id.as_str()).await?;
+pub fn check_model_budget(spent: Spent, run_id: &RunId, budget: &Budget) -> Result<(), StepError> {
+    let Spent { tokens, cost, .. } = spent;
     if budget.max_model_tokens > 0 && tokens as u64 >= budget.max_model_tokens {
         return Err(budget_exhausted(format!(
             "run {run_id} used {tokens} model tokens, its budget is {}",

@@ -6,6 +6,7 @@
 
 mod client;
 mod error;
+pub mod offline;
 
 pub use client::ModelClient;
 pub use error::{Error, Result};

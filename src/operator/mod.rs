@@ -1,4 +1,4 @@
-//! Operator decisions as durable state (DESIGN.md §8): resume, resume after a fix, undo, cancel,
+//! Operator decisions as durable state: resume, resume after a fix, undo, cancel,
 //! approve and reject. Each is one transaction that checks the run's status, changes the run,
 //! records who/when/what/why with the status before and after, and queues the next step
 //! message through the outbox. None restarts a run from zero.
@@ -18,7 +18,6 @@ use crate::domain::{IllegalMove, RunId, RunStatus, StepAddress};
 use crate::engine::Engine;
 use crate::store::decisions::{self, NewDecision};
 use crate::store::{self, outbox, runs};
-use crate::worker::step_message;
 
 /// Why a decision was refused.
 #[derive(Debug, thiserror::Error)]
@@ -123,7 +122,9 @@ async fn enqueue(
     version: i32,
 ) -> Result<()> {
     let run_id = RunId::parse(&run.run_id).map_err(|e| refused(run, "queue", e.to_string()))?;
-    let msg = step_message(engine, &run_id, &run.workflow, version, step, seq);
+    let msg = engine
+        .topology
+        .step_message(&run_id, &run.workflow, version, step, seq);
     outbox::insert(tx, &[msg]).await?;
     Ok(())
 }

@@ -152,7 +152,7 @@ fn row_to_outgoing(row: &outbox::OutboxRow) -> Outgoing {
 }
 
 /// The AMQP form of an outbox message (used by workers that publish their own commits).
-pub fn to_outgoing(m: &outbox::OutgoingMessage) -> Outgoing {
+pub fn to_outgoing(m: &crate::domain::OutgoingMessage) -> Outgoing {
     Outgoing {
         message_id: m.message_id.to_string(),
         exchange: m.exchange.clone(),

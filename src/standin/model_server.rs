@@ -19,16 +19,11 @@ use axum::response::{IntoResponse, Json, Response};
 use axum::routing::{get, post};
 use serde::Deserialize;
 use serde_json::{Value, json};
-use sha2::{Digest, Sha256};
 use tokio::net::TcpListener;
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
 use crate::model::{ChatMessage, ChatRequest, estimate_tokens};
-
-/// Text that pads answers to the requested size; fixed, so answers stay deterministic.
-const FILLER: &str =
-    " lorem ipsum dolor sit amet consectetur adipiscing elit sed do eiusmod tempor";
 
 /// How long [`ModelServer::shutdown`] waits for in-flight calls (e.g. scripted delays).
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(2);
@@ -198,19 +193,10 @@ pub async fn serve_forever(opts: ModelServerOptions) -> std::io::Result<()> {
     serve(listener, Shared::new(opts), ctrl_c).await
 }
 
-/// The deterministic answer: `stand-in answer <16 hex of sha256(messages JSON)>`, padded to
-/// `answer_bytes`; public so the engine can answer the same way when no model is configured.
+/// The deterministic answer the engine itself records when no model is configured
+/// ([`crate::model::offline::answer`]), so both stand-ins say the same thing.
 pub fn standin_answer(req: &ChatRequest, answer_bytes: usize) -> String {
-    // Serializing plain strings cannot fail; an empty digest input would still be deterministic.
-    let json = serde_json::to_vec(&req.messages).unwrap_or_default();
-    let digest = hex::encode(Sha256::digest(&json));
-    let mut text = format!("stand-in answer {}", &digest[..16]);
-    while text.len() < answer_bytes {
-        let room = answer_bytes - text.len();
-        // FILLER is ASCII, so any byte index is a char boundary.
-        text.push_str(&FILLER[..room.min(FILLER.len())]);
-    }
-    text
+    crate::model::offline::answer(req, answer_bytes)
 }
 
 async fn serve(

@@ -1,6 +1,7 @@
 //! The stand-in model server's promises: deterministic answers, scripted failures, honest counts.
 
 use super::*;
+use sha2::{Digest, Sha256};
 
 fn hello() -> ChatRequest {
     ChatRequest::new(vec![

@@ -13,8 +13,9 @@ use std::sync::LazyLock;
 use serde_json::Value;
 use sqlx::{PgExecutor, PgPool};
 
-use super::outbox::{self, OutgoingMessage};
+use super::outbox;
 use super::{Error, Result};
+use crate::domain::OutgoingMessage;
 use crate::domain::{Fence, MessageId, RunId, StepAddress, Transition};
 
 /// Where a committed step leaves the run.

@@ -5,7 +5,7 @@ use serde_json::Value;
 use sqlx::{FromRow, PgExecutor, PgPool};
 
 use super::{Error, Result};
-use crate::domain::{Fence, IdempotencyKey, RunId, StepAddress};
+use crate::domain::{EffectIntent as Intent, EffectState, IntentOutcome, StepAddress, ToolUsage};
 
 /// One effect as stored.
 #[derive(Debug, Clone, Serialize, sqlx::FromRow)]
@@ -20,57 +20,6 @@ pub struct EffectRow {
     pub fence: i64,
     /// The outside system's answer, once known.
     pub result: Option<Value>,
-}
-
-/// What is known about a key before calling out.
-#[derive(Debug)]
-pub enum Known {
-    /// Nothing: intent just recorded, call out.
-    New,
-    /// Intent recorded earlier but no result: the call may have happened.
-    Unknown,
-    /// The call finished earlier; here is its result.
-    Done(Value),
-}
-
-/// What recording an intent found.
-#[derive(Debug)]
-pub enum Begun {
-    /// The key's state.
-    Known(Known),
-    /// A new call would exceed a limit; no intent was recorded.
-    OverLimit(Usage),
-}
-
-/// The run's tool calls so far, excluding the key asked about (a replay never counts twice).
-#[derive(Debug, Clone, Copy)]
-pub struct Usage {
-    /// All calls of the run.
-    pub calls: i64,
-    /// Calls to the same tool with the same request hash.
-    pub repeats: i64,
-}
-
-/// A call about to be made, as recorded before it is made (owned, so a group-commit task can
-/// carry it).
-#[derive(Debug, Clone)]
-pub struct Intent {
-    /// The key.
-    pub key: IdempotencyKey,
-    /// The tool's name.
-    pub tool: String,
-    /// The run.
-    pub run_id: RunId,
-    /// The step position.
-    pub seq: i32,
-    /// SHA-256 of the request.
-    pub request_hash: String,
-    /// The caller's fence: no intent is recorded unless it is current.
-    pub fence: Fence,
-    /// The run's tool-call budget (0: none).
-    pub max_calls: u64,
-    /// Identical calls allowed before it counts as a loop (0: no limit).
-    pub repeat_limit: u64,
 }
 
 #[derive(FromRow)]
@@ -119,7 +68,7 @@ const BEGIN: &str = "
 /// Records the intent for `i.key` (only while `i.fence` is the run's current fence and within
 /// the limits), or reports what an earlier attempt left, in one statement.
 /// A key already used with a different request hash is a [`Error::Conflict`].
-pub async fn begin(db: impl PgExecutor<'_>, i: &Intent) -> Result<Begun> {
+pub async fn begin(db: impl PgExecutor<'_>, i: &Intent) -> Result<IntentOutcome> {
     let row = begin_batch(db, std::slice::from_ref(i)).await?.remove(0);
     begun(row, i)
 }
@@ -127,7 +76,7 @@ pub async fn begin(db: impl PgExecutor<'_>, i: &Intent) -> Result<Begun> {
 /// Records several intents, each with the outcome [`begin`] would give it: in one statement,
 /// unless two are for the same key (the statement could not tell which one went in) or the
 /// statement fails; then one by one.
-pub async fn begin_all<'a>(pool: &'a PgPool, intents: &'a [Intent]) -> Vec<Result<Begun>> {
+pub async fn begin_all<'a>(pool: &'a PgPool, intents: &'a [Intent]) -> Vec<Result<IntentOutcome>> {
     let batch = |intents: &'a [Intent]| async move {
         let rows = begin_batch(pool, intents).await?;
         Ok(rows
@@ -175,7 +124,7 @@ async fn begin_batch(db: impl PgExecutor<'_>, intents: &[Intent]) -> Result<Vec<
 }
 
 /// What one intent's row means.
-fn begun(row: BeginRow, i: &Intent) -> Result<Begun> {
+fn begun(row: BeginRow, i: &Intent) -> Result<IntentOutcome> {
     if let Some(stored) = &row.stored_hash
         && stored != &i.request_hash
     {
@@ -185,21 +134,21 @@ fn begun(row: BeginRow, i: &Intent) -> Result<Begun> {
             new: i.request_hash.clone(),
         });
     }
-    let usage = Usage {
+    let usage = ToolUsage {
         calls: row.calls,
         repeats: row.repeats,
     };
     let over = |limit: u64, used: i64| limit > 0 && used as u64 >= limit;
     if over(i.max_calls, usage.calls) || over(i.repeat_limit, usage.repeats) {
-        return Ok(Begun::OverLimit(usage));
+        return Ok(IntentOutcome::OverLimit(usage));
     }
     if row.inserted {
-        return Ok(Begun::Known(Known::New));
+        return Ok(IntentOutcome::Recorded(EffectState::New));
     }
     // Not inserted and no earlier intent: the run's fence moved on (the guard above).
     match (row.stored_hash, row.result) {
-        (Some(_), Some(v)) => Ok(Begun::Known(Known::Done(v))),
-        (Some(_), None) => Ok(Begun::Known(Known::Unknown)),
+        (Some(_), Some(v)) => Ok(IntentOutcome::Recorded(EffectState::Done(v))),
+        (Some(_), None) => Ok(IntentOutcome::Recorded(EffectState::Unknown)),
         (None, _) => Err(Error::FencedOut {
             run_id: i.run_id.to_string(),
             fence: i.fence.0,

@@ -1,31 +1,37 @@
 //! Recorded model and tool answers, word for word.
 
-use serde::Serialize;
 use serde_json::Value;
 use sqlx::PgExecutor;
 
 use super::Result;
-use crate::domain::RunId;
+use crate::domain::{JournalEntry, RunId, Spent};
 
-/// One recorded call.
-#[derive(Debug, Clone, Serialize, sqlx::FromRow)]
-pub struct JournalEntry {
-    /// Step position.
-    pub seq: i32,
-    /// Call number inside the step execution (0-based).
-    pub call_no: i32,
-    /// `model` or `tool`.
-    pub kind: String,
-    /// SHA-256 of the request.
-    pub request_hash: String,
-    /// The answer.
-    pub response: Value,
-    /// Tokens used.
-    pub tokens: i64,
-    /// Cost in the configured currency.
-    pub cost: f64,
-    /// Latency of the original call.
-    pub latency_ms: i64,
+/// A journal row as read back.
+#[derive(sqlx::FromRow)]
+struct Row {
+    seq: i32,
+    call_no: i32,
+    kind: String,
+    request_hash: String,
+    response: Value,
+    tokens: i64,
+    cost: f64,
+    latency_ms: i64,
+}
+
+impl From<Row> for JournalEntry {
+    fn from(r: Row) -> Self {
+        Self {
+            seq: r.seq,
+            call_no: r.call_no,
+            kind: r.kind,
+            request_hash: r.request_hash,
+            response: r.response,
+            tokens: r.tokens,
+            cost: r.cost,
+            latency_ms: r.latency_ms,
+        }
+    }
 }
 
 /// The recorded answer for call `call_no` of step `seq`, if any.
@@ -35,7 +41,7 @@ pub async fn get(
     seq: i32,
     call_no: i32,
 ) -> Result<Option<JournalEntry>> {
-    Ok(sqlx::query_as(
+    let row: Option<Row> = sqlx::query_as(
         "SELECT seq, call_no, kind, request_hash, response, tokens, cost, latency_ms
            FROM trailmark.journal WHERE run_id = $1 AND seq = $2 AND call_no = $3",
     )
@@ -43,16 +49,22 @@ pub async fn get(
     .bind(seq)
     .bind(call_no)
     .fetch_optional(db)
-    .await?)
+    .await?;
+    Ok(row.map(JournalEntry::from))
 }
 
-/// Entries, tokens and cost of a run, for `run show`.
-pub async fn totals(db: impl PgExecutor<'_>, run_id: &str) -> Result<(i64, i64, f64)> {
-    Ok(sqlx::query_as(
+/// Entries, tokens and cost of a run, for `run show` and the run's model budget.
+pub async fn totals(db: impl PgExecutor<'_>, run_id: &str) -> Result<Spent> {
+    let (entries, tokens, cost) = sqlx::query_as(
         "SELECT count(*), COALESCE(sum(tokens), 0)::bigint, COALESCE(sum(cost), 0)::float8
            FROM trailmark.journal WHERE run_id = $1",
     )
     .bind(run_id)
     .fetch_one(db)
-    .await?)
+    .await?;
+    Ok(Spent {
+        entries,
+        tokens,
+        cost,
+    })
 }

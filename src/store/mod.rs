@@ -358,9 +358,3 @@ where
 fn caused_by_one_item(e: &Error) -> bool {
     matches!(e.sqlx_cause(), Some(sqlx::Error::Database(_)))
 }
-
-/// SHA-256 of a JSON value, hex; the request hash of journal entries and effects.
-pub fn hash_json(value: &serde_json::Value) -> String {
-    use sha2::{Digest, Sha256};
-    hex::encode(Sha256::digest(value.to_string().as_bytes()))
-}

@@ -1,32 +1,11 @@
 //! The outbox: messages committed with the checkpoint, published by the relay.
 
-use std::collections::BTreeMap;
 use std::sync::LazyLock;
 
 use sqlx::PgExecutor;
 
 use super::{PgQuery, Result};
-use crate::domain::MessageId;
-
-/// A message to publish once the surrounding transaction commits.
-#[derive(Debug, Clone)]
-pub struct OutgoingMessage {
-    /// Becomes the AMQP `message_id` and the consumer's dedup key.
-    pub message_id: MessageId,
-    /// Target exchange.
-    pub exchange: String,
-    /// Routing key.
-    pub routing_key: String,
-    /// String headers.
-    pub headers: BTreeMap<String, String>,
-    /// Body.
-    pub body: Vec<u8>,
-    /// How long the relay leaves the row alone, because its committer publishes it itself.
-    pub relay_after_ms: i64,
-    /// The committer's presence backend pid: once that backend is gone, the relay takes the row
-    /// without waiting for `relay_after_ms`.
-    pub holder_pid: Option<i32>,
-}
+use crate::domain::OutgoingMessage;
 
 /// A claimed outbox row.
 #[derive(Debug, Clone, sqlx::FromRow)]

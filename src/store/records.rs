@@ -6,8 +6,7 @@ use serde_json::Value;
 use sqlx::PgPool;
 
 use super::Result;
-use super::journal::JournalEntry;
-use crate::domain::{IdempotencyKey, RunId};
+use crate::domain::{IdempotencyKey, JournalEntry, RunId};
 
 /// One record to write.
 #[derive(Debug, Clone)]

@@ -10,7 +10,6 @@ use tokio_util::sync::CancellationToken;
 use crate::domain::{RunId, RunStatus, StepAddress};
 use crate::engine::Engine;
 use crate::store::{self, decisions, outbox, runs};
-use crate::worker::step_message;
 
 /// Scans every `supervisor.interval_ms` until `shutdown` fires.
 pub async fn run(engine: Arc<Engine>, shutdown: CancellationToken) -> Result<(), store::Error> {
@@ -47,8 +46,7 @@ pub async fn recover_expired(engine: &Engine) -> store::Result<usize> {
             continue;
         };
         tracing::warn!(run.id = %run_id, step = %run.step, seq = run.step_seq, "lease expired without progress; re-queueing the step");
-        messages.push(step_message(
-            engine,
+        messages.push(engine.topology.step_message(
             &run_id,
             &run.workflow,
             run.workflow_version,

@@ -1,10 +1,11 @@
-//! The handover note written whenever a run enters `needs_review` (DESIGN.md §2): run, failed
+//! The handover note written whenever a run enters `needs_review`: run, failed
 //! step, exact error, what was already done, what the run would do next, evidence.
 
 use serde_json::{Value, json};
 
+use sqlx::PgPool;
+
 use crate::domain::StepMessage;
-use crate::engine::Engine;
 use crate::store::{self, effects, parked};
 use crate::workflow::StepError;
 
@@ -22,10 +23,10 @@ pub(super) struct Evidence {
 
 impl Evidence {
     /// Reads the run's effects and parked items.
-    pub async fn gather(engine: &Engine, msg: &StepMessage) -> store::Result<Self> {
+    pub async fn gather(pool: &PgPool, msg: &StepMessage) -> store::Result<Self> {
         let run_id = msg.run_id.as_str();
-        let effects = effects::list(&engine.pool, run_id).await?;
-        let parked = parked::list(&engine.pool, run_id).await?;
+        let effects = effects::list(pool, run_id).await?;
+        let parked = parked::list(pool, run_id).await?;
         let (done, unknown): (Vec<_>, Vec<_>) = effects.into_iter().partition(|e| e.completed);
         let keys = |list: Vec<effects::EffectSummary>| {
             list.into_iter()
@@ -40,15 +41,14 @@ impl Evidence {
     }
 }
 
-/// Builds the note from the checkpoint as it stands.
-pub(super) async fn note(
-    engine: &Engine,
+/// The note, from the run's evidence as it stands.
+pub(super) fn note(
     msg: &StepMessage,
     attempt: i32,
     error: &StepError,
-) -> store::Result<Value> {
-    let evidence = Evidence::gather(engine, msg).await?;
-    Ok(json!({
+    evidence: Evidence,
+) -> Value {
+    json!({
         "run_id": msg.run_id,
         "workflow": msg.workflow,
         "version": msg.version,
@@ -65,5 +65,5 @@ pub(super) async fn note(
             msg.step, msg.seq
         ),
         "written_at": chrono::Utc::now().to_rfc3339(),
-    }))
+    })
 }

@@ -1,11 +1,12 @@
-//! Step consumers: delivery -> dedup -> lease -> handler -> one commit -> ack (DESIGN.md §4).
+//! Step consumers: delivery -> dedup -> lease -> handler -> one commit -> ack.
 //!
 //! [`run`] owns the broker session and reconnects by itself; each delivery is handled by its own
 //! task, bounded by `worker.concurrency`. A delivery is acknowledged only after the transaction
 //! that records its effects has committed, so a crash anywhere means a redelivery that the inbox
 //! turns into a no-op.
 
-mod commit;
+mod batch;
+mod ending;
 mod handover;
 mod lease;
 mod outcome;
@@ -13,6 +14,7 @@ mod presence;
 mod published;
 mod run_start;
 mod step;
+mod step_tx;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -30,8 +32,8 @@ use crate::broker::{self, Publisher};
 use crate::engine::Engine;
 use published::PublishedRows;
 
-pub use commit::step_message;
 pub use outcome::{Disposition, dead_letter_headers};
+pub(crate) use step_tx::StepTx;
 
 /// Consumer name in the inbox for step messages.
 pub const STEP_CONSUMER: &str = "steps";

@@ -10,8 +10,8 @@ use lapin::options::BasicAckOptions;
 
 use super::published::PublishedRows;
 use crate::broker::{Outgoing, Publisher, header_str, headers_to_map, map_to_headers};
+use crate::domain::OutgoingMessage;
 use crate::engine::{Engine, Stats};
-use crate::store::outbox::OutgoingMessage;
 
 /// Header names trailmark adds to dead letters.
 pub mod dead_letter_headers {

@@ -1,4 +1,6 @@
-//! Removes eagerly published outbox rows, in batches, off the step's path.
+//! Eager publishing: a worker publishes the messages it has just committed itself, so the next
+//! step does not wait for the relay, and then removes those outbox rows, in batches, off the
+//! step's path.
 //!
 //! A step's ack does not wait for this: removing the row only keeps the relay from publishing it
 //! again after `relay.eager_grace_ms`, and such a repeat is dropped by the consumer's inbox. Ids
@@ -11,6 +13,7 @@ use std::time::Duration;
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 
+use crate::domain::OutgoingMessage;
 use crate::engine::Engine;
 use crate::store::outbox;
 
@@ -46,7 +49,7 @@ async fn mark_batches(engine: Arc<Engine>, mut rx: mpsc::UnboundedReceiver<uuid:
     let mut batch = Vec::new();
     while rx.recv_many(&mut batch, MAX_BATCH).await > 0 {
         gather(&mut rx, &mut batch).await;
-        if let Err(e) = outbox::forget_published(engine.relaxed_pool(), &batch).await {
+        if let Err(e) = outbox::forget_published(engine.step_tx.relaxed(), &batch).await {
             // Unmarked rows are published again by the relay: a duplicate the inbox drops.
             tracing::warn!(error = %crate::error::Report(&e), rows = batch.len(), "could not remove eagerly published outbox rows");
         }
@@ -64,5 +67,29 @@ async fn gather(rx: &mut mpsc::UnboundedReceiver<uuid::Uuid>, batch: &mut Vec<uu
             Ok(0) | Err(_) => return,
             Ok(_) => {}
         }
+    }
+}
+
+/// Keeps the relay off rows this worker will publish itself after the commit (for
+/// `relay.eager_grace_ms`, or until this process's presence connection is gone; 0 turns eager
+/// publishing off and the relay publishes at once).
+pub(super) fn hold_for_eager_publish(engine: &Engine, messages: &mut [OutgoingMessage]) {
+    let holder = super::presence::pid(engine);
+    for m in messages {
+        m.relay_after_ms = engine.settings.relay.eager_grace_ms;
+        m.holder_pid = holder;
+    }
+}
+
+/// What the worker publishes itself once `messages` are committed: all of them, or none when
+/// eager publishing is off.
+pub(super) fn to_publish_eagerly(
+    engine: &Engine,
+    messages: &[OutgoingMessage],
+) -> Vec<OutgoingMessage> {
+    if engine.settings.relay.eager_grace_ms > 0 {
+        messages.to_vec()
+    } else {
+        Vec::new()
     }
 }

@@ -5,7 +5,6 @@ use std::sync::Arc;
 use lapin::message::Delivery;
 
 use super::RUN_START_CONSUMER;
-use super::commit::step_message;
 use super::outcome::{Disposition, dead};
 use crate::domain::{MessageId, RunStartEvent};
 use crate::engine::{Engine, Stats};
@@ -72,19 +71,15 @@ async fn start(
         tracing::info!("run already exists; start event ignored");
         return Ok(Disposition::Duplicate);
     }
-    let mut first_message = step_message(
-        engine,
-        &event.run_id,
-        &workflow.name,
-        workflow.version,
-        &first,
-        0,
-    );
-    super::commit::hold_for_eager_publish(engine, std::slice::from_mut(&mut first_message));
+    let mut first_message =
+        engine
+            .topology
+            .step_message(&event.run_id, &workflow.name, workflow.version, &first, 0);
+    super::published::hold_for_eager_publish(engine, std::slice::from_mut(&mut first_message));
     outbox::insert(&mut *tx, std::slice::from_ref(&first_message)).await?;
     tx.commit().await?;
     Stats::bump(&engine.stats.runs_started);
     tracing::info!("run started");
-    let eager = super::commit::to_publish_eagerly(engine, std::slice::from_ref(&first_message));
+    let eager = super::published::to_publish_eagerly(engine, std::slice::from_ref(&first_message));
     Ok(Disposition::Committed(eager))
 }

@@ -4,104 +4,19 @@
 
 use std::collections::BTreeMap;
 use std::sync::atomic::AtomicI32;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex};
 
 use serde_json::Value;
 use sqlx::PgPool;
 
 use super::StepError;
-use crate::batch::Batcher;
-use crate::config::Settings;
-use crate::domain::{Fence, IdempotencyKey, MessageId, RunId, StepAddress};
-use crate::failpoint::Failpoints;
-use crate::guard::{Breakers, Budget};
-use crate::model::ModelClient;
-use crate::store;
-use crate::store::outbox::OutgoingMessage;
-use crate::store::records::{self, Record};
-use crate::store::{checkpoint, effects, runs};
+use super::host::Tools;
+use crate::domain::{Fence, IdempotencyKey, MessageId, OutgoingMessage, RunId, StepAddress};
+use crate::guard::Budget;
 
 /// The header that carries an outside message's idempotency key (see [`StepContext::send`]), for
 /// receivers to recognise a rare repeat.
 pub const IDEMPOTENCY_KEY_HEADER: &str = "x-idempotency-key";
-
-/// Shared by every step execution in a process.
-pub(crate) struct Services {
-    pub pool: PgPool,
-    /// [`crate::store::relaxed_pool`] of `pool`: journal entries and effect results.
-    pub relaxed: PgPool,
-    pub model: Option<ModelClient>,
-    pub fallback_model: Option<ModelClient>,
-    pub failpoints: Failpoints,
-    pub breakers: Breakers,
-    pub settings: Settings,
-    /// Size of the recorded stand-in answer when no model is configured.
-    pub standin_answer_bytes: usize,
-    /// Group commit of journal entries and effect results (relaxed pool).
-    pub records: OnceLock<Batcher<Record, bool>>,
-    /// Group commit of effect intents (strict pool: an intent is durable before its call).
-    pub intents: OnceLock<Batcher<effects::Intent, effects::Begun>>,
-    /// Group commit of the worker's lease claims.
-    pub claims: OnceLock<Batcher<runs::ClaimRequest, runs::ClaimOutcome>>,
-    /// Group commit of the worker's step commits.
-    pub commits: OnceLock<Batcher<checkpoint::StepCommit, bool>>,
-}
-
-impl Services {
-    /// Writes a journal entry or an effect result at once, in one statement with whatever other
-    /// steps of this process are writing at the same moment.
-    pub async fn record(&self, record: Record) -> store::Result<bool> {
-        let batcher = self.batcher(&self.records, &self.relaxed, |pool, batch| async move {
-            records::write_all(&pool, &batch).await
-        });
-        batcher.call(record).await
-    }
-
-    /// Records an effect intent, in one statement with the other steps' intents of the moment.
-    pub async fn begin_effect(&self, intent: effects::Intent) -> store::Result<effects::Begun> {
-        let batcher = self.batcher(&self.intents, &self.pool, |pool, batch| async move {
-            effects::begin_all(&pool, &batch).await
-        });
-        batcher.call(intent).await
-    }
-
-    /// Claims a run's lease for a step delivery, with the other deliveries' claims of the moment.
-    pub async fn claim(&self, request: runs::ClaimRequest) -> store::Result<runs::ClaimOutcome> {
-        let batcher = self.batcher(&self.claims, &self.pool, |pool, batch| async move {
-            runs::claim_all(&pool, &batch).await
-        });
-        batcher.call(request).await
-    }
-
-    /// Commits a step, with the other steps' commits of the moment.
-    pub async fn commit(&self, step: checkpoint::StepCommit) -> store::Result<bool> {
-        let batcher = self.batcher(&self.commits, &self.pool, |pool, batch| async move {
-            checkpoint::commit_all(&pool, &batch).await
-        });
-        batcher.call(step).await
-    }
-
-    /// The batcher in `cell`, started on first use (inside the runtime that runs the steps).
-    fn batcher<'a, Req, T, F, Fut>(
-        &self,
-        cell: &'a OnceLock<Batcher<Req, T>>,
-        pool: &PgPool,
-        run: F,
-    ) -> &'a Batcher<Req, T>
-    where
-        Req: Send + 'static,
-        T: Send + 'static,
-        F: Fn(PgPool, Vec<Req>) -> Fut + Send + Sync + 'static,
-        Fut: std::future::Future<Output = Vec<store::Result<T>>> + Send + 'static,
-    {
-        cell.get_or_init(|| {
-            let pool = pool.clone();
-            Batcher::start(self.settings.worker.max_batch, move |batch| {
-                run(pool.clone(), batch)
-            })
-        })
-    }
-}
 
 /// An item set aside with a reason (permanent error for that item).
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
@@ -151,17 +66,17 @@ pub(super) struct Inner {
     pub calls: AtomicI32,
     pub outgoing: Mutex<Vec<OutgoingMessage>>,
     pub parked: Mutex<Vec<Parked>>,
-    pub services: Arc<Services>,
+    pub tools: Arc<Tools>,
 }
 
 impl StepContext {
-    pub(crate) fn new(services: Arc<Services>, pos: Position) -> Self {
+    pub(crate) fn new(tools: Arc<Tools>, pos: Position) -> Self {
         let inner = Inner {
             pos,
             calls: AtomicI32::new(0),
             outgoing: Mutex::new(Vec::new()),
             parked: Mutex::new(Vec::new()),
-            services,
+            tools,
         };
         Self {
             inner: Arc::new(inner),
@@ -202,20 +117,23 @@ impl StepContext {
     }
     /// Trailmark's database, for handlers of built-in workflows.
     pub fn pool(&self) -> &PgPool {
-        &self.inner.services.pool
+        &self.inner.tools.pool
     }
-    pub(super) fn services(&self) -> &Services {
-        &self.inner.services
+    pub(super) fn tools(&self) -> &Tools {
+        &self.inner.tools
     }
 
     /// The newest checkpointed output of `step` earlier in this run.
     pub async fn output_of(&self, step: &str) -> Result<Option<Value>, StepError> {
-        Ok(store::steps::latest_output(self.pool(), self.run_id(), step, self.seq()).await?)
+        self.tools()
+            .records
+            .output_of(self.run_id(), step, self.seq())
+            .await
     }
 
     /// Triggers the named failpoint (tests and drills; a no-op unless configured).
     pub fn failpoint(&self, name: &str) -> Result<(), StepError> {
-        self.services()
+        self.tools()
             .failpoints
             .hit(name)
             .map_err(|e| StepError::Infrastructure(e.to_string()))

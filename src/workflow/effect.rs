@@ -11,10 +11,8 @@ use backon::Retryable;
 use serde_json::Value;
 
 use super::{StepContext, StepError};
-use crate::domain::IdempotencyKey;
+use crate::domain::{EffectIntent, EffectState, IdempotencyKey, IntentOutcome, request_hash};
 use crate::guard::{self, Decision};
-use crate::store::records::Record;
-use crate::store::{self, effects};
 
 /// An outside tool as recovery sees it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -100,7 +98,7 @@ impl StepContext {
         L: FnOnce(IdempotencyKey) -> LFut,
         LFut: Future<Output = Result<Lookup, StepError>>,
     {
-        let retries = self.services().settings.worker.call_retries;
+        let retries = self.tools().call_retries;
         self.run_effect(tool, key, request, retries, call, lookup)
             .await
     }
@@ -121,20 +119,21 @@ impl StepContext {
         L: FnOnce(IdempotencyKey) -> LFut,
         LFut: Future<Output = Result<Lookup, StepError>>,
     {
-        let hash = store::hash_json(request);
+        let hash = request_hash(request);
         let known = self.record_intent(tool, key, &hash, request).await?;
         match known {
-            effects::Known::Done(result) => return Ok(result),
-            effects::Known::New => {}
-            effects::Known::Unknown if tool.idempotent => {
+            EffectState::Done(result) => return Ok(result),
+            EffectState::New => {}
+            EffectState::Unknown if tool.idempotent => {
                 tracing::info!(
                     "effect outcome unknown after a restart; calling again under the same key"
                 );
             }
-            effects::Known::Unknown => match lookup(key.clone()).await? {
+            EffectState::Unknown => match lookup(key.clone()).await? {
                 Lookup::Done(result) => {
-                    self.services()
-                        .record(Record::EffectResult(key.clone(), result.clone()))
+                    self.tools()
+                        .records
+                        .finish_effect(key.clone(), result.clone())
                         .await?;
                     return Ok(result);
                 }
@@ -154,8 +153,9 @@ impl StepContext {
         // done, and its replay (and the handover note) knows this call happened. Only a crash of
         // Postgres before the step's next synchronous commit could lose it (relaxed_pool); the
         // replay then calls again under the same key.
-        self.services()
-            .record(Record::EffectResult(key.clone(), result.clone()))
+        self.tools()
+            .records
+            .finish_effect(key.clone(), result.clone())
             .await?;
         Ok(result)
     }
@@ -168,7 +168,7 @@ impl StepContext {
         key: &IdempotencyKey,
         hash: &str,
         request: &Value,
-    ) -> Result<effects::Known, StepError> {
+    ) -> Result<EffectState, StepError> {
         // The budget caps the run's own work. A compensation reverses that work, and a run that
         // was stopped by its budget is exactly one an operator may want undone, so reversals are
         // not counted against it (repeated-action detection still applies).
@@ -176,8 +176,8 @@ impl StepContext {
             Some(_) => 0,
             None => self.inner.pos.budget.max_tool_calls,
         };
-        let repeat_limit = self.services().settings.guards.repeat_limit;
-        let intent = effects::Intent {
+        let repeat_limit = self.tools().repeat_limit;
+        let intent = EffectIntent {
             key: key.clone(),
             tool: tool.name.clone(),
             run_id: self.run_id().clone(),
@@ -187,10 +187,9 @@ impl StepContext {
             max_calls,
             repeat_limit,
         };
-        let known = self.services().begin_effect(intent).await?;
-        let used = match known {
-            effects::Begun::Known(known) => return Ok(known),
-            effects::Begun::OverLimit(used) => used,
+        let used = match self.tools().records.begin_effect(intent).await? {
+            IntentOutcome::Recorded(known) => return Ok(known),
+            IntentOutcome::OverLimit(used) => used,
         };
         if max_calls > 0 && used.calls as u64 >= max_calls {
             return Err(guard::budget_exhausted(format!(
@@ -219,7 +218,7 @@ impl StepContext {
         F: FnMut(IdempotencyKey) -> Fut,
         Fut: Future<Output = Result<Value, StepError>>,
     {
-        let breakers = &self.services().breakers;
+        let breakers = &self.tools().breakers;
         let policy = super::call_backoff(retries);
         let call = std::sync::Mutex::new(call);
         let attempt = || async {

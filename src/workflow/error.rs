@@ -56,19 +56,6 @@ impl StepError {
     }
 }
 
-impl From<crate::store::Error> for StepError {
-    fn from(e: crate::store::Error) -> Self {
-        use crate::store::Error as S;
-        match e {
-            S::FencedOut { .. } => Self::FencedOut,
-            S::Conflict { .. } => Self::Conflict(e.to_string()),
-            S::Unavailable { .. } | S::Misconfigured { .. } => {
-                Self::Infrastructure(crate::error::Report(&e).to_string())
-            }
-        }
-    }
-}
-
 /// Classify an error at the call site: `call().await.retryable()?` or `.fatal()?`.
 pub trait ResultExt<T> {
     /// The failure is temporary: retry.

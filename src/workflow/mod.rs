@@ -8,6 +8,7 @@ pub mod contract;
 mod definition;
 mod effect;
 mod error;
+mod host;
 mod model_call;
 
 use std::collections::HashMap;
@@ -17,12 +18,13 @@ use std::sync::Arc;
 
 use serde_json::Value;
 
+pub(crate) use context::Position;
 pub use context::UndoTarget;
 pub use context::{IDEMPOTENCY_KEY_HEADER, Parked, StepContext};
-pub(crate) use context::{Position, Services};
 pub use definition::{Compensation, StepDef, Workflow};
 pub use effect::{Lookup, Tool};
 pub use error::{ResultExt, StepError};
+pub(crate) use host::{BoxFuture, Models, Records, Tools};
 
 /// What a step does to the outside world; recovery rules follow from it (DESIGN.md §2).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]

@@ -2,15 +2,13 @@
 //! reads the journal instead of paying again.
 
 use std::sync::atomic::Ordering;
-use std::time::Instant;
 
 use backon::Retryable;
 
 use super::{StepContext, StepError};
+use crate::domain::{JournalEntry, request_hash};
 use crate::guard;
 use crate::model::{self, ChatAnswer, ChatRequest, ModelClient};
-use crate::store::records::Record;
-use crate::store::{self, journal};
 
 impl StepContext {
     /// Asks the model, or returns the journaled answer when this call was made before.
@@ -22,17 +20,25 @@ impl StepContext {
         let call_no = self.inner.calls.fetch_add(1, Ordering::SeqCst);
         tracing::Span::current().record("call_no", call_no);
         let request_json = serde_json::to_value(request).expect("chat request serialises");
-        let hash = store::hash_json(&request_json);
+        let hash = request_hash(&request_json);
+        let records = &self.tools().records;
         // The claim counted this position's entries, so a first attempt skips the read.
         if call_no < self.inner.pos.journaled
-            && let Some(entry) =
-                journal::get(self.pool(), self.run_id(), self.seq(), call_no).await?
+            && let Some(entry) = records
+                .journaled(self.run_id(), self.seq(), call_no)
+                .await?
         {
             return replayed(entry, &hash, self);
         }
-        guard::check_model_budget(self.pool(), self.run_id(), &self.inner.pos.budget).await?;
+        let budget = &self.inner.pos.budget;
+        // Read what the run spent only when there is a limit to hold it against: an extra
+        // statement on every model call otherwise.
+        if budget.caps_models() {
+            let spent = records.spent(self.run_id()).await?;
+            guard::check_model_budget(spent, self.run_id(), budget)?;
+        }
         let answer = self.call_model(request).await?;
-        let entry = journal::JournalEntry {
+        let entry = JournalEntry {
             seq: self.seq(),
             call_no,
             kind: "model".into(),
@@ -42,14 +48,14 @@ impl StepContext {
             cost: answer.cost,
             latency_ms: answer.latency_ms as i64,
         };
-        // Committed now, not with the step commit (in one statement with other steps' records): a crash later in the step keeps the paid answer. The
-        // commit does not wait for its WAL flush; the effect intent or step commit that follows
-        // does, and flushes this entry with it.
-        let record = Record::Journal(self.run_id().clone(), entry.clone());
-        if !self.services().record(record).await? {
+        // Committed now, not with the step commit (in one statement with other steps' records):
+        // a crash later in the step keeps the paid answer. The commit does not wait for its WAL
+        // flush; the effect intent or step commit that follows does, and flushes this entry with it.
+        if !records.journal(self.run_id(), entry.clone()).await? {
             // Another worker journaled this call first (it held the run before us): the step
             // goes on with the recorded answer, so the journal stays the one truth.
-            let stored = journal::get(self.pool(), self.run_id(), self.seq(), call_no)
+            let stored = records
+                .journaled(self.run_id(), self.seq(), call_no)
                 .await?
                 .ok_or_else(|| {
                     StepError::Infrastructure(format!(
@@ -65,14 +71,15 @@ impl StepContext {
     }
 
     async fn call_model(&self, request: &ChatRequest) -> Result<ChatAnswer, StepError> {
-        let services = self.services();
-        let Some(primary) = services.model.as_ref() else {
-            return Ok(standin(request, services.standin_answer_bytes));
+        let tools = self.tools();
+        let models = &tools.models;
+        let Some(primary) = models.primary.as_ref() else {
+            return Ok(model::offline::chat(request, models.offline_bytes));
         };
-        let retries = services.settings.worker.call_retries;
+        let retries = tools.call_retries;
         match ask(primary, request, retries).await {
-            Err(e) if e.is_temporary() && services.fallback_model.is_some() => {
-                let fallback = services.fallback_model.as_ref().expect("checked above");
+            Err(e) if e.is_temporary() && models.fallback.is_some() => {
+                let fallback = models.fallback.as_ref().expect("checked above");
                 tracing::warn!(error = %e, fallback = fallback.model(), "primary model failed; asking the fallback model");
                 ask(fallback, request, retries).await.map_err(classify)
             }
@@ -99,24 +106,7 @@ async fn ask(
         .await
 }
 
-fn standin(request: &ChatRequest, bytes: usize) -> ChatAnswer {
-    let started = Instant::now();
-    let content = crate::standin::model_server::standin_answer(request, bytes);
-    ChatAnswer {
-        completion_tokens: model::estimate_tokens(&content),
-        prompt_tokens: request.estimated_prompt_tokens(),
-        content,
-        model: "stand-in".into(),
-        cost: 0.0,
-        latency_ms: started.elapsed().as_millis() as u64,
-    }
-}
-
-fn replayed(
-    entry: journal::JournalEntry,
-    hash: &str,
-    ctx: &StepContext,
-) -> Result<ChatAnswer, StepError> {
+fn replayed(entry: JournalEntry, hash: &str, ctx: &StepContext) -> Result<ChatAnswer, StepError> {
     if entry.request_hash != hash {
         return Err(StepError::Unknown(format!(
             "run {} step {} (seq {}) model call {}: the request differs from the journaled one; the step is not deterministic, so its recorded answer cannot be reused",

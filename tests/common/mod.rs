@@ -414,7 +414,7 @@ pub fn first_step_commit(
 ) -> trailmark::store::checkpoint::StepCommit {
     use trailmark::domain::{MessageId, STEP_ROUTING_KEY};
     use trailmark::store::checkpoint::{Advance, StepCommit};
-    let message = |_| trailmark::store::outbox::OutgoingMessage {
+    let message = |_| trailmark::domain::OutgoingMessage {
         message_id: MessageId::new(),
         exchange: env.topology().steps_exchange(),
         routing_key: STEP_ROUTING_KEY.into(),

@@ -1,7 +1,7 @@
 //! Group commit: the statements that concurrent work reaches at the same moment are gathered
 //! and run as one statement, so N steps pay one round trip, one executor set-up and one commit
-//! instead of N (the batching lever of the benchmark issue). Used for lease claims and step
-//! commits, effect intents, journal entries and effect results (`workflow::Services`).
+//! instead of N. Used by the step transaction (`step_tx.rs`) for lease claims, effect intents,
+//! journal entries and effect results, and step commits.
 //!
 //! Nothing waits on a timer: a batch is whatever queued while the previous batch of its kind was
 //! running. An unloaded process therefore runs each statement alone and at once (no added

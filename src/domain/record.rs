@@ -1,0 +1,96 @@
+//! What a step records about the outside world the moment it knows it: model answers (journal
+//! entries) and outside calls (effects, an intent before the call and a result after it).
+
+use serde::Serialize;
+use serde_json::Value;
+
+use super::{Fence, IdempotencyKey, RunId};
+
+/// One recorded model call, kept word for word so that a replayed step pays for nothing twice.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct JournalEntry {
+    /// Step position.
+    pub seq: i32,
+    /// Call number inside the step execution (0-based).
+    pub call_no: i32,
+    /// `model` or `tool`.
+    pub kind: String,
+    /// SHA-256 of the request ([`request_hash`]).
+    pub request_hash: String,
+    /// The answer.
+    pub response: Value,
+    /// Tokens used.
+    pub tokens: i64,
+    /// Cost in the configured currency.
+    pub cost: f64,
+    /// Latency of the original call.
+    pub latency_ms: i64,
+}
+
+/// An outside call about to be made, as recorded before it is made.
+#[derive(Debug, Clone)]
+pub struct EffectIntent {
+    /// The key the receiving system enforces.
+    pub key: IdempotencyKey,
+    /// The tool's name.
+    pub tool: String,
+    /// The run.
+    pub run_id: RunId,
+    /// The step position.
+    pub seq: i32,
+    /// SHA-256 of the request ([`request_hash`]).
+    pub request_hash: String,
+    /// The caller's fence: no intent is recorded unless it is current.
+    pub fence: Fence,
+    /// The run's tool-call budget (0: none).
+    pub max_calls: u64,
+    /// Identical calls allowed before it counts as a loop (0: no limit).
+    pub repeat_limit: u64,
+}
+
+/// What is known about a key before calling out.
+#[derive(Debug, Clone, PartialEq)]
+pub enum EffectState {
+    /// Nothing: the intent was just recorded; call out.
+    New,
+    /// An intent was recorded earlier but no result: the call may have happened.
+    Unknown,
+    /// The call finished earlier; here is its result.
+    Done(Value),
+}
+
+/// What recording an intent found.
+#[derive(Debug, Clone, PartialEq)]
+pub enum IntentOutcome {
+    /// The key's state.
+    Recorded(EffectState),
+    /// A new call would exceed a limit; no intent was recorded.
+    OverLimit(ToolUsage),
+}
+
+/// The run's tool calls so far, excluding the key asked about (a replay never counts twice).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ToolUsage {
+    /// All calls of the run.
+    pub calls: i64,
+    /// Calls to the same tool with the same request hash.
+    pub repeats: i64,
+}
+
+/// What a run has spent on models so far, for its budget.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Spent {
+    /// Journal entries.
+    pub entries: i64,
+    /// Tokens.
+    pub tokens: i64,
+    /// Cost.
+    pub cost: f64,
+}
+
+/// SHA-256 of a JSON value, hex: the request hash of journal entries and effects, which tells a
+/// replayed call from a different one under the same key.
+pub fn request_hash(value: &Value) -> String {
+    use sha2::{Digest, Sha256};
+    hex::encode(Sha256::digest(value.to_string().as_bytes()))
+}

@@ -1,0 +1,499 @@
+//! How a step ends, decided without I/O: from the message, what the claim found and what the
+//! handler returned, [`decide`] chooses between committing the step, stopping the run for a
+//! person, retrying later and dropping the work; [`to_commit`] turns an ending into the one
+//! statement that commits it. The worker (`step.rs`) does the I/O around both.
+
+use std::time::Duration;
+
+use serde_json::{Value, json};
+
+use super::STEP_CONSUMER;
+use crate::broker::Topology;
+use crate::domain::{
+    Fence, IllegalMove, OutgoingMessage, RunStatus, StepAddress, StepMessage, UndoPlan,
+};
+use crate::store::checkpoint::{Advance, StepCommit};
+use crate::workflow::{Next, Parked, StepError, StepOutcome, Workflow};
+
+/// What the claim found about the step, as far as its ending depends on it.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Claimed<'a> {
+    /// Which attempt at this position this is (1-based, counted across crashes).
+    pub attempt: i32,
+    /// The undo plan, while compensating.
+    pub plan: Option<&'a UndoPlan>,
+}
+
+/// The limits an ending is decided under (`worker.max_attempts`, `worker.retry_base_ms`).
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Limits {
+    /// Claims of one step before the run goes to needs_review.
+    pub max_attempts: i32,
+    /// First delay of a delayed retry; doubles per attempt.
+    pub retry_base_ms: u64,
+}
+
+/// What a step's commit writes, by how it ended.
+#[derive(Debug)]
+pub(super) enum Ending {
+    /// Checkpoint the output and move to `next` (or end the run when `None`).
+    Advance {
+        /// The step's output.
+        output: Value,
+        /// The next step.
+        next: Option<StepAddress>,
+        /// Outside messages the step queued with `ctx.send`.
+        sent: Vec<OutgoingMessage>,
+        /// Items the step parked.
+        parked: Vec<Parked>,
+    },
+    /// Wait for a person (a human step's question, or a frozen step's evidence).
+    Wait {
+        /// What the person must decide, with the evidence.
+        note: Value,
+        /// Outside messages a human step queued before asking (the step does not run again).
+        sent: Vec<OutgoingMessage>,
+        /// Items it parked.
+        parked: Vec<Parked>,
+    },
+    /// Stop the run for a person; the step is not advanced.
+    Review {
+        /// One line: which run stopped where, and why.
+        error: String,
+        /// The handover note.
+        note: Value,
+    },
+}
+
+/// What the worker does with a step whose handler has returned.
+#[derive(Debug)]
+pub(super) enum Verdict {
+    /// Commit the step.
+    Commit(Ending),
+    /// Stop the run for a person: the worker writes the handover note (it reads the run's
+    /// effects), then commits [`Ending::Review`].
+    Review(StepError),
+    /// Give the lease back and run the step again after `delay`, under the same keys.
+    Retry {
+        /// How long the message waits in a delay queue.
+        delay: Duration,
+        /// What failed.
+        reason: String,
+    },
+    /// The work is void: a newer worker owns the run.
+    Stale(&'static str),
+    /// Trailmark's own database or broker failed: the delivery is retried as a whole.
+    Infrastructure(String),
+}
+
+/// Guards checked before the handler runs: the attempt cap (so a step that kills its worker
+/// every time still ends) and the run's hard timeout (`run_timeout_secs`, 0: none).
+pub(super) fn refuse_before_running(
+    msg: &StepMessage,
+    claimed: Claimed<'_>,
+    limits: Limits,
+    age_secs: f64,
+    run_timeout_secs: u64,
+) -> Option<StepError> {
+    let max = limits.max_attempts;
+    if claimed.attempt > max {
+        return Some(StepError::Guard(format!(
+            "step {} was claimed {} times without finishing (worker.max_attempts = {max}); it may be crashing its worker or failing every time",
+            msg.step,
+            claimed.attempt - 1
+        )));
+    }
+    if run_timeout_secs > 0 && age_secs > run_timeout_secs as f64 {
+        return Some(StepError::Guard(format!(
+            "run timed out: it started {age_secs:.0} s ago, guards.run_timeout_secs is {run_timeout_secs}"
+        )));
+    }
+    None
+}
+
+/// How the step ends, given what its handler returned and what it queued (`pending`: outside
+/// messages and parked items, committed only with an ending that keeps the step's work).
+pub(super) fn decide(
+    workflow: &Workflow,
+    msg: &StepMessage,
+    claimed: Claimed<'_>,
+    limits: Limits,
+    result: Result<StepOutcome, StepError>,
+    pending: (Vec<OutgoingMessage>, Vec<Parked>),
+) -> Verdict {
+    let (sent, parked) = pending;
+    let failure = match result {
+        Ok(StepOutcome {
+            output,
+            next: Next::Wait,
+        }) => {
+            let note = json!({ "waiting_for": "decision", "step": msg.step, "seq": msg.seq, "question": output });
+            return Verdict::Commit(Ending::Wait { note, sent, parked });
+        }
+        Ok(outcome) => match next_step(workflow, msg, claimed.plan, &outcome.next) {
+            Ok(next) => {
+                return Verdict::Commit(Ending::Advance {
+                    output: outcome.output,
+                    next,
+                    sent,
+                    parked,
+                });
+            }
+            Err(e) => e,
+        },
+        Err(StepError::FencedOut) => return Verdict::Stale("fenced out while executing"),
+        Err(StepError::Infrastructure(e)) => return Verdict::Infrastructure(e),
+        Err(StepError::Temporary {
+            reason,
+            retry_after,
+        }) if claimed.attempt < limits.max_attempts => {
+            let doubling = 1u64 << (claimed.attempt - 1).clamp(0, 16);
+            let delay = retry_after.unwrap_or(Duration::from_millis(
+                limits.retry_base_ms.saturating_mul(doubling),
+            ));
+            return Verdict::Retry { delay, reason };
+        }
+        Err(StepError::Temporary { reason, .. }) => StepError::Guard(format!(
+            "step {} failed temporarily {} times (worker.max_attempts); last error: {reason}",
+            msg.step, claimed.attempt
+        )),
+        Err(e) => e,
+    };
+    Verdict::Review(failure)
+}
+
+/// The step after this one: the next compensation while undoing, else the workflow's choice.
+fn next_step(
+    workflow: &Workflow,
+    msg: &StepMessage,
+    plan: Option<&UndoPlan>,
+    next: &Next,
+) -> Result<Option<StepAddress>, StepError> {
+    if msg.step.is_undo() {
+        return Ok(plan.and_then(|p| p.after(&msg.step)));
+    }
+    workflow.resolve_next(&msg.step, next)
+}
+
+/// The one line a review ending records as the run's error.
+pub(super) fn review_line(msg: &StepMessage, attempt: i32, failure: &StepError) -> String {
+    format!(
+        "run {} stopped at step {} (position {}, attempt {attempt}): {failure}",
+        msg.run_id, msg.step, msg.seq
+    )
+}
+
+/// The step commit that writes `ending` for the step of `msg`, executed under `fence` while the
+/// run was `status`.
+pub(super) fn to_commit(
+    topology: &Topology,
+    msg: &StepMessage,
+    fence: Fence,
+    status: RunStatus,
+    ending: Ending,
+) -> Result<StepCommit, IllegalMove> {
+    // A run that stops for a person stays at the step that stopped it.
+    let stay = |to, handover| -> Result<Advance, IllegalMove> {
+        Ok(Advance {
+            seq: msg.seq,
+            next_step: Some(msg.step.clone()),
+            status: status.move_to(to)?,
+            output: None,
+            error: None,
+            handover,
+        })
+    };
+    let (to, step_output, finished, outbox, parked) = match ending {
+        Ending::Advance {
+            output,
+            next,
+            mut sent,
+            parked,
+        } => {
+            let ends = next.is_none();
+            if let Some(next) = &next {
+                let message = topology.step_message(
+                    &msg.run_id,
+                    &msg.workflow,
+                    msg.version,
+                    next,
+                    msg.seq + 1,
+                );
+                sent.push(message);
+            }
+            let to = match (ends, status) {
+                (false, s) => s,
+                (true, RunStatus::Compensating) => RunStatus::Compensated,
+                (true, _) => RunStatus::Succeeded,
+            };
+            let to = Advance {
+                seq: msg.seq,
+                next_step: next,
+                status: status.move_to(to)?,
+                output: ends.then(|| output.clone()),
+                error: None,
+                handover: None,
+            };
+            (to, Some(output), true, sent, parked_rows(&parked))
+        }
+        Ending::Wait { note, sent, parked } => {
+            let to = stay(RunStatus::Waiting, Some(note.clone()))?;
+            (to, Some(note), false, sent, parked_rows(&parked))
+        }
+        Ending::Review { error, note } => {
+            let to = Advance {
+                error: Some(error),
+                ..stay(RunStatus::NeedsReview, Some(note))?
+            };
+            (to, None, false, Vec::new(), Vec::new())
+        }
+    };
+    Ok(StepCommit {
+        run_id: msg.run_id.clone(),
+        fence,
+        step: msg.step.clone(),
+        to,
+        step_output,
+        finished,
+        inbox: (STEP_CONSUMER, msg.message_id),
+        parked,
+        outbox,
+    })
+}
+
+fn parked_rows(items: &[Parked]) -> Vec<(String, String)> {
+    items
+        .iter()
+        .map(|p| (p.item.clone(), p.reason.clone()))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::domain::{MessageId, RunId, UndoTarget};
+    use crate::workflow::StepKind;
+
+    fn workflow() -> Workflow {
+        let ok = |_ctx| async { Ok(StepOutcome::next(json!({}))) };
+        Workflow::new("wf", 1)
+            .step("a", StepKind::Read, ok)
+            .step("b", StepKind::Write, ok)
+    }
+
+    fn message(step: StepAddress, seq: i32) -> StepMessage {
+        StepMessage {
+            v: 1,
+            message_id: MessageId::new(),
+            run_id: RunId::parse("r1").unwrap(),
+            workflow: "wf".into(),
+            version: 1,
+            step,
+            seq,
+        }
+    }
+
+    const LIMITS: Limits = Limits {
+        max_attempts: 3,
+        retry_base_ms: 1000,
+    };
+
+    fn running(attempt: i32) -> Claimed<'static> {
+        Claimed {
+            attempt,
+            plan: None,
+        }
+    }
+
+    fn none() -> (Vec<OutgoingMessage>, Vec<Parked>) {
+        (Vec::new(), Vec::new())
+    }
+
+    #[test]
+    fn a_step_that_continues_commits_and_queues_the_next_declared_step() {
+        let msg = message(StepAddress::step("a"), 4);
+        let out = Ok(StepOutcome::next(json!({"x": 1})));
+        let Verdict::Commit(ending) = decide(&workflow(), &msg, running(1), LIMITS, out, none())
+        else {
+            panic!("not committed");
+        };
+        let topology = Topology::new("t", 5);
+        let commit = to_commit(&topology, &msg, Fence(7), RunStatus::Running, ending).unwrap();
+        assert_eq!(commit.to.next_step, Some(StepAddress::step("b")));
+        assert_eq!(commit.to.status.to, RunStatus::Running);
+        assert!(commit.to.status.advances() && commit.finished);
+        assert_eq!(commit.outbox.len(), 1);
+        let next = StepMessage::decode(&commit.outbox[0].body, 1 << 20).unwrap();
+        assert_eq!((next.step.as_str(), next.seq), ("b", 5));
+        assert_eq!(commit.step_output, Some(json!({"x": 1})));
+        assert_eq!(
+            commit.to.output, None,
+            "the run's output is set only when it ends"
+        );
+    }
+
+    #[test]
+    fn the_last_step_ends_the_run_and_a_compensation_ends_the_undo() {
+        let msg = message(StepAddress::step("b"), 1);
+        let out = Ok(StepOutcome::next(json!("done")));
+        let Verdict::Commit(ending) = decide(&workflow(), &msg, running(1), LIMITS, out, none())
+        else {
+            panic!("not committed");
+        };
+        let commit = to_commit(
+            &Topology::new("t", 5),
+            &msg,
+            Fence(1),
+            RunStatus::Running,
+            ending,
+        )
+        .unwrap();
+        assert_eq!(commit.to.status.to, RunStatus::Succeeded);
+        assert_eq!(commit.to.output, Some(json!("done")));
+        assert!(commit.outbox.is_empty());
+
+        let plan = UndoPlan {
+            scope: json!({}),
+            targets: vec![
+                UndoTarget {
+                    seq: 1,
+                    step: "b".into(),
+                },
+                UndoTarget {
+                    seq: 0,
+                    step: "a".into(),
+                },
+            ],
+            left_standing: vec![],
+        };
+        let undoing = Claimed {
+            attempt: 1,
+            plan: Some(&plan),
+        };
+        let first = message(StepAddress::undo("b", 1), 2);
+        let out = || Ok(StepOutcome::next(json!({})));
+        let Verdict::Commit(Ending::Advance { next, .. }) =
+            decide(&workflow(), &first, undoing, LIMITS, out(), none())
+        else {
+            panic!("not advanced");
+        };
+        assert_eq!(next, Some(StepAddress::undo("a", 0)), "newest first");
+        let last = message(StepAddress::undo("a", 0), 3);
+        let Verdict::Commit(ending) = decide(&workflow(), &last, undoing, LIMITS, out(), none())
+        else {
+            panic!("not committed");
+        };
+        let commit = to_commit(
+            &Topology::new("t", 5),
+            &last,
+            Fence(1),
+            RunStatus::Compensating,
+            ending,
+        )
+        .unwrap();
+        assert_eq!(commit.to.status.to, RunStatus::Compensated);
+    }
+
+    #[test]
+    fn a_temporary_failure_is_retried_with_doubling_delays_then_handed_over() {
+        let msg = message(StepAddress::step("a"), 0);
+        let fail = || Err(StepError::temporary("429"));
+        let delay =
+            |attempt| match decide(&workflow(), &msg, running(attempt), LIMITS, fail(), none()) {
+                Verdict::Retry { delay, .. } => Some(delay),
+                _ => None,
+            };
+        assert_eq!(delay(1), Some(Duration::from_millis(1000)));
+        assert_eq!(delay(2), Some(Duration::from_millis(2000)));
+        assert_eq!(delay(3), None, "the last attempt goes to review");
+        let Verdict::Review(StepError::Guard(why)) =
+            decide(&workflow(), &msg, running(3), LIMITS, fail(), none())
+        else {
+            panic!("not reviewed");
+        };
+        assert!(
+            why.contains("failed temporarily 3 times") && why.contains("429"),
+            "{why}"
+        );
+        let asked = Err(StepError::Temporary {
+            reason: "slow down".into(),
+            retry_after: Some(Duration::from_secs(9)),
+        });
+        assert!(matches!(
+            decide(&workflow(), &msg, running(1), LIMITS, asked, none()),
+            Verdict::Retry { delay, .. } if delay == Duration::from_secs(9)
+        ));
+    }
+
+    #[test]
+    fn a_review_keeps_the_run_at_its_step_and_drops_what_the_step_queued() {
+        let msg = message(StepAddress::step("b"), 3);
+        let parked = vec![Parked {
+            item: "inv-1".into(),
+            reason: "unreadable".into(),
+        }];
+        let unknown = Err(StepError::Unknown("boom".into()));
+        let verdict = decide(
+            &workflow(),
+            &msg,
+            running(1),
+            LIMITS,
+            unknown,
+            (vec![], parked),
+        );
+        let Verdict::Review(failure) = verdict else {
+            panic!("not reviewed");
+        };
+        let error = review_line(&msg, 1, &failure);
+        assert_eq!(
+            error,
+            "run r1 stopped at step b (position 3, attempt 1): boom"
+        );
+        let ending = Ending::Review {
+            error,
+            note: json!({}),
+        };
+        let commit = to_commit(
+            &Topology::new("t", 5),
+            &msg,
+            Fence(2),
+            RunStatus::Running,
+            ending,
+        )
+        .unwrap();
+        assert_eq!(commit.to.status.to, RunStatus::NeedsReview);
+        assert!(!commit.to.status.advances());
+        assert_eq!(commit.to.next_step, Some(StepAddress::step("b")));
+        assert!(commit.outbox.is_empty() && commit.parked.is_empty());
+    }
+
+    #[test]
+    fn a_goto_to_an_undeclared_step_is_handed_over_and_fencing_voids_the_work() {
+        let msg = message(StepAddress::step("a"), 0);
+        let out = Ok(StepOutcome::goto(json!({}), "nowhere"));
+        assert!(matches!(
+            decide(&workflow(), &msg, running(1), LIMITS, out, none()),
+            Verdict::Review(StepError::Unknown(_))
+        ));
+        assert!(matches!(
+            decide(
+                &workflow(),
+                &msg,
+                running(1),
+                LIMITS,
+                Err(StepError::FencedOut),
+                none()
+            ),
+            Verdict::Stale(_)
+        ));
+    }
+
+    #[test]
+    fn the_attempt_cap_and_the_run_timeout_stop_a_step_before_it_runs() {
+        let msg = message(StepAddress::step("a"), 0);
+        assert!(refuse_before_running(&msg, running(3), LIMITS, 5.0, 0).is_none());
+        assert!(refuse_before_running(&msg, running(4), LIMITS, 5.0, 0).is_some());
+        assert!(refuse_before_running(&msg, running(1), LIMITS, 61.0, 60).is_some());
+        assert!(refuse_before_running(&msg, running(1), LIMITS, 59.0, 60).is_none());
+    }
+}

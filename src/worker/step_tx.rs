@@ -1,0 +1,178 @@
+//! The step transaction's owner: the claim that takes a run's lease, the records a handler
+//! writes while it runs (journal entries, effect intents and results), the commit that ends the
+//! step, and the release that gives the lease back for a later retry. Each kind of statement
+//! goes through its own group-commit queue (`batch.rs`), so the steps of a process that reach the
+//! same statement at the same moment share one round trip and one commit.
+//!
+//! The workflow API reaches the records through the [`Records`] port only; this is the one
+//! place where they meet the store.
+
+use std::future::Future;
+use std::sync::OnceLock;
+
+use serde_json::Value;
+use sqlx::PgPool;
+
+use super::batch::Batcher;
+use crate::domain::{
+    EffectIntent, Fence, IdempotencyKey, IntentOutcome, JournalEntry, RunId, Spent,
+};
+use crate::store::checkpoint::{self, StepCommit};
+use crate::store::records::{self, Record};
+use crate::store::runs::{self, ClaimOutcome, ClaimRequest};
+use crate::store::{self, effects, journal, steps};
+use crate::workflow::{BoxFuture, Records, StepError};
+
+/// Claims, records, commits and releases of one process's steps.
+pub(crate) struct StepTx {
+    pool: PgPool,
+    /// [`store::relaxed_pool`] of `pool`: journal entries and effect results, which the step's
+    /// next synchronous commit makes durable.
+    relaxed: PgPool,
+    max_batch: usize,
+    claims: OnceLock<Batcher<ClaimRequest, ClaimOutcome>>,
+    records: OnceLock<Batcher<Record, bool>>,
+    /// Effect intents go through the strict pool: an intent is durable before its call.
+    intents: OnceLock<Batcher<EffectIntent, IntentOutcome>>,
+    commits: OnceLock<Batcher<StepCommit, bool>>,
+}
+
+impl StepTx {
+    /// The step transactions of a process working on `pool`, batching up to `max_batch`
+    /// statements of a kind.
+    pub fn new(pool: &PgPool, max_batch: usize) -> Self {
+        Self {
+            relaxed: store::relaxed_pool(pool),
+            pool: pool.clone(),
+            max_batch,
+            claims: OnceLock::new(),
+            records: OnceLock::new(),
+            intents: OnceLock::new(),
+            commits: OnceLock::new(),
+        }
+    }
+
+    /// The pool whose commits do not wait for their WAL flush.
+    pub fn relaxed(&self) -> &PgPool {
+        &self.relaxed
+    }
+
+    /// Checks the inbox, takes the run's lease and counts the attempt, in one statement with the
+    /// other deliveries' claims of the moment, committed before any outside call is made.
+    pub async fn claim(&self, request: ClaimRequest) -> store::Result<ClaimOutcome> {
+        let batcher = self.batcher(&self.claims, &self.pool, |pool, batch| async move {
+            runs::claim_all(&pool, &batch).await
+        });
+        batcher.call(request).await
+    }
+
+    /// Commits a step (inbox row, fenced run advance, checkpoint, parked items, outbox rows),
+    /// with the other steps' commits of the moment; `false`: the message was committed before.
+    pub async fn commit(&self, step: StepCommit) -> store::Result<bool> {
+        let batcher = self.batcher(&self.commits, &self.pool, |pool, batch| async move {
+            checkpoint::commit_all(&pool, &batch).await
+        });
+        batcher.call(step).await
+    }
+
+    /// Gives the lease back without advancing (the step is retried from a delay queue).
+    pub async fn release(&self, run_id: &RunId, fence: Fence) -> store::Result<()> {
+        runs::release(&self.pool, run_id, fence).await
+    }
+
+    async fn record(&self, record: Record) -> store::Result<bool> {
+        let batcher = self.batcher(&self.records, &self.relaxed, |pool, batch| async move {
+            records::write_all(&pool, &batch).await
+        });
+        batcher.call(record).await
+    }
+
+    async fn intend(&self, intent: EffectIntent) -> store::Result<IntentOutcome> {
+        let batcher = self.batcher(&self.intents, &self.pool, |pool, batch| async move {
+            effects::begin_all(&pool, &batch).await
+        });
+        batcher.call(intent).await
+    }
+
+    /// The batcher in `cell`, started on first use (inside the runtime that runs the steps).
+    fn batcher<'a, Req, T, F, Fut>(
+        &self,
+        cell: &'a OnceLock<Batcher<Req, T>>,
+        pool: &PgPool,
+        run: F,
+    ) -> &'a Batcher<Req, T>
+    where
+        Req: Send + 'static,
+        T: Send + 'static,
+        F: Fn(PgPool, Vec<Req>) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Vec<store::Result<T>>> + Send + 'static,
+    {
+        cell.get_or_init(|| {
+            let pool = pool.clone();
+            Batcher::start(self.max_batch, move |batch| run(pool.clone(), batch))
+        })
+    }
+}
+
+impl Records for StepTx {
+    fn journaled<'a>(
+        &'a self,
+        run: &'a RunId,
+        seq: i32,
+        call_no: i32,
+    ) -> BoxFuture<'a, Result<Option<JournalEntry>, StepError>> {
+        Box::pin(async move { Ok(journal::get(&self.pool, run, seq, call_no).await?) })
+    }
+
+    fn journal<'a>(
+        &'a self,
+        run: &'a RunId,
+        entry: JournalEntry,
+    ) -> BoxFuture<'a, Result<bool, StepError>> {
+        Box::pin(async move { Ok(self.record(Record::Journal(run.clone(), entry)).await?) })
+    }
+
+    fn spent<'a>(&'a self, run: &'a RunId) -> BoxFuture<'a, Result<Spent, StepError>> {
+        Box::pin(async move { Ok(journal::totals(&self.pool, run.as_str()).await?) })
+    }
+
+    fn begin_effect(
+        &self,
+        intent: EffectIntent,
+    ) -> BoxFuture<'_, Result<IntentOutcome, StepError>> {
+        Box::pin(async move { Ok(self.intend(intent).await?) })
+    }
+
+    fn finish_effect(
+        &self,
+        key: IdempotencyKey,
+        result: Value,
+    ) -> BoxFuture<'_, Result<(), StepError>> {
+        Box::pin(async move {
+            self.record(Record::EffectResult(key, result)).await?;
+            Ok(())
+        })
+    }
+
+    fn output_of<'a>(
+        &'a self,
+        run: &'a RunId,
+        step: &'a str,
+        before: i32,
+    ) -> BoxFuture<'a, Result<Option<Value>, StepError>> {
+        Box::pin(async move { Ok(steps::latest_output(&self.pool, run, step, before).await?) })
+    }
+}
+
+/// How a store failure reaches a step handler: a stale fence voids the step's work, a reused
+/// key is a conflict a person must look at, anything else is trailmark's own infrastructure
+/// (the delivery is retried as a whole).
+impl From<store::Error> for StepError {
+    fn from(e: store::Error) -> Self {
+        match e {
+            store::Error::FencedOut { .. } => Self::FencedOut,
+            store::Error::Conflict { .. } => Self::Conflict(e.to_string()),
+            e => Self::Infrastructure(crate::error::Report(&e).to_string()),
+        }
+    }
+}

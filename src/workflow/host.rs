@@ -1,0 +1,90 @@
+//! What a step context reaches outside its handler, as the engine hands it over: the records it
+//! writes and reads (a port the worker's step transaction implements), the model, and the
+//! process's failpoints and circuit breakers. The workflow API depends on this port only, never
+//! on the store or the group-commit plumbing behind it.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+
+use serde_json::Value;
+use sqlx::PgPool;
+
+use super::StepError;
+use crate::domain::{EffectIntent, IdempotencyKey, IntentOutcome, JournalEntry, RunId, Spent};
+use crate::failpoint::Failpoints;
+use crate::guard::Breakers;
+use crate::model::ModelClient;
+
+/// A boxed future, for the methods of [`Records`] (a trait object's methods cannot be `async`).
+pub(crate) type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// The durable records of a step, each written the moment it is known.
+pub(crate) trait Records: Send + Sync {
+    /// The journaled answer of call `call_no` at position `seq`, if any.
+    fn journaled<'a>(
+        &'a self,
+        run: &'a RunId,
+        seq: i32,
+        call_no: i32,
+    ) -> BoxFuture<'a, Result<Option<JournalEntry>, StepError>>;
+
+    /// Journals an answer at once; `false`: another worker journaled this call first.
+    fn journal<'a>(
+        &'a self,
+        run: &'a RunId,
+        entry: JournalEntry,
+    ) -> BoxFuture<'a, Result<bool, StepError>>;
+
+    /// What the run has spent on models.
+    fn spent<'a>(&'a self, run: &'a RunId) -> BoxFuture<'a, Result<Spent, StepError>>;
+
+    /// Records an effect's intent (only under the current fence and within the run's limits),
+    /// or reports what an earlier attempt left.
+    fn begin_effect(&self, intent: EffectIntent)
+    -> BoxFuture<'_, Result<IntentOutcome, StepError>>;
+
+    /// Records an effect's result.
+    fn finish_effect(
+        &self,
+        key: IdempotencyKey,
+        result: Value,
+    ) -> BoxFuture<'_, Result<(), StepError>>;
+
+    /// The newest committed output of `step` before position `before`.
+    fn output_of<'a>(
+        &'a self,
+        run: &'a RunId,
+        step: &'a str,
+        before: i32,
+    ) -> BoxFuture<'a, Result<Option<Value>, StepError>>;
+}
+
+/// Where model calls go: an OpenAI-compatible endpoint (with an optional fallback model), or
+/// the offline answer when none is configured.
+pub(crate) struct Models {
+    /// The configured model, if any.
+    pub primary: Option<ModelClient>,
+    /// The model to ask when the primary keeps failing.
+    pub fallback: Option<ModelClient>,
+    /// Size of the offline answer recorded when no model is configured.
+    pub offline_bytes: usize,
+}
+
+/// Everything a step context uses besides its position; one per process, shared by every step.
+pub(crate) struct Tools {
+    /// Trailmark's database, lent to built-in workflows' handlers (`StepContext::pool`).
+    pub pool: PgPool,
+    /// The step's records.
+    pub records: Arc<dyn Records>,
+    /// The model.
+    pub models: Models,
+    /// Failpoints (empty unless configured).
+    pub failpoints: Failpoints,
+    /// Circuit breakers per tool.
+    pub breakers: Breakers,
+    /// In-process retries of a temporary failure, per call (`worker.call_retries`).
+    pub call_retries: usize,
+    /// Identical tool requests per run before it counts as a loop (`guards.repeat_limit`).
+    pub repeat_limit: u64,
+}
