@@ -47,11 +47,15 @@ pub mod failpoint;
 pub mod guard;
 pub mod model;
 pub mod operator;
+pub mod process;
 pub mod reference;
 pub mod relay;
 pub mod standin;
 pub mod store;
 pub mod supervisor;
 pub mod telemetry;
+pub mod timeline;
 pub mod worker;
 pub mod workflow;
+
+pub use process::serve;

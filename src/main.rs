@@ -3,8 +3,9 @@
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
-use trailmark::cli::{self, serve::Components};
+use trailmark::cli;
 use trailmark::config::Settings;
+use trailmark::process::Components;
 
 /// Crash-proof multi-step agent runs over RabbitMQ and a Postgres outbox.
 #[derive(Debug, Parser)]

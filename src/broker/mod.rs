@@ -116,3 +116,16 @@ pub async fn publish_once(settings: &BrokerSettings, name: &str, msg: &Outgoing)
     let _ = conn.close(200, "done".into()).await;
     published
 }
+
+/// Declares the exchanges and queues of `settings.broker.prefix` (idempotent; every worker also
+/// declares them at start). An existing queue declared with other arguments is refused by the
+/// broker; it must be deleted first.
+pub async fn declare_topology(settings: &BrokerSettings) -> Result<()> {
+    let conn = connect(settings, "migrate").await?;
+    let channel = conn.create_channel().await?;
+    let declared = Topology::new(&settings.prefix, settings.delivery_limit)
+        .declare(&channel)
+        .await;
+    let _ = conn.close(200, "done".into()).await;
+    Ok(declared?)
+}

@@ -2,7 +2,7 @@
 
 use anyhow::Context;
 
-use crate::broker::{self, Topology};
+use crate::broker;
 use crate::config::{Settings, redact_url};
 use crate::store;
 
@@ -18,24 +18,13 @@ pub async fn migrate(settings: &Settings) -> anyhow::Result<()> {
         "database ready: {} ({applied} migrations applied)",
         redact_url(&settings.database.url)
     );
-    declare_topology(settings).await?;
+    broker::declare_topology(&settings.broker)
+        .await
+        .context("declaring exchanges and queues (an existing queue with other arguments must be deleted first)")?;
     println!(
         "broker topology declared at {} under prefix {:?}",
         redact_url(&settings.broker.url),
         settings.broker.prefix
     );
-    Ok(())
-}
-
-/// Declares exchanges and queues (also done by every worker at start).
-pub async fn declare_topology(settings: &Settings) -> anyhow::Result<()> {
-    let conn = broker::connect(&settings.broker, "migrate").await?;
-    let channel = conn.create_channel().await.map_err(broker::Error::from)?;
-    Topology::new(&settings.broker.prefix, settings.broker.delivery_limit)
-        .declare(&channel)
-        .await
-        .map_err(broker::Error::from)
-        .context("declaring exchanges and queues (an existing queue with other arguments must be deleted first)")?;
-    let _ = conn.close(200, "done".into()).await;
     Ok(())
 }

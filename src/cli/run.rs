@@ -1,13 +1,13 @@
 //! `trailmark run start | show | list`.
 
 use anyhow::{Context, bail};
-use serde::Serialize;
 use serde_json::{Value, json};
 
 use crate::broker;
 use crate::config::Settings;
 use crate::domain::{RunId, RunStartEvent, RunStatus};
-use crate::store::{self, decisions, effects, journal, parked, runs, steps};
+use crate::store::{self, runs};
+use crate::timeline;
 use crate::workflow::Registry;
 
 /// Publishes a run-start event exactly as an upstream service would.
@@ -44,79 +44,10 @@ pub async fn start(
     Ok(())
 }
 
-/// Everything `run show` reports.
-#[derive(Debug, Serialize)]
-pub struct RunReport {
-    /// The run row.
-    #[serde(flatten)]
-    pub run: runs::RunRow,
-    /// Committed steps.
-    pub steps_done: usize,
-    /// Claims across all positions (more than `steps_done` means retries or crashes).
-    pub attempts: i64,
-    /// Journal entries, tokens, cost.
-    pub journal: JournalTotals,
-    /// Effects recorded and completed.
-    pub effects: EffectTotals,
-    /// Items set aside with their reasons.
-    pub parked: Vec<parked::ParkedRow>,
-    /// Operator decisions, oldest first (the timeline's human part).
-    pub decisions: Vec<decisions::DecisionRow>,
-    /// Every checkpoint.
-    pub steps: Vec<steps::StepRow>,
-}
-
-/// Journal totals of a run.
-#[derive(Debug, Serialize)]
-pub struct JournalTotals {
-    /// Entries.
-    pub entries: i64,
-    /// Tokens.
-    pub tokens: i64,
-    /// Cost.
-    pub cost: f64,
-}
-
-/// Effect totals of a run.
-#[derive(Debug, Serialize)]
-pub struct EffectTotals {
-    /// Intents recorded.
-    pub recorded: i64,
-    /// With a known result.
-    pub completed: i64,
-}
-
-/// Loads the report of one run.
-pub async fn report(pool: &sqlx::PgPool, run_id: &str) -> anyhow::Result<Option<RunReport>> {
-    let Some(run) = runs::get(pool, run_id).await? else {
-        return Ok(None);
-    };
-    let steps = steps::list(pool, run_id).await?;
-    let spent = journal::totals(pool, run_id).await?;
-    let (recorded, completed) = effects::totals(pool, run_id).await?;
-    Ok(Some(RunReport {
-        steps_done: steps.iter().filter(|s| s.finished_at.is_some()).count(),
-        attempts: steps.iter().map(|s| s.attempts as i64).sum(),
-        journal: JournalTotals {
-            entries: spent.entries,
-            tokens: spent.tokens,
-            cost: spent.cost,
-        },
-        effects: EffectTotals {
-            recorded,
-            completed,
-        },
-        parked: parked::list(pool, run_id).await?,
-        decisions: decisions::list(pool, run_id).await?,
-        run,
-        steps,
-    }))
-}
-
 /// `run show ID [--json]`.
 pub async fn show(settings: &Settings, run_id: &str, as_json: bool) -> anyhow::Result<()> {
     let pool = store::connect(&settings.database).await?;
-    let Some(r) = report(&pool, run_id).await? else {
+    let Some(r) = timeline::load(&pool, run_id).await? else {
         bail!("run {run_id} not found: list runs with `trailmark run list`");
     };
     if as_json {

@@ -10,11 +10,11 @@ use std::time::{Duration, Instant};
 use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
 use trailmark::broker::{self, Outgoing, Publisher, Topology};
-use trailmark::cli::serve::{Components, run_components};
 use trailmark::config::Settings;
 use trailmark::domain::{RunId, RunStartEvent, RunStatus};
 use trailmark::engine::Engine;
 use trailmark::failpoint::Failpoints;
+use trailmark::process::{self, Components};
 use trailmark::store::{self, runs};
 use trailmark::workflow::Registry;
 
@@ -127,7 +127,7 @@ impl TestEnv {
     /// Runs worker + relay + supervisor in this process until the returned guard stops them.
     pub fn spawn(&self, engine: Arc<Engine>, components: Components) -> Running {
         let shutdown = CancellationToken::new();
-        let handle = tokio::spawn(run_components(engine, components, shutdown.clone()));
+        let handle = tokio::spawn(process::run(engine, components, shutdown.clone()));
         Running {
             shutdown,
             handle: Some(handle),
@@ -348,7 +348,7 @@ impl Drop for TestEnv {
 /// In-process components; stopped (gracefully) when dropped or by [`Running::stop`].
 pub struct Running {
     pub shutdown: CancellationToken,
-    handle: Option<tokio::task::JoinHandle<anyhow::Result<()>>>,
+    handle: Option<tokio::task::JoinHandle<Result<(), process::Error>>>,
 }
 
 impl Running {

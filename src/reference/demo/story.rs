@@ -106,7 +106,7 @@ async fn migrate(settings: &Settings) -> anyhow::Result<PgPool> {
     store::ensure_database(&settings.database).await?;
     let pool = store::connect(&settings.database).await?;
     store::migrate(&pool).await?;
-    crate::cli::migrate::declare_topology(settings).await?;
+    broker::declare_topology(&settings.broker).await?;
     let conn = broker::connect(&settings.broker, "demo-setup").await?;
     let ch = conn.create_channel().await.map_err(broker::Error::from)?;
     mail::declare(&ch, &settings.broker.prefix)
