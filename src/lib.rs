@@ -1,43 +1,46 @@
 //! Trailmark runs long, multi-step agent workflows so that a crash, a timeout or a half-finished
-//! step becomes recoverable progress instead of lost or duplicated work.
+//! step becomes recoverable progress instead of lost or duplicated work. This crate is the
+//! engine; the `trailmark` binary, the reference scenario, the benchmark and the stand-in model
+//! server are the workspace members under `crates/`.
 //!
 //! # The map
 //!
 //! | module | what it does |
 //! |---|---|
-//! | [`domain`] | ids, run status, the run-start event and the step message; no I/O |
+//! | [`domain`] | ids, run status and its allowed moves, step addresses, undo plans, journal and effect records, the messages; no I/O |
 //! | [`config`] | typed settings: compiled-in defaults, optional file, environment |
-//! | [`store`] | all SQL: runs, step checkpoints, journal, effects, inbox, outbox |
+//! | [`store`] | all SQL: runs, step checkpoints, journal, effects, inbox, outbox, decisions |
 //! | [`broker`] | RabbitMQ connection, topology, publisher with confirms |
 //! | [`workflow`] | the API for writing workflows: steps, kinds, context, next-step choice |
-//! | [`worker`] | delivery -> dedup -> lease -> handler -> one commit -> ack |
+//! | [`worker`] | delivery -> dedup -> lease -> handler -> one commit -> ack; owns the step transaction |
 //! | [`relay`] | outbox -> RabbitMQ with publisher confirms |
-//! | [`dlq`] | the dead-letter queue for operators: list, show, requeue, purge |
-//! | [`supervisor`] | expired leases -> the step re-queued through the outbox |
-//! | [`guard`] | budgets, repeated-action detection, circuit breakers |
+//! | [`supervisor`] | expired leases -> the step re-queued through the outbox; late decisions escalated |
+//! | [`process`] | the components one process runs ([`serve`]) and how they stop |
 //! | [`operator`] | operator decisions: resume, resume after fix, undo, cancel, approve, reject |
+//! | [`timeline`] | a run as an operator reads it (what `trailmark run show` prints) |
+//! | [`dlq`] | the dead-letter queue for operators: list, show, requeue, purge |
+//! | [`guard`] | budgets, repeated-action detection, circuit breakers |
+//! | [`model`] | OpenAI-compatible chat-completions client, and the offline answer |
 //! | [`engine`] | the shared state a process's components run on |
-//! | [`model`] | OpenAI-compatible chat-completions client |
-//! | [`standin`] | stand-in outside systems for tests, drills and the demo |
-//! | [`builtin`] | the `chain` workflow and the reference `reconcile` workflow |
-//! | [`reference`] | the nightly invoice reconciliation (DESIGN.md §12), its stand-in outside systems and `trailmark demo` |
-//! | [`bench`] | `trailmark bench`: throughput, latency, CPU, recovery against the bare-loop baseline B3 |
-//! | [`cli`] | operator commands behind the `trailmark` binary |
+//! | [`error`] | how a caller reacts to an error: retry, fix the configuration, or accept a refusal |
+//! | [`builtin`] | the `chain` workflow, for smoke tests, drills and benchmarks |
+//! | [`failpoint`] | named failpoints for crash tests and drills |
+//! | [`telemetry`] | logging setup |
 //!
-//! # The promises (DESIGN.md §1)
+//! # The promises
 //!
 //! A finished step never runs again (its output is committed with the next step's outbox row);
 //! a model answer is paid for once (journaled the moment it arrives); an outside write happens
 //! once where the receiving store enforces the idempotency key; no step message is lost (outbox
 //! plus publisher confirms); a repeated message changes nothing (inbox); a stale worker cannot
-//! write (fenced lease); bad input goes to a dead-letter queue with its reason.
+//! write (fenced lease); bad input goes to a dead-letter queue with its reason. The architecture
+//! document (`docs/ARCHITECTURE.md`) names the file that keeps each promise and the test that
+//! proves it.
 
 #![warn(missing_docs)]
 
-pub mod bench;
 pub mod broker;
 pub mod builtin;
-pub mod cli;
 pub mod config;
 pub mod dlq;
 pub mod domain;
@@ -48,9 +51,7 @@ pub mod guard;
 pub mod model;
 pub mod operator;
 pub mod process;
-pub mod reference;
 pub mod relay;
-pub mod standin;
 pub mod store;
 pub mod supervisor;
 pub mod telemetry;

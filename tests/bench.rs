@@ -22,7 +22,7 @@ const ALWAYS_POSITIVE: [&str; 7] = [
 
 /// `trailmark bench ARGS` against the local servers; the bench makes its own database and prefix.
 fn bench(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_trailmark"))
+    Command::new(common::trailmark_bin())
         .arg("bench")
         .args(args)
         .env("DATABASE_URL", format!("{}/postgres", base_url()))

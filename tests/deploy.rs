@@ -59,7 +59,7 @@ fn every_command_the_deploy_files_start_exists() {
     let found = subcommands();
     assert_eq!(found.len(), 8, "4 units and 4 containers: {found:?}");
     for sub in found {
-        let out = Command::new(env!("CARGO_BIN_EXE_trailmark"))
+        let out = Command::new(common::trailmark_bin())
             .args([sub.as_str(), "--help"])
             .output()
             .expect("run trailmark");

@@ -14,10 +14,10 @@ use trailmark::domain::{IdempotencyKey, RunStatus};
 use trailmark::engine::Engine;
 use trailmark::failpoint::Failpoints;
 use trailmark::guard::Budget;
-use trailmark::standin::model_server::{ModelServer, ModelServerOptions, Scripted};
 use trailmark::workflow::{
     Lookup, Registry, StepContext, StepError, StepKind, StepOutcome, Tool, Workflow,
 };
+use trailmark_standin::model_server::{ModelServer, ModelServerOptions, Scripted};
 
 const WAIT: Duration = Duration::from_secs(60);
 

@@ -12,8 +12,8 @@ use reference_support::{RefEnv, WAIT, expected_mismatches};
 use trailmark::broker::{Outgoing, map_to_headers};
 use trailmark::domain::RunStatus;
 use trailmark::failpoint::Failpoints;
-use trailmark::reference::ledger::{self, Entry, Posted};
-use trailmark::reference::{Error, logic, mail};
+use trailmark_reference::ledger::{self, Entry, Posted};
+use trailmark_reference::{Error, logic, mail};
 
 fn entry(reference: &str, amount_cents: i64) -> Entry {
     Entry {
@@ -87,7 +87,7 @@ async fn a_run_meeting_a_reused_key_stops_for_review_naming_the_key() {
 
     let engine = r
         .env
-        .engine_with(trailmark::builtin::registry(), Failpoints::default());
+        .engine_with(trailmark_reference::registry(), Failpoints::default());
     let running = r.env.spawn_all(engine);
     r.start(&night).await;
     let run = r

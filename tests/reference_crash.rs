@@ -10,11 +10,11 @@ use std::os::unix::process::ExitStatusExt;
 
 use reference_support::{RefEnv, WAIT, expected_mismatches};
 use trailmark::domain::RunStatus;
-use trailmark::reference::checkpoints::{Notes, WriteOutcome, Writes};
-use trailmark::reference::workflow::{EXTRACT, POST, SEND_NOTES};
-use trailmark::reference::{invoices, ledger, mail};
+use trailmark_reference::checkpoints::{Notes, WriteOutcome, Writes};
+use trailmark_reference::workflow::{EXTRACT, POST, SEND_NOTES};
+use trailmark_reference::{invoices, ledger, mail};
 
-fn suppliers(night: &trailmark::reference::night::Night) -> i64 {
+fn suppliers(night: &trailmark_reference::night::Night) -> i64 {
     let mismatches = expected_mismatches(night);
     mismatches
         .iter()
@@ -149,7 +149,7 @@ async fn killed_inside_step_2_the_journaled_answers_are_not_asked_again() {
             .await,
         60
     );
-    let extracted: trailmark::reference::checkpoints::Extracted = r.output(&run_id, EXTRACT).await;
+    let extracted: trailmark_reference::checkpoints::Extracted = r.output(&run_id, EXTRACT).await;
     assert_eq!(
         extracted.answers.len(),
         60,

@@ -9,7 +9,7 @@ use std::process::{Output, Stdio};
 use std::time::{Duration, Instant};
 
 use reference_support::{RefEnv, WAIT, expected_mismatches};
-use trailmark::reference::ledger;
+use trailmark_reference::ledger;
 
 fn text(out: &Output) -> (String, String) {
     (

@@ -9,9 +9,9 @@ use std::os::unix::process::ExitStatusExt;
 
 use reference_support::{RefEnv, WAIT, expected_mismatches};
 use trailmark::domain::RunStatus;
-use trailmark::reference::checkpoints::{Compared, StockRead};
-use trailmark::reference::workflow::{COMPARE, READ_STOCK};
-use trailmark::reference::{generate, ledger, stock};
+use trailmark_reference::checkpoints::{Compared, StockRead};
+use trailmark_reference::workflow::{COMPARE, READ_STOCK};
+use trailmark_reference::{generate, ledger, stock};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn resumed_run_uses_the_checkpointed_stock_numbers_after_stock_changed() {

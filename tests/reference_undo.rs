@@ -16,8 +16,8 @@ use trailmark::domain::RunStatus;
 use trailmark::engine::Engine;
 use trailmark::failpoint::Failpoints;
 use trailmark::operator::{self, Decider, UndoOptions};
-use trailmark::reference::night::Night;
-use trailmark::reference::{logic, mail, stock, undo};
+use trailmark_reference::night::Night;
+use trailmark_reference::{logic, mail, stock, undo};
 
 /// The default night, run to success by an in-process engine with the mail sender running.
 async fn finished_night() -> (RefEnv, Night, String, Arc<Engine>, Running) {
@@ -27,7 +27,7 @@ async fn finished_night() -> (RefEnv, Night, String, Arc<Engine>, Running) {
     let run_id = night.run_id().to_string();
     let engine = r
         .env
-        .engine_with(trailmark::builtin::registry(), Failpoints::default());
+        .engine_with(trailmark_reference::registry(), Failpoints::default());
     let running = r.env.spawn_all(engine.clone());
     r.start(&night).await;
     r.env.wait_status(&run_id, RunStatus::Succeeded, WAIT).await;

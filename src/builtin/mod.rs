@@ -1,5 +1,4 @@
-//! Workflows that ship with trailmark: `chain`, for smoke tests, drills and benchmarks, and
-//! `reconcile`, the reference scenario (see [`crate::reference`]).
+//! Workflows that ship with the engine: `chain`, for smoke tests, drills and benchmarks.
 
 pub mod chain;
 
@@ -9,6 +8,5 @@ use crate::workflow::Registry;
 pub fn registry() -> Registry {
     let mut r = Registry::new();
     r.register(chain::workflow());
-    r.register(crate::reference::workflow::workflow());
     r
 }

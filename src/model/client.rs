@@ -330,5 +330,22 @@ fn describe(e: reqwest::Error) -> String {
 }
 
 #[cfg(test)]
-#[path = "client_tests.rs"]
-mod tests;
+mod tests {
+    use super::*;
+
+    #[test]
+    fn retry_after_reads_seconds_and_http_dates() {
+        let mut headers = HeaderMap::new();
+        headers.insert(header::RETRY_AFTER, "12".parse().unwrap());
+        assert_eq!(retry_after(&headers), Some(Duration::from_secs(12)));
+        let soon = chrono::Utc::now() + chrono::Duration::seconds(30);
+        headers.insert(header::RETRY_AFTER, soon.to_rfc2822().parse().unwrap());
+        let wait = retry_after(&headers).unwrap();
+        assert!(
+            wait > Duration::from_secs(25) && wait <= Duration::from_secs(30),
+            "{wait:?}"
+        );
+        headers.insert(header::RETRY_AFTER, "soon".parse().unwrap());
+        assert_eq!(retry_after(&headers), None);
+    }
+}

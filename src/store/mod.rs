@@ -247,7 +247,7 @@ fn quoted(name: &str) -> String {
 }
 
 /// Creates `target`'s database when it is missing; safe from several processes at once.
-pub(crate) async fn create_database(target: &PgConnectOptions) -> sqlx::Result<()> {
+pub async fn create_database(target: &PgConnectOptions) -> sqlx::Result<()> {
     let name = target.get_database().unwrap_or("postgres").to_owned();
     let mut conn = target.clone().database("postgres").connect().await?;
     let exists: bool =
@@ -273,7 +273,7 @@ pub(crate) async fn create_database(target: &PgConnectOptions) -> sqlx::Result<(
 
 /// Drops `target`'s database, ending its sessions (the bench and the demo's outside systems
 /// clean up after themselves with this).
-pub(crate) async fn drop_database(target: &PgConnectOptions) -> sqlx::Result<()> {
+pub async fn drop_database(target: &PgConnectOptions) -> sqlx::Result<()> {
     let name = target.get_database().unwrap_or("postgres").to_owned();
     let mut conn = target.clone().database("postgres").connect().await?;
     let sql = format!("DROP DATABASE IF EXISTS {} WITH (FORCE)", quoted(&name));

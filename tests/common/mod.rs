@@ -26,6 +26,24 @@ pub struct TestEnv {
     pub prefix: String,
 }
 
+/// The `trailmark` binary of this build. It belongs to the workspace member `trailmark-cli`, so
+/// cargo does not hand its path to these tests; it lies next to their own directory
+/// (`target/<profile>/deps/..`). `scripts/test` builds it before running them.
+pub fn trailmark_bin() -> std::path::PathBuf {
+    let exe = std::env::current_exe().expect("the test binary's path");
+    let dir = exe
+        .parent()
+        .and_then(|deps| deps.parent())
+        .expect("tests run from target/<profile>/deps");
+    let bin = dir.join("trailmark");
+    assert!(
+        bin.exists(),
+        "{} is missing: build it first with `cargo build -p trailmark-cli` (scripts/test does)",
+        bin.display()
+    );
+    bin
+}
+
 /// The Postgres server tests use (`TRAILMARK_TEST_PG`), without a database name.
 pub fn base_url() -> String {
     std::env::var("TRAILMARK_TEST_PG")
@@ -121,7 +139,7 @@ impl TestEnv {
     }
 
     pub fn engine(&self) -> Arc<Engine> {
-        self.engine_with(trailmark::builtin::registry(), Failpoints::default())
+        self.engine_with(trailmark_reference::registry(), Failpoints::default())
     }
 
     /// Runs worker + relay + supervisor in this process until the returned guard stops them.
@@ -245,7 +263,7 @@ impl TestEnv {
 
     /// The `trailmark` binary with this environment's settings.
     pub fn command(&self, args: &[&str]) -> Command {
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_trailmark"));
+        let mut cmd = Command::new(trailmark_bin());
         cmd.args(args)
             .env("DATABASE_URL", &self.settings.database.url)
             .env("AMQP_URL", &self.settings.broker.url)

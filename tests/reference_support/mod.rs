@@ -12,12 +12,12 @@ use sqlx::PgPool;
 use sqlx::postgres::PgConnectOptions;
 use tokio_util::sync::CancellationToken;
 use trailmark::broker;
-use trailmark::reference::logic::{self, Item, Mismatch};
-use trailmark::reference::night::{Night, parse_date};
-use trailmark::reference::orders::OrderRow;
-use trailmark::reference::stock::Received;
-use trailmark::reference::{extract, generate, mail, outside, workflow};
-use trailmark::standin::model_server::{ModelServer, ModelServerOptions};
+use trailmark_reference::logic::{self, Item, Mismatch};
+use trailmark_reference::night::{Night, parse_date};
+use trailmark_reference::orders::OrderRow;
+use trailmark_reference::stock::Received;
+use trailmark_reference::{extract, generate, mail, outside, workflow};
+use trailmark_standin::model_server::{ModelServer, ModelServerOptions};
 
 use crate::common::{ChildGuard, TestEnv};
 

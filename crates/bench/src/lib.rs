@@ -1,0 +1,381 @@
+//! `trailmark bench`: throughput, latency, CPU, memory and recovery of the `chain` workflow on
+//! real `trailmark` processes, against B3 (a bare loop with the same step semantics, in
+//! [`baseline`]), in one run on the local servers, in a database and broker prefix of its own.
+//!
+//! | file | part |
+//! |---|---|
+//! | `env.rs` | the bench database and prefix, child processes |
+//! | `systems.rs` | trailmark and B3 behind one interface |
+//! | `load.rs` | one repetition: warm-up, loaded phase, unloaded phase |
+//! | `baseline.rs` | B3 itself |
+//! | `breakdown.rs` | where an unloaded trailmark step spends its time |
+//! | `measure.rs` | /proc CPU and peak RSS, the fsync probe, summaries |
+//! | `recovery.rs` | kill -9 at 50% progress |
+//! | `scale.rs` | 1, 2, 4 workers x 1k, 10k, 100k runs (opt-in) |
+//! | `report.rs` | the table, the JSON, the targets |
+//! | `window.rs` | a measured window: wall time and CPU by who used it |
+
+pub mod baseline;
+pub mod breakdown;
+pub mod env;
+pub mod load;
+pub mod measure;
+pub mod recovery;
+pub mod report;
+pub mod scale;
+pub mod systems;
+pub mod window;
+
+use std::time::Duration;
+
+use env::{BenchEnv, Proc};
+use load::RepFigures;
+use report::{Report, Setup, Workload};
+use systems::System;
+
+use trailmark::config::Settings;
+
+/// Why the bench could not finish.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// Postgres failed or is unreachable.
+    #[error("the bench lost the database")]
+    Store(#[from] trailmark::store::Error),
+    /// RabbitMQ failed or is unreachable.
+    #[error("the bench lost the broker")]
+    Broker(#[from] trailmark::broker::Error),
+    /// A measured system misbehaved: a run stopped, progress stalled, a child died.
+    #[error("{0}")]
+    Failed(String),
+    /// Local I/O: /proc, log files, the fsync probe, starting children.
+    #[error("{what}: {source}")]
+    Io {
+        /// What was being done.
+        what: String,
+        /// The OS error.
+        source: std::io::Error,
+    },
+}
+
+impl Error {
+    pub(crate) fn io(what: impl Into<String>, source: std::io::Error) -> Self {
+        Self::Io {
+            what: what.into(),
+            source,
+        }
+    }
+}
+
+impl From<sqlx::Error> for Error {
+    fn from(e: sqlx::Error) -> Self {
+        Self::Store(e.into())
+    }
+}
+
+impl From<lapin::Error> for Error {
+    fn from(e: lapin::Error) -> Self {
+        Self::Broker(e.into())
+    }
+}
+
+/// Shorthand for bench results.
+pub type Result<T> = std::result::Result<T, Error>;
+
+/// Size of the engine's in-process stand-in answer (`Services::standin_answer_bytes`).
+pub const BUILTIN_ANSWER_BYTES: usize = 64;
+
+/// Where model answers come from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ModelMode {
+    /// The stand-in model server (`trailmark model-server`) over HTTP, answers of this size.
+    Http {
+        /// Bytes per answer.
+        answer_bytes: usize,
+    },
+    /// The engine's in-process stand-in answer (no model configured), 64 bytes.
+    Builtin,
+}
+
+/// What to run; [`Config::default`] is the issue's configuration, [`Config::quick`] a smoke run.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// Runs per repetition, all started at once.
+    pub runs: usize,
+    /// Steps per run.
+    pub steps: i32,
+    /// Measured repetitions per system.
+    pub reps: usize,
+    /// Warm-up runs before each repetition.
+    pub warmup_runs: usize,
+    /// Runs started one at a time per repetition.
+    pub unloaded_runs: usize,
+    /// Processes per system.
+    pub workers: usize,
+    /// Where model answers come from.
+    pub model: ModelMode,
+    /// Run the recovery scenarios.
+    pub recovery: bool,
+    /// Lease of the workers in the recovery scenarios (None: the configured lease).
+    pub lease_secs: Option<u64>,
+    /// Run the scale phase.
+    pub scale: bool,
+    /// Worker counts of the scale phase.
+    pub scale_workers: Vec<usize>,
+    /// Run counts of the scale phase.
+    pub scale_runs: Vec<usize>,
+    /// Writes timed by the fsync probe.
+    pub fsync_samples: usize,
+    /// Postgres pool of each process the bench starts (None: `database.max_connections`).
+    /// A smoke run beside other work (the test suite) must leave the server connections to
+    /// spare: a refused connection stalls a worker and skews what is measured.
+    pub pool: Option<u32>,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            runs: 1000,
+            steps: 10,
+            reps: 5,
+            warmup_runs: 100,
+            unloaded_runs: 20,
+            workers: 1,
+            model: ModelMode::Http { answer_bytes: 2048 },
+            recovery: true,
+            lease_secs: None,
+            scale: false,
+            scale_workers: vec![1, 2, 4],
+            scale_runs: vec![1_000, 10_000, 100_000],
+            fsync_samples: 200,
+            pool: None,
+        }
+    }
+}
+
+impl Config {
+    /// Tiny sizes and a 3-second lease: every figure, in well under a minute.
+    pub fn quick() -> Self {
+        Self {
+            runs: 20,
+            steps: 4,
+            reps: 1,
+            warmup_runs: 4,
+            unloaded_runs: 3,
+            lease_secs: Some(3),
+            scale_workers: vec![1, 2],
+            scale_runs: vec![20],
+            fsync_samples: 20,
+            pool: Some(4),
+            ..Self::default()
+        }
+    }
+
+    /// Bytes per model answer.
+    pub fn answer_bytes(&self) -> usize {
+        match self.model {
+            ModelMode::Http { answer_bytes } => answer_bytes,
+            ModelMode::Builtin => BUILTIN_ANSWER_BYTES,
+        }
+    }
+}
+
+/// One progress line on stderr.
+pub(crate) fn progress(msg: &str) {
+    eprintln!("bench: {msg}");
+}
+
+/// Says so up front when the server cannot hold the processes the bench will start at once:
+/// a worker refused its connections retries its deliveries and leaves the work to the others,
+/// which would skew every figure (and, in the recovery phase, who holds the leases).
+async fn warn_if_short_of_connections(env: &BenchEnv, cfg: &Config) -> Result<()> {
+    let processes = if cfg.recovery {
+        cfg.workers.max(recovery::PROCESSES)
+    } else {
+        cfg.workers
+    };
+    let each = trailmark::store::connections_per_process(env.child_pool);
+    let need = processes as i64 * i64::from(each);
+    let budget = env.connection_budget().await?;
+    if need > budget.free {
+        progress(&format!(
+            "warning: {budget}; up to {processes} processes of {each} connections each may need \
+             {need} but {} are free; lower --pool or raise max_connections",
+            budget.free.max(0)
+        ));
+    }
+    Ok(())
+}
+
+/// Runs the whole bench in a fresh database and broker prefix, removed at the end (also on
+/// Ctrl-C); `base` supplies the servers' URLs and the processes' settings.
+pub async fn run(base: &Settings, cfg: &Config) -> Result<Report> {
+    let mut env = BenchEnv::create(base, cfg.pool).await?;
+    progress(&format!(
+        "database {}, broker prefix {} (both removed at the end); child logs in {}",
+        env.db_name,
+        env.prefix,
+        env.log_dir.display()
+    ));
+    let outcome = tokio::select! {
+        r = measure_all(&mut env, cfg) => r,
+        _ = tokio::signal::ctrl_c() => Err(Error::Failed("interrupted (Ctrl-C); the children were killed".into())),
+    };
+    for left in env.teardown().await {
+        progress(&format!("could not remove {left}; remove it by hand"));
+    }
+    outcome
+}
+
+async fn measure_all(env: &mut BenchEnv, cfg: &Config) -> Result<Report> {
+    let (postgres, durability, data_dir) = server_info(env).await?;
+    warn_if_short_of_connections(env, cfg).await?;
+    let background_cores_before = window::background_cores(window::BACKGROUND_SPAN).await?;
+    let fsync = measure::probe_fsync(data_dir.as_deref(), cfg.fsync_samples)?;
+    progress(&format!(
+        "fsync latency: p50 {:.3} ms, p99 {:.3} ms ({})",
+        fsync.p50_ms, fsync.p99_ms, fsync.dir
+    ));
+    let model = start_model(env, cfg).await?;
+    let (mut trailmark, mut b3) = (Vec::new(), Vec::new());
+    for rep in 1..=cfg.reps {
+        // Alternate who goes first, so a drift in the machine's load does not favour one side.
+        let order = if rep % 2 == 1 {
+            [System::Trailmark, System::B3]
+        } else {
+            [System::B3, System::Trailmark]
+        };
+        for system in order {
+            let figures = load::repetition(env, system, cfg, rep, model.as_ref()).await?;
+            match system {
+                System::Trailmark => trailmark.push(figures),
+                System::B3 => b3.push(figures),
+            }
+        }
+    }
+    let recovery = if cfg.recovery {
+        recovery::run(env, cfg).await?
+    } else {
+        Vec::new()
+    };
+    let scale = if cfg.scale {
+        scale::run(env, cfg, model.as_ref()).await
+    } else {
+        (Vec::new(), None)
+    };
+    drop(model);
+    let background_cores_after = window::background_cores(window::BACKGROUND_SPAN).await?;
+    let setup = Setup {
+        database: env.db_name.clone(),
+        broker_prefix: env.prefix.clone(),
+        log_dir: env.log_dir.display().to_string(),
+        cores: std::thread::available_parallelism().map_or(1, |n| n.get()),
+        postgres,
+        durability,
+        background_cores_before,
+        background_cores_after,
+    };
+    Ok(build(
+        setup,
+        fsync,
+        env,
+        cfg,
+        (&trailmark, &b3),
+        recovery,
+        scale,
+    ))
+}
+
+fn build(
+    setup: Setup,
+    fsync: measure::FsyncProbe,
+    env: &BenchEnv,
+    cfg: &Config,
+    reps: (&[RepFigures], &[RepFigures]),
+    recovery: Vec<recovery::Recovery>,
+    (scale, scale_failure): (Vec<scale::ScalePoint>, Option<Error>),
+) -> Report {
+    let model = match cfg.model {
+        ModelMode::Http { .. } => {
+            "journaled; from the stand-in model server over HTTP (trailmark and B3 alike)"
+        }
+        ModelMode::Builtin => {
+            "journaled; the engine's in-process stand-in answer (B3 computes the same answer)"
+        }
+    };
+    let workload = Workload {
+        runs: cfg.runs,
+        steps: cfg.steps,
+        reps: cfg.reps,
+        warmup_runs: cfg.warmup_runs,
+        unloaded_runs: cfg.unloaded_runs,
+        workers: cfg.workers,
+        concurrency: env.settings.worker.concurrency,
+        pool: env.child_pool,
+        model: model.into(),
+        answer_bytes: cfg.answer_bytes(),
+    };
+    let mut left_out = vec!["recovery and scale of B3 (B3 has no leases to wait for; it is the throughput and latency baseline only)".to_owned()];
+    if !cfg.recovery {
+        left_out.push("recovery (run without --no-recovery)".into());
+    }
+    if !cfg.scale {
+        left_out.push(
+            "scale: 1, 2, 4 workers x 1k, 10k, 100k runs (opt-in: --scale; long on 2 cores)".into(),
+        );
+    }
+    Report {
+        setup,
+        fsync,
+        workload,
+        figures: report::figures(reps.0, reps.1, cfg.steps),
+        breakdown: report::breakdown(reps.0),
+        recovery_target: report::recovery_target(&recovery),
+        recovery,
+        scale,
+        scale_failure: scale_failure.map(|e| e.to_string()),
+        left_out,
+    }
+}
+
+/// Postgres' version, its durability settings, and its data directory if we may see it.
+async fn server_info(env: &BenchEnv) -> Result<(String, String, Option<String>)> {
+    let (version, fsync, sync_commit, method): (String, String, String, String) = sqlx::query_as(
+        "SELECT split_part(version(), ' on ', 1), current_setting('fsync'), current_setting('synchronous_commit'), current_setting('wal_sync_method')",
+    )
+    .fetch_one(&env.pool)
+    .await?;
+    // Reading data_directory needs pg_read_all_settings; without it the probe uses the temp dir.
+    let data_dir: Option<String> = sqlx::query_scalar("SELECT current_setting('data_directory')")
+        .fetch_one(&env.pool)
+        .await
+        .ok();
+    let durability =
+        format!("fsync={fsync}, synchronous_commit={sync_commit}, wal_sync_method={method}");
+    Ok((version, durability, data_dir))
+}
+
+/// Starts the stand-in model server for [`ModelMode::Http`] and points every later child at it.
+async fn start_model(env: &mut BenchEnv, cfg: &Config) -> Result<Option<Proc>> {
+    let ModelMode::Http { answer_bytes } = cfg.model else {
+        return Ok(None);
+    };
+    let bytes = answer_bytes.to_string();
+    let proc = env.spawn(
+        "model-server",
+        &["model-server", "--port", "0", "--answer-bytes", &bytes],
+    )?;
+    let log = env.log_dir.join("model-server.log");
+    let marker = "model server listening on ";
+    for _ in 0..500 {
+        let text = std::fs::read_to_string(&log).unwrap_or_default();
+        if let Some(url) = text.lines().find_map(|l| l.strip_prefix(marker)) {
+            env.set_child_env("TRAILMARK__MODEL__BASE_URL", url.trim());
+            return Ok(Some(proc));
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    Err(Error::Failed(format!(
+        "the stand-in model server did not start within 10 s; see {}",
+        log.display()
+    )))
+}

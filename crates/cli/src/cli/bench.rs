@@ -1,0 +1,148 @@
+//! `trailmark bench`: the benchmark of issue 5 (see [`crate::bench`]); prints a table, or JSON
+//! with `--json`. Also the hidden `--b3-worker` role the bench starts its baseline processes with.
+
+use anyhow::Context;
+use tokio_util::sync::CancellationToken;
+
+use trailmark::config::Settings;
+use trailmark_bench::{self as bench, Config, ModelMode, baseline};
+
+/// Sizes and phases; anything not given comes from the default (or `--quick`) configuration.
+#[derive(Debug, Clone, clap::Args)]
+pub struct BenchArgs {
+    /// Runs per repetition, all started at once [default: 1000; --quick: 20].
+    #[arg(long)]
+    pub runs: Option<usize>,
+    /// Steps per run [default: 10; --quick: 4].
+    #[arg(long)]
+    pub steps: Option<i32>,
+    /// Measured repetitions per system [default: 5; --quick: 1].
+    #[arg(long)]
+    pub reps: Option<usize>,
+    /// Warm-up runs before each repetition [default: 100; --quick: 4].
+    #[arg(long)]
+    pub warmup_runs: Option<usize>,
+    /// Runs started one at a time per repetition, for the unloaded latencies [default: 20; --quick: 3].
+    #[arg(long)]
+    pub unloaded_runs: Option<usize>,
+    /// Processes per system (trailmark `serve`, B3 worker) [default: 1].
+    #[arg(long)]
+    pub workers: Option<usize>,
+    /// Bytes per model answer, served by the stand-in model server over HTTP [default: 2048].
+    #[arg(long)]
+    pub answer_bytes: Option<usize>,
+    /// Use the engine's in-process stand-in answer (64 bytes, no HTTP) instead.
+    #[arg(long, conflicts_with = "answer_bytes")]
+    pub builtin_model: bool,
+    /// Skip the recovery scenarios.
+    #[arg(long)]
+    pub no_recovery: bool,
+    /// Workers' lease in the recovery scenarios, seconds [default: worker.lease_secs; --quick: 3].
+    #[arg(long)]
+    pub lease_secs: Option<u64>,
+    /// Also run the scale phase (trailmark only; long: 100k runs on 2 cores take the better part of an hour).
+    #[arg(long)]
+    pub scale: bool,
+    /// Worker counts of the scale phase [default: 1,2,4].
+    #[arg(long, value_delimiter = ',')]
+    pub scale_workers: Option<Vec<usize>>,
+    /// Run counts of the scale phase [default: 1000,10000,100000].
+    #[arg(long, value_delimiter = ',')]
+    pub scale_runs: Option<Vec<usize>>,
+    /// Postgres pool of each process the bench starts [default: database.max_connections; --quick: 4].
+    #[arg(long)]
+    pub pool: Option<u32>,
+    /// A smoke configuration: tiny sizes, one repetition, a 3 s lease.
+    #[arg(long)]
+    pub quick: bool,
+    /// Print the report as JSON instead of a table.
+    #[arg(long)]
+    pub json: bool,
+    /// Run one B3 baseline process (the bench starts these itself).
+    #[arg(long, hide = true)]
+    pub b3_worker: bool,
+}
+
+/// Runs the bench (or, with `--b3-worker`, one baseline process) and prints the report.
+pub async fn run(settings: &Settings, args: BenchArgs) -> anyhow::Result<()> {
+    if args.b3_worker {
+        return b3_worker(settings, &args).await;
+    }
+    let cfg = config(&args)?;
+    let report = bench::run(settings, &cfg).await?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        print!("{}", bench::report::render(&report));
+    }
+    match &report.scale_failure {
+        // After the report: what was measured before the failure is not lost.
+        Some(e) => anyhow::bail!(
+            "the scale phase stopped early ({e}); the report above has what it measured before"
+        ),
+        None => Ok(()),
+    }
+}
+
+/// The configuration the arguments ask for.
+pub fn config(args: &BenchArgs) -> anyhow::Result<Config> {
+    let mut cfg = if args.quick {
+        Config::quick()
+    } else {
+        Config::default()
+    };
+    let set = |slot: &mut usize, v: Option<usize>| {
+        if let Some(v) = v {
+            *slot = v;
+        }
+    };
+    set(&mut cfg.runs, args.runs);
+    set(&mut cfg.reps, args.reps);
+    set(&mut cfg.warmup_runs, args.warmup_runs);
+    set(&mut cfg.unloaded_runs, args.unloaded_runs);
+    set(&mut cfg.workers, args.workers);
+    cfg.steps = args.steps.unwrap_or(cfg.steps);
+    if args.builtin_model {
+        cfg.model = ModelMode::Builtin;
+    } else if let Some(answer_bytes) = args.answer_bytes {
+        cfg.model = ModelMode::Http { answer_bytes };
+    }
+    cfg.recovery = !args.no_recovery;
+    cfg.lease_secs = args.lease_secs.or(cfg.lease_secs);
+    cfg.pool = args.pool.or(cfg.pool);
+    cfg.scale = args.scale;
+    cfg.scale_workers = args.scale_workers.clone().unwrap_or(cfg.scale_workers);
+    cfg.scale_runs = args.scale_runs.clone().unwrap_or(cfg.scale_runs);
+    if cfg.runs == 0 || cfg.steps < 2 || cfg.reps == 0 || cfg.workers == 0 {
+        anyhow::bail!(
+            "--runs, --reps and --workers must be at least 1 and --steps at least 2 (step gaps need two steps)"
+        );
+    }
+    if cfg.pool == Some(0) {
+        anyhow::bail!("--pool must be at least 1 (connections per process)");
+    }
+    if cfg.scale_workers.contains(&0) || cfg.scale_runs.contains(&0) {
+        anyhow::bail!("--scale-workers and --scale-runs take positive numbers, e.g. 1,2,4");
+    }
+    Ok(cfg)
+}
+
+async fn b3_worker(settings: &Settings, args: &BenchArgs) -> anyhow::Result<()> {
+    let answers = if settings.model.is_configured() {
+        let client = trailmark::model::ModelClient::new(&settings.model)
+            .context("B3 worker: model client")?;
+        baseline::Answers::Http(client)
+    } else {
+        baseline::Answers::Local(args.answer_bytes.unwrap_or(bench::BUILTIN_ANSWER_BYTES))
+    };
+    let shutdown = CancellationToken::new();
+    let stop = shutdown.clone();
+    tokio::spawn(async move {
+        use tokio::signal::unix::{SignalKind, signal};
+        if let Ok(mut term) = signal(SignalKind::terminate()) {
+            term.recv().await;
+        }
+        stop.cancel();
+    });
+    Ok(baseline::serve(settings.clone(), answers, shutdown).await?)
+}

@@ -1,0 +1,129 @@
+//! `trailmark run resume | undo | cancel | approve | reject` and `trailmark contract`.
+
+use anyhow::{Context, bail};
+use serde_json::Value;
+
+use trailmark::config::Settings;
+use trailmark::engine::Engine;
+use trailmark::failpoint::Failpoints;
+use trailmark::operator::{self, Decider, Outcome, UndoOptions};
+use trailmark::workflow::{Registry, contract};
+
+/// A decision as typed on the command line.
+#[derive(Debug, Clone)]
+pub enum Decision {
+    /// Resume at the failed step (optionally after a fix).
+    Resume {
+        /// Reset attempts and move to the deployed version.
+        after_fix: bool,
+    },
+    /// Undo, optionally scoped.
+    Undo {
+        /// Scope JSON.
+        scope: Option<String>,
+        /// Go ahead although the stopped step's writes stay.
+        leave_partial: bool,
+        /// Skip the confirmation.
+        yes: bool,
+    },
+    /// Cancel.
+    Cancel,
+    /// Approve the waiting step.
+    Approve {
+        /// The step.
+        step: String,
+    },
+    /// Reject the waiting step.
+    Reject {
+        /// The step.
+        step: String,
+    },
+}
+
+/// The actor when `--actor` is not given: `$USER`, else `operator`.
+pub fn default_actor() -> String {
+    std::env::var("USER")
+        .ok()
+        .filter(|u| !u.is_empty())
+        .unwrap_or_else(|| "operator".into())
+}
+
+/// Applies a decision and prints what it did.
+pub async fn decide(
+    settings: Settings,
+    registry: Registry,
+    run_id: &str,
+    decision: Decision,
+    who: Decider,
+    as_json: bool,
+) -> anyhow::Result<()> {
+    if who.reason.trim().is_empty() {
+        bail!("--reason must say why (it is recorded with the decision)");
+    }
+    let engine = Engine::new(settings, registry, Failpoints::default()).await?;
+    let outcome = match decision {
+        Decision::Resume { after_fix } => {
+            operator::resume(&engine, run_id, &who, after_fix).await?
+        }
+        Decision::Undo {
+            scope,
+            leave_partial,
+            yes,
+        } => {
+            let scope: Value = match scope.as_deref() {
+                Some(raw) => serde_json::from_str(raw)
+                    .with_context(|| format!("--scope is not valid JSON: {raw}"))?,
+                None => serde_json::json!({}),
+            };
+            let what = if scope.as_object().is_some_and(|o| o.is_empty()) {
+                "every completed write".to_owned()
+            } else {
+                format!("the writes selected by {scope}")
+            };
+            super::confirm(
+                &format!("undo run {run_id}: post reversals for {what}, newest first"),
+                "Check the run with `trailmark run show`, ",
+                yes,
+            )
+            .await?;
+            let opts = UndoOptions {
+                scope,
+                leave_partial,
+            };
+            operator::undo(&engine, run_id, &who, opts).await?
+        }
+        Decision::Cancel => operator::cancel(&engine, run_id, &who).await?,
+        Decision::Approve { step } => operator::approve(&engine, run_id, &step, &who).await?,
+        Decision::Reject { step } => operator::reject(&engine, run_id, &step, &who).await?,
+    };
+    print_outcome(&outcome, as_json)
+}
+
+fn print_outcome(o: &Outcome, as_json: bool) -> anyhow::Result<()> {
+    if as_json {
+        println!("{}", serde_json::to_string_pretty(o)?);
+    } else {
+        println!(
+            "{} {}: {} -> {}; next: {}",
+            o.action, o.run_id, o.status_before, o.status_after, o.next
+        );
+    }
+    Ok(())
+}
+
+/// `trailmark contract WORKFLOW [--json]`.
+pub fn print_contract(registry: &Registry, workflow: &str, as_json: bool) -> anyhow::Result<()> {
+    let wf = registry.get(workflow).with_context(|| {
+        format!(
+            "unknown workflow {workflow:?}: this build runs {}",
+            registry.names().join(", ")
+        )
+    })?;
+    let c = contract::derive(&wf);
+    if as_json {
+        println!("{}", serde_json::to_string_pretty(&c)?);
+    } else {
+        println!("{}", contract::render(&c));
+    }
+    Ok(())
+}

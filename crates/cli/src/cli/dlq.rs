@@ -1,0 +1,277 @@
+//! `trailmark dlq list | show | requeue | purge`: the dead-letter queue for operators.
+
+use anyhow::bail;
+use clap::{ArgGroup, Subcommand};
+
+use trailmark::config::Settings;
+use trailmark::dlq::{
+    BodyView, DeadLetter, DeadLetteredBy, Dlq, Listing, Requeued, Selection, Shown,
+};
+
+/// The `dlq` subcommands.
+#[derive(Debug, Subcommand)]
+pub enum DlqCommand {
+    /// List dead letters, oldest first: id, reason, source queue, deliveries, size, time.
+    List {
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+        /// At most this many messages.
+        #[arg(long, default_value_t = 100)]
+        limit: usize,
+    },
+    /// Show one dead letter: every header, and the body when it is JSON.
+    Show {
+        /// Message id (first column of `dlq list`).
+        id: String,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Send dead letters back to the queue they died in, through the normal pipeline
+    /// (the inbox still drops a message that was already processed).
+    #[command(group(ArgGroup::new("which").required(true).args(["id", "all", "reason"])))]
+    Requeue {
+        /// Message id (first column of `dlq list`).
+        id: Option<String>,
+        /// Every dead letter.
+        #[arg(long)]
+        all: bool,
+        /// Every dead letter with this reason code (e.g. unknown_workflow).
+        #[arg(long)]
+        reason: Option<String>,
+    },
+    /// Delete dead letters for good. Asks first, unless --yes.
+    #[command(group(ArgGroup::new("which").required(true).args(["id", "all"])))]
+    Purge {
+        /// Message id (first column of `dlq list`).
+        id: Option<String>,
+        /// Every dead letter.
+        #[arg(long)]
+        all: bool,
+        /// Do not ask; required when stdin is not a terminal.
+        #[arg(long)]
+        yes: bool,
+    },
+}
+
+/// Runs one `dlq` subcommand.
+pub async fn run(settings: &Settings, command: DlqCommand) -> anyhow::Result<()> {
+    let dlq = Dlq::connect(&settings.broker).await?;
+    let result = match command {
+        DlqCommand::List { json, limit } => list(&dlq, json, limit).await,
+        DlqCommand::Show { id, json } => show(&dlq, &id, json).await,
+        DlqCommand::Requeue { id, all, reason } => requeue(&dlq, &selection(id, all, reason)).await,
+        DlqCommand::Purge { id, all, yes } => purge(&dlq, &selection(id, all, None), yes).await,
+    };
+    dlq.close().await;
+    result
+}
+
+fn selection(id: Option<String>, all: bool, reason: Option<String>) -> Selection {
+    match (id, all, reason) {
+        (Some(id), _, _) => Selection::Id(id),
+        (_, _, Some(reason)) => Selection::Reason(reason),
+        _ => Selection::All,
+    }
+}
+
+/// Progress of long passes, on stderr so that stdout stays parseable.
+fn progress(taken: u32, depth: u32) {
+    eprintln!("dlq: {taken} of {depth} messages looked at");
+}
+
+async fn list(dlq: &Dlq, json: bool, limit: usize) -> anyhow::Result<()> {
+    let listing = dlq.list(limit, &progress).await?;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&listing)?);
+        return Ok(());
+    }
+    print_listing(&listing);
+    Ok(())
+}
+
+fn print_listing(l: &Listing) {
+    if l.depth == 0 {
+        println!("{} is empty", l.queue);
+        return;
+    }
+    let more = match l.depth as usize > l.letters.len() {
+        true => format!(
+            ", showing the first {} (see more with --limit)",
+            l.letters.len()
+        ),
+        false => String::new(),
+    };
+    println!("{}: {} dead letters{more}", l.queue, l.depth);
+    println!(
+        "{:<38} {:<20} {:<28} {:>5} {:>9}  {:<25}  detail",
+        "id", "reason", "queue", "tries", "bytes", "failed at"
+    );
+    for d in &l.letters {
+        println!(
+            "{:<38} {:<20} {:<28} {:>5} {:>9}  {:<25}  {}",
+            d.id,
+            d.reason,
+            d.queue.as_deref().unwrap_or("-"),
+            d.deliveries.map(|n| n.to_string()).unwrap_or("-".into()),
+            d.body_bytes,
+            d.failed_at.as_deref().unwrap_or("-"),
+            short(d.detail.as_deref().unwrap_or(""), 80)
+        );
+    }
+    println!(
+        "inspect one with `trailmark dlq show ID`; send back with `trailmark dlq requeue ID | --reason R | --all`"
+    );
+}
+
+fn short(text: &str, max: usize) -> String {
+    match text.char_indices().nth(max) {
+        Some((cut, _)) => format!("{}...", &text[..cut]),
+        None => text.to_owned(),
+    }
+}
+
+async fn show(dlq: &Dlq, id: &str, json: bool) -> anyhow::Result<()> {
+    let shown = dlq.show(id, &progress).await?;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&shown)?);
+        return Ok(());
+    }
+    print_shown(&shown);
+    Ok(())
+}
+
+fn print_shown(s: &Shown) {
+    let d = &s.letter;
+    let opt = |v: &Option<String>| v.clone().unwrap_or("-".into());
+    println!("id          {}", d.id);
+    let by = match d.by {
+        DeadLetteredBy::Worker => "a worker",
+        DeadLetteredBy::Broker => "RabbitMQ",
+        DeadLetteredBy::Unknown => "unknown",
+    };
+    println!("reason      {} (dead-lettered by {by})", d.reason);
+    println!("detail      {}", opt(&d.detail));
+    println!("queue       {}", opt(&d.queue));
+    println!(
+        "original    exchange {}  routing key {}",
+        opt(&d.exchange),
+        opt(&d.routing_key)
+    );
+    println!("failed at   {}", opt(&d.failed_at));
+    println!(
+        "deliveries  {}  requeued before {}",
+        d.deliveries.map(|n| n.to_string()).unwrap_or("-".into()),
+        d.requeued
+    );
+    println!("headers");
+    for (k, v) in &s.headers {
+        println!("  {k}: {v}");
+    }
+    match &s.body {
+        BodyView::Json { text } => println!("body ({} bytes, JSON)\n{text}", d.body_bytes),
+        BodyView::Binary {
+            bytes,
+            head_hex,
+            truncated,
+        } => println!(
+            "body ({bytes} bytes, not UTF-8 JSON), {}hex: {head_hex}{}",
+            if *truncated { "first 64 bytes in " } else { "" },
+            if *truncated { " ..." } else { "" }
+        ),
+    }
+}
+
+async fn requeue(dlq: &Dlq, which: &Selection) -> anyhow::Result<()> {
+    let r = dlq.requeue(which, &progress).await?;
+    print_requeued(dlq, which, &r);
+    let stuck = r.failed.len() + r.no_source_queue.len();
+    if stuck > 0 {
+        bail!(
+            "{stuck} selected dead letters were not requeued (listed above) and are still in {}; fix the cause and run the command again",
+            dlq.queue()
+        );
+    }
+    Ok(())
+}
+
+fn print_requeued(dlq: &Dlq, which: &Selection, r: &Requeued) {
+    let targets: Vec<String> = r
+        .by_queue
+        .iter()
+        .map(|(q, n)| format!("{n} to {q}"))
+        .collect();
+    println!(
+        "requeued {} of {} dead letters from {}{}{}",
+        r.requeued,
+        r.depth,
+        dlq.queue(),
+        if targets.is_empty() { "" } else { ": " },
+        targets.join(", ")
+    );
+    if r.left > 0 {
+        println!("{} not selected, left in the DLQ", r.left);
+    }
+    if r.unseen > 0 {
+        println!(
+            "{} held by another client meanwhile and not looked at; run the command again when it is done",
+            r.unseen
+        );
+    }
+    if let Selection::Reason(reason) = which
+        && r.requeued == 0
+        && r.failed.is_empty()
+    {
+        println!("no dead letter has reason {reason:?}; see the reasons with `trailmark dlq list`");
+    }
+    for id in &r.no_source_queue {
+        eprintln!(
+            "not requeued: {id} names no source queue; inspect it with `trailmark dlq show {id}`"
+        );
+    }
+    for f in &r.failed {
+        eprintln!("not requeued: {}: {}", f.id, f.why);
+    }
+}
+
+async fn purge(dlq: &Dlq, which: &Selection, yes: bool) -> anyhow::Result<()> {
+    let plan = match which {
+        Selection::Id(id) => {
+            let s = dlq.show(id, &progress).await?;
+            describe_one(&s.letter, &dlq.queue())
+        }
+        _ => match dlq.depth().await? {
+            0 => {
+                println!("{} is empty; nothing to purge", dlq.queue());
+                return Ok(());
+            }
+            n => format!("all {n} dead letters in {}", dlq.queue()),
+        },
+    };
+    super::confirm(
+        &format!("purge {plan} (they are deleted for good)"),
+        "Check what would go with `trailmark dlq list`, ",
+        yes,
+    )
+    .await?;
+    let purged = dlq.purge(which, &progress).await?;
+    println!("purged {} dead letters from {}", purged.purged, dlq.queue());
+    if purged.unseen > 0 {
+        println!(
+            "{} held by another client meanwhile and not looked at; they are still there",
+            purged.unseen
+        );
+    }
+    Ok(())
+}
+
+fn describe_one(d: &DeadLetter, queue: &str) -> String {
+    format!(
+        "dead letter {} in {queue} (reason {}, from {}, {} bytes)",
+        d.id,
+        d.reason,
+        d.queue.as_deref().unwrap_or("an unknown queue"),
+        d.body_bytes
+    )
+}

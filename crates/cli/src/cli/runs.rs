@@ -1,0 +1,195 @@
+//! `trailmark run ...`: the subcommands that start, inspect and decide about runs.
+
+use clap::Subcommand;
+
+use super::decide::{self, Decision};
+use trailmark::config::Settings;
+use trailmark::operator::Decider;
+use trailmark::workflow::Registry;
+
+/// The `run` subcommands.
+#[derive(Debug, Subcommand)]
+pub enum RunCommand {
+    /// Publish a run-start event, exactly as an upstream service would.
+    Start {
+        /// Workflow name (e.g. chain).
+        workflow: String,
+        /// Caller-chosen run id; starting the same id twice starts one run.
+        #[arg(long)]
+        run_id: String,
+        /// Workflow input as JSON.
+        #[arg(long)]
+        input: Option<String>,
+    },
+    /// Show a run: status, steps with attempts and timings, journal and effect counts.
+    Show {
+        /// Run id.
+        run_id: String,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// List runs, newest first.
+    List {
+        /// Only runs with this status.
+        #[arg(long)]
+        status: Option<String>,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+        /// At most this many runs.
+        #[arg(long, default_value_t = 100)]
+        limit: i64,
+    },
+    /// Resume a run in needs_review at the step that stopped it.
+    Resume {
+        /// Run id.
+        run_id: String,
+        /// Reset the failed step's attempts and continue on the workflow version deployed now.
+        #[arg(long)]
+        after_fix: bool,
+        /// Who decides and why.
+        #[command(flatten)]
+        who: Who,
+    },
+    /// Undo a run: compensations of completed steps, newest first (asks unless --yes).
+    Undo {
+        /// Run id.
+        run_id: String,
+        /// Only the items this JSON selects, e.g. '{"supplier":"S-07"}'.
+        #[arg(long)]
+        scope: Option<String>,
+        /// Undo although the step that stopped recorded writes no compensation reverses
+        /// (listed in the decision; reverse them by hand).
+        #[arg(long)]
+        leave_partial: bool,
+        /// Do not ask for confirmation.
+        #[arg(long)]
+        yes: bool,
+        /// Who decides and why.
+        #[command(flatten)]
+        who: Who,
+    },
+    /// Cancel a run; a step in flight commits nothing.
+    Cancel {
+        /// Run id.
+        run_id: String,
+        /// Who decides and why.
+        #[command(flatten)]
+        who: Who,
+    },
+    /// Approve the step a waiting run stopped at.
+    Approve {
+        /// Run id.
+        run_id: String,
+        /// The step it waits at.
+        #[arg(long)]
+        step: String,
+        /// Who decides and why.
+        #[command(flatten)]
+        who: Who,
+    },
+    /// Reject the step a waiting run stopped at.
+    Reject {
+        /// Run id.
+        run_id: String,
+        /// The step it waits at.
+        #[arg(long)]
+        step: String,
+        /// Who decides and why.
+        #[command(flatten)]
+        who: Who,
+    },
+}
+
+/// Who decides and why (recorded with every decision).
+#[derive(Debug, clap::Args)]
+pub struct Who {
+    /// Why, in your words.
+    #[arg(long)]
+    pub reason: String,
+    /// Who decides (default: $USER).
+    #[arg(long, env = "TRAILMARK_ACTOR")]
+    pub actor: Option<String>,
+    /// Print the outcome as JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Runs one `run` subcommand.
+pub async fn dispatch(
+    settings: Settings,
+    registry: Registry,
+    command: RunCommand,
+) -> anyhow::Result<()> {
+    match command {
+        RunCommand::Start {
+            workflow,
+            run_id,
+            input,
+        } => super::run::start(&settings, &registry, &workflow, &run_id, input.as_deref()).await,
+        RunCommand::Show { run_id, json } => super::run::show(&settings, &run_id, json).await,
+        RunCommand::Resume {
+            run_id,
+            after_fix,
+            who,
+        } => {
+            decide(
+                settings,
+                registry,
+                &run_id,
+                Decision::Resume { after_fix },
+                who,
+            )
+            .await
+        }
+        RunCommand::Undo {
+            run_id,
+            scope,
+            leave_partial,
+            yes,
+            who,
+        } => {
+            decide(
+                settings,
+                registry,
+                &run_id,
+                Decision::Undo {
+                    scope,
+                    leave_partial,
+                    yes,
+                },
+                who,
+            )
+            .await
+        }
+        RunCommand::Cancel { run_id, who } => {
+            decide(settings, registry, &run_id, Decision::Cancel, who).await
+        }
+        RunCommand::Approve { run_id, step, who } => {
+            decide(settings, registry, &run_id, Decision::Approve { step }, who).await
+        }
+        RunCommand::Reject { run_id, step, who } => {
+            decide(settings, registry, &run_id, Decision::Reject { step }, who).await
+        }
+        RunCommand::List {
+            status,
+            json,
+            limit,
+        } => super::run::list(&settings, status.as_deref(), json, limit).await,
+    }
+}
+
+async fn decide(
+    settings: Settings,
+    registry: Registry,
+    run_id: &str,
+    decision: Decision,
+    who: Who,
+) -> anyhow::Result<()> {
+    let decider = Decider {
+        actor: who.actor.unwrap_or_else(decide::default_actor),
+        reason: who.reason,
+    };
+    decide::decide(settings, registry, run_id, decision, decider, who.json).await
+}

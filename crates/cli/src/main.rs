@@ -1,0 +1,139 @@
+//! The `trailmark` binary: the command-line definition and dispatch, nothing else.
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+use trailmark::config::Settings;
+
+mod cli;
+use trailmark::process::Components;
+
+/// Crash-proof multi-step agent runs over RabbitMQ and a Postgres outbox.
+#[derive(Debug, Parser)]
+#[command(name = "trailmark", version, about)]
+struct Cli {
+    /// Extra settings file (TOML), layered over the compiled-in defaults.
+    #[arg(long, global = true, env = "TRAILMARK_CONFIG")]
+    config: Option<String>,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Create the database if missing, apply migrations, declare the broker topology (idempotent).
+    Migrate,
+    /// Run worker, relay and supervisor in one process.
+    Serve,
+    /// Run only the step consumer.
+    Worker,
+    /// Run only the outbox relay.
+    Relay,
+    /// Run only the lease supervisor.
+    Supervisor,
+    /// Start, inspect and list runs.
+    Run {
+        #[command(subcommand)]
+        command: cli::runs::RunCommand,
+    },
+    /// The reference scenario end to end: a worker killed in step 7, a fresh one resumes, figures.
+    Demo(cli::demo::DemoArgs),
+    /// Print a workflow's recovery contract, derived from its step declarations.
+    Contract {
+        /// Workflow name.
+        workflow: String,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Inspect, requeue and purge dead letters (poison messages and crash loops).
+    Dlq {
+        #[command(subcommand)]
+        command: cli::dlq::DlqCommand,
+    },
+    /// Measure throughput, latency, CPU, memory and recovery against the bare-loop baseline B3.
+    Bench(cli::bench::BenchArgs),
+    /// Run the stand-in OpenAI-compatible model server (for drills and demos).
+    ModelServer {
+        /// Port on 127.0.0.1 (0 picks a free one).
+        #[arg(long, default_value_t = 0)]
+        port: u16,
+        /// Size of each answer in bytes.
+        #[arg(long, default_value_t = 64)]
+        answer_bytes: usize,
+    },
+}
+
+impl Command {
+    fn is_long_running(&self) -> bool {
+        matches!(
+            self,
+            Self::Serve | Self::Worker | Self::Relay | Self::Supervisor | Self::ModelServer { .. }
+        )
+    }
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    trailmark::telemetry::init();
+    let cli = Cli::parse();
+    if !cli.command.is_long_running() {
+        // `trailmark run list | head` should end quietly, like any Unix tool, not panic.
+        // SAFETY: restoring the default disposition of SIGPIPE before any thread writes.
+        unsafe {
+            libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+        }
+    }
+    match dispatch(cli).await {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::from(cli::exit_code(&e))
+        }
+    }
+}
+
+async fn dispatch(cli: Cli) -> anyhow::Result<()> {
+    if let Command::ModelServer { port, answer_bytes } = cli.command {
+        let opts = trailmark_standin::model_server::ModelServerOptions {
+            port,
+            answer_bytes,
+            ..Default::default()
+        };
+        return Ok(trailmark_standin::model_server::serve_forever(opts).await?);
+    }
+    let settings = Settings::load_from(cli.config.as_deref())?;
+    let registry = trailmark_reference::registry();
+    let only = |worker, relay, supervisor| Components {
+        worker,
+        relay,
+        supervisor,
+    };
+    match cli.command {
+        Command::Migrate => cli::migrate::migrate(&settings).await,
+        Command::Serve => cli::serve::serve(settings, registry, Components::ALL).await,
+        Command::Worker => cli::serve::serve(settings, registry, only(true, false, false)).await,
+        Command::Relay => cli::serve::serve(settings, registry, only(false, true, false)).await,
+        Command::Supervisor => {
+            cli::serve::serve(settings, registry, only(false, false, true)).await
+        }
+        Command::Run { command } => cli::runs::dispatch(settings, registry, command).await,
+        Command::Demo(args) => cli::demo::run(&settings, args).await,
+        Command::Contract { workflow, json } => {
+            cli::decide::print_contract(&registry, &workflow, json)
+        }
+        Command::Dlq { command } => cli::dlq::run(&settings, command).await,
+        Command::Bench(args) => cli::bench::run(&settings, args).await,
+        Command::ModelServer { .. } => unreachable!("handled above"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::CommandFactory;
+
+    #[test]
+    fn cli_definition_is_consistent() {
+        super::Cli::command().debug_assert();
+    }
+}
