@@ -2,7 +2,7 @@
 //!
 //! Every pass takes messages from `<prefix>.dlq` with `basic.get` on a channel of its own, acks
 //! only the messages it handled, and closes the channel so that all others return untouched
-//! (see [`scan`]). A requeued message is published with confirms to the default exchange, routed
+//! (see `scan.rs`). A requeued message is published with confirms to the default exchange, routed
 //! straight to the work queue it died in, with its body, `message_id` and original headers; only
 //! then is its DLQ copy acked. It goes through the normal pipeline again, so the consumer's inbox
 //! still turns a second copy into a no-op. A crash between the confirm and the ack leaves it in

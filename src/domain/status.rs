@@ -67,7 +67,7 @@ const MOVES: [(RunStatus, &[RunStatus]); 8] = [
     (Cancelled, &[Compensating, Compensated]),
 ];
 
-/// A status move [`MOVES`] allows; the only way a writer gets a status to store.
+/// A status move the table of moves allows; the only way a writer gets a status to store.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Transition {
     /// The status the writer saw.

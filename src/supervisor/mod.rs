@@ -35,7 +35,7 @@ pub async fn run(engine: Arc<Engine>, shutdown: CancellationToken) -> Result<(),
 /// Most runs one scan handles; the next scan takes the rest.
 const SCAN_LIMIT: i64 = 100;
 
-/// One scan: voids the expired leases of up to [`SCAN_LIMIT`] runs and re-queues their current
+/// One scan: voids the expired leases of up to `SCAN_LIMIT` runs and re-queues their current
 /// steps through the outbox, in one transaction; returns how many.
 pub async fn recover_expired(engine: &Engine) -> store::Result<usize> {
     let mut tx = engine.pool.begin().await?;

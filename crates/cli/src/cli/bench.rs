@@ -1,4 +1,4 @@
-//! `trailmark bench`: the benchmark of issue 5 (see [`crate::bench`]); prints a table, or JSON
+//! `trailmark bench`: the benchmark (see the `trailmark_bench` crate); prints a table, or JSON
 //! with `--json`. Also the hidden `--b3-worker` role the bench starts its baseline processes with.
 
 use anyhow::Context;
