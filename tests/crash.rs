@@ -216,22 +216,23 @@ async fn a_killed_workers_lease_is_taken_over_at_once_by_a_live_worker() {
     .await;
     // Both frozen while the holder is read: a loaded machine could otherwise let the holder
     // commit its step between the read and the kill, and no takeover would happen.
-    let deadline = std::time::Instant::now() + WAIT;
-    let run = loop {
+    // Each look freezes both workers, so the lease read is the one they hold while frozen.
+    let found = common::eventually("ten steps done and one in flight", WAIT, || async {
         workers.iter().for_each(|w| w.signal(libc::SIGSTOP));
         let run = trailmark::store::runs::get(&env.pool, "r-takeover")
             .await
             .unwrap();
         match run {
-            Some(r) if r.step_seq >= 10 && r.lease_owner.is_some() => break r,
-            _ => workers.iter().for_each(|w| w.signal(libc::SIGCONT)),
+            Some(r) if r.step_seq >= 10 && r.lease_owner.is_some() => Some(r),
+            _ => {
+                workers.iter().for_each(|w| w.signal(libc::SIGCONT));
+                None
+            }
         }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "ten steps done and one in flight: not within {WAIT:?}"
-        );
-        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-    };
+    })
+    .await;
+    let run =
+        found.unwrap_or_else(|| panic!("ten steps done and one in flight: not within {WAIT:?}"));
     let holder = trailmark::engine::lease_owner_pid(run.lease_owner.as_deref().unwrap())
         .expect("a lease owner names its process");
     let victim = workers

@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 use std::os::unix::process::ExitStatusExt;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use common::{ChildGuard, TestEnv};
 use dlq_support::{WAIT, cli, dead_letters, depth, message, step_body, wait_dlq_depth};
@@ -279,18 +279,9 @@ async fn requeued_start_for_a_newly_deployed_workflow_runs_once_and_repeats_chan
 
 /// Waits (bounded) for a child that is expected to kill itself.
 async fn wait_exit(mut child: ChildGuard) -> std::process::ExitStatus {
-    let deadline = Instant::now() + WAIT;
-    loop {
-        if let Some(status) = child.0.as_mut().unwrap().try_wait().expect("try_wait") {
-            child.0 = None;
-            return status;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "the worker did not die on the poison message"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    common::wait_exit(&mut child, WAIT)
+        .await
+        .expect("the worker did not die on the poison message")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -481,19 +481,14 @@ async fn unknown_outcome_run(
         Engine::with_pool(env.settings.clone(), registry, failpoints, env.pool.clone()).unwrap();
     let running = env.spawn_all(engine);
     env.start_run("mailer", "r-unknown", json!({})).await;
-    let deadline = Instant::now() + WAIT;
-    let run = loop {
+    let settled = common::eventually("the run to settle", WAIT, || async {
         let run = trailmark::store::runs::get(&env.pool, "r-unknown")
             .await
             .unwrap();
-        if let Some(run) =
-            run.filter(|r| r.status.is_terminal() || r.status == RunStatus::NeedsReview)
-        {
-            break run;
-        }
-        assert!(Instant::now() < deadline, "run did not settle");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    };
+        run.filter(|r| r.status.is_terminal() || r.status == RunStatus::NeedsReview)
+    })
+    .await;
+    let run = settled.expect("run did not settle");
     running.stop().await;
     (env, calls.load(Ordering::SeqCst), run)
 }

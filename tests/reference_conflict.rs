@@ -6,7 +6,6 @@ mod common;
 mod reference_support;
 
 use std::collections::BTreeMap;
-use std::time::{Duration, Instant};
 
 use reference_support::{RefEnv, WAIT, expected_mismatches};
 use trailmark::broker::{Outgoing, map_to_headers};
@@ -138,18 +137,12 @@ async fn a_note_delivered_twice_is_recorded_once_at_the_sink() {
         })
         .collect();
     r.env.publish_all(&copies).await;
-    let deadline = Instant::now() + WAIT;
-    let counts = loop {
+    let reached = common::eventually("the second delivery to reach the sink", WAIT, || async {
         let counts = mail::counts(&r.outside, "run-mail").await.unwrap();
-        if counts.repeats_ignored >= 1 {
-            break counts;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "the second delivery never reached the sink: {counts:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    };
+        (counts.repeats_ignored >= 1).then_some(counts)
+    })
+    .await;
+    let counts = reached.expect("the second delivery never reached the sink");
     assert_eq!(
         counts,
         mail::SinkCounts {

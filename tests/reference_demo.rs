@@ -6,7 +6,7 @@ mod reference_support;
 
 use std::collections::BTreeSet;
 use std::process::{Output, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use reference_support::{RefEnv, WAIT, expected_mismatches};
 use trailmark_reference::ledger;
@@ -42,15 +42,20 @@ fn processes_using(db: &str) -> Vec<u32> {
 }
 
 async fn no_process_left(db: &str) {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !processes_using(db).is_empty() {
-        assert!(
-            Instant::now() < deadline,
-            "demo processes outlived it: {:?}",
-            processes_using(db)
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    let gone = common::eventually(
+        "the demo's processes to end",
+        Duration::from_secs(10),
+        || {
+            let left = processes_using(db);
+            async move { left.is_empty().then_some(()) }
+        },
+    )
+    .await;
+    assert!(
+        gone.is_some(),
+        "demo processes outlived it: {:?}",
+        processes_using(db)
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -100,7 +100,29 @@ impl Workflow {
             .expect("declare a step before its compensation, key recipe or rules")
     }
 
-    /// Declares how to undo the step added last.
+    /// Declares how to undo the step added last. The compensation runs newest first during an
+    /// undo, reads what the step did through `ctx.undo()`, and writes reversals under the keys
+    /// `undo:<original key>`.
+    ///
+    /// ```
+    /// # use serde_json::json;
+    /// # use trailmark::domain::IdempotencyKey;
+    /// # use trailmark::workflow::{StepKind, StepOutcome, Workflow};
+    /// let wf = Workflow::new("pay", 1)
+    ///     .step("post", StepKind::Write, |ctx| async move {
+    ///         let key = IdempotencyKey::for_step(ctx.run_id(), "post", "invoice-7");
+    ///         ctx.effect(&key, &json!({ "amount": 10 }), |_key| async { Ok(json!("posted")) })
+    ///             .await?;
+    ///         Ok(StepOutcome::finish(json!({ "invoice": "invoice-7" })))
+    ///     })
+    ///     .compensate("posts a reversal per entry", |ctx| async move {
+    ///         let posted = ctx.undo().expect("runs as a compensation").output.clone();
+    ///         let key = IdempotencyKey::for_step(ctx.run_id(), "post", "invoice-7").undo_of();
+    ///         ctx.effect(&key, &posted, |_key| async { Ok(json!("reversed")) }).await?;
+    ///         Ok(StepOutcome::next(json!({ "reversed": posted })))
+    ///     });
+    /// assert!(wf.find("post").unwrap().compensation.is_some());
+    /// ```
     pub fn compensate<F, Fut>(mut self, note: &str, handler: F) -> Self
     where
         F: Fn(StepContext) -> Fut + Send + Sync + 'static,

@@ -84,6 +84,35 @@ impl StepContext {
     /// with the same key; otherwise `lookup(key)` decides, and if it cannot tell the run stops in
     /// `needs_review` with the key in the note. Temporary failures are retried in-process under
     /// the same key (`worker.call_retries`), then surface as a temporary step error.
+    ///
+    /// ```no_run
+    /// # use serde_json::json;
+    /// # use trailmark::domain::IdempotencyKey;
+    /// # use trailmark::workflow::{Lookup, StepContext, StepError, StepOutcome, Tool};
+    /// # async fn send_mail(key: &str, to: &str) -> Result<String, StepError> { Ok(key.into()) }
+    /// # async fn sent_mail(key: &str) -> Option<String> { None }
+    /// async fn notify(ctx: StepContext) -> Result<StepOutcome, StepError> {
+    ///     // A mail server cannot refuse a repeat, so after a crash the lookup decides.
+    ///     let mail = Tool::not_idempotent("mail");
+    ///     let key = IdempotencyKey::for_step(ctx.run_id(), "notify", "finance");
+    ///     let request = json!({ "to": "finance@example.com" });
+    ///     let sent = ctx
+    ///         .tool_effect(
+    ///             &mail,
+    ///             &key,
+    ///             &request,
+    ///             |key| async move { Ok(json!(send_mail(key.as_str(), "finance").await?)) },
+    ///             |key| async move {
+    ///                 Ok(match sent_mail(key.as_str()).await {
+    ///                     Some(id) => Lookup::Done(json!(id)),
+    ///                     None => Lookup::NotDone,
+    ///                 })
+    ///             },
+    ///         )
+    ///         .await?;
+    ///     Ok(StepOutcome::finish(json!({ "mail": sent })))
+    /// }
+    /// ```
     pub async fn tool_effect<F, Fut, L, LFut>(
         &self,
         tool: &Tool,

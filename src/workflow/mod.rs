@@ -2,6 +2,94 @@
 //!
 //! A handler receives a [`StepContext`] and returns a [`StepOutcome`]: its output (the checkpoint)
 //! and which step comes next, so fixed pipelines and model-driven loops are written the same way.
+//!
+//! # Example
+//!
+//! A workflow whose first step asks the model (the answer is journaled: a replayed step does not
+//! pay for it again) and whose second posts to an outside ledger under an idempotency key, run to
+//! its end by an engine embedded in this program, on the local Postgres and RabbitMQ:
+//!
+//! ```
+//! use std::collections::HashMap;
+//! use std::sync::{Arc, Mutex};
+//! use std::time::Duration;
+//!
+//! use serde_json::{Value, json};
+//! use tokio_util::sync::CancellationToken;
+//! use trailmark::domain::{IdempotencyKey, RunId, RunStartEvent, RunStatus};
+//! use trailmark::engine::Engine;
+//! use trailmark::failpoint::Failpoints;
+//! use trailmark::model::{ChatMessage, ChatRequest};
+//! use trailmark::workflow::{Registry, StepKind, StepOutcome, Workflow};
+//! use trailmark::{broker, store};
+//!
+//! # #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+//! # async fn main() -> anyhow::Result<()> {
+//! // The outside system: a ledger that keeps the first write under each key.
+//! let ledger: Arc<Mutex<HashMap<String, Value>>> = Default::default();
+//! let posts = ledger.clone();
+//! let greet = Workflow::new("greet", 1)
+//!     .step("ask", StepKind::Model, |ctx| async move {
+//!         let question = ChatRequest::new(vec![ChatMessage::user("Say hello.")]);
+//!         let answer = ctx.model(&question).await?;
+//!         Ok(StepOutcome::next(json!({ "greeting": answer.content })))
+//!     })
+//!     .step("post", StepKind::Write, move |ctx| {
+//!         let ledger = posts.clone();
+//!         async move {
+//!             let greeting = ctx.output_of("ask").await?.unwrap_or_default();
+//!             let key = IdempotencyKey::for_step(ctx.run_id(), "post", "greeting");
+//!             let entry = greeting.clone();
+//!             ctx.effect(&key, &greeting, |key| async move {
+//!                 let mut ledger = ledger.lock().unwrap();
+//!                 ledger.entry(key.to_string()).or_insert(entry);
+//!                 Ok(json!({ "posted": key.to_string() }))
+//!             })
+//!             .await?;
+//!             Ok(StepOutcome::finish(json!({ "posted": true })))
+//!         }
+//!     });
+//! let mut registry = Registry::new();
+//! registry.register(greet);
+//!
+//! // Settings come from config/default.toml, a file and the environment (DATABASE_URL, ...).
+//! let mut settings = trailmark::config::Settings::load()?;
+//! # let tag = uuid::Uuid::new_v4().simple().to_string()[..12].to_owned();
+//! # let server = std::env::var("TRAILMARK_TEST_PG")
+//! #     .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432".into());
+//! # settings.database.url = format!("{server}/tm_doc_{tag}");
+//! # settings.database.max_connections = 4;
+//! # settings.broker.prefix = format!("tmdoc-{tag}");
+//! store::ensure_database(&settings.database).await?;
+//! store::migrate(&store::connect(&settings.database).await?).await?;
+//! broker::declare_topology(&settings.broker).await?;
+//!
+//! let engine = Engine::new(settings, registry, Failpoints::default()).await?;
+//! let shutdown = CancellationToken::new();
+//! let serving = tokio::spawn(trailmark::serve(engine.clone(), shutdown.clone()));
+//!
+//! // An upstream service starts a run by publishing an event (from any language).
+//! let start = RunStartEvent::new(RunId::parse("greet-1")?, "greet", json!({}));
+//! let event = engine.topology.run_start(&start);
+//! broker::publish_once(&engine.settings.broker, "example", &event).await?;
+//! let run = loop {
+//!     match store::runs::get(&engine.pool, "greet-1").await? {
+//!         Some(run) if run.status.is_terminal() => break run,
+//!         _ => tokio::time::sleep(Duration::from_millis(50)).await,
+//!     }
+//! };
+//! assert_eq!(run.status, RunStatus::Succeeded);
+//! assert_eq!(ledger.lock().unwrap().len(), 1);
+//!
+//! shutdown.cancel();
+//! serving.await??;
+//! # engine.pool.close().await;
+//! # let conn = broker::connect(&engine.settings.broker, "doc-cleanup").await?;
+//! # engine.topology.delete(&conn.create_channel().await?).await?;
+//! # store::drop_database(&engine.settings.database.url.parse()?).await?;
+//! # Ok(())
+//! # }
+//! ```
 
 mod context;
 pub mod contract;

@@ -44,6 +44,49 @@ pub fn trailmark_bin() -> std::path::PathBuf {
     bin
 }
 
+/// Polls `probe` every 50 ms until it yields a value, for at most `within`; `None` when it never
+/// did. Every wait in the tests goes through here: a bounded wait for an observable state, never
+/// a sleep standing in for one.
+pub async fn eventually<T, F, Fut>(what: &str, within: Duration, mut probe: F) -> Option<T>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let deadline = Instant::now() + within;
+    loop {
+        if let Some(found) = probe().await {
+            return Some(found);
+        }
+        if Instant::now() >= deadline {
+            eprintln!("gave up after {within:?} waiting for {what}");
+            return None;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Waits (bounded) for `child` to exit by itself, e.g. by a failpoint that kills it; `None` when
+/// it is still running after `within`.
+pub async fn wait_exit(
+    child: &mut ChildGuard,
+    within: Duration,
+) -> Option<std::process::ExitStatus> {
+    let status = eventually("the process to exit", within, || {
+        let exited = child
+            .0
+            .as_mut()
+            .expect("process")
+            .try_wait()
+            .expect("try_wait");
+        async move { exited }
+    })
+    .await;
+    if status.is_some() {
+        child.0 = None;
+    }
+    status
+}
+
 /// The Postgres server tests use (`TRAILMARK_TEST_PG`), without a database name.
 pub fn base_url() -> String {
     std::env::var("TRAILMARK_TEST_PG")
@@ -187,23 +230,22 @@ impl TestEnv {
         status: RunStatus,
         within: Duration,
     ) -> runs::RunRow {
-        let deadline = Instant::now() + within;
-        loop {
-            if let Some(run) = runs::get(&self.pool, run_id).await.expect("read run")
-                && run.status == status
-            {
-                return run;
-            }
-            assert!(
-                Instant::now() < deadline,
+        let what = format!("run {run_id} to reach {status}");
+        let found = eventually(&what, within, || async {
+            let run = runs::get(&self.pool, run_id).await.expect("read run");
+            run.filter(|r| r.status == status)
+        })
+        .await;
+        match found {
+            Some(run) => run,
+            None => panic!(
                 "run {run_id} did not reach {status} within {within:?}: {:?}",
                 runs::get(&self.pool, run_id)
                     .await
                     .ok()
                     .flatten()
                     .map(|r| (r.status, r.step_seq, r.error))
-            );
-            tokio::time::sleep(Duration::from_millis(50)).await;
+            ),
         }
     }
 
@@ -213,14 +255,15 @@ impl TestEnv {
         F: FnMut() -> Fut,
         Fut: std::future::Future<Output = bool>,
     {
-        let deadline = Instant::now() + within;
-        while !probe().await {
-            assert!(
-                Instant::now() < deadline,
-                "timed out after {within:?} waiting for {what}"
-            );
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        let done = eventually(what, within, || {
+            let ready = probe();
+            async move { ready.await.then_some(()) }
+        })
+        .await;
+        assert!(
+            done.is_some(),
+            "timed out after {within:?} waiting for {what}"
+        );
     }
 
     pub async fn scalar(&self, sql: &'static str, run_id: &str) -> i64 {

@@ -6,7 +6,7 @@
 #![allow(dead_code)]
 
 use std::process::ExitStatus;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use sqlx::PgPool;
 use sqlx::postgres::PgConnectOptions;
@@ -19,7 +19,7 @@ use trailmark_reference::stock::Received;
 use trailmark_reference::{extract, generate, mail, outside, workflow};
 use trailmark_standin::model_server::{ModelServer, ModelServerOptions};
 
-use crate::common::{ChildGuard, TestEnv};
+use crate::common::{self, ChildGuard, TestEnv};
 
 /// Bound on every wait.
 pub const WAIT: Duration = Duration::from_secs(90);
@@ -107,39 +107,25 @@ impl RefEnv {
 
     /// Waits (bounded, polling) for a child that is expected to kill itself.
     pub async fn died(&self, child: &mut ChildGuard) -> ExitStatus {
-        let deadline = Instant::now() + WAIT;
-        loop {
-            if let Some(status) = child
-                .0
-                .as_mut()
-                .expect("process")
-                .try_wait()
-                .expect("try_wait")
-            {
-                child.0 = None;
-                return status;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "the worker did not die within {WAIT:?}: its failpoint never fired"
-            );
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        common::wait_exit(child, WAIT).await.unwrap_or_else(|| {
+            panic!("the worker did not die within {WAIT:?}: its failpoint never fired")
+        })
     }
 
     /// Waits until the sink holds `notes` debit notes and `summaries` summaries of the run.
     pub async fn wait_sink(&self, run_id: &str, notes: i64, summaries: i64) -> mail::SinkCounts {
-        let deadline = Instant::now() + WAIT;
-        loop {
+        let what = format!("{notes} notes and {summaries} summaries in the sink");
+        let held = common::eventually(&what, WAIT, || async {
             let counts = mail::counts(&self.outside, run_id).await.unwrap();
-            if counts.notes >= notes && counts.summaries >= summaries {
-                return counts;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "sink holds {counts:?}, expected {notes} notes and {summaries} summaries"
-            );
-            tokio::time::sleep(Duration::from_millis(50)).await;
+            (counts.notes >= notes && counts.summaries >= summaries).then_some(counts)
+        })
+        .await;
+        match held {
+            Some(counts) => counts,
+            None => panic!(
+                "sink holds {:?}, expected {notes} notes and {summaries} summaries",
+                mail::counts(&self.outside, run_id).await.unwrap()
+            ),
         }
     }
 
