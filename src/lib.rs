@@ -25,6 +25,7 @@
 //! | [`error`] | how a caller reacts to an error: retry, fix the configuration, or accept a refusal |
 //! | [`builtin`] | the `chain` workflow, for smoke tests, drills and benchmarks |
 //! | [`failpoint`] | named failpoints for crash tests and drills |
+//! | [`redact`] | the one place that hides secrets in what trailmark prints |
 //! | [`telemetry`] | logging setup |
 //!
 //! # The promises
@@ -51,6 +52,7 @@ pub mod guard;
 pub mod model;
 pub mod operator;
 pub mod process;
+pub mod redact;
 pub mod relay;
 pub mod store;
 pub mod supervisor;

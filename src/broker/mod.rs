@@ -14,8 +14,9 @@ pub use headers::{header_str, headers_to_map, map_to_headers};
 pub use publisher::{Outgoing, Publisher};
 pub use topology::Topology;
 
-use crate::config::{BrokerSettings, redact_url};
+use crate::config::BrokerSettings;
 use crate::error::{Cause, Reaction};
+use crate::redact;
 
 /// Broker errors, by how the caller reacts to them ([`Error::reaction`]).
 #[derive(Debug, thiserror::Error)]
@@ -83,7 +84,7 @@ pub type Result<T> = std::result::Result<T, Error>;
 /// long GC-like pause, SIGSTOP) stops heartbeating, so the broker closes its connection and hands
 /// its unacknowledged messages to live consumers instead of leaving them with a sleeper.
 pub async fn connect(settings: &BrokerSettings, name: &str) -> Result<Connection> {
-    let url = redact_url(&settings.url);
+    let url = redact::url(&settings.url);
     let mut uri: AMQPUri = settings
         .url
         .parse()

@@ -8,7 +8,7 @@ use reqwest::header::{self, HeaderMap};
 use serde::{Deserialize, Serialize};
 use url::Url;
 
-use super::error::{redact_url, scrub};
+use super::error::scrub;
 use super::{ChatAnswer, ChatMessage, ChatRequest, Error, ModelSettings, Result};
 
 /// How much of a server's error text is kept in [`Error::Rejected`].
@@ -86,7 +86,7 @@ impl ModelClient {
             .map_err(|e| Error::Config(format!("cannot build the HTTP client: {}", describe(e))))?;
         let password = endpoint.password().unwrap_or_default().to_string();
         let conf = Conf {
-            shown: redact_url(&endpoint),
+            shown: crate::redact::url(endpoint.as_str()),
             endpoint,
             api_key: settings.api_key.clone(),
             secrets: vec![settings.api_key.clone(), password],
@@ -254,7 +254,7 @@ fn endpoint_url(base_url: &str) -> Result<Url> {
     }
     let endpoint = format!("{base}/chat/completions");
     let url = Url::parse(&endpoint).map_err(|e| {
-        let shown = super::error::redact_url_str(base);
+        let shown = crate::redact::url(base);
         Error::Config(format!("model.base_url {shown:?} is not a valid URL ({e})"))
     })?;
     if !matches!(url.scheme(), "http" | "https") {

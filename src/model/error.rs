@@ -85,39 +85,9 @@ fn retry_hint(retry_after: &Option<Duration>) -> String {
     }
 }
 
-/// Shows a URL without its user name, password, query or fragment, which may carry credentials.
-pub(crate) fn redact_url(url: &url::Url) -> String {
-    let mut shown = url.clone();
-    // Both setters only fail for URLs that cannot have userinfo, which then has none to hide.
-    let _ = shown.set_username("");
-    let _ = shown.set_password(None);
-    let had_query = shown.query().is_some();
-    shown.set_query(None);
-    shown.set_fragment(None);
-    let mut text = shown.to_string();
-    if had_query {
-        text.push_str("?<redacted>");
-    }
-    text
-}
-
-/// Like [`redact_url`] for text that may not even parse as a URL.
-pub(crate) fn redact_url_str(raw: &str) -> String {
-    let shown = url::Url::parse(raw).map_or_else(|_| raw.to_string(), |url| redact_url(&url));
-    // An '@' left over means userinfo the parser did not recognise (bad URL, odd scheme).
-    if shown.contains('@') {
-        "<URL with credentials, redacted>".to_string()
-    } else {
-        shown
-    }
-}
-
 /// Removes every secret the client knows from text that came from elsewhere, and shortens it.
 pub(crate) fn scrub(text: &str, secrets: &[&str], max_chars: usize) -> String {
-    let mut out = text.to_string();
-    for secret in secrets.iter().filter(|s| !s.is_empty()) {
-        out = out.replace(secret, "<redacted>");
-    }
+    let mut out = crate::redact::text(text, secrets);
     if out.chars().count() > max_chars {
         out = out.chars().take(max_chars).collect::<String>() + "…";
     }
@@ -161,17 +131,16 @@ mod tests {
 
     #[test]
     fn redacted_url_keeps_host_and_drops_credentials() {
-        let shown = redact_url_str("https://bob:hunter2@api.example.com/v1?key=abc");
-        assert_eq!(shown, "https://api.example.com/v1?<redacted>");
-        assert_eq!(redact_url_str("not a url"), "not a url");
-        assert!(!redact_url_str("bob:pw@@ bad").contains("pw"));
+        let shown = crate::redact::url("https://bob:hunter2@api.example.com/v1?key=abc");
+        assert_eq!(shown, "https://bob:***@api.example.com/v1?key=***");
+        assert!(!crate::redact::url("bob:pw@@ bad").contains("pw"));
     }
 
     #[test]
     fn scrub_removes_secrets_and_shortens() {
         assert_eq!(
             scrub("key sk-1 echoed", &["sk-1", ""], 100),
-            "key <redacted> echoed"
+            "key *** echoed"
         );
         assert_eq!(scrub("abcdef", &[], 3), "abc…");
     }

@@ -1,8 +1,8 @@
 //! Model calls: a small client for any OpenAI-compatible `/chat/completions` endpoint.
 //!
 //! The client makes exactly one HTTP call per [`ModelClient::chat`] and never retries: the
-//! engine decides what to do with a failure from [`Error::is_temporary`] (DESIGN.md §6), and
-//! journals every answer it gets (DESIGN.md §1), so a hidden retry here would be a hidden cost.
+//! engine decides what to do with a failure from [`Error::is_temporary`], and
+//! journals every answer it gets, so a hidden retry here would be a hidden cost.
 
 mod client;
 mod error;
@@ -14,7 +14,7 @@ pub use error::{Error, Result};
 use serde::{Deserialize, Serialize};
 
 /// Where the model lives and what it costs; read from the `[model]` config section.
-#[derive(Clone, Deserialize)]
+#[derive(Clone, Serialize, Deserialize)]
 #[serde(default)]
 pub struct ModelSettings {
     /// Base URL of the API, e.g. `https://api.example.com/v1`; empty means no model is configured.
@@ -63,7 +63,7 @@ impl std::fmt::Debug for ModelSettings {
             "<redacted>"
         };
         f.debug_struct("ModelSettings")
-            .field("base_url", &error::redact_url_str(&self.base_url))
+            .field("base_url", &crate::redact::url(&self.base_url))
             .field("model", &self.model)
             .field("api_key", &key)
             .field("timeout_ms", &self.timeout_ms)

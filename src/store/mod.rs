@@ -19,8 +19,9 @@ use std::time::Duration;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{ConnectOptions, PgPool};
 
-use crate::config::{DatabaseSettings, redact_url};
+use crate::config::DatabaseSettings;
 use crate::error::{Cause, Reaction};
+use crate::redact;
 
 /// Store errors, split by how the caller reacts to them ([`Error::reaction`]).
 #[derive(Debug, thiserror::Error)]
@@ -140,7 +141,7 @@ fn options(settings: &DatabaseSettings) -> Result<PgConnectOptions> {
         Error::misconfigured(
             format!(
                 "DATABASE_URL {} is not a valid Postgres URL",
-                redact_url(&settings.url)
+                redact::url(&settings.url)
             ),
             e,
         )
@@ -170,7 +171,7 @@ fn down(settings: &DatabaseSettings, e: sqlx::Error) -> Error {
     Error::unavailable(
         format!(
             "cannot connect to Postgres at {} (is it running? Start it with `pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main start`, or set DATABASE_URL)",
-            redact_url(&settings.url)
+            redact::url(&settings.url)
         ),
         e,
     )
@@ -283,8 +284,48 @@ pub async fn drop_database(target: &PgConnectOptions) -> sqlx::Result<()> {
     Ok(())
 }
 
+/// Migrations whose text changed after they were released without changing what they do (a
+/// comment reworded), with the checksum of the released text: a database that applied the
+/// released text has its recorded checksum brought up to date instead of refusing to migrate.
+const REWORDED: [(i64, &str); 2] = [
+    (
+        20261130000002,
+        "a168daaf9eb1ac3041089ec94b2995605c59f4c2c78b35807dbac3e3ac8a94e7481f98ae31847d49bf11a614e080d517",
+    ),
+    (
+        20261130000003,
+        "1137d12b4fefdfe2225bb45d7ce5acea2b386d17d1789374873558dfde60cdecb90acadf44f07064b69ccd88a0c9e733",
+    ),
+];
+
+/// Records the current checksum of the [`REWORDED`] migrations where the released one is stored.
+async fn accept_reworded(pool: &PgPool) -> Result<()> {
+    let history: Option<String> =
+        sqlx::query_scalar("SELECT to_regclass('_sqlx_migrations')::text")
+            .fetch_one(pool)
+            .await?;
+    if history.is_none() {
+        return Ok(());
+    }
+    for (version, released) in REWORDED {
+        let Some(current) = MIGRATOR.iter().find(|m| m.version == version) else {
+            continue;
+        };
+        sqlx::query(
+            "UPDATE _sqlx_migrations SET checksum = $2 WHERE version = $1 AND checksum = decode($3, 'hex')",
+        )
+        .bind(version)
+        .bind(current.checksum.as_ref())
+        .bind(released)
+        .execute(pool)
+        .await?;
+    }
+    Ok(())
+}
+
 /// Runs pending migrations; safe to call from several processes at once (sqlx takes a lock).
 pub async fn migrate(pool: &PgPool) -> Result<()> {
+    accept_reworded(pool).await?;
     MIGRATOR
         .run(pool)
         .await

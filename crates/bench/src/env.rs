@@ -282,7 +282,7 @@ fn with_database(url: &str, db: &str) -> Result<String> {
     let mut parsed = url::Url::parse(url).map_err(|e| {
         Error::Failed(format!(
             "database URL {} is not a URL ({e}); set DATABASE_URL",
-            trailmark::config::redact_url(url)
+            trailmark::redact::url(url)
         ))
     })?;
     parsed.set_path(&format!("/{db}"));

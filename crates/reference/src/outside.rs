@@ -81,7 +81,7 @@ pub fn options_for(trailmark: &PgConnectOptions) -> Result<PgConnectOptions> {
         return url.parse().map_err(|e| {
             Error::Invalid(format!(
                 "{URL_VAR} {} is not a Postgres URL: {e}",
-                trailmark::config::redact_url(&url)
+                trailmark::redact::url(&url)
             ))
         });
     }

@@ -3,7 +3,8 @@
 use anyhow::Context;
 
 use trailmark::broker;
-use trailmark::config::{Settings, redact_url};
+use trailmark::config::Settings;
+use trailmark::redact;
 use trailmark::store;
 
 /// Creates the database if missing, applies migrations and declares the topology.
@@ -16,14 +17,14 @@ pub async fn migrate(settings: &Settings) -> anyhow::Result<()> {
         .context("reading the migration history")?;
     println!(
         "database ready: {} ({applied} migrations applied)",
-        redact_url(&settings.database.url)
+        redact::url(&settings.database.url)
     );
     broker::declare_topology(&settings.broker)
         .await
         .context("declaring exchanges and queues (an existing queue with other arguments must be deleted first)")?;
     println!(
         "broker topology declared at {} under prefix {:?}",
-        redact_url(&settings.broker.url),
+        redact::url(&settings.broker.url),
         settings.broker.prefix
     );
     Ok(())

@@ -48,7 +48,7 @@ impl Stage {
         let trailmark: PgConnectOptions = settings.database.url.parse().with_context(|| {
             format!(
                 "DATABASE_URL {} is not a Postgres URL",
-                trailmark::config::redact_url(&settings.database.url)
+                trailmark::redact::url(&settings.database.url)
             )
         })?;
         let options = outside::options_for(&trailmark)?;
