@@ -1,4 +1,4 @@
--- Failure semantics (DESIGN.md §6): the handover note of a run in needs_review, parked items,
+-- Failure semantics (docs/ARCHITECTURE.md, "Failures"): the handover note of a run in needs_review, parked items,
 -- and the tool name of each effect (for budgets, repeat detection and circuit breakers).
 ALTER TABLE trailmark.runs ADD COLUMN handover JSONB;
 

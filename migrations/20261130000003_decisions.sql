@@ -1,4 +1,4 @@
--- Operator decisions (DESIGN.md §8): durable rows with who, when, what and why, and the run's
+-- Operator decisions (docs/ARCHITECTURE.md, "Decisions"): durable rows with who, when, what and why, and the run's
 -- status before and after. The undo plan of a compensating run lives on the run itself.
 CREATE TABLE trailmark.decisions (
     id               BIGSERIAL PRIMARY KEY,

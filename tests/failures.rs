@@ -1,4 +1,4 @@
-//! Failure semantics (DESIGN.md §6) against the real servers: model failures, slow tools,
+//! Failure semantics against the real servers: model failures, slow tools,
 //! parking, retry caps with handover notes, budgets, loops, panics, timeouts.
 
 mod common;

@@ -1,4 +1,4 @@
-//! Human handover and compensation (DESIGN.md §8) against the real servers: resume, resume after
+//! Human handover and compensation against the real servers: resume, resume after
 //! a fix on new code, undo (full, scoped, interrupted by kill -9), approve and reject.
 
 mod common;

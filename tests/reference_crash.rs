@@ -1,4 +1,4 @@
-//! The reference story with real process kills (DESIGN.md §12): a worker SIGKILLs itself at a
+//! The reference story with real process kills: a worker SIGKILLs itself at a
 //! named spot of `reconcile`, a fresh `trailmark serve` resumes, and the outside systems show
 //! that nothing was read, asked, posted or sent twice.
 

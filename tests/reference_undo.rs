@@ -1,4 +1,4 @@
-//! A supplier's later correction (DESIGN.md §12): its adjustments were wrong, so the run is undone
+//! A supplier's later correction: its adjustments were wrong, so the run is undone
 //! for that supplier only. Reversal entries and stock reversals point at the originals, one
 //! withdrawal note names the claim, and nothing of the other suppliers changes.
 

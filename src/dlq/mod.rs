@@ -1,4 +1,4 @@
-//! The dead-letter queue, for operators: list, show, requeue and purge (DESIGN.md §9).
+//! The dead-letter queue, for operators: list, show, requeue and purge.
 //!
 //! Every pass takes messages from `<prefix>.dlq` with `basic.get` on a channel of its own, acks
 //! only the messages it handled, and closes the channel so that all others return untouched

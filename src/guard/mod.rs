@@ -1,5 +1,5 @@
 //! Guards that stop a run before it loops or spends without bound: budgets, repeated-action
-//! detection and per-tool circuit breakers (DESIGN.md §6, "unknown or growing").
+//! detection and per-tool circuit breakers (the "unknown or growing" failures).
 
 mod breaker;
 

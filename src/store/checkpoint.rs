@@ -1,4 +1,4 @@
-//! The step commit (DESIGN.md §4 step 5) as one statement: inbox row, fenced run advance,
+//! The step commit as one statement: inbox row, fenced run advance,
 //! checkpoint, parked items and outbox rows, all or nothing, for one step or for several steps
 //! that reached their commit at the same moment (group commit).
 //!

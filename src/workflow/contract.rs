@@ -1,4 +1,4 @@
-//! The recovery contract of a workflow (DESIGN.md §2), derived from its step declarations:
+//! The recovery contract of a workflow, derived from its step declarations:
 //! unit of progress, what must be idempotent, what is safe to redo, what needs a person, what
 //! each compensation does, and warnings about risky orderings.
 

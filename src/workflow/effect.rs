@@ -1,4 +1,4 @@
-//! `ctx.effect()`: an outside call under an idempotency key (DESIGN.md §5). The intent (key,
+//! `ctx.effect()`: an outside call under an idempotency key. The intent (key,
 //! request hash, fence) is recorded before the call and the result right after it; a replay
 //! returns the recorded result; a key reused with another request is a conflict. Guards run
 //! before a new call: the tool's circuit breaker, and (in the intent's statement) the run's
@@ -52,7 +52,7 @@ pub enum Lookup {
 }
 
 impl StepContext {
-    /// Makes one outside call under `key` to a receiver that enforces the key (DESIGN.md §5).
+    /// Makes one outside call under `key` to a receiver that enforces the key.
     /// A temporary failure is retried later as a whole step, under the same key; use
     /// [`StepContext::tool_effect`] for in-process retries, tool names and lookups.
     pub async fn effect<F, Fut>(

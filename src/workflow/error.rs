@@ -1,4 +1,4 @@
-//! Step errors, classified where they happen (DESIGN.md §6).
+//! Step errors, classified where they happen (see "Failures" in docs/ARCHITECTURE.md).
 
 use std::time::Duration;
 

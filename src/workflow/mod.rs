@@ -114,7 +114,7 @@ pub use effect::{Lookup, Tool};
 pub use error::{ResultExt, StepError};
 pub(crate) use host::{BoxFuture, Models, Records, Tools};
 
-/// What a step does to the outside world; recovery rules follow from it (DESIGN.md §2).
+/// What a step does to the outside world; recovery rules follow from it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum StepKind {

@@ -8,7 +8,7 @@ use serde_json::{Value, json};
 use super::{Error, Result};
 use trailmark::domain::RunId;
 
-/// Invoices on a default night (DESIGN.md §12).
+/// Invoices on a default night (the reference story's figures).
 pub const DEFAULT_INVOICES: u32 = 312;
 /// Mismatches on a default night: one ledger adjustment each.
 pub const DEFAULT_MISMATCHES: u32 = 40;

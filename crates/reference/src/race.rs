@@ -2,7 +2,7 @@
 //! after a lease is wrongly taken over, or a message is delivered twice). Both run the same
 //! check-then-post code, with a small pause between the check and the insert. Into a table
 //! without a key, that leaves duplicates whenever the two interleave; into the ledger, whose
-//! reference is the primary key, it cannot. DESIGN.md §5: the store's unique key is what is safe.
+//! reference is the primary key, it cannot. The store's unique key is what is safe.
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -1,4 +1,4 @@
-//! The compensations of `reconcile` (DESIGN.md §8): a supplier's later correction is handled by
+//! The compensations of `reconcile`: a supplier's later correction is handled by
 //! an undo scoped to that supplier (`trailmark run undo RUN --scope '{"supplier":"SUP03"}'`).
 //! Nothing is deleted: each ledger entry gets a reversal entry `undo:<key>` that points at it, each
 //! stock adjustment a reversal that releases the units again, each debit note a withdrawal that

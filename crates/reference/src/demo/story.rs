@@ -1,4 +1,4 @@
-//! The story of DESIGN.md §12 with real processes: migrate, start the model server, start a
+//! The reference story with real processes: migrate, start the model server, start a
 //! worker that SIGKILLs itself when entry K of step 7 is about to be posted, publish the
 //! run-start, wait for the worker to die, start a fresh one, wait for the run to finish, measure.
 
