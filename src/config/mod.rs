@@ -1,23 +1,25 @@
 //! Typed settings: the compiled-in `config/default.toml`, then an optional file, then the
-//! environment (`TRAILMARK__SECTION__KEY`, `DATABASE_URL`, `AMQP_URL`).
+//! environment (`TRAILMARK__SECTION__KEY`, `DATABASE_URL`, `AMQP_URL`). A key this build does
+//! not know and a value outside its range are refused (`check.rs`), never ignored.
 
+mod check;
+
+use std::fmt;
 use std::time::Duration;
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 use crate::model::ModelSettings;
 
-const DEFAULTS: &str = include_str!("../config/default.toml");
+const DEFAULTS: &str = include_str!("../../config/default.toml");
 
 /// Why settings could not be loaded; shown to the operator as is.
 #[derive(Debug, thiserror::Error)]
-#[error(
-    "invalid configuration: {0}. Check config/default.toml keys and TRAILMARK__SECTION__KEY variables"
-)]
+#[error("invalid configuration: {0}")]
 pub struct Error(String);
 
 /// All of trailmark's settings.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Settings {
     /// Postgres.
     pub database: DatabaseSettings,
@@ -29,6 +31,8 @@ pub struct Settings {
     pub relay: RelaySettings,
     /// Lease and stuck-run supervisor.
     pub supervisor: SupervisorSettings,
+    /// How a long-running process starts.
+    pub process: ProcessSettings,
     /// Timeouts, budgets, loop detection, circuit breakers.
     pub guards: GuardSettings,
     /// The OpenAI-compatible model endpoint.
@@ -37,9 +41,9 @@ pub struct Settings {
 }
 
 /// Where the checkpoints live.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Clone, Serialize, Deserialize)]
 pub struct DatabaseSettings {
-    /// Postgres URL; may contain a password, so never log it unredacted (see [`redact_url`]).
+    /// Postgres URL; may contain a password, so never log it unredacted (see [`crate::redact::url`]).
     pub url: String,
     /// Pool size per process.
     pub max_connections: u32,
@@ -48,7 +52,7 @@ pub struct DatabaseSettings {
 }
 
 /// Where the step messages travel.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Clone, Serialize, Deserialize)]
 pub struct BrokerSettings {
     /// AMQP URL; may contain a password, so never log it unredacted.
     pub url: String,
@@ -63,7 +67,7 @@ pub struct BrokerSettings {
 }
 
 /// How a worker process consumes.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct WorkerSettings {
     /// Deliveries in flight at once (also the channel prefetch).
     pub concurrency: u16,
@@ -88,8 +92,8 @@ pub struct WorkerSettings {
     pub step_timeout_secs: u64,
 }
 
-/// Limits that stop a run before it loops or spends without bound (DESIGN.md §6).
-#[derive(Debug, Clone, Deserialize)]
+/// Limits that stop a run before it loops or spends without bound.
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct GuardSettings {
     /// Hard timeout of a run in seconds (0 = none).
     pub run_timeout_secs: u64,
@@ -108,7 +112,7 @@ pub struct GuardSettings {
 }
 
 /// How the relay drains the outbox.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct RelaySettings {
     /// How long the relay leaves rows alone that their committing worker publishes itself
     /// (0: workers do not publish; the relay does everything).
@@ -122,12 +126,43 @@ pub struct RelaySettings {
 }
 
 /// How often the supervisor looks for expired leases.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct SupervisorSettings {
     /// Scan period.
     pub interval_ms: u64,
     /// How long a run may wait for a person before it is escalated to needs_review (0 = forever).
     pub human_timeout_secs: u64,
+}
+
+/// How a long-running process (`serve`, `worker`, `relay`, `supervisor`) starts.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ProcessSettings {
+    /// How long a process waits at start for Postgres and RabbitMQ to become reachable before it
+    /// gives up (exit code 2). A refusal no retry can fix ends it at once.
+    pub startup_timeout_secs: u64,
+}
+
+// Hand-written so that settings can be logged or shown in a panic without leaking passwords.
+impl fmt::Debug for DatabaseSettings {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("DatabaseSettings")
+            .field("url", &crate::redact::url(&self.url))
+            .field("max_connections", &self.max_connections)
+            .field("connect_timeout_ms", &self.connect_timeout_ms)
+            .finish()
+    }
+}
+
+impl fmt::Debug for BrokerSettings {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("BrokerSettings")
+            .field("url", &crate::redact::url(&self.url))
+            .field("prefix", &self.prefix)
+            .field("delivery_limit", &self.delivery_limit)
+            .field("confirm_timeout_ms", &self.confirm_timeout_ms)
+            .field("heartbeat_secs", &self.heartbeat_secs)
+            .finish()
+    }
 }
 
 impl Settings {
@@ -156,31 +191,22 @@ impl Settings {
             .and_then(|b| b.set_override_option("broker.url", env("AMQP_URL")))
             .and_then(|b| b.build())
             .map_err(|e| Error(e.to_string()))?;
-        let settings: Settings = built.try_deserialize().map_err(|e| Error(e.to_string()))?;
-        settings.validate()?;
+        check::known_keys(&built, file)?;
+        let settings: Settings = built
+            .try_deserialize()
+            .map_err(|e| Error(check::explain(&e.to_string())))?;
+        check::ranges(&settings)?;
         Ok(settings)
     }
 
-    fn validate(&self) -> Result<(), Error> {
-        if self.worker.heartbeat_secs == 0 || self.worker.heartbeat_secs >= self.worker.lease_secs {
-            return Err(Error(format!(
-                "worker.heartbeat_secs ({}) must be at least 1 and below worker.lease_secs ({})",
-                self.worker.heartbeat_secs, self.worker.lease_secs
-            )));
-        }
-        if self.worker.max_attempts < 1 {
-            return Err(Error("worker.max_attempts must be at least 1".into()));
-        }
-        if self.worker.concurrency == 0 {
-            return Err(Error("worker.concurrency must be at least 1".into()));
-        }
-        if self.worker.max_batch == 0 {
-            return Err(Error(
-                "worker.max_batch must be at least 1 (1 runs every claim, intent, record and step commit alone)"
-                    .into(),
-            ));
-        }
-        Ok(())
+    /// The compiled-in defaults alone.
+    fn defaults() -> Self {
+        use config::{Config, File, FileFormat};
+        Config::builder()
+            .add_source(File::from_str(DEFAULTS, FileFormat::Toml))
+            .build()
+            .and_then(Config::try_deserialize)
+            .expect("the compiled-in defaults load")
     }
 }
 
@@ -192,23 +218,6 @@ impl WorkerSettings {
     /// The heartbeat period as a duration.
     pub fn heartbeat(&self) -> Duration {
         Duration::from_secs(self.heartbeat_secs)
-    }
-}
-
-/// A URL with its password replaced by `***`, safe for logs and error messages.
-pub fn redact_url(raw: &str) -> String {
-    match url::Url::parse(raw) {
-        Ok(mut parsed) => {
-            if parsed.password().is_some() {
-                let _ = parsed.set_password(Some("***"));
-            }
-            parsed.to_string()
-        }
-        // An unparsable URL may still hold a secret: show only its scheme.
-        Err(_) => match raw.split_once("://") {
-            Some((scheme, _)) => format!("{scheme}://<unparsable URL>"),
-            None => "<unparsable URL>".into(),
-        },
     }
 }
 
@@ -224,18 +233,13 @@ mod tests {
     }
 
     #[test]
-    fn a_group_commit_size_of_zero_is_refused_naming_the_key() {
-        let mut s = Settings::load_from(None).expect("defaults load");
-        s.worker.max_batch = 0;
-        let e = s.validate().expect_err("max_batch 0 accepted");
-        assert!(e.to_string().contains("worker.max_batch"), "{e}");
-    }
-
-    #[test]
-    fn redaction_hides_the_password_only() {
-        let r = redact_url("amqp://guest:s3cret@10.0.0.1:5672/%2f");
-        assert!(!r.contains("s3cret"), "{r}");
-        assert!(r.contains("guest") && r.contains("10.0.0.1"), "{r}");
-        assert!(!redact_url("postgres://u:pw@[bad").contains("pw"));
+    fn settings_never_show_a_password_when_printed() {
+        let mut s = Settings::defaults();
+        s.database.url = "postgres://u:Db5ecret@h/db?sslpassword=Ssl5ecret".into();
+        s.broker.url = "amqp://u:Mq5ecret@h/%2f".into();
+        let shown = format!("{s:?}");
+        for secret in ["Db5ecret", "Ssl5ecret", "Mq5ecret"] {
+            assert!(!shown.contains(secret), "{shown}");
+        }
     }
 }

@@ -1,0 +1,213 @@
+//! What a configuration must be before anything starts: every key known to this build (a typo
+//! is named with the key it was probably meant to be) and every value inside its range.
+
+use std::collections::BTreeSet;
+
+use serde_json::Value;
+
+use super::{Error, Settings};
+
+/// Refuses keys, from the file or the environment, that no setting has.
+pub(super) fn known_keys(built: &config::Config, file: Option<&str>) -> Result<(), Error> {
+    let known = keys_of(&serde_json::to_value(Settings::defaults()).expect("settings serialise"));
+    let given = built
+        .clone()
+        .try_deserialize::<Value>()
+        .map_err(|e| Error(e.to_string()))?;
+    for key in keys_of(&given) {
+        if known.contains(&key) {
+            continue;
+        }
+        let env_name = format!("TRAILMARK__{}", key.replace('.', "__").to_ascii_uppercase());
+        let from = if std::env::var_os(&env_name).is_some() {
+            format!("set by {env_name}")
+        } else {
+            format!("in {}", file.unwrap_or("the configuration file"))
+        };
+        let hint = match nearest(&key, &known) {
+            Some(near) => format!("; did you mean {near}?"),
+            None => "; see config/default.toml for every key".into(),
+        };
+        return Err(Error(format!("unknown setting {key} ({from}){hint}")));
+    }
+    Ok(())
+}
+
+/// Dotted paths of the leaves of a table (`worker.concurrency`, ...).
+fn keys_of(value: &Value) -> BTreeSet<String> {
+    let mut keys = BTreeSet::new();
+    let mut stack = vec![(String::new(), value)];
+    while let Some((path, v)) = stack.pop() {
+        match v {
+            Value::Object(map) => {
+                for (k, child) in map {
+                    let key = if path.is_empty() {
+                        k.clone()
+                    } else {
+                        format!("{path}.{k}")
+                    };
+                    stack.push((key, child));
+                }
+            }
+            _ => {
+                keys.insert(path);
+            }
+        }
+    }
+    keys
+}
+
+/// The known key closest to `key` (edit distance at most a third of its length).
+fn nearest<'a>(key: &str, known: &'a BTreeSet<String>) -> Option<&'a str> {
+    known
+        .iter()
+        .map(|k| (distance(key, k), k))
+        .filter(|(d, _)| *d <= key.len().div_ceil(3))
+        .min()
+        .map(|(_, k)| k.as_str())
+}
+
+/// Levenshtein distance.
+fn distance(a: &str, b: &str) -> usize {
+    let b: Vec<char> = b.chars().collect();
+    let mut row: Vec<usize> = (0..=b.len()).collect();
+    for (i, ca) in a.chars().enumerate() {
+        let mut diagonal = row[0];
+        row[0] = i + 1;
+        for (j, cb) in b.iter().enumerate() {
+            let above = row[j + 1];
+            row[j + 1] = (diagonal + usize::from(ca != *cb))
+                .min(row[j] + 1)
+                .min(above + 1);
+            diagonal = above;
+        }
+    }
+    row[b.len()]
+}
+
+/// The whole-number settings and their ranges (inclusive).
+const LIMITS: [(&str, i128, i128); 22] = [
+    ("database.max_connections", 1, 10_000),
+    ("database.connect_timeout_ms", 1, 3_600_000),
+    ("broker.delivery_limit", 1, 1_000_000),
+    ("broker.confirm_timeout_ms", 1, 3_600_000),
+    ("worker.concurrency", 1, 65_535),
+    ("worker.max_batch", 1, 10_000),
+    ("worker.lease_secs", 2, 86_400),
+    ("worker.heartbeat_secs", 1, 86_399),
+    ("worker.busy_retry_ms", 1, 3_600_000),
+    ("worker.max_message_bytes", 1_024, 1 << 30),
+    ("worker.call_retries", 0, 100),
+    ("worker.max_attempts", 1, 1_000),
+    ("worker.retry_base_ms", 1, 3_600_000),
+    ("worker.step_timeout_secs", 1, 604_800),
+    ("relay.eager_grace_ms", 0, 3_600_000),
+    ("relay.batch_size", 1, 100_000),
+    ("relay.poll_interval_ms", 1, 3_600_000),
+    ("supervisor.interval_ms", 1, 3_600_000),
+    ("guards.breaker_open_secs", 1, 86_400),
+    ("guards.repeat_limit", 0, 1_000_000),
+    ("model.timeout_ms", 1, 3_600_000),
+    ("process.startup_timeout_secs", 0, 86_400),
+];
+
+/// What a value that did not even parse must be, when the driver's message names its key.
+pub(super) fn explain(parse_error: &str) -> String {
+    let key = parse_error
+        .split("for key `")
+        .nth(1)
+        .and_then(|rest| rest.split('`').next());
+    match key.and_then(|k| LIMITS.iter().find(|(name, ..)| *name == k)) {
+        Some((key, min, max)) => {
+            format!("{parse_error}; {key} must be a whole number from {min} to {max}")
+        }
+        None => format!("{parse_error}; see config/default.toml for every key and its unit"),
+    }
+}
+
+/// Refuses values outside their ranges, naming the key and the range.
+pub(super) fn ranges(s: &Settings) -> Result<(), Error> {
+    let values = serde_json::to_value(s).expect("settings serialise");
+    for (key, min, max) in LIMITS {
+        let value = key
+            .split('.')
+            .try_fold(&values, |v, part| v.get(part))
+            .and_then(|v| v.as_i64().map(i128::from).or(v.as_u64().map(i128::from)))
+            .expect("every limited key is a whole-number setting");
+        if !(min..=max).contains(&value) {
+            return Err(Error(format!(
+                "{key} is {value}; it must be from {min} to {max} (see config/default.toml)"
+            )));
+        }
+    }
+    let w = &s.worker;
+    if w.heartbeat_secs >= w.lease_secs {
+        return Err(Error(format!(
+            "worker.heartbeat_secs ({}) must be below worker.lease_secs ({}), or the lease expires between heartbeats",
+            w.heartbeat_secs, w.lease_secs
+        )));
+    }
+    let g = &s.guards;
+    if g.max_cost < 0.0 || !g.max_cost.is_finite() {
+        return Err(Error(format!(
+            "guards.max_cost is {}; it must be 0 (no limit) or more",
+            g.max_cost
+        )));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_typo_names_the_key_it_was_meant_to_be() {
+        let known: BTreeSet<String> =
+            ["worker.concurrency", "worker.max_batch", "relay.batch_size"]
+                .map(String::from)
+                .into();
+        assert_eq!(
+            nearest("worker.concurency", &known),
+            Some("worker.concurrency")
+        );
+        assert_eq!(nearest("worker.max_bach", &known), Some("worker.max_batch"));
+        assert_eq!(nearest("nothing.like.it", &known), None);
+    }
+
+    #[test]
+    fn values_outside_their_range_are_refused_with_the_range() {
+        let mut s = Settings::defaults();
+        s.database.max_connections = 0;
+        let e = ranges(&s).unwrap_err().to_string();
+        assert!(
+            e.contains("database.max_connections is 0") && e.contains("from 1 to"),
+            "{e}"
+        );
+        let mut s = Settings::defaults();
+        s.worker.max_batch = 0;
+        assert!(
+            ranges(&s)
+                .unwrap_err()
+                .to_string()
+                .contains("worker.max_batch")
+        );
+        let mut s = Settings::defaults();
+        s.relay.eager_grace_ms = -5;
+        assert!(
+            ranges(&s)
+                .unwrap_err()
+                .to_string()
+                .contains("relay.eager_grace_ms is -5")
+        );
+        let mut s = Settings::defaults();
+        s.worker.heartbeat_secs = s.worker.lease_secs;
+        assert!(
+            ranges(&s)
+                .unwrap_err()
+                .to_string()
+                .contains("below worker.lease_secs")
+        );
+        assert!(ranges(&Settings::defaults()).is_ok());
+    }
+}
