@@ -1,5 +1,6 @@
 //! The `trailmark` binary: the command-line definition and dispatch, nothing else.
 
+use std::io::Write;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
@@ -84,13 +85,16 @@ async fn main() -> ExitCode {
             libc::signal(libc::SIGPIPE, libc::SIG_DFL);
         }
     }
-    match dispatch(cli).await {
+    let code = match dispatch(cli).await {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("error: {e:#}");
+            // Not eprintln!: it panics when stderr is gone, and the exit code must still say why.
+            let _ = writeln!(std::io::stderr(), "error: {e:#}");
             ExitCode::from(cli::exit_code(&e))
         }
-    }
+    };
+    trailmark::telemetry::flush(std::time::Duration::from_secs(1));
+    code
 }
 
 async fn dispatch(cli: Cli) -> anyhow::Result<()> {
