@@ -29,6 +29,7 @@ use tokio_util::task::TaskTracker;
 use tracing::Instrument;
 
 use crate::broker::{self, Publisher};
+use crate::domain::{RunStartEvent, StepMessage};
 use crate::engine::Engine;
 use published::PublishedRows;
 
@@ -159,7 +160,16 @@ async fn session(
     outcome
 }
 
-/// Processes one delivery inside a span that carries its ids (filled in once decoded).
+/// What a delivery carries, decoded once (its retries in place reuse it).
+enum Work {
+    /// A step to execute.
+    Step(StepMessage),
+    /// A run to start.
+    Start(RunStartEvent),
+}
+
+/// Processes one delivery inside a span that carries its ids, recorded once when it is decoded
+/// (a field recorded again would be printed again on every line).
 async fn handle(
     engine: &Arc<Engine>,
     publisher: &Publisher,
@@ -171,33 +181,67 @@ async fn handle(
     use tracing::field::Empty;
     let id = outcome::message_id(&delivery);
     let span = tracing::info_span!("delivery", message.id = %id, run.id = Empty, workflow = Empty, step = Empty,
-        seq = Empty, attempt = Empty, fence = Empty);
-    handle_in_span(engine, publisher, published, delivery, is_step, shutdown)
-        .instrument(span)
-        .await
+        seq = Empty);
+    async {
+        let limit = engine.settings.worker.max_message_bytes;
+        let decoded = if is_step {
+            StepMessage::decode(&delivery.data, limit).map(Work::Step)
+        } else {
+            RunStartEvent::decode(&delivery.data, limit).map(Work::Start)
+        };
+        match decoded {
+            Ok(work) => {
+                record_ids(&work);
+                handle_work(engine, publisher, published, &delivery, work, shutdown).await
+            }
+            // Not a message at all: poison, with its reason.
+            Err(e) => {
+                let poison = outcome::dead(e.code(), e.to_string());
+                outcome::settle(engine, publisher, published, &delivery, poison).await
+            }
+        }
+    }
+    .instrument(span)
+    .await
 }
 
-/// Processes one delivery to its disposition, retrying infrastructure failures in place
+/// Puts the message's ids on the delivery's span, so every line about it carries them.
+fn record_ids(work: &Work) {
+    let span = tracing::Span::current();
+    match work {
+        Work::Step(msg) => {
+            span.record("run.id", tracing::field::display(&msg.run_id));
+            span.record("workflow", msg.workflow.as_str());
+            span.record("step", msg.step.as_str());
+            span.record("seq", msg.seq);
+        }
+        Work::Start(event) => {
+            span.record("run.id", tracing::field::display(&event.run_id));
+            span.record("workflow", event.workflow.as_str());
+        }
+    }
+}
+
+/// Processes one decoded delivery to its disposition, retrying infrastructure failures in place
 /// (the message stays unacknowledged, so nothing is lost if we die meanwhile).
-async fn handle_in_span(
+async fn handle_work(
     engine: &Arc<Engine>,
     publisher: &Publisher,
     published: &PublishedRows,
-    delivery: Delivery,
-    is_step: bool,
+    delivery: &Delivery,
+    work: Work,
     shutdown: &CancellationToken,
 ) {
     let mut backoff = Duration::from_millis(100);
     let owner = format!("{}/{}", engine.worker_id, uuid::Uuid::new_v4().simple());
     loop {
-        let result = if is_step {
-            step::process(engine, &delivery, &owner).await
-        } else {
-            run_start::process(engine, &delivery).await
+        let result = match &work {
+            Work::Step(msg) => step::process(engine, msg, &owner).await,
+            Work::Start(event) => run_start::process(engine, delivery, event).await,
         };
         match result {
             Ok(disposition) => {
-                outcome::settle(engine, publisher, published, &delivery, disposition).await;
+                outcome::settle(engine, publisher, published, delivery, disposition).await;
                 return;
             }
             Err(e) => {

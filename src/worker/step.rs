@@ -1,4 +1,4 @@
-//! The path of one step message, top to bottom: decode, resolve the step, claim the run's lease
+//! The path of one step message, top to bottom: resolve the step, claim the run's lease
 //! (dedup, fence + 1, attempt), run the handler under a heartbeat, decide how it ended
 //! (`ending.rs`, no I/O), then commit it in one statement or give the lease back. The statements
 //! themselves belong to the step transaction (`step_tx.rs`).
@@ -8,8 +8,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::FutureExt;
-use lapin::message::Delivery;
 use serde_json::Value;
+use tracing::Instrument;
 
 use super::STEP_CONSUMER;
 use super::ending::{self, Claimed, Ending, Limits, Verdict};
@@ -17,7 +17,7 @@ use super::handover::{self, Evidence};
 use super::lease::Heartbeat;
 use super::outcome::{Disposition, dead};
 use super::published;
-use crate::domain::{OutgoingMessage, StepMessage, UndoPlan};
+use crate::domain::{OutgoingMessage, RunStatus, StepMessage, Transition, UndoPlan};
 use crate::engine::{Engine, Stats};
 use crate::failpoint::Injected;
 use crate::guard::Budget;
@@ -26,39 +26,41 @@ use crate::workflow::{
     Position, StepContext, StepDef, StepError, StepOutcome, UndoTarget, Workflow,
 };
 
-/// Processes a step delivery to its disposition; `Err` means trailmark's own infrastructure
-/// failed and the delivery is retried in place (it stays unacknowledged meanwhile).
+/// Processes a decoded step message to its disposition; `Err` means trailmark's own
+/// infrastructure failed and the delivery is retried in place (it stays unacknowledged).
 pub(super) async fn process(
     engine: &Arc<Engine>,
-    delivery: &Delivery,
+    msg: &StepMessage,
     owner: &str,
 ) -> store::Result<Disposition> {
     engine.failpoints.hit("worker.received").map_err(infra)?;
-    // 1. Decode; a body that is not a step message is poison.
-    let msg = match StepMessage::decode(&delivery.data, engine.settings.worker.max_message_bytes) {
-        Ok(m) => m,
-        Err(e) => return Ok(dead(e.code(), e.to_string())),
-    };
-    // The delivery's span (opened by `handle`) gets the step's ids, so every line logged while
-    // processing and settling this delivery carries them.
-    let span = tracing::Span::current();
-    span.record("run.id", tracing::field::display(&msg.run_id));
-    span.record("workflow", msg.workflow.as_str());
-    span.record("step", msg.step.as_str());
-    span.record("seq", msg.seq);
-    // 2. The workflow and step it names, deployed in this worker.
-    let (workflow, step) = match resolve(engine, &msg) {
+    // 1. The workflow and step it names, deployed in this worker.
+    let (workflow, step) = match resolve(engine, msg) {
         Ok(found) => found,
         Err(poison) => return Ok(poison),
     };
-    // 3. Claim: inbox check, lease, fence + 1 and attempt, committed before anything runs.
-    let claim = match claim(engine, &msg, owner).await? {
+    // 2. Claim: inbox check, lease, fence + 1 and attempt, committed before anything runs.
+    let claim = match claim(engine, msg, owner).await? {
         Ok(claim) => claim,
         Err(not_claimed) => return Ok(not_claimed),
     };
     engine.failpoints.hit("step.after_claim").map_err(infra)?;
-    span.record("attempt", claim.attempt);
-    span.record("fence", claim.fence.0);
+    // Every line of this attempt carries it and the fence it holds; a retried delivery gets a
+    // span of its own for its next attempt.
+    let attempt = tracing::info_span!("claimed", attempt = claim.attempt, fence = claim.fence.0);
+    run_claimed(engine, msg, &workflow, &step, &claim)
+        .instrument(attempt)
+        .await
+}
+
+/// Steps 3 and 4 for a claimed step: guards and handler, then its ending.
+async fn run_claimed(
+    engine: &Arc<Engine>,
+    msg: &StepMessage,
+    workflow: &Workflow,
+    step: &StepDef,
+    claim: &runs::Claim,
+) -> store::Result<Disposition> {
     let claimed = Claimed {
         attempt: claim.attempt,
         plan: claim.undo.as_ref(),
@@ -67,14 +69,14 @@ pub(super) async fn process(
         max_attempts: engine.settings.worker.max_attempts,
         retry_base_ms: engine.settings.worker.retry_base_ms,
     };
-    // 4. Run the handler, unless a guard or a doubt about the run's items stops it first.
+    // 3. Run the handler, unless a guard or a doubt about the run's items stops it first.
     let run_timeout = engine.settings.guards.run_timeout_secs;
     let verdict = if let Some(stop) =
-        ending::refuse_before_running(&msg, claimed, limits, claim.age_secs, run_timeout)
+        ending::refuse_before_running(msg, claimed, limits, claim.age_secs, run_timeout)
     {
         Verdict::Review(stop)
     } else if step.freeze_unless_clear
-        && let Some(evidence) = doubt(engine, &msg).await?
+        && let Some(evidence) = doubt(engine, msg).await?
     {
         tracing::warn!("items in doubt: step frozen until a person approves");
         Verdict::Commit(Ending::Wait {
@@ -83,22 +85,22 @@ pub(super) async fn process(
             parked: Vec::new(),
         })
     } else {
-        let ctx = context(engine, &workflow, &msg, &claim).await?;
+        let ctx = context(engine, workflow, msg, claim).await?;
         Stats::bump(&engine.stats.handler_runs);
-        let result = execute(engine, &step, ctx.clone()).await;
-        ending::decide(&workflow, &msg, claimed, limits, result, ctx.take_pending())
+        let result = execute(engine, step, ctx.clone()).await;
+        ending::decide(workflow, msg, claimed, limits, result, ctx.take_pending())
     };
-    // 5. Commit the ending, give the lease back for a retry, or drop the void work.
+    // 4. Commit the ending, give the lease back for a retry, or drop the void work.
     match verdict {
-        Verdict::Commit(ending) => commit(engine, &msg, &claim, ending).await,
+        Verdict::Commit(ending) => commit(engine, msg, claim, ending).await,
         Verdict::Review(failure) => {
             tracing::error!(error = %failure, class = failure.class(), "step failed; run needs review");
-            let evidence = Evidence::gather(&engine.pool, &msg).await?;
+            let evidence = Evidence::gather(&engine.pool, msg).await?;
             let ending = Ending::Review {
-                error: ending::review_line(&msg, claim.attempt, &failure),
-                note: handover::note(&msg, claim.attempt, &failure, evidence),
+                error: ending::review_line(msg, claim.attempt, &failure),
+                note: handover::note(msg, claim.attempt, &failure, evidence),
             };
-            commit(engine, &msg, &claim, ending).await
+            commit(engine, msg, claim, ending).await
         }
         Verdict::Retry { delay, reason } => {
             tracing::warn!(reason = %reason, delay_ms = delay.as_millis() as u64, "step failed temporarily; retrying later");
@@ -181,7 +183,11 @@ async fn claim(
     loop {
         let why = match engine.step_tx.claim(request.clone()).await? {
             runs::ClaimOutcome::Claimed(claim) => return Ok(Ok(claim)),
-            runs::ClaimOutcome::Duplicate => return Ok(Err(Disposition::Duplicate)),
+            runs::ClaimOutcome::Duplicate => {
+                return Ok(Err(Disposition::Duplicate(
+                    "the step message was processed before",
+                )));
+            }
             runs::ClaimOutcome::Refused(why) => why,
         };
         match (why, pauses.next()) {
@@ -309,6 +315,7 @@ async fn commit(
 ) -> store::Result<Disposition> {
     let mut step = ending::to_commit(&engine.topology, msg, claim.fence, claim.status, ending)
         .map_err(|e| store::Error::unavailable("the step's ending is not a legal move", e))?;
+    let to = step.to.status;
     published::hold_for_eager_publish(engine, &mut step.outbox);
     // Copied only when the worker publishes them itself; the originals go into the commit.
     let eager: Vec<OutgoingMessage> = published::to_publish_eagerly(engine, &step.outbox);
@@ -316,7 +323,11 @@ async fn commit(
     fp.hit("step.before_commit").map_err(infra)?;
     match engine.step_tx.commit(step).await {
         Ok(true) => {}
-        Ok(false) => return Ok(Disposition::Duplicate),
+        Ok(false) => {
+            return Ok(Disposition::Duplicate(
+                "another delivery committed the step first",
+            ));
+        }
         Err(store::Error::FencedOut { .. }) => {
             return Ok(Disposition::Stale("fenced out at commit".into()));
         }
@@ -324,7 +335,22 @@ async fn commit(
     }
     fp.hit("step.after_commit").map_err(infra)?;
     Stats::bump(&engine.stats.steps_committed);
+    log_lifecycle(to);
     Ok(Disposition::Committed(eager))
+}
+
+/// A committed step at INFO only when it changes where the run stands (it ended, or a person
+/// must act); every step at DEBUG.
+fn log_lifecycle(to: Transition) {
+    match to.to {
+        RunStatus::Running | RunStatus::Compensating => {
+            tracing::debug!(status = %to.to, "step committed")
+        }
+        RunStatus::NeedsReview | RunStatus::Waiting => {
+            tracing::info!(status = %to.to, "run stopped for a person")
+        }
+        status => tracing::info!(%status, "run ended"),
+    }
 }
 
 fn infra(e: Injected) -> store::Error {

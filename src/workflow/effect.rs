@@ -265,7 +265,7 @@ impl StepContext {
                 !matches!(result, Err(StepError::Temporary { .. })),
                 Instant::now(),
             );
-            tracing::info!(
+            tracing::debug!(
                 latency_ms = started.elapsed().as_millis() as u64,
                 ok = result.is_ok(),
                 "tool called"

@@ -66,7 +66,7 @@ impl StepContext {
                 })?;
             return replayed(stored, &entry.request_hash, self);
         }
-        tracing::info!(tokens = entry.tokens, cost = entry.cost, latency_ms = entry.latency_ms, model = %answer.model, "model answered");
+        tracing::debug!(tokens = entry.tokens, cost = entry.cost, latency_ms = entry.latency_ms, model = %answer.model, "model answered");
         Ok(answer)
     }
 
