@@ -12,16 +12,51 @@ use sqlx::PgPool;
 use crate::domain::{IdempotencyKey, RunId};
 use crate::model::{ChatMessage, ChatRequest};
 use crate::store::chain_ledger;
-use crate::workflow::{StepContext, StepError, StepKind, StepOutcome, Workflow};
+use crate::workflow::{Input, StepContext, StepError, StepKind, StepOutcome, Workflow};
 
 /// Workflow name.
 pub const NAME: &str = "chain";
 /// The one step, repeated.
 pub const STEP: &str = "link";
 
+/// The input of a `chain` run: `{"steps": N, "step_delay_ms": D}`, both optional.
+#[derive(Debug, Clone, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ChainInput {
+    /// Links in the chain (default 10).
+    #[serde(default = "ten")]
+    pub steps: i64,
+    /// A pause inside each link, standing in for a slow model (default 0).
+    #[serde(default)]
+    pub step_delay_ms: u64,
+}
+
+fn ten() -> i64 {
+    10
+}
+
+impl Input for ChainInput {
+    fn check(&self) -> Result<(), String> {
+        if !(1..=1_000_000).contains(&self.steps) {
+            return Err(format!(
+                "`steps` must be from 1 to 1000000, got {}",
+                self.steps
+            ));
+        }
+        if self.step_delay_ms > 3_600_000 {
+            return Err(format!(
+                "`step_delay_ms` must be at most 3600000 (an hour), got {}",
+                self.step_delay_ms
+            ));
+        }
+        Ok(())
+    }
+}
+
 /// The `chain` workflow definition.
 pub fn workflow() -> Workflow {
     Workflow::new(NAME, 1)
+        .input::<ChainInput>()
         .step(STEP, StepKind::Write, link)
         .key_recipe("run_id:link:position")
         .compensate("posts a reversal row `undo:<reference>` per link", unlink)
@@ -55,25 +90,17 @@ struct Params {
     delay: Duration,
 }
 
+/// The run's input, checked when the run was started (a run started before inputs were checked
+/// stops for review with the same message).
 fn params(input: &Value) -> Result<Params, StepError> {
-    let steps = match input.get("steps") {
-        None => 10,
-        Some(v) => v
-            .as_i64()
-            .filter(|n| (1..=1_000_000).contains(n))
-            .ok_or_else(|| {
-                StepError::Unknown(format!(
-                    "chain input `steps` must be an integer from 1 to 1000000, got {v}"
-                ))
-            })? as i32,
-    };
-    let delay = input
-        .get("step_delay_ms")
-        .and_then(Value::as_u64)
-        .unwrap_or(0);
+    let parsed: ChainInput = serde_json::from_value(input.clone())
+        .map_err(|e| StepError::Unknown(format!("chain input: {e}")))?;
+    parsed
+        .check()
+        .map_err(|e| StepError::Unknown(format!("chain input: {e}")))?;
     Ok(Params {
-        steps,
-        delay: Duration::from_millis(delay),
+        steps: parsed.steps as i32,
+        delay: Duration::from_millis(parsed.step_delay_ms),
     })
 }
 

@@ -29,6 +29,14 @@ pub mod dead_letter_headers {
     pub const EXCHANGE: &str = "x-trailmark-exchange";
     /// The routing key it was delivered with.
     pub const ROUTING_KEY: &str = "x-trailmark-routing-key";
+    /// `run_conflict`: the hash of the input the run was started with.
+    pub const STORED_INPUT_HASH: &str = "x-trailmark-stored-input-hash";
+    /// `run_conflict`: the hash of this event's input.
+    pub const EVENT_INPUT_HASH: &str = "x-trailmark-event-input-hash";
+    /// `message_id_reuse`: the hash of the body first processed under this message id.
+    pub const STORED_BODY_HASH: &str = "x-trailmark-stored-body-hash";
+    /// `message_id_reuse`: the hash of this body.
+    pub const BODY_HASH: &str = "x-trailmark-body-hash";
 }
 
 /// The result of processing one delivery.
@@ -37,9 +45,10 @@ pub enum Disposition {
     /// Work committed with these outbox messages: publish them now (the relay is the safety net
     /// if this fails or we die first), then acknowledge.
     Committed(Vec<OutgoingMessage>),
-    /// Already processed: acknowledge and count.
-    Duplicate,
-    /// The run moved on, is not executable, or we were fenced out: acknowledge and log.
+    /// Already processed: acknowledge, count and log (at DEBUG) why.
+    Duplicate(&'static str),
+    /// The run moved on, is not executable, or we were fenced out: acknowledge, count and log
+    /// (at DEBUG) why.
     Stale(String),
     /// Try again after `delay` (run busy, or a step retry): park in a delay queue, then ack.
     Delay(Duration),
@@ -49,6 +58,9 @@ pub enum Disposition {
         reason: &'static str,
         /// Detail for the operator.
         detail: String,
+        /// Evidence for the operator, added to the letter's headers (e.g. both hashes of a
+        /// conflict).
+        evidence: BTreeMap<String, String>,
     },
 }
 
@@ -66,30 +78,33 @@ pub(super) async fn settle(
             publish_committed(publisher, published, messages).await;
             Ok(())
         }
-        Disposition::Duplicate => {
+        Disposition::Duplicate(why) => {
             Stats::bump(&engine.stats.duplicates);
-            tracing::debug!("duplicate delivery dropped");
+            tracing::debug!(why, "duplicate delivery dropped");
             Ok(())
         }
         Disposition::Stale(why) => {
             Stats::bump(&engine.stats.stale);
-            tracing::info!(why = %why, "stale delivery dropped");
+            tracing::debug!(why = %why, "stale delivery dropped");
             Ok(())
         }
         Disposition::Delay(delay) => {
             Stats::bump(&engine.stats.delayed);
-            tracing::info!(
+            tracing::debug!(
                 delay_ms = delay.as_millis() as u64,
                 "the message waits in the delay queue (its run is busy, or its step is retried later)"
             );
             publisher.publish(&delayed(engine, delivery, *delay)).await
         }
-        Disposition::DeadLetter { reason, detail } => {
+        Disposition::DeadLetter {
+            reason,
+            detail,
+            evidence,
+        } => {
             Stats::bump(&engine.stats.dead_lettered);
             tracing::warn!(reason, detail = %detail, "message dead-lettered");
-            publisher
-                .publish(&dead_letter(engine, delivery, reason, detail))
-                .await
+            let letter = dead_letter(engine, delivery, reason, detail, evidence);
+            publisher.publish(&letter).await
         }
     };
     if let Err(e) = moved {
@@ -146,9 +161,16 @@ fn delayed(engine: &Engine, delivery: &Delivery, delay: Duration) -> Outgoing {
     }
 }
 
-fn dead_letter(engine: &Engine, delivery: &Delivery, reason: &str, detail: &str) -> Outgoing {
+fn dead_letter(
+    engine: &Engine,
+    delivery: &Delivery,
+    reason: &str,
+    detail: &str,
+    evidence: &BTreeMap<String, String>,
+) -> Outgoing {
     let headers = delivery.properties.headers().as_ref();
     let mut map: BTreeMap<String, String> = headers_to_map(headers);
+    map.extend(evidence.iter().map(|(k, v)| (k.clone(), v.clone())));
     // Quorum queues count earlier deliveries in x-delivery-count; this one adds one.
     let earlier: u64 = header_str(headers, "x-delivery-count")
         .and_then(|c| c.parse().ok())
@@ -200,5 +222,6 @@ pub(super) fn dead(reason: &'static str, detail: impl Into<String>) -> Dispositi
     Disposition::DeadLetter {
         reason,
         detail: detail.into(),
+        evidence: BTreeMap::new(),
     }
 }

@@ -1,35 +1,29 @@
 //! Processing a run-start event: the run and its first step message in one transaction.
+//!
+//! The same key with another payload is an error here too, as for outside writes: a second start
+//! of a run id with another workflow or input is dead-lettered as `run_conflict`, and an event
+//! that reuses a processed message id with another body as `message_id_reuse`; only a true
+//! repeat is dropped as a duplicate. An input the workflow does not accept is dead-lettered as
+//! `bad_input` before any run exists, so no run waits in review for an input no decision can fix.
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use lapin::message::Delivery;
+use sha2::{Digest, Sha256};
 
 use super::RUN_START_CONSUMER;
-use super::outcome::{Disposition, dead};
-use crate::domain::{MessageId, RunStartEvent};
+use super::outcome::{Disposition, dead, dead_letter_headers as h};
+use crate::domain::{MessageId, RunStartEvent, request_hash};
 use crate::engine::{Engine, Stats};
-use crate::store::{self, inbox, outbox, runs};
+use crate::store::inbox::{self, Recorded};
+use crate::store::{self, outbox, runs};
 
 /// Creates the run unless it exists; `Err` means infrastructure failed and the delivery is retried.
 pub(super) async fn process(
     engine: &Arc<Engine>,
     delivery: &Delivery,
-) -> store::Result<Disposition> {
-    let event =
-        match RunStartEvent::decode(&delivery.data, engine.settings.worker.max_message_bytes) {
-            Ok(e) => e,
-            Err(e) => return Ok(dead(e.code(), e.to_string())),
-        };
-    let span = tracing::Span::current();
-    span.record("run.id", tracing::field::display(&event.run_id));
-    span.record("workflow", event.workflow.as_str());
-    start(engine, delivery, event).await
-}
-
-async fn start(
-    engine: &Arc<Engine>,
-    delivery: &Delivery,
-    event: RunStartEvent,
+    event: &RunStartEvent,
 ) -> store::Result<Disposition> {
     let Some(workflow) = engine.registry.get(&event.workflow) else {
         return Ok(dead(
@@ -42,6 +36,15 @@ async fn start(
             ),
         ));
     };
+    if let Err(why) = workflow.check_input(&event.input) {
+        return Ok(dead(
+            "bad_input",
+            format!(
+                "run {}: workflow {} does not accept this input: {why}; fix the publisher and start the run again",
+                event.run_id, workflow.name
+            ),
+        ));
+    }
     let Some(first) = workflow.first_step() else {
         return Ok(dead(
             "unknown_step",
@@ -53,11 +56,21 @@ async fn start(
         .ok()
         .map(MessageId);
     let mut tx = engine.pool.begin().await?;
-    if let Some(id) = message_id
-        && !inbox::record(&mut *tx, RUN_START_CONSUMER, id).await?
-    {
-        tx.rollback().await?;
-        return Ok(Disposition::Duplicate);
+    if let Some(id) = message_id {
+        let body_hash = hex::encode(Sha256::digest(&delivery.data));
+        match inbox::record(&mut tx, RUN_START_CONSUMER, id, &body_hash).await? {
+            Recorded::New => {}
+            Recorded::Repeat => {
+                tx.rollback().await?;
+                return Ok(Disposition::Duplicate(
+                    "the run-start event was processed before",
+                ));
+            }
+            Recorded::Reused(first) => {
+                tx.rollback().await?;
+                return Ok(reused(event, id, first, body_hash));
+            }
+        }
     }
     let new = runs::NewRun {
         run_id: &event.run_id,
@@ -67,9 +80,18 @@ async fn start(
         input: &event.input,
     };
     if !runs::insert(&mut *tx, &new).await? {
-        tx.commit().await?;
-        tracing::info!("run already exists; start event ignored");
-        return Ok(Disposition::Duplicate);
+        let existing = runs::get(&mut *tx, event.run_id.as_str()).await?;
+        tx.rollback().await?;
+        return Ok(match existing {
+            Some(run) if run.workflow == event.workflow && run.input == event.input => {
+                Disposition::Duplicate("the run exists, started with the same workflow and input")
+            }
+            Some(run) => conflict(event, &run),
+            // Removed between the insert and the read: the redelivery starts it.
+            None => Disposition::Delay(std::time::Duration::from_millis(
+                engine.settings.worker.busy_retry_ms,
+            )),
+        });
     }
     let mut first_message =
         engine
@@ -82,4 +104,37 @@ async fn start(
     tracing::info!("run started");
     let eager = super::published::to_publish_eagerly(engine, std::slice::from_ref(&first_message));
     Ok(Disposition::Committed(eager))
+}
+
+/// A second start of a run with another workflow or input: dead-lettered with both input hashes.
+fn conflict(event: &RunStartEvent, run: &runs::RunRow) -> Disposition {
+    let (stored, new) = (request_hash(&run.input), request_hash(&event.input));
+    tracing::warn!(stored_input = %stored, event_input = %new, "a second start of the run with another workflow or input; dead-lettered as run_conflict");
+    Disposition::DeadLetter {
+        reason: "run_conflict",
+        detail: format!(
+            "run {} exists with workflow {} and input {stored}; this event asks for workflow {} with input {new}. Start the new work under another run id; the run was not changed",
+            event.run_id, run.workflow, event.workflow
+        ),
+        evidence: BTreeMap::from([
+            (h::STORED_INPUT_HASH.to_owned(), stored),
+            (h::EVENT_INPUT_HASH.to_owned(), new),
+        ]),
+    }
+}
+
+/// An event whose message id was processed before with another body.
+fn reused(event: &RunStartEvent, id: MessageId, first: String, body: String) -> Disposition {
+    tracing::warn!(first_body = %first, body = %body, "a processed message id reused with another body; dead-lettered as message_id_reuse");
+    Disposition::DeadLetter {
+        reason: "message_id_reuse",
+        detail: format!(
+            "message id {id} was processed before with another body (sha256 {first}); this body (sha256 {body}, run {}) was not processed. Publish it again with a fresh message id",
+            event.run_id
+        ),
+        evidence: BTreeMap::from([
+            (h::STORED_BODY_HASH.to_owned(), first),
+            (h::BODY_HASH.to_owned(), body),
+        ]),
+    }
 }

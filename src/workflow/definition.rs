@@ -4,6 +4,9 @@
 use std::future::Future;
 use std::sync::Arc;
 
+use serde::de::DeserializeOwned;
+use serde_json::Value;
+
 use super::{Handler, Next, StepContext, StepError, StepKind, StepOutcome};
 use crate::domain::StepAddress;
 use crate::guard::Budget;
@@ -38,6 +41,20 @@ pub struct StepDef {
     pub on_reject: Option<String>,
 }
 
+/// The type a workflow's input must have: parsed from the run-start event's `input` (declare it
+/// with `#[serde(deny_unknown_fields)]` so that a misspelt field is refused, not ignored), then
+/// checked. An input that fails either is refused before the run exists: `trailmark run start`
+/// says why at once, and a worker dead-letters such an event as `bad_input`.
+pub trait Input: DeserializeOwned {
+    /// Checks what the type cannot say (ranges, formats); the error says what to fix.
+    fn check(&self) -> Result<(), String> {
+        Ok(())
+    }
+}
+
+/// A workflow's input check, as declared with [`Workflow::input`].
+type InputCheck = Arc<dyn Fn(&Value) -> Result<(), String> + Send + Sync>;
+
 /// A named, versioned workflow.
 #[derive(Clone)]
 pub struct Workflow {
@@ -49,6 +66,8 @@ pub struct Workflow {
     pub steps: Vec<StepDef>,
     /// Per-run budget; `None` uses the configured default.
     pub budget: Option<Budget>,
+    /// The check of a run's input; `None` accepts any JSON.
+    input: Option<InputCheck>,
 }
 
 fn boxed<F, Fut>(handler: F) -> Handler
@@ -67,6 +86,28 @@ impl Workflow {
             version,
             steps: Vec::new(),
             budget: None,
+            input: None,
+        }
+    }
+
+    /// Declares the type of this workflow's input (builder style); see [`Input`].
+    pub fn input<T: Input>(mut self) -> Self {
+        self.input = Some(Arc::new(|value: &Value| {
+            // serde reads a struct from an array too ([1, 2] as the first two fields).
+            if !value.is_object() {
+                return Err(format!("the input must be a JSON object, got {value}"));
+            }
+            let parsed: T = serde_json::from_value(value.clone()).map_err(|e| e.to_string())?;
+            parsed.check()
+        }));
+        self
+    }
+
+    /// Whether `input` is one this workflow accepts; the error says what is wrong with it.
+    pub fn check_input(&self, input: &Value) -> Result<(), String> {
+        match &self.input {
+            Some(check) => check(input),
+            None => Ok(()),
         }
     }
 

@@ -109,7 +109,7 @@ use serde_json::Value;
 pub(crate) use context::Position;
 pub use context::UndoTarget;
 pub use context::{IDEMPOTENCY_KEY_HEADER, Parked, StepContext};
-pub use definition::{Compensation, StepDef, Workflow};
+pub use definition::{Compensation, Input, StepDef, Workflow};
 pub use effect::{Lookup, Tool};
 pub use error::{ResultExt, StepError};
 pub(crate) use host::{BoxFuture, Models, Records, Tools};

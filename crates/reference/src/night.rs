@@ -123,6 +123,32 @@ impl Night {
     }
 }
 
+/// The input of a `reconcile` run as the workflow declares it: a date, optional sizes and seed,
+/// and where notes are sent. Unknown fields are refused.
+#[derive(Debug, Clone, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ReconcileInput {
+    /// The night, `YYYY-MM-DD`.
+    pub date: String,
+    /// Invoices that night.
+    pub invoices: Option<u32>,
+    /// Invoice lines that bill too much.
+    pub mismatches: Option<u32>,
+    /// Seed of the generated paperwork.
+    pub seed: Option<u64>,
+    /// The exchange debit notes and the summary are published to.
+    pub mail_exchange: Option<String>,
+}
+
+impl trailmark::workflow::Input for ReconcileInput {
+    fn check(&self) -> std::result::Result<(), String> {
+        let mut night = Night::new(parse_date(&self.date).map_err(|e| e.to_string())?);
+        night.invoices = self.invoices.unwrap_or(night.invoices);
+        night.mismatches = self.mismatches.unwrap_or(night.mismatches);
+        night.validated().map(|_| ()).map_err(|e| e.to_string())
+    }
+}
+
 /// Parses `YYYY-MM-DD`, saying what was expected when it is not.
 pub fn parse_date(raw: &str) -> Result<NaiveDate> {
     NaiveDate::parse_from_str(raw, "%Y-%m-%d")

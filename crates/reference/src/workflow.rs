@@ -66,6 +66,7 @@ pub const STEPS: [(&str, StepKind); 10] = [
 /// The `reconcile` workflow definition.
 pub fn workflow() -> Workflow {
     Workflow::new(NAME, 1)
+        .input::<crate::night::ReconcileInput>()
         .step(FETCH, StepKind::Read, fetch)
         .step(EXTRACT, StepKind::Model, extract_items)
         .step(MATCH, StepKind::Read, match_orders)
