@@ -10,45 +10,190 @@ use trailmark::store::{self, runs};
 use trailmark::timeline;
 use trailmark::workflow::Registry;
 
-/// Publishes a run-start event exactly as an upstream service would.
+/// `run start` options.
+#[derive(Debug, clap::Args)]
+pub struct StartArgs {
+    /// Workflow name (e.g. chain).
+    pub workflow: String,
+    /// Caller-chosen run id; starting the same id again with the same input starts one run,
+    /// with another input it is refused.
+    #[arg(long)]
+    pub run_id: String,
+    /// Workflow input: JSON, `@FILE` to read it from a file, or `-` for standard input.
+    #[arg(long)]
+    pub input: Option<String>,
+    /// Return only once a worker has created the run (or fail after --wait-secs).
+    #[arg(long)]
+    pub wait: bool,
+    /// How long --wait waits.
+    #[arg(long, default_value_t = 60)]
+    pub wait_secs: u64,
+}
+
+/// Publishes a run-start event exactly as an upstream service would, after the checks a worker
+/// would make: the workflow exists, the input is one it accepts, the event fits the message
+/// limit, and no run with this id exists with another input.
 pub async fn start(
     settings: &Settings,
     registry: &Registry,
-    workflow: &str,
-    run_id: &str,
-    input: Option<&str>,
+    args: StartArgs,
 ) -> anyhow::Result<()> {
-    let run_id = RunId::parse(run_id)?;
-    if registry.get(workflow).is_none() {
-        bail!(
-            "unknown workflow {workflow:?}: this build runs {}",
+    let run_id = RunId::parse(&args.run_id)?;
+    let workflow = registry.get(&args.workflow).with_context(|| {
+        format!(
+            "unknown workflow {:?}: this build runs {}",
+            args.workflow,
             registry.names().join(", ")
+        )
+    })?;
+    let input = read_input(args.input.as_deref())?;
+    if let Err(why) = workflow.check_input(&input) {
+        bail!(
+            "workflow {} does not accept this input: {why}; nothing was published",
+            workflow.name
         );
     }
-    let input: Value = match input {
-        Some(raw) => serde_json::from_str(raw)
-            .with_context(|| format!("--input is not valid JSON: {raw}"))?,
-        None => json!({}),
-    };
-    let event = RunStartEvent::new(run_id.clone(), workflow, input);
+    let event = RunStartEvent::new(run_id.clone(), &workflow.name, input);
     let topology = broker::Topology::new(&settings.broker.prefix, settings.broker.delivery_limit);
-    broker::publish_once(&settings.broker, "cli", &topology.run_start(&event))
+    let message = topology.run_start(&event);
+    let limit = settings.worker.max_message_bytes;
+    if message.body.len() > limit {
+        bail!(
+            "the run-start event is {} bytes, over the {limit}-byte message limit (worker.max_message_bytes); pass large inputs by reference (a URL or a key) instead",
+            message.body.len()
+        );
+    }
+    let pool = match store::connect(&settings.database).await {
+        Ok(pool) => Some(pool),
+        // The event is what starts the run; the checks that need the database are a courtesy.
+        Err(e) if !args.wait => {
+            tracing::warn!(error = %trailmark::error::Report(&e), "cannot check for an existing run; publishing anyway");
+            None
+        }
+        Err(e) => return Err(e).context("--wait needs the database to see the run appear"),
+    };
+    if let Some(pool) = &pool
+        && let Some(run) = runs::get(pool, run_id.as_str()).await?
+    {
+        if run.workflow != event.workflow || run.input != event.input {
+            bail!(
+                "run {run_id} exists with workflow {} and another input (status {}); a second start would be refused as run_conflict. Use another run id",
+                run.workflow,
+                run.status
+            );
+        }
+        println!(
+            "run {run_id} already exists with this workflow and input (status {}); nothing to start. Follow it with `trailmark run show {run_id}`",
+            run.status
+        );
+        return Ok(());
+    }
+    broker::publish_once(&settings.broker, "cli", &message)
         .await
-        .context(
-            "publishing the run-start event (has `trailmark migrate` declared the topology?)",
-        )?;
+        .map_err(|e| match e {
+            broker::Error::Refused { .. } => anyhow::Error::new(e)
+                .context("the broker refused the run-start event (has `trailmark migrate` declared the topology?)"),
+            e => anyhow::Error::new(e).context("publishing the run-start event"),
+        })?;
     println!(
-        "run-start event for {run_id} (workflow {workflow}) published to {}; follow it with `trailmark run show {run_id}`",
+        "run-start event for {run_id} (workflow {}) published to {}; follow it with `trailmark run show {run_id}`",
+        workflow.name,
         topology.runs_exchange()
     );
-    Ok(())
+    match pool {
+        Some(pool) if args.wait => wait_for_run(settings, &pool, &run_id, args.wait_secs).await,
+        _ => Ok(()),
+    }
+}
+
+/// The input as given: inline JSON, `@FILE`, or `-` for standard input; `{}` when absent.
+fn read_input(raw: Option<&str>) -> anyhow::Result<Value> {
+    let text = match raw {
+        None => return Ok(json!({})),
+        Some("-") => std::io::read_to_string(std::io::stdin())
+            .context("reading --input from standard input")?,
+        Some(arg) => match arg.strip_prefix('@') {
+            Some(path) => std::fs::read_to_string(path)
+                .with_context(|| format!("reading --input from {path}"))?,
+            None => arg.to_owned(),
+        },
+    };
+    serde_json::from_str(&text).with_context(|| {
+        let shown: String = text.chars().take(200).collect();
+        format!("--input is not valid JSON: {shown}")
+    })
+}
+
+/// Waits until a worker has created the run, saying so when no worker consumes the start queue.
+async fn wait_for_run(
+    settings: &Settings,
+    pool: &sqlx::PgPool,
+    run_id: &RunId,
+    wait_secs: u64,
+) -> anyhow::Result<()> {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(wait_secs);
+    let mut next_look = std::time::Instant::now() + std::time::Duration::from_secs(2);
+    loop {
+        if let Some(run) = runs::get(pool, run_id.as_str()).await? {
+            println!("run {run_id} exists (status {})", run.status);
+            return Ok(());
+        }
+        let now = std::time::Instant::now();
+        if now >= deadline {
+            let why = match waiting_start(settings).await {
+                Some(note) => note,
+                None => {
+                    "check `trailmark dlq list` (a refused start is dead-lettered with its reason)"
+                        .into()
+                }
+            };
+            bail!("run {run_id} did not appear within {wait_secs} s: {why}");
+        }
+        if now >= next_look {
+            if let Some(note) = waiting_start(settings).await {
+                eprintln!("still waiting for run {run_id}: {note}");
+            }
+            next_look = now + std::time::Duration::from_secs(10);
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    }
+}
+
+/// What the start queue says about a run that does not exist yet: events waiting, and whether
+/// any worker consumes them; `None` when a worker consumes and nothing waits (the event may have
+/// been refused).
+async fn waiting_start(settings: &Settings) -> Option<String> {
+    let topology = broker::Topology::new(&settings.broker.prefix, settings.broker.delivery_limit);
+    let queue = topology.run_start_queue();
+    match broker::queue_state(&settings.broker, &queue).await {
+        Ok(Some(q)) if q.consumers == 0 => Some(format!(
+            "{} start event(s) wait in {queue} and no worker is consuming {queue}: start one with `trailmark serve`",
+            q.messages
+        )),
+        Ok(Some(q)) if q.messages > 0 => Some(format!(
+            "{} start event(s) wait in {queue}, consumed by {} worker(s)",
+            q.messages, q.consumers
+        )),
+        Ok(Some(_)) => None,
+        Ok(None) => Some(format!(
+            "queue {queue} does not exist: run `trailmark migrate`, or check TRAILMARK__BROKER__PREFIX"
+        )),
+        Err(e) => Some(format!(
+            "the broker cannot be asked: {}",
+            trailmark::error::Report(&e)
+        )),
+    }
 }
 
 /// `run show ID [--json]`.
 pub async fn show(settings: &Settings, run_id: &str, as_json: bool) -> anyhow::Result<()> {
     let pool = store::connect(&settings.database).await?;
     let Some(r) = timeline::load(&pool, run_id).await? else {
-        bail!("run {run_id} not found: list runs with `trailmark run list`");
+        let note = waiting_start(settings)
+            .await
+            .map(|n| format!("; {n}"))
+            .unwrap_or_default();
+        bail!("run {run_id} not found: list runs with `trailmark run list`{note}");
     };
     if as_json {
         println!("{}", serde_json::to_string_pretty(&r)?);

@@ -11,16 +11,7 @@ use trailmark::workflow::Registry;
 #[derive(Debug, Subcommand)]
 pub enum RunCommand {
     /// Publish a run-start event, exactly as an upstream service would.
-    Start {
-        /// Workflow name (e.g. chain).
-        workflow: String,
-        /// Caller-chosen run id; starting the same id twice starts one run.
-        #[arg(long)]
-        run_id: String,
-        /// Workflow input as JSON.
-        #[arg(long)]
-        input: Option<String>,
-    },
+    Start(super::run::StartArgs),
     /// Show a run: status, steps with attempts and timings, journal and effect counts.
     Show {
         /// Run id.
@@ -123,11 +114,7 @@ pub async fn dispatch(
     command: RunCommand,
 ) -> anyhow::Result<()> {
     match command {
-        RunCommand::Start {
-            workflow,
-            run_id,
-            input,
-        } => super::run::start(&settings, &registry, &workflow, &run_id, input.as_deref()).await,
+        RunCommand::Start(args) => super::run::start(&settings, &registry, args).await,
         RunCommand::Show { run_id, json } => super::run::show(&settings, &run_id, json).await,
         RunCommand::Resume {
             run_id,
