@@ -49,19 +49,50 @@ fn own_reaction(e: &(dyn std::error::Error + 'static)) -> Option<Reaction> {
 }
 
 /// Shows an error with its chain of causes on one line (`what: cause: cause`), for logs and
-/// terminals: every error here keeps its cause as its `source` instead of printing it.
+/// terminals: every error here keeps its cause as its `source` instead of printing it. A
+/// driver's error (Postgres, RabbitMQ, I/O) ends the chain with the server's own words, without
+/// the driver's repetitions and source positions.
 pub struct Report<'a>(pub &'a (dyn std::error::Error + 'static));
 
 impl fmt::Display for Report<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}", self.0)?;
-        let mut next = self.0.source();
-        while let Some(cause) = next {
-            write!(f, ": {cause}")?;
-            next = cause.source();
+        let mut next = Some(self.0);
+        let mut first = true;
+        while let Some(e) = next {
+            if !first {
+                f.write_str(": ")?;
+            }
+            first = false;
+            if let Some(words) = driver_words(e) {
+                return f.write_str(&words);
+            }
+            write!(f, "{e}")?;
+            next = e.source();
         }
         Ok(())
     }
+}
+
+/// What a driver's error says, in the server's words, if `e` is one.
+fn driver_words(e: &(dyn std::error::Error + 'static)) -> Option<String> {
+    if let Some(e) = e.downcast_ref::<sqlx::Error>() {
+        return Some(match e {
+            sqlx::Error::Database(db) => db.message().to_owned(),
+            sqlx::Error::Io(io) => io.to_string(),
+            sqlx::Error::PoolTimedOut => {
+                "no connection within the pool's timeout (the server is down, unreachable or out of connections)".into()
+            }
+            other => other.to_string(),
+        });
+    }
+    if let Some(e) = e.downcast_ref::<lapin::Error>() {
+        return Some(match e.kind() {
+            lapin::ErrorKind::ProtocolError(amqp) => amqp.get_message().to_string(),
+            lapin::ErrorKind::IOError(io) => io.to_string(),
+            _ => e.to_string(),
+        });
+    }
+    e.downcast_ref::<std::io::Error>().map(ToString::to_string)
 }
 
 #[cfg(test)]

@@ -16,6 +16,7 @@
 //! | [`relay`] | outbox -> RabbitMQ with publisher confirms |
 //! | [`supervisor`] | expired leases -> the step re-queued through the outbox; late decisions escalated |
 //! | [`process`] | the components one process runs ([`serve`]) and how they stop |
+//! | [`startup`] | what a process checks before it says it started: servers reachable, logins accepted, schema current |
 //! | [`operator`] | operator decisions: resume, resume after fix, undo, cancel, approve, reject |
 //! | [`timeline`] | a run as an operator reads it (what `trailmark run show` prints) |
 //! | [`dlq`] | the dead-letter queue for operators: list, show, requeue, purge |
@@ -54,6 +55,7 @@ pub mod operator;
 pub mod process;
 pub mod redact;
 pub mod relay;
+pub mod startup;
 pub mod store;
 pub mod supervisor;
 pub mod telemetry;

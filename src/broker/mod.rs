@@ -97,14 +97,45 @@ pub async fn connect(settings: &BrokerSettings, name: &str) -> Result<Connection
     }
     let props =
         ConnectionProperties::default().with_connection_name(format!("trailmark-{name}").into());
+    let (user, vhost) = (uri.authority.userinfo.username.clone(), uri.vhost.clone());
     Connection::connect_uri(uri, props)
         .await
-        .map_err(|e| Error::Unavailable {
+        .map_err(|e| refused_connection(&url, &user, &vhost, e))
+}
+
+/// Why a connection to RabbitMQ failed, with the advice that fits the cause: a broker that is not
+/// reachable is worth waiting for; a refused login or a missing vhost is not.
+fn refused_connection(url: &str, user: &str, vhost: &str, e: lapin::Error) -> Error {
+    let amqp = match e.kind() {
+        lapin::ErrorKind::ProtocolError(amqp) => {
+            Some((amqp.get_id(), amqp.get_message().to_string()))
+        }
+        _ => None,
+    };
+    let fix = match amqp {
+        Some((403, _)) => Some(format!(
+            "RabbitMQ at {url} refused the login of user {user:?}: fix the user or password in AMQP_URL"
+        )),
+        Some((530, text)) if text.contains("not found") => Some(format!(
+            "vhost {vhost:?} does not exist on RabbitMQ at {url}: create it (`rabbitmqctl add_vhost {vhost}`), or fix the vhost in AMQP_URL"
+        )),
+        Some((530, _)) => Some(format!(
+            "user {user:?} may not use vhost {vhost:?} on RabbitMQ at {url}: grant it (`rabbitmqctl set_permissions -p {vhost} {user} '.*' '.*' '.*'`), or fix AMQP_URL"
+        )),
+        _ => None,
+    };
+    match fix {
+        Some(what) => Error::Misconfigured {
+            what,
+            source: Some(e.into()),
+        },
+        None => Error::Unavailable {
             what: format!(
-                "cannot connect to RabbitMQ at {url} (is it running? Start it with `rabbitmq-server -detached`, or set AMQP_URL)"
+                "cannot connect to RabbitMQ at {url} (is it running? Start it with `rabbitmq-server -detached`, or fix the host and port in AMQP_URL)"
             ),
             source: Some(e.into()),
-        })
+        },
+    }
 }
 
 /// Connects, publishes one message with a confirm, and disconnects: for the CLI and the demo,
@@ -129,4 +160,37 @@ pub async fn declare_topology(settings: &BrokerSettings) -> Result<()> {
         .await;
     let _ = conn.close(200, "done".into()).await;
     Ok(declared?)
+}
+
+/// What a queue holds and who reads it, as the broker tells a passive declare.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct QueueState {
+    /// Messages ready for delivery (not counting those delivered and not yet acknowledged).
+    pub messages: u32,
+    /// Consumers attached.
+    pub consumers: u32,
+}
+
+/// The state of `queue`, or `None` when it does not exist.
+pub async fn queue_state(settings: &BrokerSettings, queue: &str) -> Result<Option<QueueState>> {
+    use lapin::options::QueueDeclareOptions;
+    let conn = connect(settings, "inspect").await?;
+    let channel = conn.create_channel().await?;
+    let passive = QueueDeclareOptions {
+        passive: true,
+        ..Default::default()
+    };
+    let declared = channel
+        .queue_declare(queue.into(), passive, Default::default())
+        .await;
+    let _ = conn.close(200, "done".into()).await;
+    match declared {
+        Ok(q) => Ok(Some(QueueState {
+            messages: q.message_count(),
+            consumers: q.consumer_count(),
+        })),
+        // A passive declare of a missing queue is refused with NOT_FOUND (and closes the channel).
+        Err(e) if e.to_string().contains("NOT_FOUND") => Ok(None),
+        Err(e) => Err(e.into()),
+    }
 }

@@ -167,14 +167,49 @@ fn options(settings: &DatabaseSettings) -> Result<PgConnectOptions> {
         ]))
 }
 
+/// Why a connection to Postgres failed, with the advice that fits the cause: a server that is
+/// not reachable is worth waiting for; a refused login, a missing role or database is not.
 fn down(settings: &DatabaseSettings, e: sqlx::Error) -> Error {
-    Error::unavailable(
-        format!(
-            "cannot connect to Postgres at {} (is it running? Start it with `pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main start`, or set DATABASE_URL)",
-            redact::url(&settings.url)
+    let at = redact::url(&settings.url);
+    let (user, database) = settings
+        .url
+        .parse::<PgConnectOptions>()
+        .map(|o| {
+            let db = o.get_database().unwrap_or("postgres").to_owned();
+            (o.get_username().to_owned(), db)
+        })
+        .unwrap_or_default();
+    let code = e.as_database_error().and_then(|d| d.code());
+    match code.as_deref() {
+        Some("28P01") => Error::misconfigured(
+            format!(
+                "Postgres at {at} refused the password of user {user:?}: fix the password in DATABASE_URL"
+            ),
+            e,
         ),
-        e,
-    )
+        Some(c) if c.starts_with("28") => Error::misconfigured(
+            format!(
+                "Postgres at {at} refused the login of user {user:?}: create the role, or fix the user in DATABASE_URL (or pg_hba.conf)"
+            ),
+            e,
+        ),
+        Some("3D000") => Error::misconfigured(
+            format!(
+                "database {database:?} does not exist at {at}: run `trailmark migrate` (it creates it), or fix the database name in DATABASE_URL"
+            ),
+            e,
+        ),
+        Some(_) => Error::unavailable(
+            format!("Postgres at {at} is not accepting connections yet"),
+            e,
+        ),
+        None => Error::unavailable(
+            format!(
+                "cannot connect to Postgres at {at} (is it running? Start it with `pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main start`, or fix the host and port in DATABASE_URL)"
+            ),
+            e,
+        ),
+    }
 }
 
 /// Opens a pool and checks it with one round trip, so a wrong URL fails at start-up.
@@ -330,6 +365,51 @@ pub async fn migrate(pool: &PgPool) -> Result<()> {
         .run(pool)
         .await
         .map_err(|e| Error::misconfigured("the migrations failed", e))
+}
+
+/// Checks that the database's schema is the one this build was made for: every migration of
+/// this build applied, and none this build does not know (a newer trailmark migrated it).
+pub async fn check_schema(
+    conn: &mut sqlx::PgConnection,
+    settings: &DatabaseSettings,
+) -> Result<()> {
+    let at = redact::url(&settings.url);
+    let history: Option<String> =
+        sqlx::query_scalar("SELECT to_regclass('_sqlx_migrations')::text")
+            .fetch_one(&mut *conn)
+            .await?;
+    if history.is_none() {
+        return Err(Error::Misconfigured {
+            what: format!("the database at {at} was never migrated: run `trailmark migrate`"),
+            source: None,
+        });
+    }
+    let applied: Vec<i64> =
+        sqlx::query_scalar("SELECT version FROM _sqlx_migrations WHERE success ORDER BY version")
+            .fetch_all(&mut *conn)
+            .await?;
+    let known: Vec<i64> = MIGRATOR.iter().map(|m| m.version).collect();
+    if let Some(newer) = applied.iter().find(|v| !known.contains(v)) {
+        return Err(Error::Misconfigured {
+            what: format!(
+                "the database at {at} was migrated by a newer trailmark (migration {newer} is unknown to this build): deploy that version or a newer one"
+            ),
+            source: None,
+        });
+    }
+    if let Some(missing) = MIGRATOR.iter().find(|m| !applied.contains(&m.version)) {
+        return Err(Error::Misconfigured {
+            what: format!(
+                "the schema at {at} is older than this build ({} of {} migrations applied; next: {} {}): run `trailmark migrate`",
+                applied.len(),
+                known.len(),
+                missing.version,
+                missing.description
+            ),
+            source: None,
+        });
+    }
+    Ok(())
 }
 
 /// How many migrations the database has applied successfully.

@@ -89,7 +89,12 @@ async fn main() -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             // Not eprintln!: it panics when stderr is gone, and the exit code must still say why.
-            let _ = writeln!(std::io::stderr(), "error: {e:#}");
+            let shown: &(dyn std::error::Error + 'static) = e.as_ref();
+            let _ = writeln!(
+                std::io::stderr(),
+                "error: {}",
+                trailmark::error::Report(shown)
+            );
             ExitCode::from(cli::exit_code(&e))
         }
     };

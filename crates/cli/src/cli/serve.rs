@@ -18,6 +18,7 @@ pub async fn serve(
 ) -> anyhow::Result<()> {
     let failpoints =
         Failpoints::from_env().map_err(|e| anyhow::anyhow!("TRAILMARK_FAILPOINTS: {e}"))?;
+    trailmark::startup::check(&settings).await?;
     let engine = Engine::new(settings, registry, failpoints).await?;
     let shutdown = CancellationToken::new();
     tokio::spawn(wait_for_signal(shutdown.clone()));
