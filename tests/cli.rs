@@ -2,18 +2,10 @@
 
 mod common;
 
-use std::process::Output;
 use std::time::Duration;
 
-use common::TestEnv;
+use common::{TestEnv, text};
 use trailmark::domain::RunStatus;
-
-fn text(out: &Output) -> (String, String) {
-    (
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn documented_quickstart_migrates_twice_starts_twice_and_shows_a_succeeded_run() {

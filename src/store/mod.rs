@@ -136,16 +136,56 @@ pub type Result<T> = std::result::Result<T, Error>;
 /// The migrations under `migrations/`, compiled in.
 pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
 
-fn options(settings: &DatabaseSettings) -> Result<PgConnectOptions> {
-    let opts: PgConnectOptions = settings.url.parse().map_err(|e| {
+/// Query parameters the Postgres driver does not know and would log with their values, which
+/// are secrets: removed before it parses the URL.
+const UNSUPPORTED_SECRETS: [&str; 1] = ["sslpassword"];
+
+/// `url` without [`UNSUPPORTED_SECRETS`], saying (without the values) which were dropped.
+fn without_unsupported_secrets(url: &str) -> String {
+    let Ok(mut parsed) = url::Url::parse(url) else {
+        return url.to_owned();
+    };
+    let pairs: Vec<(String, String)> = parsed
+        .query_pairs()
+        .map(|(k, v)| (k.into_owned(), v.into_owned()))
+        .collect();
+    let (dropped, kept): (Vec<_>, Vec<_>) = pairs
+        .into_iter()
+        .partition(|(k, _)| UNSUPPORTED_SECRETS.contains(&k.as_str()));
+    if dropped.is_empty() {
+        return url.to_owned();
+    }
+    static SAID: std::sync::Once = std::sync::Once::new();
+    SAID.call_once(|| {
+        for (key, _) in &dropped {
+            tracing::warn!(
+                "DATABASE_URL sets {key}, which the Postgres driver does not support; it is ignored (use an unencrypted client key)"
+            );
+        }
+    });
+    let query = url::form_urlencoded::Serializer::new(String::new())
+        .extend_pairs(kept)
+        .finish();
+    parsed.set_query((!query.is_empty()).then_some(query.as_str()));
+    parsed.to_string()
+}
+
+/// Reads a Postgres URL the way every connection of trailmark does (parameters the driver
+/// would print with their secret values removed first).
+pub fn parse_url(url: &str) -> Result<PgConnectOptions> {
+    without_unsupported_secrets(url).parse().map_err(|e| {
         Error::misconfigured(
             format!(
                 "DATABASE_URL {} is not a valid Postgres URL",
-                redact::url(&settings.url)
+                redact::url(url)
             ),
             e,
         )
-    })?;
+    })
+}
+
+fn options(settings: &DatabaseSettings) -> Result<PgConnectOptions> {
+    let opts = parse_url(&settings.url)?;
     // Statement logging would print bodies and ids at info level; keep it for debugging only.
     // Every statement trailmark runs looks rows up by key, several keys at a time in the
     // group-commit statements (arrays joined to the tables). The planner settings below keep those
@@ -171,9 +211,7 @@ fn options(settings: &DatabaseSettings) -> Result<PgConnectOptions> {
 /// not reachable is worth waiting for; a refused login, a missing role or database is not.
 fn down(settings: &DatabaseSettings, e: sqlx::Error) -> Error {
     let at = redact::url(&settings.url);
-    let (user, database) = settings
-        .url
-        .parse::<PgConnectOptions>()
+    let (user, database) = parse_url(&settings.url)
         .map(|o| {
             let db = o.get_database().unwrap_or("postgres").to_owned();
             (o.get_username().to_owned(), db)

@@ -44,6 +44,20 @@ pub fn trailmark_bin() -> std::path::PathBuf {
     bin
 }
 
+/// A finished command's stdout and stderr as text.
+pub fn text(out: &std::process::Output) -> (String, String) {
+    (
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// A port on 127.0.0.1 that nothing listens on (bound, then released).
+pub fn closed_port() -> u16 {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind a port");
+    listener.local_addr().expect("its address").port()
+}
+
 /// Polls `probe` every 50 ms until it yields a value, for at most `within`; `None` when it never
 /// did. Every wait in the tests goes through here: a bounded wait for an observable state, never
 /// a sleep standing in for one.

@@ -169,7 +169,8 @@ async fn race_demo(
     if tries == 0 || entries == 0 {
         bail!("--tries and --entries must be at least 1");
     }
-    let trailmark: sqlx::postgres::PgConnectOptions = settings.database.url.parse()?;
+    let trailmark: sqlx::postgres::PgConnectOptions =
+        trailmark::store::parse_url(&settings.database.url)?;
     let pool = outside::prepare(&outside::options_for(&trailmark)?).await?;
     trailmark_reference::demo::say(&format!(
         "two workers post the same {entries} entries, {tries} tries per variant, {pause_ms} ms between check and insert"

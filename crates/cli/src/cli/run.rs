@@ -47,12 +47,6 @@ pub async fn start(
         )
     })?;
     let input = read_input(args.input.as_deref())?;
-    if let Err(why) = workflow.check_input(&input) {
-        bail!(
-            "workflow {} does not accept this input: {why}; nothing was published",
-            workflow.name
-        );
-    }
     let event = RunStartEvent::new(run_id.clone(), &workflow.name, input);
     let topology = broker::Topology::new(&settings.broker.prefix, settings.broker.delivery_limit);
     let message = topology.run_start(&event);
@@ -61,6 +55,12 @@ pub async fn start(
         bail!(
             "the run-start event is {} bytes, over the {limit}-byte message limit (worker.max_message_bytes); pass large inputs by reference (a URL or a key) instead",
             message.body.len()
+        );
+    }
+    if let Err(why) = workflow.check_input(&event.input) {
+        bail!(
+            "workflow {} does not accept this input: {why}; nothing was published",
+            workflow.name
         );
     }
     let pool = match store::connect(&settings.database).await {

@@ -45,12 +45,13 @@ pub struct Stage {
 impl Stage {
     /// Prepares the outside database and seeds the night's orders and receipts.
     pub async fn prepare(settings: &Settings, night: &Night, label: &str) -> anyhow::Result<Self> {
-        let trailmark: PgConnectOptions = settings.database.url.parse().with_context(|| {
-            format!(
-                "DATABASE_URL {} is not a Postgres URL",
-                trailmark::redact::url(&settings.database.url)
-            )
-        })?;
+        let trailmark: PgConnectOptions = trailmark::store::parse_url(&settings.database.url)
+            .with_context(|| {
+                format!(
+                    "DATABASE_URL {} is not a Postgres URL",
+                    trailmark::redact::url(&settings.database.url)
+                )
+            })?;
         let options = outside::options_for(&trailmark)?;
         let outside_name = outside::name(&options);
         let outside = outside::prepare(&options)

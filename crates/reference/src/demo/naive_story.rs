@@ -154,11 +154,7 @@ pub async fn pass(settings: &Settings, night: &Night) -> anyhow::Result<()> {
         Failpoints::from_env().map_err(|e| anyhow::anyhow!("TRAILMARK_FAILPOINTS: {e}"))?;
     let model = ModelClient::new(&settings.model)
         .context("the naive worker needs model.base_url (the demo passes its model server)")?;
-    let trailmark: PgConnectOptions = settings
-        .database
-        .url
-        .parse()
-        .context("DATABASE_URL is not a Postgres URL")?;
+    let trailmark: PgConnectOptions = trailmark::store::parse_url(&settings.database.url)?;
     let outside = outside::prepare(&outside::options_for(&trailmark)?).await?;
     naive::run_pass(&outside, &model, night, &failpoints).await?;
     Ok(())
