@@ -93,6 +93,7 @@ async fn demo_tells_the_story_and_a_rerun_repeats_nothing() {
     assert!(stderr.contains("already finished"), "{stderr}");
     let figures: serde_json::Value = serde_json::from_str(&stdout).expect("--json prints JSON");
     assert_eq!(figures["already_finished"], true);
+    assert_eq!(figures["variant"], "trailmark", "{figures}");
     for (field, want) in [
         ("invoices_read", 312),
         ("model_calls", 312),

@@ -18,8 +18,9 @@ use trailmark::workflow::StepKind;
 /// Everything the demo reports about one run.
 #[derive(Debug, Clone, Serialize)]
 pub struct Figures {
-    /// `trailmark` or `naive`.
-    pub version: String,
+    /// Which implementation ran the night: `trailmark` (checkpoints, keyed writes) or `naive`
+    /// (the first version of the story: neither).
+    pub variant: String,
     /// The run.
     pub run_id: String,
     /// Run status (`succeeded`, `needs_review`, ...; `finished` for the naive version).
@@ -79,7 +80,7 @@ pub async fn measure(
     let rows = steps::list(pool, run_id).await?;
     let restarts = rows.iter().map(|s| i64::from(s.attempts.max(1) - 1)).sum();
     let mut figures = outside_figures(outside, night, run_id).await?;
-    figures.version = "trailmark".into();
+    figures.variant = "trailmark".into();
     figures.status = run
         .as_ref()
         .map_or_else(|| "not started".into(), |r| r.status.to_string());
@@ -115,7 +116,7 @@ pub async fn outside_figures(outside: &PgPool, night: &Night, run_id: &str) -> R
     let (ledger_rows, distinct_keys) = ledger::counts(outside, run_id).await?;
     let sink = mail::counts(outside, run_id).await?;
     Ok(Figures {
-        version: String::new(),
+        variant: String::new(),
         run_id: run_id.to_owned(),
         status: String::new(),
         error: None,
@@ -223,7 +224,7 @@ pub fn closing_lines(f: &Figures) -> [String; 3] {
 
 /// The short table: one row per step (when there are steps), then the closing lines.
 pub fn render(f: &Figures) -> String {
-    let mut out = format!("{} run {}: {}\n", f.version, f.run_id, f.status);
+    let mut out = format!("{} run {}: {}\n", f.variant, f.run_id, f.status);
     if let Some(e) = &f.error {
         out.push_str(&format!("error: {e}\n"));
     }

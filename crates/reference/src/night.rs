@@ -8,6 +8,9 @@ use serde_json::{Value, json};
 use super::{Error, Result};
 use trailmark::domain::RunId;
 
+/// The night the reference story tells: the demo's default, whose figures the README shows.
+pub const STORY_NIGHT: &str = "2026-10-13";
+
 /// Invoices on a default night (the reference story's figures).
 pub const DEFAULT_INVOICES: u32 = 312;
 /// Mismatches on a default night: one ledger adjustment each.

@@ -42,7 +42,8 @@ pub struct DemoArgs {
 /// The night to reconcile.
 #[derive(Debug, Clone, Args)]
 pub struct NightArgs {
-    /// The night (YYYY-MM-DD); default today. The run is `run-<night>-ldh`.
+    /// The night (YYYY-MM-DD); default the story's night, 2026-10-13, so that the figures are
+    /// the ones the README shows. The run is `run-<night>-ldh`.
     #[arg(long)]
     pub night: Option<String>,
     /// Invoices that night.
@@ -60,7 +61,7 @@ impl NightArgs {
     fn night(&self) -> anyhow::Result<Night> {
         let date = match &self.night {
             Some(raw) => night::parse_date(raw)?,
-            None => chrono::Local::now().date_naive(),
+            None => night::parse_date(night::STORY_NIGHT)?,
         };
         let night = Night {
             date,

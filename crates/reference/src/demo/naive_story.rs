@@ -46,7 +46,7 @@ pub async fn run(
     let restarts = restarts?;
     let mut f = figures::outside_figures(&stage.outside, night, run_id.as_str()).await?;
     let (rows, distinct) = naive::ledger_counts(&stage.outside, night).await?;
-    f.version = "naive".into();
+    f.variant = "naive".into();
     f.status = "finished".into();
     f.model_calls = calls?;
     f.restarts = restarts;
