@@ -108,12 +108,7 @@ async fn bad_requests_are_refused_with_what_to_do() {
             "--pool must be at least 1",
         ),
     ];
-    for (args, expected) in cases {
-        let out = env.command(args).output().unwrap();
-        let (_, err) = text(&out);
-        assert_eq!(out.status.code(), Some(1), "{args:?}: {err}");
-        assert!(err.contains(expected), "{args:?}: {err}");
-    }
+    common::assert_each_refused(&env, &cases);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -16,6 +16,7 @@ use serde_json::json;
 use trailmark::broker::Outgoing;
 use trailmark::dlq::{Dlq, quiet};
 use trailmark::domain::{RunId, RunStartEvent, RunStatus, request_hash};
+use trailmark::engine::Engine;
 
 const WAIT: Duration = Duration::from_secs(60);
 
@@ -66,13 +67,24 @@ async fn a_second_start_with_another_input_is_dead_lettered_as_run_conflict() {
     assert_eq!(env.chain_ledger("r-c").await, (1, 1));
 
     // A true repeat (same workflow and input, a new message id) is a duplicate, not a letter.
+    let repeat = env.topology().run_start(&RunStartEvent::new(
+        RunId::parse("r-c").unwrap(),
+        "chain",
+        json!({"steps": 1}),
+    ));
+    assert_dropped_as_duplicate(&env, &engine, &repeat).await;
+}
+
+/// Publishes `message` and waits until the worker drops it as a duplicate; the DLQ keeps its
+/// one letter.
+async fn assert_dropped_as_duplicate(env: &TestEnv, engine: &Engine, message: &Outgoing) {
     let before = engine.stats.duplicates.load(Ordering::Relaxed);
-    env.start_run("chain", "r-c", json!({"steps": 1})).await;
+    env.publish(message).await;
     env.wait_until("the repeat dropped as a duplicate", WAIT, || async {
         engine.stats.duplicates.load(Ordering::Relaxed) > before
     })
     .await;
-    assert_eq!(dead_letters(&env).await.len(), 1);
+    assert_eq!(dead_letters(env).await.len(), 1);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -105,13 +117,7 @@ async fn a_message_id_reused_with_another_body_is_dead_lettered_as_message_id_re
     );
 
     // The same id with the same body is a redelivery: dropped, no letter.
-    let before = engine.stats.duplicates.load(Ordering::Relaxed);
-    env.publish(&first).await;
-    env.wait_until("the repeat dropped as a duplicate", WAIT, || async {
-        engine.stats.duplicates.load(Ordering::Relaxed) > before
-    })
-    .await;
-    assert_eq!(dead_letters(&env).await.len(), 1);
+    assert_dropped_as_duplicate(&env, &engine, &first).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -179,12 +185,7 @@ async fn run_start_checks_input_size_and_existing_runs_before_publishing() {
             "does not accept this input",
         ),
     ];
-    for (args, expected) in refused {
-        let out = env.command(args).output().unwrap();
-        let (_, err) = text(&out);
-        assert_eq!(out.status.code(), Some(1), "{args:?}: {err}");
-        assert!(err.contains(expected), "{args:?}: {err}");
-    }
+    common::assert_each_refused(&env, &refused);
     // An input over the message limit, from a file.
     let big = std::env::temp_dir().join(format!("{}-big.json", env.prefix));
     let filler = "x".repeat(env.settings.worker.max_message_bytes);

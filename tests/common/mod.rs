@@ -52,6 +52,17 @@ pub fn text(out: &std::process::Output) -> (String, String) {
     )
 }
 
+/// Runs each `trailmark` command of `cases` and checks that it is refused (exit 1) with the
+/// expected words on stderr.
+pub fn assert_each_refused(env: &TestEnv, cases: &[(&[&str], &str)]) {
+    for (args, expected) in cases {
+        let out = env.command(args).output().unwrap();
+        let (_, err) = text(&out);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {err}");
+        assert!(err.contains(expected), "{args:?}: {err}");
+    }
+}
+
 /// A port on 127.0.0.1 that nothing listens on (bound, then released).
 pub fn closed_port() -> u16 {
     let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind a port");
