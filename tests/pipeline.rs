@@ -508,3 +508,18 @@ async fn a_live_worker_keeps_its_lease_after_its_presence_connection_is_reopened
     assert_eq!(engine.stats.handler_runs.load(Ordering::Relaxed), 1);
     running.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_status_this_build_does_not_know_is_an_error_not_a_guess() {
+    let env = TestEnv::new().await;
+    env.insert_chain_run("r-future").await;
+    // As a newer trailmark might write it.
+    sqlx::query("UPDATE trailmark.runs SET status = 'paused' WHERE run_id = 'r-future'")
+        .execute(&env.pool)
+        .await
+        .unwrap();
+    let read = runs::get(&env.pool, "r-future").await;
+    let e = read.expect_err("an unknown status was read as a known one");
+    let shown = trailmark::error::Report(&e).to_string();
+    assert!(shown.contains("unknown run status \"paused\""), "{shown}");
+}

@@ -67,7 +67,9 @@ async fn demo_tells_the_story_and_a_rerun_repeats_nothing() {
         .map(|m| m.matched.item.supplier.clone())
         .collect::<BTreeSet<_>>()
         .len();
-    let out = trailmark(&r, &["demo", "--night", "2026-10-13"]).await;
+    assert_eq!(notes, 11, "the README's figure for the story's night");
+    // No --night: the default is the story's night, so the figures are the README's on any day.
+    let out = trailmark(&r, &["demo"]).await;
     let (stdout, stderr) = text(&out);
     assert!(out.status.success(), "demo failed:\n{stdout}\n{stderr}");
     let closing: Vec<&str> = stdout.trim_end().lines().rev().take(3).collect();

@@ -119,8 +119,14 @@ impl From<sqlx::Error> for Error {
             || code
                 .as_deref()
                 .is_some_and(|c| c.starts_with("28") || MISCONFIGURED_STATES.contains(&c));
+        let unreadable = matches!(e, sqlx::Error::ColumnDecode { .. } | sqlx::Error::Decode(_));
         if misconfigured {
             Self::misconfigured("the database refused the request", e)
+        } else if unreadable {
+            Self::misconfigured(
+                "the database holds a value this build cannot read (written by a newer trailmark?)",
+                e,
+            )
         } else {
             Self::unavailable("database error", e)
         }
