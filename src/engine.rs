@@ -76,6 +76,8 @@ pub struct Engine {
     /// Backend pid of this process's presence connection (0: none yet); stored with every lease
     /// so that other workers can tell at once when this process has died.
     pub presence_pid: std::sync::atomic::AtomicI32,
+    /// What `/livez` and `/readyz` answer.
+    pub health: crate::health::Health,
     /// The step transaction: claims, records, commits and releases with their group commit.
     pub(crate) step_tx: Arc<StepTx>,
     /// What step contexts use besides their position (records, model, breakers).
@@ -110,7 +112,12 @@ impl Engine {
             _ => None,
         };
         let guards = &settings.guards;
-        let step_tx = Arc::new(StepTx::new(&pool, settings.worker.max_batch));
+        let topology = Topology::new(&settings.broker.prefix, settings.broker.delivery_limit);
+        let step_tx = Arc::new(StepTx::new(
+            &pool,
+            topology.clone(),
+            settings.worker.max_batch,
+        ));
         let tools = Arc::new(Tools {
             pool: pool.clone(),
             records: step_tx.clone(),
@@ -127,7 +134,6 @@ impl Engine {
             call_retries: settings.worker.call_retries,
             repeat_limit: guards.repeat_limit,
         });
-        let topology = Topology::new(&settings.broker.prefix, settings.broker.delivery_limit);
         let worker_id = new_worker_id();
         Ok(Arc::new(Self {
             settings,
@@ -138,6 +144,7 @@ impl Engine {
             stats: Stats::default(),
             worker_id,
             presence_pid: Default::default(),
+            health: Default::default(),
             step_tx,
             tools,
         }))

@@ -7,6 +7,7 @@
 //!
 //! | module | what it does |
 //! |---|---|
+//! | [`api`] | the HTTP surface: `/livez`, `/readyz`, `/metrics`, and the ops API under `/api/v1` with roles and an audit trail |
 //! | [`domain`] | ids, run status and its allowed moves, step addresses, undo plans, journal and effect records, the messages; no I/O |
 //! | [`config`] | typed settings: compiled-in defaults, optional file, environment |
 //! | [`store`] | all SQL: runs, step checkpoints, journal, effects, inbox, outbox, decisions |
@@ -21,6 +22,8 @@
 //! | [`timeline`] | a run as an operator reads it (what `trailmark run show` prints) |
 //! | [`dlq`] | the dead-letter queue for operators: list, show, requeue, purge |
 //! | [`guard`] | budgets, repeated-action detection, circuit breakers |
+//! | [`health`] | what `/livez` and `/readyz` answer: loops coming round, servers answering, not draining |
+//! | [`metrics`] | Prometheus metrics: recorded where things happen, database gauges refreshed in the background |
 //! | [`model`] | OpenAI-compatible chat-completions client, and the offline answer |
 //! | [`engine`] | the shared state a process's components run on |
 //! | [`error`] | how a caller reacts to an error: retry, fix the configuration, or accept a refusal |
@@ -41,6 +44,7 @@
 
 #![warn(missing_docs)]
 
+pub mod api;
 pub mod broker;
 pub mod builtin;
 pub mod config;
@@ -50,6 +54,8 @@ pub mod engine;
 pub mod error;
 pub mod failpoint;
 pub mod guard;
+pub mod health;
+pub mod metrics;
 pub mod model;
 pub mod operator;
 pub mod process;

@@ -4,6 +4,7 @@
 
 use std::future::Future;
 use std::sync::Arc;
+use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
 
@@ -34,6 +35,9 @@ impl Components {
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
+    /// The HTTP surface could not start (`api.listen` taken, `api.tokens` malformed).
+    #[error("the API did not start")]
+    Api(#[source] crate::api::Error),
     /// The worker gave up (it reconnects by itself; this is a bug or a fatal refusal).
     #[error("the worker stopped")]
     Worker(#[source] crate::broker::Error),
@@ -43,42 +47,103 @@ pub enum Error {
     /// The supervisor gave up.
     #[error("the supervisor stopped")]
     Supervisor(#[source] crate::store::Error),
+    /// The HTTP server failed.
+    #[error("the API stopped")]
+    Http(#[source] std::io::Error),
     /// A component panicked.
     #[error("a component panicked: {0}")]
     Panicked(String),
 }
 
-/// Runs worker, relay and supervisor on `engine` until `shutdown` fires, then lets in-flight
-/// steps finish (or abandons them uncommitted after one lease) and returns.
+/// Runs worker, relay and supervisor on `engine`, and the HTTP surface on `api.listen`, until
+/// `shutdown` fires; then drains (see [`run`]) and returns.
 pub async fn serve(engine: Arc<Engine>, shutdown: CancellationToken) -> Result<(), Error> {
     run(engine, Components::ALL, shutdown).await
 }
 
-/// Runs the chosen components on `engine` until `shutdown` fires.
+/// Runs the chosen components on `engine`, and the HTTP surface on `api.listen` (unless it is
+/// empty), until `shutdown` fires. Then `/readyz` answers 503 for `process.drain_delay_ms`
+/// before the components stop taking work, so that an orchestrator sees the process leave
+/// before it does; in-flight steps finish (or are abandoned uncommitted after one lease), and
+/// the HTTP surface stops last.
 pub async fn run(
     engine: Arc<Engine>,
     c: Components,
     shutdown: CancellationToken,
 ) -> Result<(), Error> {
+    crate::metrics::install();
+    let http = match crate::api::bind(&engine.settings.api)
+        .await
+        .map_err(Error::Api)?
+    {
+        Some(listener) => {
+            let router = crate::api::router(engine.clone()).map_err(Error::Api)?;
+            let stop = CancellationToken::new();
+            let task = tokio::spawn(crate::api::serve(router, listener, stop.clone()));
+            let gauges = tokio::spawn(crate::metrics::refresh_gauges(
+                engine.pool.clone(),
+                stop.clone(),
+            ));
+            Some((stop, task, gauges))
+        }
+        None => None,
+    };
+    let work = CancellationToken::new();
+    tokio::spawn(drain(engine.clone(), shutdown, work.clone()));
     let mut tasks = tokio::task::JoinSet::new();
     if c.worker {
-        let w = worker::run(engine.clone(), shutdown.clone());
+        let w = worker::run(engine.clone(), work.clone());
         tasks.spawn(map_err(w, Error::Worker));
     }
     if c.relay {
-        let r = relay::run(engine.clone(), shutdown.clone());
+        let r = relay::run(engine.clone(), work.clone());
         tasks.spawn(map_err(r, Error::Relay));
     }
     if c.supervisor {
-        let s = supervisor::run(engine.clone(), shutdown.clone());
+        let s = supervisor::run(engine.clone(), work.clone());
         tasks.spawn(map_err(s, Error::Supervisor));
     }
     tracing::info!(worker = c.worker, relay = c.relay, supervisor = c.supervisor, id = %engine.worker_id, "trailmark started");
+    let mut ended = Ok(());
     while let Some(done) = tasks.join_next().await {
-        done.map_err(|e| Error::Panicked(e.to_string()))??;
+        let result = done
+            .map_err(|e| Error::Panicked(e.to_string()))
+            .and_then(|r| r);
+        if let Err(e) = result {
+            ended = Err(e);
+            work.cancel();
+        }
+    }
+    // Only the HTTP surface left (a process that serves nothing else waits for the signal).
+    work.cancelled().await;
+    if let Some((stop, task, gauges)) = http {
+        stop.cancel();
+        let _ = gauges.await;
+        task.await
+            .map_err(|e| Error::Panicked(e.to_string()))?
+            .map_err(Error::Http)?;
     }
     tracing::info!("trailmark stopped");
-    Ok(())
+    ended
+}
+
+/// On `shutdown`: not ready any more, then after `process.drain_delay_ms` the work stops.
+async fn drain(engine: Arc<Engine>, shutdown: CancellationToken, work: CancellationToken) {
+    tokio::select! {
+        _ = shutdown.cancelled() => {}
+        // The components stopped by themselves (an error): nothing to drain.
+        _ = work.cancelled() => return,
+    }
+    engine.health.start_draining();
+    let delay = Duration::from_millis(engine.settings.process.drain_delay_ms);
+    if !delay.is_zero() {
+        tracing::info!(
+            delay_ms = delay.as_millis() as u64,
+            "draining: /readyz answers 503 before the work stops"
+        );
+        tokio::time::sleep(delay).await;
+    }
+    work.cancel();
 }
 
 async fn map_err<E>(

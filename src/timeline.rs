@@ -4,7 +4,7 @@
 use serde::Serialize;
 use sqlx::PgPool;
 
-use crate::store::{self, decisions, effects, journal, parked, runs, steps};
+use crate::store::{self, decisions, effects, journal, parked, progress, runs, steps};
 
 /// A run as an operator reads it: the run row, its steps with attempts and timings, journal
 /// and effect totals, parked items and decisions.
@@ -27,6 +27,8 @@ pub struct Timeline {
     pub decisions: Vec<decisions::DecisionRow>,
     /// Every checkpoint.
     pub steps: Vec<steps::StepRow>,
+    /// The last lines the run said about its work, oldest first.
+    pub progress: Vec<progress::Line>,
 }
 
 /// Journal totals of a run.
@@ -71,6 +73,7 @@ pub async fn load(pool: &PgPool, run_id: &str) -> store::Result<Option<Timeline>
         },
         parked: parked::list(pool, run_id).await?,
         decisions: decisions::list(pool, run_id).await?,
+        progress: progress::list(pool, run_id, 0).await?,
         run,
         steps,
     }))

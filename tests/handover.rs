@@ -21,10 +21,7 @@ use trailmark::workflow::{Registry, StepContext, StepError, StepKind, StepOutcom
 const WAIT: Duration = Duration::from_secs(90);
 
 fn who(reason: &str) -> Decider {
-    Decider {
-        actor: "maria.ops".into(),
-        reason: reason.into(),
-    }
+    Decider::cli("maria.ops", reason)
 }
 
 fn engine(env: &TestEnv, wf: Workflow) -> Arc<Engine> {

@@ -50,10 +50,7 @@ async fn a_suppliers_correction_is_undone_with_reversals_and_one_withdrawal() {
         .max_by_key(|(_, n)| **n)
         .map(|(s, n)| (s.clone(), *n))
         .unwrap();
-    let who = Decider {
-        actor: "maria.ops".into(),
-        reason: format!("{supplier} corrected its invoices"),
-    };
+    let who = Decider::cli("maria.ops", format!("{supplier} corrected its invoices"));
     operator::undo(
         &engine,
         &run_id,
@@ -165,10 +162,10 @@ async fn a_full_undo_reverses_every_entry_releases_all_stock_and_withdraws_each_
     let notes = r.wait_sink(&run_id, suppliers, 1).await.notes;
     assert_eq!(notes, suppliers, "one debit note per over-billed supplier");
 
-    let who = Decider {
-        actor: "maria.ops".into(),
-        reason: "the whole night was run against the wrong price list".into(),
-    };
+    let who = Decider::cli(
+        "maria.ops",
+        "the whole night was run against the wrong price list",
+    );
     operator::undo(&engine, &run_id, &who, UndoOptions::everything())
         .await
         .unwrap();

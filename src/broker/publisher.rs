@@ -7,6 +7,7 @@ use lapin::types::FieldTable;
 use lapin::{BasicProperties, Channel, Confirmation, Connection};
 
 use super::{Error, Result};
+use crate::domain::EVENT_HEADER;
 
 /// One message to publish.
 #[derive(Debug, Clone)]
@@ -57,7 +58,8 @@ impl Publisher {
     }
 
     /// Publishes every message, then waits for all confirms (pipelined); one result per message,
-    /// in order. `mandatory` is set, so an unroutable message is reported, never silently dropped.
+    /// in order. `mandatory` is set (except on lifecycle events), so an unroutable message is
+    /// reported, never silently dropped.
     pub async fn publish_all(&self, msgs: &[Outgoing]) -> Vec<Result<()>> {
         let mut pending = Vec::with_capacity(msgs.len());
         for msg in msgs {
@@ -67,7 +69,9 @@ impl Publisher {
                     msg.exchange.as_str().into(),
                     msg.routing_key.as_str().into(),
                     BasicPublishOptions {
-                        mandatory: true,
+                        // A step or start message that no queue takes is an error to report;
+                        // a lifecycle event nobody subscribed to is not.
+                        mandatory: !msg.headers.inner().contains_key(EVENT_HEADER),
                         ..Default::default()
                     },
                     &msg.body,

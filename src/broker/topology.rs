@@ -15,8 +15,8 @@ use super::Outgoing;
 use std::collections::BTreeMap;
 
 use crate::domain::{
-    MessageId, OutgoingMessage, RUN_START_ROUTING_KEY, RunId, RunStartEvent, STEP_ROUTING_KEY,
-    StepAddress, StepMessage,
+    EVENT_HEADER, Event, MessageId, OutgoingMessage, RUN_START_ROUTING_KEY, RunId, RunStartEvent,
+    STEP_ROUTING_KEY, StepAddress, StepMessage,
 };
 
 /// Delay tiers for step retries, in milliseconds. A per-message TTL only expires at the head of a
@@ -105,6 +105,24 @@ impl Topology {
     pub fn dlq(&self) -> String {
         format!("{}.dlq", self.prefix)
     }
+    /// Topic exchange of lifecycle events (see [`Event::routing_key`]).
+    pub fn events_exchange(&self) -> String {
+        format!("{}.events", self.prefix)
+    }
+    /// The outbox row that publishes `event` (without `mandatory`: an event nobody subscribed to
+    /// is dropped by the broker, never retried forever).
+    pub fn event_message(&self, event: &Event) -> OutgoingMessage {
+        let headers = BTreeMap::from([(EVENT_HEADER.to_owned(), event.event.clone())]);
+        OutgoingMessage {
+            message_id: MessageId::new(),
+            exchange: self.events_exchange(),
+            routing_key: event.routing_key(),
+            headers,
+            body: event.encode(),
+            relay_after_ms: 0,
+            holder_pid: None,
+        }
+    }
     /// The delay queue for at least `ms` milliseconds (the smallest tier that covers it).
     pub fn delay_queue(&self, ms: u64) -> String {
         let tier = DELAY_TIERS_MS
@@ -173,6 +191,13 @@ impl Topology {
             FieldTable::default(),
         )
         .await?;
+        ch.exchange_declare(
+            self.events_exchange().into(),
+            ExchangeKind::Topic,
+            durable,
+            FieldTable::default(),
+        )
+        .await?;
 
         let q = QueueDeclareOptions {
             durable: true,
@@ -232,7 +257,12 @@ impl Topology {
             ch.queue_delete(q.into(), QueueDeleteOptions::default())
                 .await?;
         }
-        for x in [self.runs_exchange(), self.steps_exchange(), self.dlx()] {
+        for x in [
+            self.runs_exchange(),
+            self.steps_exchange(),
+            self.dlx(),
+            self.events_exchange(),
+        ] {
             ch.exchange_delete(x.into(), ExchangeDeleteOptions::default())
                 .await?;
         }

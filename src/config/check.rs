@@ -86,7 +86,7 @@ fn distance(a: &str, b: &str) -> usize {
 }
 
 /// The whole-number settings and their ranges (inclusive).
-const LIMITS: [(&str, i128, i128); 22] = [
+const LIMITS: [(&str, i128, i128); 26] = [
     ("database.max_connections", 1, 10_000),
     ("database.connect_timeout_ms", 1, 3_600_000),
     ("broker.delivery_limit", 1, 1_000_000),
@@ -109,6 +109,10 @@ const LIMITS: [(&str, i128, i128); 22] = [
     ("guards.repeat_limit", 0, 1_000_000),
     ("model.timeout_ms", 1, 3_600_000),
     ("process.startup_timeout_secs", 0, 86_400),
+    ("process.drain_delay_ms", 0, 600_000),
+    ("api.body_limit_bytes", 1_024, 1 << 30),
+    ("api.request_timeout_secs", 1, 3_600),
+    ("api.idempotency_retention_secs", 60, 31_536_000),
 ];
 
 /// What a value that did not even parse must be, when the driver's message names its key.
@@ -147,6 +151,7 @@ pub(super) fn ranges(s: &Settings) -> Result<(), Error> {
             w.heartbeat_secs, w.lease_secs
         )));
     }
+    crate::api::parse_tokens(&s.api.tokens).map_err(Error)?;
     let g = &s.guards;
     if g.max_cost < 0.0 || !g.max_cost.is_finite() {
         return Err(Error(format!(

@@ -31,8 +31,10 @@ pub struct Settings {
     pub relay: RelaySettings,
     /// Lease and stuck-run supervisor.
     pub supervisor: SupervisorSettings,
-    /// How a long-running process starts.
+    /// How a long-running process starts and stops.
     pub process: ProcessSettings,
+    /// The HTTP API, health endpoints and metrics.
+    pub api: ApiSettings,
     /// Timeouts, budgets, loop detection, circuit breakers.
     pub guards: GuardSettings,
     /// The OpenAI-compatible model endpoint.
@@ -134,12 +136,47 @@ pub struct SupervisorSettings {
     pub human_timeout_secs: u64,
 }
 
-/// How a long-running process (`serve`, `worker`, `relay`, `supervisor`) starts.
+/// How a long-running process (`serve`, `worker`, `relay`, `supervisor`, `api`) starts and stops.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct ProcessSettings {
     /// How long a process waits at start for Postgres and RabbitMQ to become reachable before it
     /// gives up (exit code 2). A refusal no retry can fix ends it at once.
     pub startup_timeout_secs: u64,
+    /// After SIGTERM, how long `/readyz` answers 503 before consumption stops, so that a load
+    /// balancer or orchestrator sees the process leave before it does.
+    pub drain_delay_ms: u64,
+}
+
+/// The HTTP surface every long-running process serves: `/livez`, `/readyz`, `/metrics`, and the
+/// ops API under `/api/v1`.
+#[derive(Clone, Serialize, Deserialize)]
+pub struct ApiSettings {
+    /// Address to listen on; empty serves nothing. Port 0 picks a free port (tests).
+    pub listen: String,
+    /// Who may call the API: `name:role:sha256-of-token` each (roles `viewer`, `operator`,
+    /// `admin`); `trailmark token new` makes one. From the environment: comma-separated.
+    pub tokens: Vec<String>,
+    /// Largest request body accepted.
+    pub body_limit_bytes: usize,
+    /// Longest a request may take.
+    pub request_timeout_secs: u64,
+    /// How long the response to an `Idempotency-Key` is kept for a repeat.
+    pub idempotency_retention_secs: u64,
+}
+
+impl fmt::Debug for ApiSettings {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ApiSettings")
+            .field("listen", &self.listen)
+            .field("tokens", &self.tokens.len())
+            .field("body_limit_bytes", &self.body_limit_bytes)
+            .field("request_timeout_secs", &self.request_timeout_secs)
+            .field(
+                "idempotency_retention_secs",
+                &self.idempotency_retention_secs,
+            )
+            .finish()
+    }
 }
 
 // Hand-written so that settings can be logged or shown in a panic without leaking passwords.
@@ -183,7 +220,9 @@ impl Settings {
             Environment::with_prefix("TRAILMARK")
                 .prefix_separator("__")
                 .separator("__")
-                .try_parsing(true),
+                .try_parsing(true)
+                .list_separator(",")
+                .with_list_parse_key("api.tokens"),
         );
         let env = |name: &str| std::env::var(name).ok().filter(|v| !v.is_empty());
         let built = builder

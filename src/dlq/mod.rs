@@ -96,6 +96,8 @@ pub fn quiet(_taken: u32, _depth: u32) {}
 pub enum Selection {
     /// Every copy carrying this id.
     Id(String),
+    /// Every copy carrying one of these ids.
+    Ids(Vec<String>),
     /// Every message.
     All,
     /// Every message with this reason code.
@@ -107,6 +109,7 @@ impl Selection {
     pub fn matches(&self, letter: &DeadLetter) -> bool {
         match self {
             Self::Id(id) => letter.id == *id,
+            Self::Ids(ids) => ids.contains(&letter.id),
             Self::All => true,
             Self::Reason(r) => letter.reason == *r,
         }

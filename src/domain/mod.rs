@@ -3,6 +3,7 @@
 //! travel through RabbitMQ.
 
 mod envelope;
+mod event;
 mod ids;
 mod record;
 mod status;
@@ -12,6 +13,7 @@ pub use envelope::{
     DecodeError, OutgoingMessage, RUN_START_ROUTING_KEY, RunStartEvent, STEP_ROUTING_KEY,
     StepMessage,
 };
+pub use event::{EVENT_HEADER, EVENT_STATUSES, Event};
 pub use ids::{Fence, IdError, IdempotencyKey, MessageId, RunId};
 pub use record::{
     EffectIntent, EffectState, IntentOutcome, JournalEntry, Spent, ToolUsage, request_hash,

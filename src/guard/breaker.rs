@@ -57,25 +57,33 @@ impl Breakers {
         }
     }
 
-    /// Records the outcome of a call that was allowed.
-    pub fn record(&self, tool: &str, ok: bool, now: Instant) {
+    /// Records the outcome of a call that was allowed; returns the breaker's change, if any:
+    /// `Some(true)` it opened, `Some(false)` it closed.
+    pub fn record(&self, tool: &str, ok: bool, now: Instant) -> Option<bool> {
         if self.threshold == 0 {
-            return;
+            return None;
         }
         let mut tools = self.tools.lock().expect("breaker lock");
         let state = tools.entry(tool.to_owned()).or_default();
         if ok {
+            let was_open = state.open_until.is_some();
             *state = State::default();
-            return;
+            if was_open {
+                tracing::info!(tool, "circuit breaker closed");
+            }
+            return was_open.then_some(false);
         }
         state.failures += 1;
         if state.probing || state.failures >= self.threshold {
-            if state.open_until.is_none() || state.probing {
+            let opens = state.open_until.is_none();
+            if opens || state.probing {
                 tracing::warn!(tool, failures = state.failures, "circuit breaker open");
             }
             state.open_until = Some(now + self.open_for);
             state.probing = false;
+            return opens.then_some(true);
         }
+        None
     }
 }
 

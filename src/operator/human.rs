@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use serde_json::json;
 
-use super::{Decider, Outcome, Result, enqueue, lock, record, refused, set_run};
+use super::{Decided, Decider, Outcome, Result, enqueue, lock, record, refused, set_run};
 use crate::domain::{RunStatus, StepAddress};
 use crate::engine::Engine;
 use crate::store::runs::RunRow;
@@ -91,15 +91,18 @@ pub async fn approve(engine: &Engine, run_id: &str, step: &str, who: &Decider) -
         enqueue(&mut tx, engine, &run, &here, seq, version).await?;
         let next = format!("frozen step {step} runs now");
         return record(
+            engine,
             tx,
             &run,
-            "approve",
             who,
-            RunStatus::Running,
-            Some((&here, seq)),
-            version,
-            details,
-            next,
+            Decided {
+                action: "approve",
+                after: RunStatus::Running,
+                step: Some((&here, seq)),
+                version_after: version,
+                details,
+                next,
+            },
         )
         .await;
     }
@@ -122,15 +125,18 @@ pub async fn approve(engine: &Engine, run_id: &str, step: &str, who: &Decider) -
         }
     };
     record(
+        engine,
         tx,
         &run,
-        "approve",
         who,
-        after,
-        Some((&here, seq)),
-        version,
-        details,
-        next,
+        Decided {
+            action: "approve",
+            after,
+            step: Some((&here, seq)),
+            version_after: version,
+            details,
+            next,
+        },
     )
     .await
 }
@@ -178,15 +184,18 @@ pub async fn reject(engine: &Engine, run_id: &str, step: &str, who: &Decider) ->
         }
     };
     record(
+        engine,
         tx,
         &run,
-        "reject",
         who,
-        after,
-        Some((&here, seq)),
-        version,
-        details,
-        next,
+        Decided {
+            action: "reject",
+            after,
+            step: Some((&here, seq)),
+            version_after: version,
+            details,
+            next,
+        },
     )
     .await
 }

@@ -1,7 +1,7 @@
 //! Operator decisions as durable state: resume, resume after a fix, undo, cancel,
 //! approve and reject. Each is one transaction that checks the run's status, changes the run,
-//! records who/when/what/why with the status before and after, and queues the next step
-//! message through the outbox. None restarts a run from zero.
+//! records who/when/what/why with the status before and after (a decision row and an audit
+//! row), and queues the next step message through the outbox. None restarts a run from zero.
 
 mod human;
 mod resume;
@@ -12,12 +12,12 @@ use sqlx::{PgConnection, Postgres, Transaction};
 
 pub use human::{approve, reject};
 pub use resume::resume;
-pub use undo::{UndoOptions, undo};
+pub use undo::{Preview, PreviewStep, UndoOptions, preview as undo_preview, undo};
 
-use crate::domain::{IllegalMove, RunId, RunStatus, StepAddress};
+use crate::domain::{Event, IllegalMove, RunId, RunStatus, StepAddress};
 use crate::engine::Engine;
 use crate::store::decisions::{self, NewDecision};
-use crate::store::{self, outbox, runs};
+use crate::store::{self, audit, outbox, runs};
 
 /// Why a decision was refused.
 #[derive(Debug, thiserror::Error)]
@@ -33,6 +33,8 @@ pub enum Error {
         run_id: String,
         /// The decision.
         action: &'static str,
+        /// The run's status when it was refused.
+        status: RunStatus,
         /// What is in the way and what to do instead.
         why: String,
     },
@@ -53,13 +55,32 @@ impl From<sqlx::Error> for Error {
 /// Shorthand for operator results.
 pub type Result<T> = std::result::Result<T, Error>;
 
-/// Who decides and why; both are recorded with the decision.
+/// Who decides, why, and through which face; recorded with the decision and in the audit trail.
 #[derive(Debug, Clone)]
 pub struct Decider {
     /// The person (or system) deciding.
     pub actor: String,
     /// Their reason, in their words.
     pub reason: String,
+    /// Their role (`operator`, `admin` through the API; `cli` at the terminal).
+    pub role: String,
+    /// `api` or `cli`.
+    pub via: &'static str,
+    /// The HTTP request's id, for a decision made through the API.
+    pub request_id: Option<String>,
+}
+
+impl Decider {
+    /// A person at the terminal (`trailmark run ...`), who has the database's credentials.
+    pub fn cli(actor: impl Into<String>, reason: impl Into<String>) -> Self {
+        Self {
+            actor: actor.into(),
+            reason: reason.into(),
+            role: "cli".into(),
+            via: "cli",
+            request_id: None,
+        }
+    }
 }
 
 /// What a decision did, for the operator's terminal.
@@ -88,6 +109,7 @@ fn refused(run: &runs::RunRow, action: &'static str, why: impl Into<String>) -> 
     Error::Refused {
         run_id: run.run_id.clone(),
         action,
+        status: run.status,
         why: why.into(),
     }
 }
@@ -129,19 +151,39 @@ async fn enqueue(
     Ok(())
 }
 
-/// Records the decision and commits; returns the outcome.
-#[allow(clippy::too_many_arguments)]
+/// What a decision does to the run, for [`record`].
+struct Decided<'a> {
+    /// The decision's name.
+    action: &'static str,
+    /// The run's status after it.
+    after: RunStatus,
+    /// The step it concerns, and its position.
+    step: Option<(&'a StepAddress, i32)>,
+    /// The workflow version the run follows after it.
+    version_after: i32,
+    /// What else to keep with it (the note answered, the undo plan).
+    details: Value,
+    /// One line on what happens next.
+    next: String,
+}
+
+/// Records the decision (a decision row, an audit row, and the lifecycle event when the run
+/// ended or stopped for a person) and commits; returns the outcome.
 async fn record(
+    engine: &Engine,
     mut tx: Transaction<'_, Postgres>,
     run: &runs::RunRow,
-    action: &'static str,
     who: &Decider,
-    after: RunStatus,
-    step: Option<(&StepAddress, i32)>,
-    version_after: i32,
-    details: Value,
-    next: String,
+    decided: Decided<'_>,
 ) -> Result<Outcome> {
+    let Decided {
+        action,
+        after,
+        step,
+        version_after,
+        details,
+        next,
+    } = decided;
     let d = NewDecision {
         run_id: &run.run_id,
         action,
@@ -156,6 +198,24 @@ async fn record(
         details: &details,
     };
     decisions::insert(&mut *tx, &d).await?;
+    let entry = audit::NewEntry {
+        actor: &who.actor,
+        role: &who.role,
+        via: who.via,
+        action,
+        target: &run.run_id,
+        reason: &who.reason,
+        request_id: who.request_id.as_deref(),
+        status_before: Some(run.status.as_str()),
+        status_after: Some(after.as_str()),
+        details: &details,
+    };
+    audit::insert(&mut *tx, &entry).await?;
+    if let Ok(run_id) = RunId::parse(&run.run_id)
+        && let Some(event) = Event::run(&run_id, &run.workflow, after, step)
+    {
+        outbox::insert(&mut *tx, &[engine.topology.event_message(&event)]).await?;
+    }
     tx.commit().await?;
     tracing::info!(run.id = %run.run_id, action, actor = %who.actor, before = %run.status, after = %after, "operator decision recorded");
     Ok(Outcome {
@@ -191,15 +251,18 @@ pub async fn cancel(engine: &Engine, run_id: &str, who: &Decider) -> Result<Outc
     let next =
         "nothing: the run is cancelled; `trailmark run undo` can still reverse its writes".into();
     record(
+        engine,
         tx,
         &run,
-        "cancel",
         who,
-        RunStatus::Cancelled,
-        None,
-        run.workflow_version,
-        details,
-        next,
+        Decided {
+            action: "cancel",
+            after: RunStatus::Cancelled,
+            step: None,
+            version_after: run.workflow_version,
+            details,
+            next,
+        },
     )
     .await
 }

@@ -2,7 +2,7 @@
 
 use serde_json::json;
 
-use super::{Decider, Outcome, Result, enqueue, lock, record, refused, set_run};
+use super::{Decided, Decider, Outcome, Result, enqueue, lock, record, refused, set_run};
 use crate::domain::RunStatus;
 use crate::engine::Engine;
 use crate::store::steps;
@@ -68,20 +68,24 @@ pub async fn resume(
     set_run(&mut tx, &run, status, Some(&step), run.step_seq, version).await?;
     enqueue(&mut tx, engine, &run, &step, run.step_seq, version).await?;
     let details = json!({ "handover": run.handover, "error": run.error, "attempts_before": attempts, "attempts_reset": after_fix });
+    crate::metrics::resumed("operator", 1);
     let next = format!(
         "step {step} (position {}) runs again on v{version}; finished steps are kept",
         run.step_seq
     );
     record(
+        engine,
         tx,
         &run,
-        action,
         who,
-        status,
-        Some((&step, run.step_seq)),
-        version,
-        details,
-        next,
+        Decided {
+            action,
+            after: status,
+            step: Some((&step, run.step_seq)),
+            version_after: version,
+            details,
+            next,
+        },
     )
     .await
 }

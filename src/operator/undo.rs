@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use serde_json::{Value, json};
 
-use super::{Decider, Outcome, Result, enqueue, lock, record, refused, set_run};
+use super::{Decided, Decider, Outcome, Result, enqueue, lock, record, refused, set_run};
 use crate::domain::{RunStatus, UndoPlan, UndoTarget};
 use crate::engine::Engine;
 use crate::store::{effects, runs, steps};
@@ -47,20 +47,8 @@ pub async fn undo(
 ) -> Result<Outcome> {
     let mut tx = engine.pool.begin().await?;
     let run = lock(&mut tx, run_id).await?;
-    let wf = undoable(engine, &run)?;
-    let left = partial_writes(&mut tx, &run, opts.leave_partial).await?;
-    let targets: Vec<UndoTarget> = steps::finished_forward(&mut *tx, &run.run_id)
-        .await?
-        .into_iter()
-        .filter(|(_, step)| wf.find(step).is_some_and(|d| d.compensation.is_some()))
-        .map(|(seq, step)| UndoTarget { seq, step })
-        .collect();
+    let plan = plan(engine, &mut tx, &run, opts).await?;
     let next_seq = steps::next_position(&mut *tx, &run.run_id).await?;
-    let plan = UndoPlan {
-        scope: opts.scope,
-        targets,
-        left_standing: left,
-    };
     let left_standing = &plan.left_standing;
     let left_note = match left_standing.len() {
         0 => String::new(),
@@ -83,15 +71,18 @@ pub async fn undo(
         .await?;
         let next = format!("nothing to undo: no completed step declares a compensation{left_note}");
         return record(
+            engine,
             tx,
             &run,
-            "undo",
             who,
-            RunStatus::Compensated,
-            None,
-            run.workflow_version,
-            details,
-            next,
+            Decided {
+                action: "undo",
+                after: RunStatus::Compensated,
+                step: None,
+                version_after: run.workflow_version,
+                details,
+                next,
+            },
         )
         .await;
     };
@@ -110,17 +101,110 @@ pub async fn undo(
         plan.targets.len()
     );
     record(
+        engine,
         tx,
         &run,
-        "undo",
         who,
-        RunStatus::Compensating,
-        None,
-        run.workflow_version,
-        details,
-        next,
+        Decided {
+            action: "undo",
+            after: RunStatus::Compensating,
+            step: None,
+            version_after: run.workflow_version,
+            details,
+            next,
+        },
     )
     .await
+}
+
+/// What an undo of the run would do: its plan (refused when the run may not be undone, or when
+/// a stopped step's writes would be left standing without `leave_partial`).
+async fn plan(
+    engine: &Engine,
+    tx: &mut sqlx::PgConnection,
+    run: &runs::RunRow,
+    opts: UndoOptions,
+) -> Result<UndoPlan> {
+    let wf = undoable(engine, run)?;
+    let left = partial_writes(tx, run, opts.leave_partial).await?;
+    let targets: Vec<UndoTarget> = steps::finished_forward(&mut *tx, &run.run_id)
+        .await?
+        .into_iter()
+        .filter(|(_, step)| wf.find(step).is_some_and(|d| d.compensation.is_some()))
+        .map(|(seq, step)| UndoTarget { seq, step })
+        .collect();
+    Ok(UndoPlan {
+        scope: opts.scope,
+        targets,
+        left_standing: left,
+    })
+}
+
+/// One compensation an undo would run, with the writes of its step that it reverses.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct PreviewStep {
+    /// The step it undoes.
+    pub step: String,
+    /// That step's position.
+    pub seq: i32,
+    /// What the compensation does, as the workflow declares it.
+    pub compensation: String,
+    /// The keys of the step's writes (each reversal goes under `undo:<key>`; a scoped undo
+    /// reverses the ones its scope selects).
+    pub writes: Vec<String>,
+}
+
+/// What `run undo` would do, without doing it.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Preview {
+    /// The run.
+    pub run_id: String,
+    /// Its status.
+    pub status: RunStatus,
+    /// The scope every compensation would be handed.
+    pub scope: Value,
+    /// The compensations, newest first.
+    pub compensations: Vec<PreviewStep>,
+    /// Writes of a stopped step no compensation reverses (only with `leave_partial`).
+    pub left_standing: Vec<String>,
+}
+
+/// Previews an undo: the compensations it would run, newest first, and the writes each
+/// reverses; nothing is changed or locked.
+pub async fn preview(engine: &Engine, run_id: &str, opts: UndoOptions) -> Result<Preview> {
+    let mut tx = engine.pool.begin().await?;
+    let run = runs::get(&mut *tx, run_id)
+        .await?
+        .ok_or_else(|| super::Error::NotFound(run_id.to_owned()))?;
+    let plan = plan(engine, &mut tx, &run, opts).await?;
+    let wf = undoable(engine, &run)?;
+    let written = effects::list(&mut *tx, run_id).await?;
+    tx.rollback().await?;
+    let compensations = plan
+        .targets
+        .iter()
+        .map(|t| PreviewStep {
+            step: t.step.clone(),
+            seq: t.seq,
+            compensation: wf
+                .find(&t.step)
+                .and_then(|d| d.compensation.as_ref())
+                .map(|c| c.note.clone())
+                .unwrap_or_default(),
+            writes: written
+                .iter()
+                .filter(|e| e.seq == t.seq)
+                .map(|e| e.idempotency_key.clone())
+                .collect(),
+        })
+        .collect();
+    Ok(Preview {
+        run_id: run.run_id,
+        status: run.status,
+        scope: plan.scope,
+        compensations,
+        left_standing: plan.left_standing,
+    })
 }
 
 /// The run's workflow, when the run may be undone: stopped, and its compensations deployed.

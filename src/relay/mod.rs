@@ -15,6 +15,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::broker::{self, Outgoing, Publisher};
 use crate::engine::Engine;
+use crate::health::Loop;
 use crate::store::{self, outbox};
 
 /// Relay errors: either side went away; [`run`] reconnects by itself.
@@ -41,7 +42,9 @@ const PRUNE_BATCH: i64 = 5_000;
 /// Publishes outbox rows until `shutdown` fires, reconnecting after failures of either server.
 pub async fn run(engine: Arc<Engine>, shutdown: CancellationToken) -> Result<(), Error> {
     let mut backoff = Duration::from_millis(200);
+    engine.health.runs(Loop::Relay);
     while !shutdown.is_cancelled() {
+        engine.health.beat(Loop::Relay);
         match session(&engine, &shutdown).await {
             Ok(()) => break,
             Err(e) => {
@@ -70,6 +73,7 @@ async fn session(engine: &Arc<Engine>, shutdown: &CancellationToken) -> Result<(
     let poll = Duration::from_millis(settings.relay.poll_interval_ms);
     tracing::info!("relay publishing");
     loop {
+        engine.health.beat(Loop::Relay);
         while drain_batch(engine, &publisher).await? > 0 {
             if shutdown.is_cancelled() {
                 return Ok(());
@@ -101,7 +105,9 @@ pub async fn drain_batch(engine: &Engine, publisher: &Publisher) -> Result<usize
         return Ok(0);
     }
     let messages: Vec<Outgoing> = rows.iter().map(row_to_outgoing).collect();
+    let started = std::time::Instant::now();
     let results = publisher.publish_all(&messages).await;
+    crate::metrics::relay_published(started.elapsed());
     let (mut ok, mut failed, mut first_error) = (Vec::new(), Vec::new(), None);
     for (row, result) in rows.iter().zip(results) {
         match result {

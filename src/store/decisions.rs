@@ -107,3 +107,52 @@ pub async fn approved(db: impl PgExecutor<'_>, run_id: &str, seq: i32) -> Result
     .fetch_one(db)
     .await?)
 }
+
+/// A decision as exported for evaluation: the situation a person saw (the checkpoint of the
+/// step it concerned and the evidence the run gave), what they decided, who and why.
+#[derive(Debug, Clone, Serialize, sqlx::FromRow)]
+pub struct Exported {
+    /// Order.
+    pub id: i64,
+    /// When.
+    pub decided_at: DateTime<Utc>,
+    /// The run.
+    pub run_id: String,
+    /// Its workflow.
+    pub workflow: String,
+    /// The step it concerned.
+    pub step: Option<String>,
+    /// Its position.
+    pub seq: Option<i32>,
+    /// That step's checkpoint (for a human step: its question and the answer).
+    pub checkpoint: Option<Value>,
+    /// What the run said: the handover note, the question, the undo plan.
+    pub evidence: Value,
+    /// What.
+    pub decision: String,
+    /// Who.
+    pub actor: String,
+    /// Why.
+    pub reason: String,
+    /// Status before.
+    pub status_before: String,
+    /// Status after.
+    pub status_after: String,
+}
+
+/// Decisions after the id `after`, oldest first, at most `limit`.
+pub async fn export(db: impl PgExecutor<'_>, after: i64, limit: i64) -> Result<Vec<Exported>> {
+    Ok(sqlx::query_as(
+        "SELECT d.id, d.created_at AS decided_at, d.run_id, r.workflow, d.step, d.seq,
+                s.output AS checkpoint, d.details AS evidence, d.action AS decision, d.actor,
+                d.reason, d.status_before, d.status_after
+           FROM trailmark.decisions d
+           JOIN trailmark.runs r ON r.run_id = d.run_id
+           LEFT JOIN trailmark.steps s ON s.run_id = d.run_id AND s.seq = d.seq
+          WHERE d.id > $1 ORDER BY d.id LIMIT $2",
+    )
+    .bind(after)
+    .bind(limit)
+    .fetch_all(db)
+    .await?)
+}

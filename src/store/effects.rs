@@ -210,3 +210,44 @@ pub async fn of_unfinished_steps(
     .fetch_all(db)
     .await?)
 }
+
+/// An effect as a listing shows it, with its state: `done` (result recorded), `intent` (the
+/// call is under way: its step holds the lease), or `unknown` (no result and nobody is making
+/// the call: it may or may not have happened).
+#[derive(Debug, Clone, Serialize, sqlx::FromRow)]
+pub struct EffectView {
+    /// The key.
+    pub idempotency_key: String,
+    /// The tool.
+    pub tool: String,
+    /// Position of the step that made it.
+    pub seq: i32,
+    /// SHA-256 of the request.
+    pub request_hash: String,
+    /// `done`, `intent` or `unknown`.
+    pub state: String,
+}
+
+/// A run's effects after position `after`, in order, at most `limit`.
+pub async fn page(
+    db: impl PgExecutor<'_>,
+    run_id: &str,
+    after: i32,
+    limit: i64,
+) -> Result<Vec<EffectView>> {
+    Ok(sqlx::query_as(
+        "SELECT e.idempotency_key, e.tool, e.seq, e.request_hash,
+                CASE WHEN e.result IS NOT NULL THEN 'done'
+                     WHEN r.lease_owner IS NOT NULL AND r.lease_expires_at > now() AND r.step_seq = e.seq
+                          THEN 'intent'
+                     ELSE 'unknown' END AS state
+           FROM trailmark.effects e JOIN trailmark.runs r ON r.run_id = e.run_id
+          WHERE e.run_id = $1 AND e.seq > $2
+          ORDER BY e.seq, e.created_at, e.idempotency_key LIMIT $3",
+    )
+    .bind(run_id)
+    .bind(after)
+    .bind(limit)
+    .fetch_all(db)
+    .await?)
+}

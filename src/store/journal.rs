@@ -68,3 +68,42 @@ pub async fn totals(db: impl PgExecutor<'_>, run_id: &str) -> Result<Spent> {
         cost,
     })
 }
+
+/// A journal entry as a listing shows it: what was asked and what it cost, not the answer.
+#[derive(Debug, Clone, serde::Serialize, sqlx::FromRow)]
+pub struct Call {
+    /// Step position.
+    pub seq: i32,
+    /// Call number inside the step.
+    pub call_no: i32,
+    /// `model` or `tool`.
+    pub kind: String,
+    /// The model that answered.
+    pub model: Option<String>,
+    /// SHA-256 of the request (the prompt's hash).
+    pub request_hash: String,
+    /// Tokens.
+    pub tokens: i64,
+    /// Cost.
+    pub cost: f64,
+    /// Latency of the original call.
+    pub latency_ms: i64,
+}
+
+/// A run's calls after position `after`, in order, at most `limit`.
+pub async fn page(
+    db: impl PgExecutor<'_>,
+    run_id: &str,
+    after: i32,
+    limit: i64,
+) -> Result<Vec<Call>> {
+    Ok(sqlx::query_as(
+        "SELECT seq, call_no, kind, response->>'model' AS model, request_hash, tokens, cost, latency_ms
+           FROM trailmark.journal WHERE run_id = $1 AND seq > $2 ORDER BY seq, call_no LIMIT $3",
+    )
+    .bind(run_id)
+    .bind(after)
+    .bind(limit)
+    .fetch_all(db)
+    .await?)
+}

@@ -1,14 +1,17 @@
 //! All SQL. Every function takes an executor, so a caller that begins a transaction owns it; the
 //! hot path needs none: its claim, effect intent and step commit are one statement each.
 
+pub mod audit;
 pub mod chain_ledger;
 pub mod checkpoint;
 pub mod decisions;
 pub mod effects;
+pub mod idempotency;
 pub mod inbox;
 pub mod journal;
 pub mod outbox;
 pub mod parked;
+pub mod progress;
 pub mod records;
 pub mod runs;
 pub mod steps;

@@ -157,3 +157,23 @@ pub async fn prune(db: impl PgExecutor<'_>, retention_secs: f64, batch: i64) -> 
     .await?;
     Ok(done.rows_affected())
 }
+
+/// What waits in the outbox.
+#[derive(Debug, Clone, Copy, sqlx::FromRow)]
+pub struct Backlog {
+    /// Rows not yet published.
+    pub pending: i64,
+    /// Seconds since the oldest of them was written (0 when none).
+    pub oldest_age_secs: f64,
+}
+
+/// The outbox's backlog.
+pub async fn backlog(db: impl PgExecutor<'_>) -> Result<Backlog> {
+    Ok(sqlx::query_as(
+        "SELECT count(*) AS pending,
+                COALESCE(EXTRACT(EPOCH FROM now() - min(created_at)), 0)::float8 AS oldest_age_secs
+           FROM trailmark.outbox WHERE published_at IS NULL",
+    )
+    .fetch_one(db)
+    .await?)
+}

@@ -125,6 +125,9 @@ pub struct Claim {
     pub attempt: i32,
     /// Journal entries already recorded at this position (a replay reads them back).
     pub journaled: i32,
+    /// Whether another owner held the lease until this claim (a dead or frozen worker's, or
+    /// one the supervisor voided).
+    pub took_over: bool,
 }
 
 /// A worker asking for a run's lease to execute one step delivery (owned, so a group-commit task
@@ -177,6 +180,7 @@ pub enum Refusal {
 #[derive(sqlx::FromRow)]
 struct ClaimRow {
     seen: bool,
+    took_over: bool,
     fence: Option<i64>,
     status: Option<RunStatus>,
     input: Option<Value>,
@@ -199,6 +203,11 @@ const CLAIM: &str = "WITH req AS (
           WITH ORDINALITY AS r(run_id, seq, owner, lease_secs, pid, step, consumer, message_id, n)
     ), seen AS (
         SELECT r.n FROM req r JOIN trailmark.inbox i ON i.consumer = r.consumer AND i.message_id = r.message_id
+    ), held AS (
+        -- Who held the lease before this statement (its snapshot): a claim that takes a lease
+        -- held by another owner is a takeover.
+        SELECT r.n FROM req r JOIN trailmark.runs u ON u.run_id = r.run_id
+         WHERE u.lease_owner IS NOT NULL AND u.lease_owner <> r.owner
     ), claimed AS (
         UPDATE trailmark.runs u
            SET lease_owner = r.owner, lease_expires_at = now() + make_interval(secs => r.lease_secs),
@@ -215,10 +224,11 @@ const CLAIM: &str = "WITH req AS (
                   EXTRACT(EPOCH FROM now() - u.created_at)::float8 AS age_secs, u.undo
     ), attempt AS (
         INSERT INTO trailmark.steps (run_id, seq, step, attempts) SELECT run_id, seq, step, 1 FROM claimed
-        ON CONFLICT (run_id, seq) DO UPDATE SET attempts = trailmark.steps.attempts + 1
+        ON CONFLICT (run_id, seq) DO UPDATE SET attempts = trailmark.steps.attempts + 1, retry_at = NULL
         RETURNING run_id, seq, attempts
     )
-    SELECT r.n IN (SELECT n FROM seen) AS seen, c.fence, c.status, c.input, c.age_secs, c.undo, a.attempts,
+    SELECT r.n IN (SELECT n FROM seen) AS seen, r.n IN (SELECT n FROM held) AS took_over,
+           c.fence, c.status, c.input, c.age_secs, c.undo, a.attempts,
            (SELECT count(*) FROM trailmark.journal j WHERE j.run_id = r.run_id AND j.seq = r.seq)::int4 AS journaled,
            o.status AS run_status, o.step_seq AS run_seq
       FROM req r LEFT JOIN claimed c ON c.n = r.n LEFT JOIN attempt a ON a.run_id = c.run_id AND a.seq = c.seq
@@ -286,6 +296,7 @@ fn outcome(row: ClaimRow, asked_seq: i32) -> ClaimOutcome {
         undo: row.undo.map(|plan| plan.0),
         attempt,
         journaled: row.journaled,
+        took_over: row.took_over,
     })
 }
 
@@ -335,14 +346,28 @@ pub async fn set_undo_plan(db: impl PgExecutor<'_>, run_id: &str, plan: &UndoPla
     Ok(())
 }
 
-/// Gives a lease back without advancing the run (its step is retried later from a delay queue).
-pub async fn release(db: impl PgExecutor<'_>, run_id: &RunId, fence: Fence) -> Result<()> {
+/// Gives a lease back without advancing the run (its step is retried after `delay_secs` from a
+/// delay queue), and notes on the step when it runs again and why it failed.
+pub async fn release(
+    db: impl PgExecutor<'_>,
+    run_id: &RunId,
+    fence: Fence,
+    delay_secs: f64,
+    error: &str,
+) -> Result<()> {
     sqlx::query(
-        "UPDATE trailmark.runs SET lease_owner = NULL, lease_expires_at = NULL, updated_at = now()
-          WHERE run_id = $1 AND fence = $2",
+        "WITH released AS (
+            UPDATE trailmark.runs SET lease_owner = NULL, lease_expires_at = NULL, updated_at = now()
+             WHERE run_id = $1 AND fence = $2
+            RETURNING run_id, step_seq
+         )
+         UPDATE trailmark.steps s SET retry_at = now() + make_interval(secs => $3), last_error = $4
+           FROM released r WHERE s.run_id = r.run_id AND s.seq = r.step_seq",
     )
     .bind(run_id.as_str())
     .bind(fence.0)
+    .bind(delay_secs)
+    .bind(error)
     .execute(db)
     .await?;
     Ok(())
@@ -388,6 +413,8 @@ pub async fn take_expired_leases(db: impl PgExecutor<'_>, limit: i64) -> Result<
 pub struct Escalated {
     /// The run.
     pub run_id: String,
+    /// Its workflow.
+    pub workflow: String,
     /// What it waited for (the note it had), wrapped into the review note.
     pub handover: Option<Value>,
     /// The position it waits at.
@@ -416,7 +443,7 @@ pub async fn escalate_waiting(
            FROM (SELECT run_id FROM trailmark.runs WHERE status = $2
                   AND updated_at < now() - make_interval(secs => $1::float8) LIMIT $4 FOR UPDATE SKIP LOCKED) w
           WHERE r.run_id = w.run_id
-      RETURNING r.run_id, r.handover, r.step_seq, r.step, r.workflow_version",
+      RETURNING r.run_id, r.workflow, r.handover, r.step_seq, r.step, r.workflow_version",
     )
     .bind(after_secs as i64)
     .bind(to.from)
@@ -468,4 +495,108 @@ pub async fn set_by_decision(db: impl PgExecutor<'_>, run_id: &str, to: Decided<
     .execute(db)
     .await?;
     Ok(())
+}
+
+/// How many runs of a workflow have a status.
+#[derive(Debug, Clone, Serialize, sqlx::FromRow)]
+pub struct Count {
+    /// The workflow.
+    pub workflow: String,
+    /// The status.
+    pub status: RunStatus,
+    /// How many.
+    pub runs: i64,
+}
+
+/// Runs by workflow and status.
+pub async fn counts(db: impl PgExecutor<'_>) -> Result<Vec<Count>> {
+    Ok(sqlx::query_as(
+        "SELECT workflow, status, count(*) AS runs FROM trailmark.runs GROUP BY workflow, status
+          ORDER BY workflow, status",
+    )
+    .fetch_all(db)
+    .await?)
+}
+
+/// Which runs a listing shows.
+#[derive(Debug, Clone, Default)]
+pub struct Filter {
+    /// Only this status.
+    pub status: Option<RunStatus>,
+    /// Only this workflow.
+    pub workflow: Option<String>,
+    /// Created at or after.
+    pub since: Option<DateTime<Utc>>,
+    /// Created before.
+    pub until: Option<DateTime<Utc>>,
+    /// Only runs retrying or stuck: their step is on a second attempt or more, waits in a delay
+    /// queue, or its lease expired.
+    pub stuck: bool,
+    /// Continue after this run (the previous page's last), newest first.
+    pub after: Option<(DateTime<Utc>, String)>,
+}
+
+/// A run as a listing shows it, with the state of its current step.
+#[derive(Debug, Clone, Serialize, sqlx::FromRow)]
+pub struct Summary {
+    /// The run.
+    pub run_id: String,
+    /// Its workflow.
+    pub workflow: String,
+    /// The workflow version it follows.
+    pub workflow_version: i32,
+    /// Where it stands.
+    pub status: RunStatus,
+    /// The step it runs next (or stopped at).
+    pub step: Option<StepAddress>,
+    /// That step's position.
+    pub step_seq: i32,
+    /// Claims of that step so far.
+    pub attempts: i32,
+    /// When that step runs again, while it waits in a delay queue.
+    pub retry_at: Option<DateTime<Utc>>,
+    /// Its last temporary failure.
+    pub last_error: Option<String>,
+    /// The run's error or handover reason.
+    pub error: Option<String>,
+    /// Who holds its lease.
+    pub lease_owner: Option<String>,
+    /// Until when.
+    pub lease_expires_at: Option<DateTime<Utc>>,
+    /// Created.
+    pub created_at: DateTime<Utc>,
+    /// Last change.
+    pub updated_at: DateTime<Utc>,
+}
+
+/// A page of runs, newest first.
+pub async fn page(db: impl PgExecutor<'_>, f: &Filter, limit: i64) -> Result<Vec<Summary>> {
+    let (after_at, after_id) = f.after.clone().unzip();
+    Ok(sqlx::query_as(
+        "SELECT r.run_id, r.workflow, r.workflow_version, r.status, r.step, r.step_seq,
+                COALESCE(s.attempts, 0) AS attempts, s.retry_at, s.last_error, r.error,
+                r.lease_owner, r.lease_expires_at, r.created_at, r.updated_at
+           FROM trailmark.runs r
+           LEFT JOIN trailmark.steps s ON s.run_id = r.run_id AND s.seq = r.step_seq
+          WHERE ($1::text IS NULL OR r.status = $1)
+            AND ($2::text IS NULL OR r.workflow = $2)
+            AND ($3::timestamptz IS NULL OR r.created_at >= $3)
+            AND ($4::timestamptz IS NULL OR r.created_at < $4)
+            AND ($5::timestamptz IS NULL OR (r.created_at, r.run_id) < ($5, $6))
+            AND (NOT $7 OR (r.status = ANY($8::text[]) AND (
+                    COALESCE(s.attempts, 0) > 1 OR r.lease_expires_at < now()
+                 OR (r.lease_owner IS NULL AND s.finished_at IS NULL AND s.attempts >= 1))))
+          ORDER BY r.created_at DESC, r.run_id DESC LIMIT $9",
+    )
+    .bind(f.status)
+    .bind(f.workflow.as_deref())
+    .bind(f.since)
+    .bind(f.until)
+    .bind(after_at)
+    .bind(after_id)
+    .bind(f.stuck)
+    .bind(&RunStatus::EXECUTING[..])
+    .bind(limit)
+    .fetch_all(db)
+    .await?)
 }

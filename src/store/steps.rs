@@ -23,6 +23,10 @@ pub struct StepRow {
     pub started_at: DateTime<Utc>,
     /// Commit time.
     pub finished_at: Option<DateTime<Utc>>,
+    /// While it waits in a delay queue: when it runs again.
+    pub retry_at: Option<DateTime<Utc>>,
+    /// The last temporary failure, when it was retried.
+    pub last_error: Option<String>,
 }
 
 /// The newest committed output of the step named `step` before position `before`.
@@ -47,7 +51,7 @@ pub async fn latest_output(
 /// Every checkpoint of a run, in order.
 pub async fn list(db: impl PgExecutor<'_>, run_id: &str) -> Result<Vec<StepRow>> {
     Ok(sqlx::query_as(
-        "SELECT seq, step, attempts, output, started_at, finished_at FROM trailmark.steps
+        "SELECT seq, step, attempts, output, started_at, finished_at, retry_at, last_error FROM trailmark.steps
           WHERE run_id = $1 ORDER BY seq",
     )
     .bind(run_id)
@@ -142,4 +146,62 @@ pub async fn close_waiting(
     .execute(db)
     .await?;
     Ok(())
+}
+
+/// When the step at position `seq` was committed, if it was.
+pub async fn finished_at(
+    db: impl PgExecutor<'_>,
+    run_id: &RunId,
+    seq: i32,
+) -> Result<Option<DateTime<Utc>>> {
+    Ok(
+        sqlx::query_scalar(
+            "SELECT finished_at FROM trailmark.steps WHERE run_id = $1 AND seq = $2",
+        )
+        .bind(run_id.as_str())
+        .bind(seq)
+        .fetch_optional(db)
+        .await?
+        .flatten(),
+    )
+}
+
+/// The checkpoint at position `seq`, if the run has reached it.
+pub async fn at(db: impl PgExecutor<'_>, run_id: &str, seq: i32) -> Result<Option<StepRow>> {
+    Ok(sqlx::query_as(
+        "SELECT seq, step, attempts, output, started_at, finished_at, retry_at, last_error FROM trailmark.steps
+          WHERE run_id = $1 AND seq = $2",
+    )
+    .bind(run_id)
+    .bind(seq)
+    .fetch_optional(db)
+    .await?)
+}
+
+/// A run's checkpoints after position `after`, in order, at most `limit`.
+pub async fn page(
+    db: impl PgExecutor<'_>,
+    run_id: &str,
+    after: i32,
+    limit: i64,
+) -> Result<Vec<StepRow>> {
+    Ok(sqlx::query_as(
+        "SELECT seq, step, attempts, output, started_at, finished_at, retry_at, last_error
+           FROM trailmark.steps WHERE run_id = $1 AND seq > $2 ORDER BY seq LIMIT $3",
+    )
+    .bind(run_id)
+    .bind(after)
+    .bind(limit)
+    .fetch_all(db)
+    .await?)
+}
+
+/// How many positions the run has reached.
+pub async fn count(db: impl PgExecutor<'_>, run_id: &str) -> Result<i64> {
+    Ok(
+        sqlx::query_scalar("SELECT count(*) FROM trailmark.steps WHERE run_id = $1")
+            .bind(run_id)
+            .fetch_one(db)
+            .await?,
+    )
 }

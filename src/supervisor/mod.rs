@@ -7,14 +7,17 @@ use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
 
-use crate::domain::{RunId, RunStatus, StepAddress};
+use crate::domain::{Event, RunId, RunStatus, StepAddress};
 use crate::engine::Engine;
+use crate::health::Loop;
 use crate::store::{self, decisions, outbox, runs};
 
 /// Scans every `supervisor.interval_ms` until `shutdown` fires.
 pub async fn run(engine: Arc<Engine>, shutdown: CancellationToken) -> Result<(), store::Error> {
     let period = Duration::from_millis(engine.settings.supervisor.interval_ms);
+    engine.health.runs(Loop::Supervisor);
     loop {
+        engine.health.beat(Loop::Supervisor);
         match recover_expired(&engine).await {
             Ok(0) => {}
             Ok(n) => tracing::info!(runs = n, "re-queued steps of runs whose lease expired"),
@@ -60,6 +63,8 @@ pub async fn recover_expired(engine: &Engine) -> store::Result<usize> {
         .stats
         .lease_recoveries
         .fetch_add(expired.len() as u64, std::sync::atomic::Ordering::Relaxed);
+    crate::metrics::resumed("lease_expired", expired.len() as u64);
+    crate::metrics::lease_taken_over(expired.len() as u64);
     Ok(expired.len())
 }
 
@@ -88,6 +93,12 @@ pub async fn escalate_waiting(engine: &Engine) -> store::Result<usize> {
             details: run.handover.as_ref().unwrap_or(&serde_json::Value::Null),
         };
         decisions::insert(&mut *tx, &d).await?;
+        if let Ok(run_id) = RunId::parse(&run.run_id)
+            && let Some(event) = Event::run(&run_id, &run.workflow, RunStatus::NeedsReview, None)
+        {
+            let event = event.with_error("human_timeout", d.reason);
+            outbox::insert(&mut *tx, &[engine.topology.event_message(&event)]).await?;
+        }
     }
     tx.commit().await?;
     Ok(late.len())

@@ -10,7 +10,7 @@ use serde_json::{Value, json};
 use super::STEP_CONSUMER;
 use crate::broker::Topology;
 use crate::domain::{
-    Fence, IllegalMove, OutgoingMessage, RunStatus, StepAddress, StepMessage, UndoPlan,
+    Event, Fence, IllegalMove, OutgoingMessage, RunStatus, StepAddress, StepMessage, UndoPlan,
 };
 use crate::store::checkpoint::{Advance, StepCommit};
 use crate::workflow::{Next, Parked, StepError, StepOutcome, Workflow};
@@ -60,6 +60,8 @@ pub(super) enum Ending {
     Review {
         /// One line: which run stopped where, and why.
         error: String,
+        /// The error's class (`tool_auth`, `guard`, `unknown`, ...).
+        class: &'static str,
         /// The handover note.
         note: Value,
     },
@@ -84,6 +86,20 @@ pub(super) enum Verdict {
     Stale(&'static str),
     /// Trailmark's own database or broker failed: the delivery is retried as a whole.
     Infrastructure(String),
+}
+
+impl Verdict {
+    /// The verdict's name, as the step-duration metric's `outcome` label.
+    pub fn outcome(&self) -> &'static str {
+        match self {
+            Self::Commit(Ending::Advance { .. }) => "committed",
+            Self::Commit(Ending::Wait { .. }) => "waiting",
+            Self::Commit(Ending::Review { .. }) | Self::Review(_) => "review",
+            Self::Retry { .. } => "retry",
+            Self::Stale(_) => "stale",
+            Self::Infrastructure(_) => "infrastructure",
+        }
+    }
 }
 
 /// Guards checked before the handler runs: the attempt cap (so a step that kills its worker
@@ -203,6 +219,7 @@ pub(super) fn to_commit(
             handover,
         })
     };
+    let mut review_class = None;
     let (to, step_output, finished, outbox, parked) = match ending {
         Ending::Advance {
             output,
@@ -240,14 +257,29 @@ pub(super) fn to_commit(
             let to = stay(RunStatus::Waiting, Some(note.clone()))?;
             (to, Some(note), false, sent, parked_rows(&parked))
         }
-        Ending::Review { error, note } => {
+        Ending::Review { error, class, note } => {
+            review_class = Some(class);
+            let mut events = Vec::new();
+            if class == "tool_auth" {
+                let auth = Event::tool_auth_failed(&msg.run_id, &msg.workflow, &error);
+                events.push(topology.event_message(&auth));
+            }
             let to = Advance {
                 error: Some(error),
                 ..stay(RunStatus::NeedsReview, Some(note))?
             };
-            (to, None, false, Vec::new(), Vec::new())
+            (to, None, false, events, Vec::new())
         }
     };
+    let mut outbox = outbox;
+    let at = Some((&msg.step, msg.seq));
+    if let Some(event) = Event::run(&msg.run_id, &msg.workflow, to.status.to, at) {
+        let event = match (&to.error, review_class) {
+            (Some(error), Some(class)) => event.with_error(class, error),
+            _ => event,
+        };
+        outbox.push(topology.event_message(&event));
+    }
     Ok(StepCommit {
         run_id: msg.run_id.clone(),
         fence,
@@ -350,7 +382,8 @@ mod tests {
         .unwrap();
         assert_eq!(commit.to.status.to, RunStatus::Succeeded);
         assert_eq!(commit.to.output, Some(json!("done")));
-        assert!(commit.outbox.is_empty());
+        assert_eq!(commit.outbox.len(), 1, "the run.succeeded event");
+        assert_eq!(commit.outbox[0].routing_key, "run.succeeded.wf");
 
         let plan = UndoPlan {
             scope: json!({}),
@@ -451,6 +484,7 @@ mod tests {
         );
         let ending = Ending::Review {
             error,
+            class: failure.class(),
             note: json!({}),
         };
         let commit = to_commit(
@@ -464,7 +498,18 @@ mod tests {
         assert_eq!(commit.to.status.to, RunStatus::NeedsReview);
         assert!(!commit.to.status.advances());
         assert_eq!(commit.to.next_step, Some(StepAddress::step("b")));
-        assert!(commit.outbox.is_empty() && commit.parked.is_empty());
+        assert!(commit.parked.is_empty());
+        let events: Vec<Event> = commit
+            .outbox
+            .iter()
+            .map(|m| serde_json::from_slice(&m.body).unwrap())
+            .collect();
+        assert_eq!(
+            events.len(),
+            1,
+            "only the review event, none of the step's messages"
+        );
+        assert_eq!(events[0].event, "run.needs_review");
     }
 
     #[test]

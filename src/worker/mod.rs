@@ -31,10 +31,14 @@ use tracing::Instrument;
 use crate::broker::{self, Publisher};
 use crate::domain::{RunStartEvent, StepMessage};
 use crate::engine::Engine;
+use crate::health::Loop;
 use published::PublishedRows;
 
 pub use outcome::{Disposition, dead_letter_headers};
 pub(crate) use step_tx::StepTx;
+
+/// How often an idle worker's loop comes round anyway.
+const IDLE_BEAT: Duration = Duration::from_secs(5);
 
 /// Consumer name in the inbox for step messages.
 pub const STEP_CONSUMER: &str = "steps";
@@ -50,7 +54,9 @@ pub async fn run(engine: Arc<Engine>, shutdown: CancellationToken) -> Result<(),
     let presence = tokio::spawn(presence::hold(engine.clone(), presence_stop.clone()));
     let (published, forgetting) = PublishedRows::start(engine.clone());
     let mut backoff = Duration::from_millis(200);
+    engine.health.runs(Loop::Worker);
     while !shutdown.is_cancelled() {
+        engine.health.beat(Loop::Worker);
         match session(&engine, &shutdown, &tracker, &published).await {
             Ok(()) => break,
             Err(e) => {
@@ -118,13 +124,17 @@ async fn session(
         )
         .await?;
     tracing::info!(worker = %engine.worker_id, "worker consuming");
+    engine.health.set_consuming(true);
     let mut deliveries =
         futures_util::stream::select(steps.map(|d| (true, d)), starts.map(|d| (false, d)));
     let permits = Arc::new(Semaphore::new(settings.worker.concurrency as usize));
     let outcome = loop {
+        engine.health.beat(Loop::Worker);
         let next = tokio::select! {
             next = deliveries.next() => next,
             _ = shutdown.cancelled() => break Ok(()),
+            // An idle worker still comes round, so /livez tells idle from stuck.
+            _ = tokio::time::sleep(IDLE_BEAT) => continue,
         };
         let Some((is_step, delivery)) = next else {
             break Err(broker::Error::Unavailable {
@@ -145,6 +155,7 @@ async fn session(
             drop(permit);
         });
     };
+    engine.health.set_consuming(false);
     // Stop taking new deliveries; unacked prefetched ones return to the queue when we close.
     for t in [tag("steps"), tag("starts")] {
         let _ = channel
@@ -251,6 +262,7 @@ async fn handle_work(
                     return;
                 }
                 tracing::warn!(error = %crate::error::Report(&e), retry_in_ms = backoff.as_millis() as u64, "delivery failed on infrastructure; retrying it");
+                crate::metrics::step_retried("infrastructure");
                 tokio::time::sleep(backoff).await;
                 backoff = (backoff * 2).min(Duration::from_secs(5));
             }

@@ -80,11 +80,13 @@ pub(super) async fn settle(
         }
         Disposition::Duplicate(why) => {
             Stats::bump(&engine.stats.duplicates);
+            crate::metrics::duplicate_dropped(why);
             tracing::debug!(why, "duplicate delivery dropped");
             Ok(())
         }
         Disposition::Stale(why) => {
             Stats::bump(&engine.stats.stale);
+            crate::metrics::stale_dropped();
             tracing::debug!(why = %why, "stale delivery dropped");
             Ok(())
         }
@@ -102,6 +104,7 @@ pub(super) async fn settle(
             evidence,
         } => {
             Stats::bump(&engine.stats.dead_lettered);
+            crate::metrics::dead_lettered(reason);
             tracing::warn!(reason, detail = %detail, "message dead-lettered");
             let letter = dead_letter(engine, delivery, reason, detail, evidence);
             publisher.publish(&letter).await

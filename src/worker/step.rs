@@ -21,9 +21,10 @@ use crate::domain::{OutgoingMessage, RunStatus, StepMessage, Transition, UndoPla
 use crate::engine::{Engine, Stats};
 use crate::failpoint::Injected;
 use crate::guard::Budget;
+use crate::metrics;
 use crate::store::{self, decisions, runs, steps};
 use crate::workflow::{
-    Position, StepContext, StepDef, StepError, StepOutcome, UndoTarget, Workflow,
+    Position, Records, StepContext, StepDef, StepError, StepOutcome, UndoTarget, Workflow,
 };
 
 /// Processes a decoded step message to its disposition; `Err` means trailmark's own
@@ -45,22 +46,39 @@ pub(super) async fn process(
         Err(not_claimed) => return Ok(not_claimed),
     };
     engine.failpoints.hit("step.after_claim").map_err(infra)?;
+    if claim.attempt > 1 {
+        metrics::resumed("redelivery", 1);
+        say_resuming(engine, msg, claim.attempt).await?;
+    }
+    if claim.took_over {
+        metrics::lease_taken_over(1);
+    }
+    let started = std::time::Instant::now();
     // Every line of this attempt carries it and the fence it holds; a retried delivery gets a
     // span of its own for its next attempt.
     let attempt = tracing::info_span!("claimed", attempt = claim.attempt, fence = claim.fence.0);
-    run_claimed(engine, msg, &workflow, &step, &claim)
+    let ended = run_claimed(engine, msg, &workflow, &step, &claim)
         .instrument(attempt)
-        .await
+        .await;
+    let outcome = ended.as_ref().map_or("infrastructure", |(o, _)| *o);
+    // The step's declared name: a compensation's address carries a position, an unbounded label.
+    let label = match msg.step.undo_of() {
+        Some((step, _)) => format!("undo:{step}"),
+        None => msg.step.to_string(),
+    };
+    metrics::step_finished(&msg.workflow, &label, outcome, started.elapsed());
+    ended.map(|(_, disposition)| disposition)
 }
 
-/// Steps 3 and 4 for a claimed step: guards and handler, then its ending.
+/// Steps 3 and 4 for a claimed step: guards and handler, then its ending; with the outcome's
+/// name for the step-duration metric.
 async fn run_claimed(
     engine: &Arc<Engine>,
     msg: &StepMessage,
     workflow: &Workflow,
     step: &StepDef,
     claim: &runs::Claim,
-) -> store::Result<Disposition> {
+) -> store::Result<(&'static str, Disposition)> {
     let claimed = Claimed {
         attempt: claim.attempt,
         plan: claim.undo.as_ref(),
@@ -91,25 +109,65 @@ async fn run_claimed(
         ending::decide(workflow, msg, claimed, limits, result, ctx.take_pending())
     };
     // 4. Commit the ending, give the lease back for a retry, or drop the void work.
-    match verdict {
-        Verdict::Commit(ending) => commit(engine, msg, claim, ending).await,
+    let outcome = verdict.outcome();
+    let disposition = match verdict {
+        Verdict::Commit(ending) => commit(engine, msg, claim, ending).await?,
         Verdict::Review(failure) => {
             tracing::error!(error = %failure, class = failure.class(), "step failed; run needs review");
             let evidence = Evidence::gather(&engine.pool, msg).await?;
             let ending = Ending::Review {
                 error: ending::review_line(msg, claim.attempt, &failure),
+                class: failure.class(),
                 note: handover::note(msg, claim.attempt, &failure, evidence),
             };
-            commit(engine, msg, claim, ending).await
+            commit(engine, msg, claim, ending).await?
         }
         Verdict::Retry { delay, reason } => {
+            metrics::step_retried("temporary");
             tracing::warn!(reason = %reason, delay_ms = delay.as_millis() as u64, "step failed temporarily; retrying later");
-            engine.step_tx.release(&msg.run_id, claim.fence).await?;
-            Ok(Disposition::Delay(delay))
+            let line = format!(
+                "step {} (position {}) failed temporarily, attempt {} of {}: {reason}; retrying in {:.0} s",
+                msg.step,
+                msg.seq,
+                claim.attempt,
+                limits.max_attempts,
+                delay.as_secs_f64()
+            );
+            engine.step_tx.progress(&msg.run_id, msg.seq, line);
+            engine
+                .step_tx
+                .release(&msg.run_id, claim.fence, delay, &reason)
+                .await?;
+            Disposition::Delay(delay)
         }
-        Verdict::Stale(why) => Ok(Disposition::Stale(why.into())),
-        Verdict::Infrastructure(what) => Err(store::Error::Unavailable { what, source: None }),
-    }
+        Verdict::Stale(why) => Disposition::Stale(why.into()),
+        Verdict::Infrastructure(what) => {
+            return Err(store::Error::Unavailable { what, source: None });
+        }
+    };
+    Ok((outcome, disposition))
+}
+
+/// Tells the people waiting on the run that a step runs again, and from where.
+async fn say_resuming(engine: &Engine, msg: &StepMessage, attempt: i32) -> store::Result<()> {
+    let since = match msg.seq.checked_sub(1) {
+        Some(prev) => steps::finished_at(&engine.pool, &msg.run_id, prev)
+            .await?
+            .map(|t| {
+                format!(
+                    "the checkpoint of position {prev} ({})",
+                    t.format("%H:%M:%S")
+                )
+            })
+            .unwrap_or_else(|| format!("the checkpoint of position {prev}")),
+        None => "the start of the run".to_owned(),
+    };
+    let line = format!(
+        "step {} (position {}), attempt {attempt}: the previous attempt did not finish; resuming from {since}",
+        msg.step, msg.seq
+    );
+    engine.step_tx.progress(&msg.run_id, msg.seq, line);
+    Ok(())
 }
 
 /// The workflow and the step definition the message names, or the dead letter for a message

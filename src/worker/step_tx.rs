@@ -14,18 +14,21 @@ use serde_json::Value;
 use sqlx::PgPool;
 
 use super::batch::Batcher;
+use crate::broker::Topology;
 use crate::domain::{
-    EffectIntent, Fence, IdempotencyKey, IntentOutcome, JournalEntry, RunId, Spent,
+    EffectIntent, Event, Fence, IdempotencyKey, IntentOutcome, JournalEntry, RunId, Spent,
 };
 use crate::store::checkpoint::{self, StepCommit};
 use crate::store::records::{self, Record};
 use crate::store::runs::{self, ClaimOutcome, ClaimRequest};
-use crate::store::{self, effects, journal, steps};
+use crate::store::{self, effects, journal, outbox, progress, steps};
 use crate::workflow::{BoxFuture, Records, StepError};
 
 /// Claims, records, commits and releases of one process's steps.
 pub(crate) struct StepTx {
     pool: PgPool,
+    /// Names the exchange of the events this transaction publishes.
+    topology: Topology,
     /// [`store::relaxed_pool`] of `pool`: journal entries and effect results, which the step's
     /// next synchronous commit makes durable.
     relaxed: PgPool,
@@ -35,20 +38,24 @@ pub(crate) struct StepTx {
     /// Effect intents go through the strict pool: an intent is durable before its call.
     intents: OnceLock<Batcher<EffectIntent, IntentOutcome>>,
     commits: OnceLock<Batcher<StepCommit, bool>>,
+    /// Progress lines, written in batches by a task of their own.
+    progress: OnceLock<tokio::sync::mpsc::UnboundedSender<progress::NewLine>>,
 }
 
 impl StepTx {
     /// The step transactions of a process working on `pool`, batching up to `max_batch`
     /// statements of a kind.
-    pub fn new(pool: &PgPool, max_batch: usize) -> Self {
+    pub fn new(pool: &PgPool, topology: Topology, max_batch: usize) -> Self {
         Self {
             relaxed: store::relaxed_pool(pool),
             pool: pool.clone(),
+            topology,
             max_batch,
             claims: OnceLock::new(),
             records: OnceLock::new(),
             intents: OnceLock::new(),
             commits: OnceLock::new(),
+            progress: OnceLock::new(),
         }
     }
 
@@ -75,9 +82,16 @@ impl StepTx {
         batcher.call(step).await
     }
 
-    /// Gives the lease back without advancing (the step is retried from a delay queue).
-    pub async fn release(&self, run_id: &RunId, fence: Fence) -> store::Result<()> {
-        runs::release(&self.pool, run_id, fence).await
+    /// Gives the lease back without advancing (the step is retried from a delay queue after
+    /// `delay`; `error` is why).
+    pub async fn release(
+        &self,
+        run_id: &RunId,
+        fence: Fence,
+        delay: std::time::Duration,
+        error: &str,
+    ) -> store::Result<()> {
+        runs::release(&self.pool, run_id, fence, delay.as_secs_f64(), error).await
     }
 
     async fn record(&self, record: Record) -> store::Result<bool> {
@@ -154,6 +168,34 @@ impl Records for StepTx {
         })
     }
 
+    fn progress(&self, run: &RunId, seq: i32, line: String) {
+        let lines = self.progress.get_or_init(|| {
+            let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+            tokio::spawn(write_progress(self.relaxed.clone(), rx));
+            tx
+        });
+        let line = progress::NewLine {
+            run_id: run.to_string(),
+            seq,
+            at: chrono::Utc::now(),
+            line,
+        };
+        // Closed only when the process is stopping.
+        let _ = lines.send(line);
+    }
+
+    fn breaker_changed<'a>(
+        &'a self,
+        tool: &'a str,
+        opened: bool,
+    ) -> BoxFuture<'a, Result<(), StepError>> {
+        Box::pin(async move {
+            let event = self.topology.event_message(&Event::breaker(tool, opened));
+            outbox::insert(&self.pool, &[event]).await?;
+            Ok(())
+        })
+    }
+
     fn output_of<'a>(
         &'a self,
         run: &'a RunId,
@@ -161,6 +203,24 @@ impl Records for StepTx {
         before: i32,
     ) -> BoxFuture<'a, Result<Option<Value>, StepError>> {
         Box::pin(async move { Ok(steps::latest_output(&self.pool, run, step, before).await?) })
+    }
+}
+
+/// Most progress lines in one statement.
+const PROGRESS_BATCH: usize = 500;
+
+/// Writes progress lines as they come, a batch per statement: whatever queued while the
+/// previous batch was written.
+async fn write_progress(
+    pool: PgPool,
+    mut lines: tokio::sync::mpsc::UnboundedReceiver<progress::NewLine>,
+) {
+    let mut batch = Vec::new();
+    while lines.recv_many(&mut batch, PROGRESS_BATCH).await > 0 {
+        if let Err(e) = progress::record(&pool, &batch).await {
+            tracing::warn!(error = %crate::error::Report(&e), lines = batch.len(), "progress lines were not recorded");
+        }
+        batch.clear();
     }
 }
 

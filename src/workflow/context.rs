@@ -139,6 +139,16 @@ impl StepContext {
             .map_err(|e| StepError::Infrastructure(e.to_string()))
     }
 
+    /// Says what the step is doing, for the people waiting on the run ("retrieving sources…"):
+    /// kept with the run (its last lines, with the time) and shown by `trailmark run show`,
+    /// `run watch` and the API. Cheap: written in batches off the step's path.
+    pub fn progress(&self, line: impl Into<String>) {
+        let tools = self.tools();
+        tools
+            .records
+            .progress(self.run_id(), self.seq(), line.into());
+    }
+
     /// Sets one item aside with its reason (a permanent error for that item only); the step goes
     /// on with the others. Parked items are committed with the step and listed by `run show`.
     pub fn park(&self, item: impl Into<String>, reason: impl Into<String>) {

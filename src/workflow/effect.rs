@@ -260,11 +260,19 @@ impl StepContext {
             let started = Instant::now();
             let pending = (call.lock().expect("effect call lock"))(key.clone());
             let result = pending.await;
-            breakers.record(
-                &tool.name,
-                !matches!(result, Err(StepError::Temporary { .. })),
-                Instant::now(),
-            );
+            let ok = !matches!(result, Err(StepError::Temporary { .. }));
+            if let Some(opened) = breakers.record(&tool.name, ok, Instant::now()) {
+                crate::metrics::breaker(&tool.name, opened);
+                // An alert for other systems; the call's own outcome does not depend on it.
+                if let Err(e) = self
+                    .tools()
+                    .records
+                    .breaker_changed(&tool.name, opened)
+                    .await
+                {
+                    tracing::warn!(error = %e, tool = %tool.name, opened, "the breaker event was not recorded");
+                }
+            }
             tracing::debug!(
                 latency_ms = started.elapsed().as_millis() as u64,
                 ok = result.is_ok(),

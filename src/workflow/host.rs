@@ -51,6 +51,17 @@ pub(crate) trait Records: Send + Sync {
         result: Value,
     ) -> BoxFuture<'_, Result<(), StepError>>;
 
+    /// Keeps a progress line of the run, said at position `seq`; written in batches off the
+    /// step's path (a line lost to a crash is only a line).
+    fn progress(&self, run: &RunId, seq: i32, line: String);
+
+    /// Publishes, through the outbox, that `tool`'s circuit breaker opened (`true`) or closed.
+    fn breaker_changed<'a>(
+        &'a self,
+        tool: &'a str,
+        opened: bool,
+    ) -> BoxFuture<'a, Result<(), StepError>>;
+
     /// The newest committed output of `step` before position `before`.
     fn output_of<'a>(
         &'a self,

@@ -66,7 +66,13 @@ impl StepContext {
                 })?;
             return replayed(stored, &entry.request_hash, self);
         }
-        tracing::debug!(tokens = entry.tokens, cost = entry.cost, latency_ms = entry.latency_ms, model = %answer.model, "model answered");
+        tracing::debug!(tokens = entry.tokens, cost = entry.cost, latency_ms = entry.latency_ms, model = %answer.model, prompt_hash = %entry.request_hash, "model answered");
+        crate::metrics::model_answered(
+            &answer.model,
+            answer.prompt_tokens,
+            answer.completion_tokens,
+            answer.cost,
+        );
         Ok(answer)
     }
 

@@ -166,6 +166,10 @@ impl TestEnv {
         settings.worker.busy_retry_ms = 1000;
         settings.relay.poll_interval_ms = 200;
         settings.supervisor.interval_ms = 250;
+        // In-process engines serve no HTTP (tests that need it bind their own port) and stop
+        // without the drain delay meant for orchestrators.
+        settings.api.listen = String::new();
+        settings.process.drain_delay_ms = 0;
         customize(&mut settings);
         store::ensure_database(&settings.database)
             .await
@@ -355,6 +359,11 @@ impl TestEnv {
                 self.settings.worker.heartbeat_secs.to_string(),
             )
             .env("TRAILMARK__RELAY__POLL_INTERVAL_MS", "200")
+            .env("TRAILMARK__API__LISTEN", &self.settings.api.listen)
+            .env(
+                "TRAILMARK__PROCESS__DRAIN_DELAY_MS",
+                self.settings.process.drain_delay_ms.to_string(),
+            )
             .env("TRAILMARK__SUPERVISOR__INTERVAL_MS", "250")
             .env(
                 "TRAILMARK__BROKER__DELIVERY_LIMIT",

@@ -79,6 +79,10 @@ impl BenchEnv {
             ("AMQP_URL".into(), settings.broker.url.clone()),
             ("TRAILMARK__BROKER__PREFIX".into(), prefix.clone()),
             (POOL_ENV.into(), child_pool.to_string()),
+            // Each serve process serves its HTTP surface (API, health, metrics) as in production,
+            // on a port of its own.
+            ("TRAILMARK__API__LISTEN".into(), "127.0.0.1:0".into()),
+            ("TRAILMARK__PROCESS__DRAIN_DELAY_MS".into(), "0".into()),
         ];
         Ok(Self {
             settings,

@@ -32,6 +32,25 @@ enum Command {
     Relay,
     /// Run only the lease supervisor.
     Supervisor,
+    /// Serve only the HTTP surface: the ops API under /api/v1, /livez, /readyz and /metrics.
+    Api,
+    /// Make API tokens.
+    Token {
+        #[command(subcommand)]
+        command: cli::admin::TokenCommand,
+    },
+    /// Who did what, when and why (decisions from the CLI and the API, dead-letter actions).
+    Audit {
+        /// Only entries about this target (a run id, a dead letter's id).
+        #[arg(long)]
+        target: Option<String>,
+        /// At most this many, newest first.
+        #[arg(long, default_value_t = 100)]
+        limit: i64,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
     /// Start, inspect and list runs.
     Run {
         #[command(subcommand)]
@@ -69,7 +88,12 @@ impl Command {
     fn is_long_running(&self) -> bool {
         matches!(
             self,
-            Self::Serve | Self::Worker | Self::Relay | Self::Supervisor | Self::ModelServer { .. }
+            Self::Serve
+                | Self::Worker
+                | Self::Relay
+                | Self::Supervisor
+                | Self::Api
+                | Self::ModelServer { .. }
         )
     }
 }
@@ -111,6 +135,9 @@ async fn dispatch(cli: Cli) -> anyhow::Result<()> {
         };
         return Ok(trailmark_standin::model_server::serve_forever(opts).await?);
     }
+    if let Command::Token { command } = cli.command {
+        return cli::admin::token(command);
+    }
     let settings = Settings::load_from(cli.config.as_deref())?;
     let registry = trailmark_reference::registry();
     let only = |worker, relay, supervisor| Components {
@@ -118,6 +145,7 @@ async fn dispatch(cli: Cli) -> anyhow::Result<()> {
         relay,
         supervisor,
     };
+    let none = only(false, false, false);
     match cli.command {
         Command::Migrate => cli::migrate::migrate(&settings).await,
         Command::Serve => cli::serve::serve(settings, registry, Components::ALL).await,
@@ -126,6 +154,12 @@ async fn dispatch(cli: Cli) -> anyhow::Result<()> {
         Command::Supervisor => {
             cli::serve::serve(settings, registry, only(false, false, true)).await
         }
+        Command::Api => cli::serve::serve(settings, registry, none).await,
+        Command::Audit {
+            target,
+            limit,
+            json,
+        } => cli::admin::audit(&settings, target.as_deref(), limit, json).await,
         Command::Run { command } => cli::runs::dispatch(settings, registry, command).await,
         Command::Demo(args) => cli::demo::run(&settings, args).await,
         Command::Contract { workflow, json } => {
@@ -133,7 +167,7 @@ async fn dispatch(cli: Cli) -> anyhow::Result<()> {
         }
         Command::Dlq { command } => cli::dlq::run(&settings, command).await,
         Command::Bench(args) => cli::bench::run(&settings, args).await,
-        Command::ModelServer { .. } => unreachable!("handled above"),
+        Command::ModelServer { .. } | Command::Token { .. } => unreachable!("handled above"),
     }
 }
 

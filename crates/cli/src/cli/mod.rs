@@ -1,6 +1,7 @@
 //! Operator commands behind the `trailmark` binary; one file per command group.
 //! This is binary glue, so it reports with `anyhow`; library errors stay typed underneath.
 
+pub mod admin;
 pub mod bench;
 pub mod decide;
 pub mod demo;
@@ -9,6 +10,7 @@ pub mod migrate;
 pub mod run;
 pub mod runs;
 pub mod serve;
+pub mod watch;
 
 /// The exit code for an error: 2 when a server is down or the configuration is wrong (what an
 /// operator or a supervisor like systemd must look at), 1 when the request itself was refused.

@@ -28,6 +28,9 @@ pub struct StartArgs {
     /// How long --wait waits.
     #[arg(long, default_value_t = 60)]
     pub wait_secs: u64,
+    /// Then follow the run like `trailmark run watch` until it ends.
+    #[arg(long)]
+    pub follow: bool,
 }
 
 /// Publishes a run-start event exactly as an upstream service would, after the checks a worker
@@ -66,7 +69,7 @@ pub async fn start(
     let pool = match store::connect(&settings.database).await {
         Ok(pool) => Some(pool),
         // The event is what starts the run; the checks that need the database are a courtesy.
-        Err(e) if !args.wait => {
+        Err(e) if !args.wait && !args.follow => {
             tracing::warn!(error = %trailmark::error::Report(&e), "cannot check for an existing run; publishing anyway");
             None
         }
@@ -101,7 +104,11 @@ pub async fn start(
         topology.runs_exchange()
     );
     match pool {
+        Some(pool) if args.follow => {
+            super::watch::watch(&pool, run_id.as_str(), args.wait_secs).await
+        }
         Some(pool) if args.wait => wait_for_run(settings, &pool, &run_id, args.wait_secs).await,
+        None if args.follow => bail!("--follow needs the database to see the run"),
         _ => Ok(()),
     }
 }
@@ -262,6 +269,12 @@ pub async fn show(settings: &Settings, run_id: &str, as_json: bool) -> anyhow::R
                 "  {}  (step {}, position {}): {}",
                 p.item, p.step, p.seq, p.reason
             );
+        }
+    }
+    if !r.progress.is_empty() {
+        println!("progress:");
+        for p in &r.progress {
+            println!("  {}  {}", p.at.format("%H:%M:%S"), p.line);
         }
     }
     const SHOWN: usize = 20;

@@ -20,6 +20,15 @@ pub enum RunCommand {
         #[arg(long)]
         json: bool,
     },
+    /// Follow a run: its step and attempt, its progress lines and status changes, until it
+    /// ends (exit 0 when it succeeded, 1 when it failed, was cancelled or needs review).
+    Watch {
+        /// Run id.
+        run_id: String,
+        /// How long to wait for a run that does not exist yet.
+        #[arg(long, default_value_t = 60)]
+        wait_secs: u64,
+    },
     /// List runs, newest first.
     List {
         /// Only runs with this status.
@@ -116,6 +125,10 @@ pub async fn dispatch(
     match command {
         RunCommand::Start(args) => super::run::start(&settings, &registry, args).await,
         RunCommand::Show { run_id, json } => super::run::show(&settings, &run_id, json).await,
+        RunCommand::Watch { run_id, wait_secs } => {
+            let pool = trailmark::store::connect(&settings.database).await?;
+            super::watch::watch(&pool, &run_id, wait_secs).await
+        }
         RunCommand::Resume {
             run_id,
             after_fix,
@@ -174,9 +187,6 @@ async fn decide(
     decision: Decision,
     who: Who,
 ) -> anyhow::Result<()> {
-    let decider = Decider {
-        actor: who.actor.unwrap_or_else(decide::default_actor),
-        reason: who.reason,
-    };
+    let decider = Decider::cli(who.actor.unwrap_or_else(decide::default_actor), who.reason);
     decide::decide(settings, registry, run_id, decision, decider, who.json).await
 }

@@ -92,6 +92,10 @@ impl Stage {
             keep("TRAILMARK__WORKER__LEASE_SECS", "5"),
             keep("TRAILMARK__WORKER__HEARTBEAT_SECS", "1"),
             keep("RUST_LOG", "warn"),
+            // Its workers serve their HTTP surface on a free port: the default one may belong to
+            // a trailmark already running here.
+            ("TRAILMARK__API__LISTEN".into(), "127.0.0.1:0".into()),
+            ("TRAILMARK__PROCESS__DRAIN_DELAY_MS".into(), "0".into()),
         ]
     }
 }

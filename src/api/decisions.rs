@@ -1,0 +1,162 @@
+//! Deciding about runs: resume, resume after a fix, undo (with a preview of what it would
+//! reverse), cancel, approve, reject. A reason is required; a decision that does not fit the
+//! run's status is 409 with the status. Each writes its audit row in the decision's transaction.
+//! Also the export of every decision, for evaluations.
+
+use axum::body::Body;
+use axum::extract::{Path, Query, State};
+use axum::http::{HeaderMap, header};
+use axum::response::Response;
+use axum::{Extension, Json};
+use serde::Deserialize;
+use serde_json::{Value, json};
+
+use super::AppState;
+use super::auth::{Caller, Role};
+use super::error::ApiError;
+use super::idempotency;
+use crate::operator::{self, Decider, UndoOptions};
+use crate::store::decisions;
+
+/// What every decision carries.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Decision {
+    /// Why, in the decider's words (required).
+    reason: String,
+    /// `resume`: reset the failed step's attempts and continue on the deployed version.
+    #[serde(default)]
+    after_fix: bool,
+    /// `approve`, `reject`: the step the run waits at.
+    step: Option<String>,
+    /// `undo`: the items to reverse (`{}` or absent: everything).
+    scope: Option<Value>,
+    /// `undo`: go ahead although a stopped step's writes stay.
+    #[serde(default)]
+    leave_partial: bool,
+}
+
+fn decider(caller: &Caller, d: &Decision) -> Result<Decider, ApiError> {
+    if d.reason.trim().is_empty() {
+        return Err(ApiError::bad_request(
+            "reason must say why (it is recorded with the decision)",
+        ));
+    }
+    Ok(Decider {
+        actor: caller.name.clone(),
+        reason: d.reason.clone(),
+        role: caller.role.as_str().into(),
+        via: "api",
+        request_id: caller.request_id.clone(),
+    })
+}
+
+fn step_of(d: &Decision) -> Result<&str, ApiError> {
+    d.step
+        .as_deref()
+        .ok_or_else(|| ApiError::bad_request("step is required: the step the run waits at"))
+}
+
+fn undo_options(scope: Option<Value>, leave_partial: bool) -> Result<UndoOptions, ApiError> {
+    let scope = scope.unwrap_or_else(|| json!({}));
+    if !scope.is_object() {
+        return Err(ApiError::bad_request(
+            "scope must be a JSON object, e.g. {\"supplier\": \"S-07\"}",
+        ));
+    }
+    Ok(UndoOptions {
+        scope,
+        leave_partial,
+    })
+}
+
+/// `POST /api/v1/runs/{id}/{decision}`.
+pub async fn decide(
+    State(state): State<AppState>,
+    Extension(caller): Extension<Caller>,
+    Path((run_id, action)): Path<(String, String)>,
+    headers: HeaderMap,
+    Json(d): Json<Decision>,
+) -> Result<Json<operator::Outcome>, ApiError> {
+    caller.require(Role::Operator)?;
+    let who = decider(&caller, &d)?;
+    let engine = &state.engine;
+    let outcome = match action.as_str() {
+        "resume" => operator::resume(engine, &run_id, &who, d.after_fix).await?,
+        "undo" => {
+            idempotency::required(&headers)?;
+            let opts = undo_options(d.scope.clone(), d.leave_partial)?;
+            operator::undo(engine, &run_id, &who, opts).await?
+        }
+        "cancel" => operator::cancel(engine, &run_id, &who).await?,
+        "approve" => operator::approve(engine, &run_id, step_of(&d)?, &who).await?,
+        "reject" => operator::reject(engine, &run_id, step_of(&d)?, &who).await?,
+        other => {
+            return Err(ApiError::not_found(format!(
+                "no decision {other:?}: resume, undo, cancel, approve or reject"
+            )));
+        }
+    };
+    Ok(Json(outcome))
+}
+
+/// `GET /api/v1/runs/{id}/undo-preview` options.
+#[derive(Debug, Deserialize)]
+pub struct PreviewQuery {
+    /// The scope as JSON.
+    scope: Option<String>,
+    #[serde(default)]
+    leave_partial: bool,
+}
+
+/// What an undo would reverse, without doing anything.
+pub async fn undo_preview(
+    State(state): State<AppState>,
+    Path(run_id): Path<String>,
+    Query(q): Query<PreviewQuery>,
+) -> Result<Json<operator::Preview>, ApiError> {
+    let scope = q
+        .scope
+        .as_deref()
+        .map(serde_json::from_str::<Value>)
+        .transpose()
+        .map_err(|e| ApiError::bad_request(format!("scope is not JSON: {e}")))?;
+    let opts = undo_options(scope, q.leave_partial)?;
+    Ok(Json(
+        operator::undo_preview(&state.engine, &run_id, opts).await?,
+    ))
+}
+
+/// `GET /api/v1/decisions/export` options.
+#[derive(Debug, Deserialize)]
+pub struct ExportQuery {
+    /// Decisions after this id (0: from the first).
+    #[serde(default)]
+    after: i64,
+    limit: Option<i64>,
+}
+
+/// Every decision as a JSON line: the checkpoint and evidence a person saw, the run's proposed
+/// next action, what they decided, who and why.
+pub async fn export(
+    State(state): State<AppState>,
+    Query(q): Query<ExportQuery>,
+) -> Result<Response, ApiError> {
+    let limit = q.limit.unwrap_or(10_000).clamp(1, 100_000);
+    let rows = decisions::export(&state.engine.pool, q.after, limit).await?;
+    let mut lines = String::new();
+    for row in rows {
+        let next = row.evidence["handover"]["next"]
+            .as_str()
+            .or_else(|| row.evidence["next"].as_str())
+            .map(str::to_owned);
+        let mut line = serde_json::to_value(&row).expect("a decision serialises");
+        line["proposed_next_action"] = json!(next);
+        lines += &line.to_string();
+        lines.push('\n');
+    }
+    Response::builder()
+        .header(header::CONTENT_TYPE, "application/x-ndjson")
+        .body(Body::from(lines))
+        .map_err(|e| ApiError::internal(&e))
+}

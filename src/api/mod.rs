@@ -1,0 +1,160 @@
+//! The HTTP surface every long-running process serves on `api.listen`: `/livez`, `/readyz` and
+//! `/metrics` for orchestrators and Prometheus, and the ops API under `/api/v1` (JSON, bearer
+//! tokens with roles, an OpenAPI document) for people and tools deciding about runs and dead
+//! letters. The API shares its views and decisions with the CLI: the run timeline, the store's
+//! listings, `operator` and `dlq`.
+//!
+//! | file | part |
+//! |---|---|
+//! | `auth.rs` | tokens, roles, the caller |
+//! | `idempotency.rs` | the `Idempotency-Key` header |
+//! | `runs.rs` | listings, one run, its steps, calls and effects |
+//! | `decisions.rs` | resume, undo (with a preview), cancel, approve, reject; the export |
+//! | `dlq.rs` | dead letters |
+//! | `admin.rs` | workflows, contracts, the audit trail |
+//! | `health.rs` | `/livez`, `/readyz`, `/metrics` |
+//! | `openapi.rs` | the endpoint table and the OpenAPI document |
+
+mod admin;
+mod auth;
+mod decisions;
+mod dlq;
+mod error;
+mod health;
+mod idempotency;
+mod openapi;
+mod runs;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::http::{Request, StatusCode};
+use axum::routing::{get, post};
+use axum::{Json, Router, middleware};
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+use tower_http::catch_panic::CatchPanicLayer;
+use tower_http::limit::RequestBodyLimitLayer;
+use tower_http::request_id::{MakeRequestUuid, PropagateRequestIdLayer, SetRequestIdLayer};
+use tower_http::timeout::TimeoutLayer;
+use tower_http::trace::TraceLayer;
+
+pub use auth::{Role, Token, hash_token, new_token, parse_tokens};
+pub use error::ApiError;
+pub use openapi::{ENDPOINTS, Endpoint, document};
+
+use crate::config::ApiSettings;
+use crate::engine::Engine;
+
+/// What every handler reaches.
+#[derive(Clone)]
+pub(crate) struct AppState {
+    engine: Arc<Engine>,
+    tokens: Arc<Vec<Token>>,
+}
+
+/// Why the API cannot be served.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// `api.tokens` holds an entry that is not `name:role:sha256`.
+    #[error("{0}")]
+    Tokens(String),
+    /// `api.listen` cannot be bound (taken, or not an address).
+    #[error("cannot listen on {listen} (api.listen): {source}; choose another address or port")]
+    Listen {
+        /// The address.
+        listen: String,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// The whole HTTP surface, for `engine`.
+pub fn router(engine: Arc<Engine>) -> Result<Router, Error> {
+    let tokens = parse_tokens(&engine.settings.api.tokens).map_err(Error::Tokens)?;
+    let settings = engine.settings.api.clone();
+    let state = AppState {
+        engine,
+        tokens: Arc::new(tokens),
+    };
+    let api = Router::new()
+        .route("/runs", get(runs::list))
+        .route("/runs/counts", get(runs::counts))
+        .route("/runs/{run_id}", get(runs::show))
+        .route("/runs/{run_id}/steps", get(runs::steps))
+        .route("/runs/{run_id}/journal", get(runs::journal))
+        .route("/runs/{run_id}/effects", get(runs::effects))
+        .route("/runs/{run_id}/undo-preview", get(decisions::undo_preview))
+        .route("/runs/{run_id}/{action}", post(decisions::decide))
+        .route("/decisions/export", get(decisions::export))
+        .route("/dead-letters", get(dlq::list))
+        .route("/dead-letters/requeue", post(dlq::requeue))
+        .route("/dead-letters/purge", post(dlq::purge))
+        .route("/dead-letters/{id}", get(dlq::show))
+        .route("/dead-letters/{id}/reveal", post(dlq::reveal))
+        .route("/workflows", get(admin::workflows))
+        .route("/workflows/{name}/contract", get(admin::contract))
+        .route("/audit", get(admin::audit))
+        .route("/openapi.json", get(|| async { Json(document()) }))
+        .route_layer(middleware::from_fn_with_state(
+            state.clone(),
+            idempotency::keyed,
+        ))
+        .route_layer(middleware::from_fn_with_state(
+            state.clone(),
+            auth::authenticate,
+        ));
+    let trace = TraceLayer::new_for_http().make_span_with(|req: &Request<_>| {
+        let id = req
+            .headers()
+            .get("x-request-id")
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("");
+        tracing::debug_span!("http", method = %req.method(), path = %req.uri().path(), request.id = %id)
+    });
+    Ok(Router::new()
+        .nest("/api/v1", api)
+        .route("/livez", get(health::livez))
+        .route("/readyz", get(health::readyz))
+        .route("/metrics", get(health::metrics))
+        .with_state(state)
+        .layer(CatchPanicLayer::new())
+        .layer(TimeoutLayer::with_status_code(
+            StatusCode::GATEWAY_TIMEOUT,
+            Duration::from_secs(settings.request_timeout_secs),
+        ))
+        .layer(RequestBodyLimitLayer::new(settings.body_limit_bytes))
+        .layer(PropagateRequestIdLayer::x_request_id())
+        .layer(trace)
+        .layer(SetRequestIdLayer::x_request_id(MakeRequestUuid)))
+}
+
+/// Binds `api.listen`; `None` when it is empty (nothing is served).
+pub async fn bind(settings: &ApiSettings) -> Result<Option<TcpListener>, Error> {
+    if settings.listen.trim().is_empty() {
+        return Ok(None);
+    }
+    TcpListener::bind(settings.listen.trim())
+        .await
+        .map(Some)
+        .map_err(|source| Error::Listen {
+            listen: settings.listen.clone(),
+            source,
+        })
+}
+
+/// Serves `router` on `listener` until `stop` fires (in-flight requests are finished).
+pub async fn serve(
+    router: Router,
+    listener: TcpListener,
+    stop: CancellationToken,
+) -> std::io::Result<()> {
+    if let Ok(addr) = listener.local_addr() {
+        tracing::info!(%addr, "api listening");
+    }
+    axum::serve(listener, router)
+        .with_graceful_shutdown(async move { stop.cancelled().await })
+        .await
+}

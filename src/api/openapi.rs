@@ -1,0 +1,211 @@
+//! Every API endpoint in one table, and the OpenAPI 3.1 document built from it
+//! (`/api/v1/openapi.json`). The router is checked against the table (every endpoint answers,
+//! none is missing from the document), and the role-matrix test calls each endpoint with each
+//! role.
+
+use serde_json::{Map, Value, json};
+
+use super::auth::Role;
+
+/// One endpoint.
+#[derive(Debug, Clone, Copy)]
+pub struct Endpoint {
+    /// `GET` or `POST`.
+    pub method: &'static str,
+    /// The path, with `{parameters}`.
+    pub path: &'static str,
+    /// The lowest role that may call it.
+    pub role: Role,
+    /// What it does.
+    pub summary: &'static str,
+    /// Whether it needs an `Idempotency-Key` (bulk actions).
+    pub keyed: bool,
+}
+
+const fn get(path: &'static str, role: Role, summary: &'static str) -> Endpoint {
+    Endpoint {
+        method: "GET",
+        path,
+        role,
+        summary,
+        keyed: false,
+    }
+}
+
+const fn post(path: &'static str, role: Role, summary: &'static str, keyed: bool) -> Endpoint {
+    Endpoint {
+        method: "POST",
+        path,
+        role,
+        summary,
+        keyed,
+    }
+}
+
+/// The API under `/api/v1`.
+pub const ENDPOINTS: &[Endpoint] = &[
+    get(
+        "/api/v1/runs",
+        Role::Viewer,
+        "Runs, newest first; filters status, workflow, since, until, stuck (retrying or stuck); cursor pagination",
+    ),
+    get(
+        "/api/v1/runs/counts",
+        Role::Viewer,
+        "Runs by status, and by workflow and status",
+    ),
+    get(
+        "/api/v1/runs/{run_id}",
+        Role::Viewer,
+        "One run: its row with the handover note, what it spent, parked items, decisions, progress lines and its newest steps",
+    ),
+    get(
+        "/api/v1/runs/{run_id}/steps",
+        Role::Viewer,
+        "A run's steps in order (after, limit)",
+    ),
+    get(
+        "/api/v1/runs/{run_id}/journal",
+        Role::Viewer,
+        "A run's model calls: model, prompt hash, tokens, cost, latency (after, limit)",
+    ),
+    get(
+        "/api/v1/runs/{run_id}/effects",
+        Role::Viewer,
+        "A run's effects: key, tool, request hash, state done, intent or unknown (after, limit)",
+    ),
+    get(
+        "/api/v1/runs/{run_id}/undo-preview",
+        Role::Viewer,
+        "What an undo would reverse (scope, leave_partial), without doing it",
+    ),
+    post(
+        "/api/v1/runs/{run_id}/resume",
+        Role::Operator,
+        "Resume a run in needs_review (reason, after_fix)",
+        false,
+    ),
+    post(
+        "/api/v1/runs/{run_id}/undo",
+        Role::Operator,
+        "Undo a run (reason, scope, leave_partial)",
+        true,
+    ),
+    post(
+        "/api/v1/runs/{run_id}/cancel",
+        Role::Operator,
+        "Cancel a run (reason)",
+        false,
+    ),
+    post(
+        "/api/v1/runs/{run_id}/approve",
+        Role::Operator,
+        "Approve the step a waiting run stopped at (reason, step)",
+        false,
+    ),
+    post(
+        "/api/v1/runs/{run_id}/reject",
+        Role::Operator,
+        "Reject the step a waiting run stopped at (reason, step)",
+        false,
+    ),
+    get(
+        "/api/v1/decisions/export",
+        Role::Viewer,
+        "Every decision as JSON lines: checkpoint, evidence, proposed next action, decision, who, why (after, limit)",
+    ),
+    get(
+        "/api/v1/dead-letters",
+        Role::Viewer,
+        "Dead letters by reason with counts, and the oldest letters",
+    ),
+    get(
+        "/api/v1/dead-letters/{id}",
+        Role::Viewer,
+        "One dead letter's headers; its body hidden",
+    ),
+    post(
+        "/api/v1/dead-letters/{id}/reveal",
+        Role::Admin,
+        "One dead letter's body (reason; audited)",
+        false,
+    ),
+    post(
+        "/api/v1/dead-letters/requeue",
+        Role::Operator,
+        "Requeue dead letters by ids, reason_code or all (reason; preview counts them first)",
+        true,
+    ),
+    post(
+        "/api/v1/dead-letters/purge",
+        Role::Admin,
+        "Purge dead letters by ids, reason_code or all (reason; preview counts them first)",
+        true,
+    ),
+    get(
+        "/api/v1/workflows",
+        Role::Viewer,
+        "The workflows this process runs",
+    ),
+    get(
+        "/api/v1/workflows/{name}/contract",
+        Role::Viewer,
+        "A workflow's recovery contract",
+    ),
+    get(
+        "/api/v1/audit",
+        Role::Admin,
+        "Who did what, when and why, newest first (target, before, limit)",
+    ),
+    get("/api/v1/openapi.json", Role::Viewer, "This document"),
+];
+
+/// The OpenAPI 3.1 document.
+pub fn document() -> Value {
+    let mut paths = Map::new();
+    for e in ENDPOINTS {
+        let params: Vec<Value> = e
+            .path
+            .split('/')
+            .filter_map(|part| part.strip_prefix('{')?.strip_suffix('}'))
+            .map(|name| json!({ "name": name, "in": "path", "required": true, "schema": { "type": "string" } }))
+            .collect();
+        let mut op = json!({
+            "summary": e.summary,
+            "x-trailmark-role": e.role.as_str(),
+            "parameters": params,
+            "security": [{ "bearer": [] }],
+            "responses": {
+                "200": { "description": "done", "content": { "application/json": {} } },
+                "401": { "description": "no valid token" },
+                "403": { "description": format!("the token's role is below {}", e.role.as_str()) },
+            },
+        });
+        if e.method == "POST" {
+            op["requestBody"] = json!({ "required": true, "content": { "application/json": {} } });
+            op["responses"]["409"] = json!({ "description": "does not fit the current state (the body says which status), or the same Idempotency-Key is still running" });
+            op["responses"]["422"] =
+                json!({ "description": "the Idempotency-Key was used for another request" });
+            op["parameters"]
+                .as_array_mut()
+                .expect("a list")
+                .push(json!({
+                    "name": "Idempotency-Key", "in": "header", "required": e.keyed,
+                    "schema": { "type": "string" },
+                    "description": "a repeat with the same key and body gets the first response",
+                }));
+        }
+        let entry = paths.entry(e.path).or_insert_with(|| json!({}));
+        entry[e.method.to_ascii_lowercase()] = op;
+    }
+    json!({
+        "openapi": "3.1.0",
+        "info": {
+            "title": "trailmark ops API",
+            "version": env!("CARGO_PKG_VERSION"),
+            "description": "Runs, decisions, dead letters and the audit trail of a trailmark installation. Send `Authorization: Bearer <token>`; roles viewer < operator < admin.",
+        },
+        "components": { "securitySchemes": { "bearer": { "type": "http", "scheme": "bearer" } } },
+        "paths": paths,
+    })
+}

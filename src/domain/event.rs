@@ -1,0 +1,157 @@
+//! Lifecycle events: what other systems (a pager, a chat bot) may want to know as it happens —
+//! a run ended or stopped for a person, a tool's circuit breaker opened or closed, a tool
+//! refused its credentials. Published to the topic exchange `<prefix>.events` through the
+//! outbox, in the transaction of the change they report, so an event exists if and only if the
+//! change does.
+
+use chrono::{DateTime, Utc};
+use serde::{Deserialize, Serialize};
+
+use super::{RunId, RunStatus, StepAddress};
+
+/// The header that marks a message as a lifecycle event (events are published without
+/// `mandatory`: an event nobody subscribed to is simply dropped by the broker).
+pub const EVENT_HEADER: &str = "x-trailmark-event";
+
+/// One lifecycle event, as its JSON body.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Event {
+    /// Envelope version, 1.
+    pub v: u64,
+    /// What happened: `run.succeeded`, `run.failed`, `run.needs_review`, `run.cancelled`,
+    /// `run.compensated`, `breaker.opened`, `breaker.closed`, `tool.auth_failed`.
+    pub event: String,
+    /// The run, for run and tool events.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub run_id: Option<RunId>,
+    /// Its workflow.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub workflow: Option<String>,
+    /// The run's new status.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub status: Option<RunStatus>,
+    /// The step it stopped at or ended with.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub step: Option<StepAddress>,
+    /// That step's position.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub seq: Option<i32>,
+    /// For a run stopped for review: the error class (`temporary`, `tool_auth`, `guard`, ...).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error_class: Option<String>,
+    /// And the error.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+    /// For breaker events: the tool.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool: Option<String>,
+    /// When it happened.
+    pub at: DateTime<Utc>,
+}
+
+/// The run statuses that are events: a run ended, or stopped for a person to decide.
+pub const EVENT_STATUSES: [RunStatus; 5] = [
+    RunStatus::Succeeded,
+    RunStatus::Failed,
+    RunStatus::NeedsReview,
+    RunStatus::Cancelled,
+    RunStatus::Compensated,
+];
+
+impl Event {
+    fn new(event: String) -> Self {
+        Self {
+            v: 1,
+            event,
+            run_id: None,
+            workflow: None,
+            status: None,
+            step: None,
+            seq: None,
+            error_class: None,
+            error: None,
+            tool: None,
+            at: Utc::now(),
+        }
+    }
+
+    /// A run moved to `status`, if that is an event ([`EVENT_STATUSES`]).
+    pub fn run(
+        run_id: &RunId,
+        workflow: &str,
+        status: RunStatus,
+        at: Option<(&StepAddress, i32)>,
+    ) -> Option<Self> {
+        EVENT_STATUSES.contains(&status).then(|| Self {
+            run_id: Some(run_id.clone()),
+            workflow: Some(workflow.to_owned()),
+            status: Some(status),
+            step: at.map(|(s, _)| s.clone()),
+            seq: at.map(|(_, q)| q),
+            ..Self::new(format!("run.{status}"))
+        })
+    }
+
+    /// Adds the error of a run stopped for review.
+    pub fn with_error(mut self, class: &str, error: &str) -> Self {
+        self.error_class = Some(class.to_owned());
+        self.error = Some(error.to_owned());
+        self
+    }
+
+    /// A tool refused its credentials in a run: stop and alert.
+    pub fn tool_auth_failed(run_id: &RunId, workflow: &str, error: &str) -> Self {
+        Self {
+            run_id: Some(run_id.clone()),
+            workflow: Some(workflow.to_owned()),
+            error_class: Some("tool_auth".into()),
+            error: Some(error.to_owned()),
+            ..Self::new("tool.auth_failed".into())
+        }
+    }
+
+    /// A tool's circuit breaker opened (`true`) or closed.
+    pub fn breaker(tool: &str, opened: bool) -> Self {
+        let what = if opened { "opened" } else { "closed" };
+        Self {
+            tool: Some(tool.to_owned()),
+            ..Self::new(format!("breaker.{what}"))
+        }
+    }
+
+    /// The routing key subscribers bind on: `run.<status>.<workflow>`, `tool.auth_failed.<workflow>`,
+    /// `breaker.<opened|closed>.<tool>`.
+    pub fn routing_key(&self) -> String {
+        let subject = self
+            .workflow
+            .as_deref()
+            .or(self.tool.as_deref())
+            .unwrap_or("-");
+        format!("{}.{subject}", self.event)
+    }
+
+    /// The JSON body.
+    pub fn encode(&self) -> Vec<u8> {
+        serde_json::to_vec(self).expect("an event always serialises")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_ends_and_reviews_are_run_events_and_their_keys_name_the_workflow() {
+        let run = RunId::parse("r1").unwrap();
+        assert!(Event::run(&run, "chain", RunStatus::Running, None).is_none());
+        assert!(Event::run(&run, "chain", RunStatus::Waiting, None).is_none());
+        let e = Event::run(&run, "chain", RunStatus::NeedsReview, None).unwrap();
+        assert_eq!(e.routing_key(), "run.needs_review.chain");
+        assert_eq!(
+            Event::breaker("ledger", true).routing_key(),
+            "breaker.opened.ledger"
+        );
+        let back: Event = serde_json::from_slice(&e.encode()).unwrap();
+        assert_eq!(back, e);
+    }
+}

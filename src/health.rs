@@ -1,0 +1,160 @@
+//! What `/livez` and `/readyz` answer. Live: every loop the process runs (worker, relay,
+//! supervisor) has come round recently, whether or not its servers answer (a process waiting for
+//! a broker to come back is alive; killing it would not help). Ready: Postgres answers with the
+//! schema this build expects, the worker (if the process runs one) is connected and consuming,
+//! and the process is not draining after SIGTERM.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use serde::Serialize;
+
+use crate::config::DatabaseSettings;
+use crate::store;
+
+/// A loop of the process that reports itself alive.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Loop {
+    /// The step consumer.
+    Worker,
+    /// The outbox relay.
+    Relay,
+    /// The lease supervisor.
+    Supervisor,
+}
+
+const LOOPS: [Loop; 3] = [Loop::Worker, Loop::Relay, Loop::Supervisor];
+
+/// A loop that has not come round for this long is stuck.
+const STUCK_AFTER: Duration = Duration::from_secs(60);
+
+/// The process's health, updated by its loops and read by the health endpoints.
+#[derive(Debug, Default)]
+pub struct Health {
+    running: [AtomicBool; 3],
+    beats: [AtomicU64; 3],
+    consuming: AtomicBool,
+    draining: AtomicBool,
+}
+
+/// Why a process is not live or not ready.
+#[derive(Debug, Clone, Serialize)]
+pub struct Verdict {
+    /// Whether it is.
+    pub ok: bool,
+    /// What is wrong, one line each (empty when ok).
+    pub reasons: Vec<String>,
+}
+
+fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+fn index(l: Loop) -> usize {
+    LOOPS
+        .iter()
+        .position(|x| *x == l)
+        .expect("every loop is listed")
+}
+
+impl Health {
+    /// Marks a loop as one this process runs (and beats it once).
+    pub fn runs(&self, l: Loop) {
+        self.running[index(l)].store(true, Ordering::SeqCst);
+        self.beat(l);
+    }
+
+    /// A loop came round.
+    pub fn beat(&self, l: Loop) {
+        self.beats[index(l)].store(now_ms(), Ordering::Relaxed);
+    }
+
+    /// Whether the worker is connected and consuming.
+    pub fn set_consuming(&self, consuming: bool) {
+        self.consuming.store(consuming, Ordering::SeqCst);
+    }
+
+    /// The process received SIGTERM: not ready any more.
+    pub fn start_draining(&self) {
+        self.draining.store(true, Ordering::SeqCst);
+    }
+
+    /// Whether the process is draining.
+    pub fn draining(&self) -> bool {
+        self.draining.load(Ordering::SeqCst)
+    }
+
+    /// `/livez`: every running loop came round within a minute.
+    pub fn live(&self) -> Verdict {
+        let now = now_ms();
+        let reasons: Vec<String> = LOOPS
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| self.running[*i].load(Ordering::SeqCst))
+            .filter_map(|(i, l)| {
+                let age = now.saturating_sub(self.beats[i].load(Ordering::Relaxed));
+                (age > STUCK_AFTER.as_millis() as u64).then(|| {
+                    format!(
+                        "the {} loop has not come round for {} s",
+                        name(*l),
+                        age / 1000
+                    )
+                })
+            })
+            .collect();
+        Verdict {
+            ok: reasons.is_empty(),
+            reasons,
+        }
+    }
+
+    /// `/readyz`: not draining, the worker consuming (if there is one), Postgres answering with
+    /// this build's schema.
+    pub async fn ready(&self, database: &DatabaseSettings) -> Verdict {
+        let mut reasons = Vec::new();
+        if self.draining() {
+            reasons.push("draining: the process is stopping".to_owned());
+        }
+        if self.running[index(Loop::Worker)].load(Ordering::SeqCst)
+            && !self.consuming.load(Ordering::SeqCst)
+        {
+            reasons.push("the worker is not consuming: the broker is unreachable".to_owned());
+        }
+        if let Err(e) = schema_answers(database).await {
+            reasons.push(crate::error::Report(&e).to_string());
+        }
+        Verdict {
+            ok: reasons.is_empty(),
+            reasons,
+        }
+    }
+}
+
+fn name(l: Loop) -> &'static str {
+    match l {
+        Loop::Worker => "worker",
+        Loop::Relay => "relay",
+        Loop::Supervisor => "supervisor",
+    }
+}
+
+/// Postgres answers within two seconds, with this build's schema.
+async fn schema_answers(database: &DatabaseSettings) -> store::Result<()> {
+    let check = async {
+        let mut conn = store::connect_one(database).await?;
+        let checked = store::check_schema(&mut conn, database).await;
+        let _ = sqlx::Connection::close(conn).await;
+        checked
+    };
+    match tokio::time::timeout(Duration::from_secs(2), check).await {
+        Ok(answer) => answer,
+        Err(_) => Err(store::Error::Unavailable {
+            what: "Postgres did not answer within 2 s".into(),
+            source: None,
+        }),
+    }
+}

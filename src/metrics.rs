@@ -1,0 +1,182 @@
+//! Prometheus metrics, served at `/metrics` by the API. Counters and histograms are recorded
+//! where things happen; the gauges that describe the database (runs by status, outbox backlog,
+//! runs waiting for review) are refreshed from it in the background. No run id is ever a label:
+//! every label has a bounded set of values.
+
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use metrics::{counter, gauge, histogram};
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+use sqlx::PgPool;
+use tokio_util::sync::CancellationToken;
+
+use crate::store;
+
+/// Runs by workflow and status (gauge, from the database).
+pub const RUNS: &str = "trailmark_runs";
+/// Runs in `needs_review` (gauge, from the database).
+pub const REVIEW_RUNS: &str = "trailmark_review_runs";
+/// A step from claim to disposition, by workflow, step and outcome (histogram, seconds).
+pub const STEP_DURATION: &str = "trailmark_step_duration_seconds";
+/// Steps retried, by class: `temporary` (from a delay queue), `infrastructure` (in place).
+pub const STEP_RETRIES: &str = "trailmark_step_retries_total";
+/// Steps run again, by cause: `redelivery` (a claim's attempt > 1), `lease_expired`
+/// (re-queued by the supervisor), `operator` (a resume decision).
+pub const RESUMES: &str = "trailmark_resumes_total";
+/// Leases taken from another holder (dead, expired, or a re-queued step).
+pub const LEASE_TAKEOVERS: &str = "trailmark_lease_takeovers_total";
+/// Deliveries dropped as duplicates, by reason.
+pub const DUPLICATES: &str = "trailmark_duplicates_dropped_total";
+/// Deliveries dropped as stale (the run moved on, or a newer worker owns it).
+pub const STALE: &str = "trailmark_stale_dropped_total";
+/// Messages this process dead-lettered, by reason.
+pub const DEAD_LETTERED: &str = "trailmark_dead_lettered_total";
+/// Outbox rows not yet published (gauge, from the database).
+pub const OUTBOX_PENDING: &str = "trailmark_outbox_pending";
+/// Age of the oldest unpublished outbox row (gauge, seconds, from the database).
+pub const OUTBOX_OLDEST_AGE: &str = "trailmark_outbox_oldest_age_seconds";
+/// One relay batch from publish to its last confirm (histogram, seconds).
+pub const RELAY_PUBLISH: &str = "trailmark_relay_publish_duration_seconds";
+/// Model tokens, by model and kind (`prompt`, `completion`).
+pub const MODEL_TOKENS: &str = "trailmark_model_tokens_total";
+/// Model cost, by model.
+pub const MODEL_COST: &str = "trailmark_model_cost_total";
+/// Whether a tool's circuit breaker is open in this process (gauge, 1 or 0).
+pub const BREAKER_OPEN: &str = "trailmark_breaker_open";
+/// Log lines dropped because the log sink was too slow or failing.
+pub const LOG_LINES_LOST: &str = "trailmark_log_lines_lost";
+
+/// Explicit buckets, from a fast statement to a slow model call.
+const STEP_BUCKETS: [f64; 14] = [
+    0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 120.0,
+];
+const PUBLISH_BUCKETS: [f64; 10] = [
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 2.0,
+];
+
+static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
+
+/// Installs the process's recorder (once; later calls return the same handle).
+pub fn install() -> &'static PrometheusHandle {
+    HANDLE.get_or_init(|| {
+        let builder = PrometheusBuilder::new()
+            .set_buckets_for_metric(Matcher::Full(STEP_DURATION.into()), &STEP_BUCKETS)
+            .and_then(|b| {
+                b.set_buckets_for_metric(Matcher::Full(RELAY_PUBLISH.into()), &PUBLISH_BUCKETS)
+            })
+            .expect("the buckets are not empty");
+        let recorder = builder.build_recorder();
+        let handle = recorder.handle();
+        // Another recorder (an embedder's) keeps its place; this handle then renders nothing.
+        let _ = metrics::set_global_recorder(recorder);
+        handle
+    })
+}
+
+/// The metrics in the Prometheus text format.
+pub fn render() -> String {
+    gauge!(LOG_LINES_LOST).set(crate::telemetry::lines_lost() as f64);
+    install().render()
+}
+
+/// Records how a step ended and how long it took.
+pub fn step_finished(workflow: &str, step: &str, outcome: &'static str, took: Duration) {
+    histogram!(STEP_DURATION, "workflow" => workflow.to_owned(), "step" => step.to_owned(), "outcome" => outcome)
+        .record(took.as_secs_f64());
+}
+
+/// Counts a step retry of `class`.
+pub fn step_retried(class: &'static str) {
+    counter!(STEP_RETRIES, "class" => class).increment(1);
+}
+
+/// Counts steps run again for `cause`.
+pub fn resumed(cause: &'static str, n: u64) {
+    counter!(RESUMES, "cause" => cause).increment(n);
+}
+
+/// Counts leases taken from another holder.
+pub fn lease_taken_over(n: u64) {
+    counter!(LEASE_TAKEOVERS).increment(n);
+}
+
+/// Counts a delivery dropped as a duplicate.
+pub fn duplicate_dropped(reason: &'static str) {
+    counter!(DUPLICATES, "reason" => reason).increment(1);
+}
+
+/// Counts a delivery dropped as stale.
+pub fn stale_dropped() {
+    counter!(STALE).increment(1);
+}
+
+/// Counts a message dead-lettered by this process.
+pub fn dead_lettered(reason: &'static str) {
+    counter!(DEAD_LETTERED, "reason" => reason).increment(1);
+}
+
+/// Records one relay batch's publish time.
+pub fn relay_published(took: Duration) {
+    histogram!(RELAY_PUBLISH).record(took.as_secs_f64());
+}
+
+/// Counts a model answer's tokens and cost.
+pub fn model_answered(model: &str, prompt: u64, completion: u64, cost: f64) {
+    counter!(MODEL_TOKENS, "model" => model.to_owned(), "kind" => "prompt").increment(prompt);
+    counter!(MODEL_TOKENS, "model" => model.to_owned(), "kind" => "completion")
+        .increment(completion);
+    // A counter of cost: the exporter keeps floats for gauges only, so cost is kept as a gauge
+    // that only ever goes up.
+    gauge!(MODEL_COST, "model" => model.to_owned()).increment(cost);
+}
+
+/// Sets whether `tool`'s breaker is open.
+pub fn breaker(tool: &str, open: bool) {
+    gauge!(BREAKER_OPEN, "tool" => tool.to_owned()).set(if open { 1.0 } else { 0.0 });
+}
+
+/// How often the database gauges are refreshed.
+const REFRESH: Duration = Duration::from_secs(5);
+
+/// Refreshes the database gauges every few seconds until `shutdown`.
+pub async fn refresh_gauges(pool: PgPool, shutdown: CancellationToken) {
+    loop {
+        if let Err(e) = refresh_once(&pool).await {
+            tracing::debug!(error = %crate::error::Report(&e), "metrics: the database gauges were not refreshed");
+        }
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = tokio::time::sleep(REFRESH) => {}
+        }
+    }
+}
+
+/// One refresh of the database gauges.
+pub async fn refresh_once(pool: &PgPool) -> store::Result<()> {
+    use crate::domain::RunStatus;
+    let counts = store::runs::counts(pool).await?;
+    let mut workflows: Vec<&str> = counts.iter().map(|c| c.workflow.as_str()).collect();
+    workflows.dedup();
+    // Every status of every workflow, so that a status no run has any more reads 0.
+    for workflow in workflows {
+        for status in RunStatus::ALL {
+            let runs = counts
+                .iter()
+                .find(|c| c.workflow == workflow && c.status == status)
+                .map_or(0, |c| c.runs);
+            gauge!(RUNS, "workflow" => workflow.to_owned(), "status" => status.as_str())
+                .set(runs as f64);
+        }
+    }
+    let review: i64 = counts
+        .iter()
+        .filter(|c| c.status == RunStatus::NeedsReview)
+        .map(|c| c.runs)
+        .sum();
+    gauge!(REVIEW_RUNS).set(review as f64);
+    let backlog = store::outbox::backlog(pool).await?;
+    gauge!(OUTBOX_PENDING).set(backlog.pending as f64);
+    gauge!(OUTBOX_OLDEST_AGE).set(backlog.oldest_age_secs);
+    Ok(())
+}
