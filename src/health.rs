@@ -5,7 +5,7 @@
 //! and the process is not draining after SIGTERM.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use serde::Serialize;
 
@@ -29,6 +29,9 @@ const LOOPS: [Loop; 3] = [Loop::Worker, Loop::Relay, Loop::Supervisor];
 /// A loop that has not come round for this long is stuck.
 const STUCK_AFTER: Duration = Duration::from_secs(60);
 
+/// How long one schema check answers for: probes arriving together share one connection.
+const SCHEMA_CHECK_FRESH: Duration = Duration::from_secs(1);
+
 /// The process's health, updated by its loops and read by the health endpoints.
 #[derive(Debug, Default)]
 pub struct Health {
@@ -36,6 +39,10 @@ pub struct Health {
     beats: [AtomicU64; 3],
     consuming: AtomicBool,
     draining: AtomicBool,
+    // One check at a time, its answer reused briefly: however many probes and scrapers call
+    // `/readyz`, the process opens at most one connection for them (`connections_per_process`
+    // counts it).
+    schema: tokio::sync::Mutex<Option<(Instant, Option<String>)>>,
 }
 
 /// Why a process is not live or not ready.
@@ -124,13 +131,31 @@ impl Health {
         {
             reasons.push("the worker is not consuming: the broker is unreachable".to_owned());
         }
-        if let Err(e) = schema_answers(database).await {
-            reasons.push(crate::error::Report(&e).to_string());
+        if let Some(problem) = self.schema_problem(database).await {
+            reasons.push(problem);
         }
         Verdict {
             ok: reasons.is_empty(),
             reasons,
         }
+    }
+}
+
+impl Health {
+    /// What is wrong with Postgres or its schema, if anything, from a check at most a second old.
+    async fn schema_problem(&self, database: &DatabaseSettings) -> Option<String> {
+        let mut last = self.schema.lock().await;
+        if let Some((at, answer)) = last.as_ref()
+            && at.elapsed() < SCHEMA_CHECK_FRESH
+        {
+            return answer.clone();
+        }
+        let answer = schema_answers(database)
+            .await
+            .err()
+            .map(|e| crate::error::Report(&e).to_string());
+        *last = Some((Instant::now(), answer.clone()));
+        answer
     }
 }
 

@@ -93,3 +93,73 @@ async fn postgres_restart_mid_run_completes_with_nothing_lost() {
     assert_eq!(env.steps_done("r-pg").await, 300);
     running.stop().await;
 }
+
+/// What `/readyz` answers: its status and its reasons.
+async fn readyz(http: &reqwest::Client, url: &str) -> (u16, String) {
+    match http.get(url).send().await {
+        Ok(r) => (r.status().as_u16(), r.text().await.unwrap_or_default()),
+        Err(e) => (0, e.to_string()),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readiness_turns_503_while_the_broker_or_postgres_is_down_and_back_after() {
+    let port = common::closed_port();
+    let env = TestEnv::with(|s| s.api.listen = format!("127.0.0.1:{port}")).await;
+    let running = env.spawn_all(env.engine());
+    let http = reqwest::Client::new();
+    let url = format!("http://127.0.0.1:{port}/readyz");
+    let ready = |want: u16, reason: &'static str| {
+        let (http, url) = (&http, &url);
+        async move {
+            let found = common::eventually(&format!("/readyz {want}"), WAIT, || async move {
+                let (status, body) = readyz(http, url).await;
+                (status == want && body.contains(reason)).then_some(body)
+            })
+            .await;
+            found.unwrap_or_else(|| panic!("/readyz never answered {want} with {reason:?}"))
+        }
+    };
+    ready(200, "\"ok\":true").await;
+
+    tokio::task::spawn_blocking(|| run("rabbitmqctl", &["stop_app"]))
+        .await
+        .unwrap();
+    ready(503, "the worker is not consuming").await;
+    tokio::task::spawn_blocking(|| {
+        run("rabbitmqctl", &["start_app"]);
+        run("rabbitmqctl", &["await_startup"]);
+    })
+    .await
+    .unwrap();
+    ready(200, "\"ok\":true").await;
+
+    let version = pg_version();
+    let stop_version = version.clone();
+    tokio::task::spawn_blocking(move || {
+        run(
+            "pg_ctlcluster",
+            &[
+                "--skip-systemctl-redirect",
+                &stop_version,
+                "main",
+                "stop",
+                "-m",
+                "fast",
+            ],
+        )
+    })
+    .await
+    .unwrap();
+    ready(503, "Postgres").await;
+    tokio::task::spawn_blocking(move || {
+        run(
+            "pg_ctlcluster",
+            &["--skip-systemctl-redirect", &version, "main", "start"],
+        )
+    })
+    .await
+    .unwrap();
+    ready(200, "\"ok\":true").await;
+    running.stop().await;
+}

@@ -301,9 +301,10 @@ fn relaxed_size(pool: u32) -> u32 {
 
 /// Most Postgres connections one process running a worker and a relay (`trailmark serve`) opens
 /// with `database.max_connections = pool`: the pool, the relaxed pool, the worker's presence
-/// connection and the relay's listener. Size the server's `max_connections` with it.
+/// connection, the relay's listener and the `/readyz` schema check (one at a time, however many
+/// probes come). Size the server's `max_connections` with it.
 pub fn connections_per_process(pool: u32) -> u32 {
-    pool + relaxed_size(pool) + 2
+    pool + relaxed_size(pool) + 3
 }
 
 /// One connection outside the pool, for a process's presence (see `worker::presence`).

@@ -101,7 +101,7 @@ async fn session(
         Duration::from_millis(settings.broker.confirm_timeout_ms),
     )
     .await?;
-    engine.topology.declare(publisher.channel()).await?;
+    engine.topology.declare(&publisher.channel()).await?;
     let channel = conn.create_channel().await?;
     channel
         .basic_qos(settings.worker.concurrency, BasicQosOptions::default())
@@ -142,7 +142,12 @@ async fn session(
                 source: None,
             });
         };
-        let delivery = delivery?;
+        // An error ends the session through the same exit as a closed stream, so readiness
+        // drops before the reconnect loop takes over.
+        let delivery = match delivery {
+            Ok(d) => d,
+            Err(e) => break Err(e.into()),
+        };
         let permit = permits
             .clone()
             .acquire_owned()
