@@ -14,7 +14,7 @@ use trailmark::engine::Engine;
 use trailmark::failpoint::Failpoints;
 use trailmark::guard::Budget;
 use trailmark::model::{ChatMessage, ChatRequest};
-use trailmark::operator::{self, Decider, UndoOptions};
+use trailmark::operator::{self, Decider, Resume, UndoOptions};
 use trailmark::store::{decisions, runs};
 use trailmark::workflow::{Registry, StepContext, StepError, StepKind, StepOutcome, Workflow};
 
@@ -458,7 +458,7 @@ async fn forced_review_then_resume_finishes_without_repeating_completed_steps() 
         &engine,
         "r-resume",
         &who("account reopened by finance"),
-        false,
+        Resume::Again,
     )
     .await
     .unwrap();
@@ -487,10 +487,104 @@ async fn forced_review_then_resume_finishes_without_repeating_completed_steps() 
         .await,
         1
     );
-    let err = operator::resume(&engine, "r-resume", &who("again"), false)
+    let err = operator::resume(&engine, "r-resume", &who("again"), Resume::Again)
         .await
         .unwrap_err();
     assert!(err.to_string().contains("it is succeeded"), "{err}");
+    running.stop().await;
+}
+
+/// One model step whose prompt is fixed in version 2; version 1 cannot use its answer.
+fn extractor(version: i32) -> Workflow {
+    Workflow::new("extractor", version).step("extract", StepKind::Model, move |ctx| async move {
+        let answer = ctx.model(&extract_request(version)).await?;
+        if version == 1 {
+            return Err(StepError::Unknown(
+                "the answer is not line-item JSON".into(),
+            ));
+        }
+        Ok(StepOutcome::finish(json!({ "items": answer.content })))
+    })
+}
+
+fn extract_request(version: i32) -> ChatRequest {
+    let prompt = match version {
+        1 => "list the line items of invoice 7",
+        _ => "list the line items of invoice 7 as a JSON array",
+    };
+    ChatRequest::new(vec![ChatMessage::user(prompt)])
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_a_prompt_fix_resume_asks_the_model_again_only_when_told_and_keeps_the_old_answer() {
+    let env = TestEnv::new().await;
+    let (_, running) = serve(&env, extractor(1));
+    env.start_run("extractor", "r-prompt", json!({})).await;
+    env.wait_status("r-prompt", RunStatus::NeedsReview, WAIT)
+        .await;
+    running.stop().await;
+
+    let (v2, running) = serve(&env, extractor(2));
+    // Replaying the journaled answer of the old prompt cannot work: the run says so, and how.
+    operator::resume(
+        &v2,
+        "r-prompt",
+        &who("prompt asks for JSON now"),
+        Resume::AfterFix,
+    )
+    .await
+    .unwrap();
+    let run = env
+        .wait_status("r-prompt", RunStatus::NeedsReview, WAIT)
+        .await;
+    let error = run.error.unwrap_or_default();
+    assert!(error.contains("differs from the journaled one"), "{error}");
+    assert!(error.contains("--after-fix --ask-again"), "{error}");
+
+    let out = operator::resume(
+        &v2,
+        "r-prompt",
+        &who("prompt asks for JSON now; ask again"),
+        Resume::AfterFixAskAgain,
+    )
+    .await
+    .unwrap();
+    assert!(
+        out.next.contains("1 journaled answer set aside"),
+        "{}",
+        out.next
+    );
+    env.wait_status("r-prompt", RunStatus::Succeeded, WAIT)
+        .await;
+    let hashes = |sql: &'static str| {
+        let pool = env.pool.clone();
+        async move {
+            sqlx::query_scalar::<_, String>(sql)
+                .fetch_all(&pool)
+                .await
+                .unwrap()
+        }
+    };
+    let hash =
+        |v| trailmark::domain::request_hash(&serde_json::to_value(extract_request(v)).unwrap());
+    assert_eq!(
+        hashes("SELECT request_hash FROM trailmark.journal WHERE run_id = 'r-prompt'").await,
+        vec![hash(2)],
+        "the journal holds the new answer"
+    );
+    assert_eq!(
+        hashes("SELECT request_hash FROM trailmark.journal_set_aside WHERE run_id = 'r-prompt'")
+            .await,
+        vec![hash(1)],
+        "the paid answer is kept"
+    );
+    let spent = trailmark::store::journal::totals(&env.pool, "r-prompt")
+        .await
+        .unwrap();
+    assert_eq!(spent.entries, 2, "both answers were paid for");
+    let d = decisions::list(&env.pool, "r-prompt").await.unwrap();
+    assert_eq!(d.len(), 2);
+    assert_eq!(d[1].details["answers_set_aside"], 1);
     running.stop().await;
 }
 
@@ -512,7 +606,7 @@ async fn resume_after_fix_continues_on_the_new_version_and_records_it() {
     let running = env.spawn_all(v1.clone());
     env.start_run("fragile", "r-fix", json!({})).await;
     env.wait_status("r-fix", RunStatus::NeedsReview, WAIT).await;
-    let refused = operator::resume(&v1, "r-fix", &who("try again"), false)
+    let refused = operator::resume(&v1, "r-fix", &who("try again"), Resume::Again)
         .await
         .unwrap_err();
     assert!(refused.to_string().contains("--after-fix"), "{refused}");
@@ -524,9 +618,14 @@ async fn resume_after_fix_continues_on_the_new_version_and_records_it() {
     let v2 =
         Engine::with_pool(settings, registry, Failpoints::default(), env.pool.clone()).unwrap();
     let running = env.spawn_all(v2.clone());
-    operator::resume(&v2, "r-fix", &who("deployed fix for closed accounts"), true)
-        .await
-        .unwrap();
+    operator::resume(
+        &v2,
+        "r-fix",
+        &who("deployed fix for closed accounts"),
+        Resume::AfterFix,
+    )
+    .await
+    .unwrap();
     let run = env.wait_status("r-fix", RunStatus::Succeeded, WAIT).await;
     assert_eq!(run.workflow_version, 2);
     let d = decisions::list(&env.pool, "r-fix").await.unwrap();
@@ -776,7 +875,7 @@ async fn a_run_left_waiting_past_the_human_timeout_is_escalated_to_review() {
         ("timeout", "supervisor")
     );
     // Resuming asks the person again.
-    operator::resume(&engine, "r-late", &who("back from holiday"), false)
+    operator::resume(&engine, "r-late", &who("back from holiday"), Resume::Again)
         .await
         .unwrap();
     env.wait_status("r-late", RunStatus::Waiting, WAIT).await;

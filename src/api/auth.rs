@@ -167,6 +167,24 @@ pub async fn authenticate(
             Some(_) => "this token is not known; ask an admin for one (`trailmark token new`)",
         }));
     };
+    // The role an endpoint needs is checked before its body is read, so a caller whose role
+    // is too low learns that, not what is wrong with the body.
+    let path = request
+        .extensions()
+        .get::<axum::extract::OriginalUri>()
+        .map_or_else(|| request.uri().path().to_owned(), |u| u.path().to_owned());
+    if let Some(endpoint) = super::openapi::endpoint_for(request.method().as_str(), &path)
+        && token.role < endpoint.role
+    {
+        return Err(ApiError::forbidden(format!(
+            "{} {} needs the {} role; {} has {}",
+            endpoint.method,
+            endpoint.path,
+            endpoint.role.as_str(),
+            token.name,
+            token.role.as_str()
+        )));
+    }
     let request_id = request
         .headers()
         .get("x-request-id")

@@ -27,6 +27,10 @@ pub struct Decision {
     /// `resume`: reset the failed step's attempts and continue on the deployed version.
     #[serde(default)]
     after_fix: bool,
+    /// `resume` with `after_fix`: set the stopped step's journaled answers aside and ask the
+    /// model again (the fix was to the prompt or the model).
+    #[serde(default)]
+    ask_again: bool,
     /// `approve`, `reject`: the step the run waits at.
     step: Option<String>,
     /// `undo`: the items to reverse (`{}` or absent: everything).
@@ -57,6 +61,14 @@ fn step_of(d: &Decision) -> Result<&str, ApiError> {
         .ok_or_else(|| ApiError::bad_request("step is required: the step the run waits at"))
 }
 
+fn resume_how(d: &Decision) -> Result<operator::Resume, ApiError> {
+    operator::Resume::from_flags(d.after_fix, d.ask_again).ok_or_else(|| {
+        ApiError::bad_request(
+            "ask_again needs after_fix: a plain resume replays the answers the step already has",
+        )
+    })
+}
+
 fn undo_options(scope: Option<Value>, leave_partial: bool) -> Result<UndoOptions, ApiError> {
     let scope = scope.unwrap_or_else(|| json!({}));
     if !scope.is_object() {
@@ -82,7 +94,7 @@ pub async fn decide(
     let who = decider(&caller, &d)?;
     let engine = &state.engine;
     let outcome = match action.as_str() {
-        "resume" => operator::resume(engine, &run_id, &who, d.after_fix).await?,
+        "resume" => operator::resume(engine, &run_id, &who, resume_how(&d)?).await?,
         "undo" => {
             idempotency::required(&headers)?;
             let opts = undo_options(d.scope.clone(), d.leave_partial)?;

@@ -2,10 +2,11 @@
 //! the first request under a key runs and its response is kept; a repeat with the same method,
 //! path and body gets that response again (`Idempotent-Replayed: true`) without running; another
 //! request under the key is 422; a repeat while the first still runs is 409. A double-click on a
-//! bulk action (requeue by reason, undo) therefore runs it once.
+//! bulk action (requeue by reason, undo) therefore runs it once. An answer that decided nothing
+//! (403, 428, 5xx) is not kept, so the request may be sent again under the same key.
 
 use axum::body::{Body, to_bytes};
-use axum::extract::{Request, State};
+use axum::extract::{OriginalUri, Request, State};
 use axum::http::{HeaderMap, HeaderValue, Method, StatusCode};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
@@ -60,11 +61,16 @@ pub async fn keyed(
             "the body is over api.body_limit_bytes",
         )
     })?;
+    // The path as the client sent it (the nested router sees it without its /api/v1 prefix).
+    let path = parts
+        .extensions
+        .get::<OriginalUri>()
+        .map_or_else(|| parts.uri.path().to_owned(), |u| u.path().to_owned());
     let fingerprint = hex::encode(
         Sha256::new()
             .chain_update(parts.method.as_str())
             .chain_update(b" ")
-            .chain_update(parts.uri.path())
+            .chain_update(path.as_bytes())
             .chain_update(b"\n")
             .chain_update(&bytes)
             .finalize(),
@@ -106,8 +112,12 @@ pub async fn keyed(
     let bytes = to_bytes(body, usize::MAX)
         .await
         .map_err(|e| ApiError::internal(&*e.into_inner()))?;
-    if parts.status.is_server_error() {
-        // Nothing was decided: the same request may be tried again under the same key.
+    if parts.status.is_server_error()
+        || parts.status == StatusCode::FORBIDDEN
+        || parts.status == StatusCode::PRECONDITION_REQUIRED
+    {
+        // Nothing was decided: the same request may be tried again under the same key (by
+        // someone with the role, or once trailmark can answer).
         idempotency::release(pool, &key).await?;
     } else {
         idempotency::finish(pool, &key, parts.status.as_u16(), &bytes).await?;

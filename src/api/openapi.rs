@@ -82,7 +82,7 @@ pub const ENDPOINTS: &[Endpoint] = &[
     post(
         "/api/v1/runs/{run_id}/resume",
         Role::Operator,
-        "Resume a run in needs_review (reason, after_fix)",
+        "Resume a run in needs_review (reason; after_fix; ask_again: with after_fix, ask the model again instead of replaying the stopped step's answers)",
         false,
     ),
     post(
@@ -160,6 +160,26 @@ pub const ENDPOINTS: &[Endpoint] = &[
     get("/api/v1/openapi.json", Role::Viewer, "This document"),
 ];
 
+/// The endpoint a request is for: the table's entry whose method matches and whose path matches
+/// segment by segment (`{parameter}` matches any), the most specific first.
+pub fn endpoint_for(method: &str, path: &str) -> Option<&'static Endpoint> {
+    let asked: Vec<&str> = path.trim_end_matches('/').split('/').collect();
+    ENDPOINTS
+        .iter()
+        .filter(|e| e.method == method)
+        .filter_map(|e| {
+            let pattern: Vec<&str> = e.path.split('/').collect();
+            let fits = pattern.len() == asked.len()
+                && pattern
+                    .iter()
+                    .zip(&asked)
+                    .all(|(p, a)| p.starts_with('{') || p == a);
+            fits.then(|| (pattern.iter().filter(|p| !p.starts_with('{')).count(), e))
+        })
+        .max_by_key(|(statics, _)| *statics)
+        .map(|(_, e)| e)
+}
+
 /// The OpenAPI 3.1 document.
 pub fn document() -> Value {
     let mut paths = Map::new();
@@ -208,4 +228,36 @@ pub fn document() -> Value {
         "components": { "securitySchemes": { "bearer": { "type": "http", "scheme": "bearer" } } },
         "paths": paths,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_request_finds_its_endpoint_the_most_specific_first() {
+        let e = endpoint_for("GET", "/api/v1/runs/counts").unwrap();
+        assert_eq!(e.path, "/api/v1/runs/counts");
+        let e = endpoint_for("GET", "/api/v1/runs/r-1").unwrap();
+        assert_eq!(e.path, "/api/v1/runs/{run_id}");
+        let e = endpoint_for("POST", "/api/v1/dead-letters/purge").unwrap();
+        assert_eq!(e.role, Role::Admin);
+        assert!(endpoint_for("DELETE", "/api/v1/runs").is_none());
+        assert!(endpoint_for("GET", "/api/v1/nothing").is_none());
+    }
+
+    #[test]
+    fn the_document_lists_every_endpoint_with_its_role() {
+        let doc = document();
+        for e in ENDPOINTS {
+            let op = &doc["paths"][e.path][e.method.to_ascii_lowercase()];
+            assert_eq!(
+                op["x-trailmark-role"],
+                e.role.as_str(),
+                "{} {}",
+                e.method,
+                e.path
+            );
+        }
+    }
 }

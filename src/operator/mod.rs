@@ -11,7 +11,7 @@ use serde_json::{Value, json};
 use sqlx::{PgConnection, Postgres, Transaction};
 
 pub use human::{approve, reject};
-pub use resume::resume;
+pub use resume::{Resume, resume};
 pub use undo::{Preview, PreviewStep, UndoOptions, preview as undo_preview, undo};
 
 use crate::domain::{Event, IllegalMove, RunId, RunStatus, StepAddress};

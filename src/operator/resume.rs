@@ -5,22 +5,49 @@ use serde_json::json;
 use super::{Decided, Decider, Outcome, Result, enqueue, lock, record, refused, set_run};
 use crate::domain::RunStatus;
 use crate::engine::Engine;
-use crate::store::steps;
+use crate::store::{journal, steps};
 
-/// Resumes a run in `needs_review` at the step that stopped it. Completed steps and journaled
-/// model answers are not repeated. With `after_fix`, the failed step's attempt count is reset and
-/// the run continues on the workflow version deployed now (recorded in the decision).
-pub async fn resume(
-    engine: &Engine,
-    run_id: &str,
-    who: &Decider,
-    after_fix: bool,
-) -> Result<Outcome> {
-    let action = if after_fix {
-        "resume_after_fix"
-    } else {
-        "resume"
-    };
+/// How a run in `needs_review` goes on.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Resume {
+    /// The same step from the same checkpoint, replaying the answers it already has: the cause
+    /// was passing (an outage, a limit since raised).
+    #[default]
+    Again,
+    /// The cause was fixed and deployed: the step's attempts start over, on the workflow version
+    /// deployed now; the answers it already has are replayed (paid once).
+    AfterFix,
+    /// As [`Resume::AfterFix`], and the stopped step's journaled answers are set aside (kept in
+    /// `journal_set_aside`, not replayed), so the step asks the model again: the fix was to the
+    /// prompt or the model, and a replayed answer would bring the old failure back.
+    AfterFixAskAgain,
+}
+
+impl Resume {
+    /// From the two switches the CLI and the API offer; `None` for `ask_again` without
+    /// `after_fix` (a plain resume replays the answers the step already has).
+    pub fn from_flags(after_fix: bool, ask_again: bool) -> Option<Self> {
+        match (after_fix, ask_again) {
+            (false, false) => Some(Self::Again),
+            (true, false) => Some(Self::AfterFix),
+            (true, true) => Some(Self::AfterFixAskAgain),
+            (false, true) => None,
+        }
+    }
+
+    fn action(self) -> &'static str {
+        match self {
+            Self::Again => "resume",
+            Self::AfterFix | Self::AfterFixAskAgain => "resume_after_fix",
+        }
+    }
+}
+
+/// Resumes a run in `needs_review` at the step that stopped it. Completed steps are not
+/// repeated; see [`Resume`] for what happens to the stopped step.
+pub async fn resume(engine: &Engine, run_id: &str, who: &Decider, how: Resume) -> Result<Outcome> {
+    let action = how.action();
+    let after_fix = how != Resume::Again;
     let mut tx = engine.pool.begin().await?;
     let run = lock(&mut tx, run_id).await?;
     if run.status != RunStatus::NeedsReview {
@@ -67,10 +94,23 @@ pub async fn resume(
     };
     set_run(&mut tx, &run, status, Some(&step), run.step_seq, version).await?;
     enqueue(&mut tx, engine, &run, &step, run.step_seq, version).await?;
-    let details = json!({ "handover": run.handover, "error": run.error, "attempts_before": attempts, "attempts_reset": after_fix });
+    let set_aside = if how == Resume::AfterFixAskAgain {
+        journal::set_aside(&mut *tx, &run.run_id, run.step_seq).await?
+    } else {
+        0
+    };
+    let details = json!({ "handover": run.handover, "error": run.error, "attempts_before": attempts,
+        "attempts_reset": after_fix, "answers_set_aside": set_aside });
     crate::metrics::resumed("operator", 1);
+    let answers = match how {
+        Resume::AfterFixAskAgain => {
+            let s = if set_aside == 1 { "" } else { "s" };
+            format!("asking the model again ({set_aside} journaled answer{s} set aside)")
+        }
+        _ => "replaying its journaled answers".to_owned(),
+    };
     let next = format!(
-        "step {step} (position {}) runs again on v{version}; finished steps are kept",
+        "step {step} (position {}) runs again on v{version}, {answers}; finished steps are kept",
         run.step_seq
     );
     record(

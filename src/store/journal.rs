@@ -53,11 +53,14 @@ pub async fn get(
     Ok(row.map(JournalEntry::from))
 }
 
-/// Entries, tokens and cost of a run, for `run show` and the run's model budget.
+/// Entries, tokens and cost of a run, for `run show` and the run's model budget: the answers
+/// set aside by an operator count too (they were paid for).
 pub async fn totals(db: impl PgExecutor<'_>, run_id: &str) -> Result<Spent> {
     let (entries, tokens, cost) = sqlx::query_as(
         "SELECT count(*), COALESCE(sum(tokens), 0)::bigint, COALESCE(sum(cost), 0)::float8
-           FROM trailmark.journal WHERE run_id = $1",
+           FROM (SELECT tokens, cost FROM trailmark.journal WHERE run_id = $1
+                 UNION ALL
+                 SELECT tokens, cost FROM trailmark.journal_set_aside WHERE run_id = $1) paid",
     )
     .bind(run_id)
     .fetch_one(db)
@@ -67,6 +70,20 @@ pub async fn totals(db: impl PgExecutor<'_>, run_id: &str) -> Result<Spent> {
         tokens,
         cost,
     })
+}
+
+/// Moves the journaled answers of step position `seq` aside, so that the step asks the model
+/// again when it runs; they stay readable in `journal_set_aside`. Returns how many moved.
+pub async fn set_aside(db: impl PgExecutor<'_>, run_id: &str, seq: i32) -> Result<u64> {
+    let moved = sqlx::query(
+        "WITH moved AS (DELETE FROM trailmark.journal WHERE run_id = $1 AND seq = $2 RETURNING *)
+         INSERT INTO trailmark.journal_set_aside SELECT moved.*, now() FROM moved",
+    )
+    .bind(run_id)
+    .bind(seq)
+    .execute(db)
+    .await?;
+    Ok(moved.rows_affected())
 }
 
 /// A journal entry as a listing shows it: what was asked and what it cost, not the answer.

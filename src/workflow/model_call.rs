@@ -115,11 +115,11 @@ async fn ask(
 fn replayed(entry: JournalEntry, hash: &str, ctx: &StepContext) -> Result<ChatAnswer, StepError> {
     if entry.request_hash != hash {
         return Err(StepError::Unknown(format!(
-            "run {} step {} (seq {}) model call {}: the request differs from the journaled one; the step is not deterministic, so its recorded answer cannot be reused",
-            ctx.run_id(),
+            "run {run} step {} (seq {}) model call {}: the request differs from the journaled one, so its recorded answer cannot be reused; if the prompt was changed on purpose (a fix), `trailmark run resume {run} --after-fix --ask-again` asks the model again, else make the step build its request from its input and checkpoint only",
             ctx.step(),
             ctx.seq(),
-            entry.call_no
+            entry.call_no,
+            run = ctx.run_id(),
         )));
     }
     serde_json::from_value(entry.response).map_err(|e| {

@@ -13,10 +13,7 @@ use trailmark::workflow::{Registry, contract};
 #[derive(Debug, Clone)]
 pub enum Decision {
     /// Resume at the failed step (optionally after a fix).
-    Resume {
-        /// Reset attempts and move to the deployed version.
-        after_fix: bool,
-    },
+    Resume(operator::Resume),
     /// Undo, optionally scoped.
     Undo {
         /// Scope JSON.
@@ -62,9 +59,7 @@ pub async fn decide(
     }
     let engine = Engine::new(settings, registry, Failpoints::default()).await?;
     let outcome = match decision {
-        Decision::Resume { after_fix } => {
-            operator::resume(&engine, run_id, &who, after_fix).await?
-        }
+        Decision::Resume(how) => operator::resume(&engine, run_id, &who, how).await?,
         Decision::Undo {
             scope,
             leave_partial,

@@ -4,7 +4,7 @@ use clap::Subcommand;
 
 use super::decide::{self, Decision};
 use trailmark::config::Settings;
-use trailmark::operator::Decider;
+use trailmark::operator::{Decider, Resume};
 use trailmark::workflow::Registry;
 
 /// The `run` subcommands.
@@ -48,6 +48,10 @@ pub enum RunCommand {
         /// Reset the failed step's attempts and continue on the workflow version deployed now.
         #[arg(long)]
         after_fix: bool,
+        /// With --after-fix: set the stopped step's journaled model answers aside (kept, not
+        /// replayed) so it asks the model again; for a fix to the prompt or the model.
+        #[arg(long, requires = "after_fix")]
+        ask_again: bool,
         /// Who decides and why.
         #[command(flatten)]
         who: Who,
@@ -132,16 +136,12 @@ pub async fn dispatch(
         RunCommand::Resume {
             run_id,
             after_fix,
+            ask_again,
             who,
         } => {
-            decide(
-                settings,
-                registry,
-                &run_id,
-                Decision::Resume { after_fix },
-                who,
-            )
-            .await
+            // clap refuses --ask-again without --after-fix.
+            let how = Resume::from_flags(after_fix, ask_again).expect("clap checked the flags");
+            decide(settings, registry, &run_id, Decision::Resume(how), who).await
         }
         RunCommand::Undo {
             run_id,

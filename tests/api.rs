@@ -1,0 +1,694 @@
+//! The ops API against the real servers: every endpoint for every role (401, 403, allowed), one
+//! audit row per mutation and none for reads, the Idempotency-Key (replay, reuse, in progress),
+//! readiness while draining, metrics that move, progress lines `run watch` sees, and exactly one
+//! lifecycle event for a run that stops for review.
+
+mod common;
+mod dlq_support;
+
+use std::time::Duration;
+
+use common::{TestEnv, closed_port};
+use reqwest::{Method, StatusCode};
+use serde_json::{Value, json};
+use sha2::Digest;
+use trailmark::api::{ENDPOINTS, Role, new_token};
+use trailmark::domain::{RunStatus, StepAddress};
+use trailmark::workflow::{Registry, StepError, StepKind, StepOutcome, Workflow};
+
+const WAIT: Duration = Duration::from_secs(60);
+
+/// An in-process trailmark serving its API on a port of its own, with one token per role.
+struct Api {
+    env: TestEnv,
+    base: String,
+    http: reqwest::Client,
+    viewer: String,
+    operator: String,
+    admin: String,
+    _running: common::Running,
+}
+
+impl Api {
+    async fn start(registry: Registry) -> Self {
+        let (viewer, v) = new_token("vera", Role::Viewer);
+        let (operator, o) = new_token("otto", Role::Operator);
+        let (admin, a) = new_token("ada", Role::Admin);
+        let port = closed_port();
+        let env = TestEnv::with(|s| {
+            s.api.listen = format!("127.0.0.1:{port}");
+            s.api.tokens = vec![v, o, a];
+            s.worker.retry_base_ms = 100;
+        })
+        .await;
+        let engine = env.engine_with(registry, Default::default());
+        let running = env.spawn_all(engine);
+        let base = format!("http://127.0.0.1:{port}");
+        let http = reqwest::Client::new();
+        env.wait_until("the API to answer", WAIT, || async {
+            http.get(format!("{base}/livez")).send().await.is_ok()
+        })
+        .await;
+        Self {
+            env,
+            base,
+            http,
+            viewer,
+            operator,
+            admin,
+            _running: running,
+        }
+    }
+
+    fn token(&self, role: Role) -> &str {
+        match role {
+            Role::Viewer => &self.viewer,
+            Role::Operator => &self.operator,
+            Role::Admin => &self.admin,
+        }
+    }
+
+    async fn call(
+        &self,
+        method: Method,
+        path: &str,
+        token: Option<&str>,
+        body: Option<Value>,
+        key: Option<&str>,
+    ) -> (StatusCode, Value) {
+        let mut req = self.http.request(method, format!("{}{path}", self.base));
+        if let Some(t) = token {
+            req = req.bearer_auth(t);
+        }
+        if let Some(k) = key {
+            req = req.header("Idempotency-Key", k);
+        }
+        if let Some(b) = body {
+            req = req.json(&b);
+        }
+        let resp = req.send().await.expect("request sent");
+        let status = resp.status();
+        let text = resp.text().await.unwrap_or_default();
+        let value = serde_json::from_str(&text).unwrap_or(Value::String(text));
+        (status, value)
+    }
+
+    async fn audit_rows(&self) -> i64 {
+        sqlx::query_scalar("SELECT count(*) FROM trailmark.audit")
+            .fetch_one(&self.env.pool)
+            .await
+            .unwrap()
+    }
+}
+
+fn registry_with(extra: Workflow) -> Registry {
+    let mut r = trailmark::builtin::registry();
+    r.register(extra);
+    r
+}
+
+/// A workflow that stops for review: its one step fails with an error nobody understands.
+fn fragile() -> Workflow {
+    Workflow::new("fragile", 1).step("break", StepKind::Read, |_ctx| async {
+        Err(StepError::Unknown(
+            "the supplier API answered nonsense".into(),
+        ))
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_endpoint_answers_401_without_a_token_403_below_its_role_and_audits_each_mutation() {
+    let api = Api::start(registry_with(fragile())).await;
+    let env = &api.env;
+    env.start_run("chain", "r-ok", json!({"steps": 2})).await;
+    env.wait_status("r-ok", RunStatus::Succeeded, WAIT).await;
+    env.start_run("fragile", "r-review", json!({})).await;
+    env.wait_status("r-review", RunStatus::NeedsReview, WAIT)
+        .await;
+    let poison = dlq_support::message(
+        env.topology().steps_exchange(),
+        trailmark::domain::STEP_ROUTING_KEY,
+        "poison-1",
+        b"{not json".to_vec(),
+    );
+    env.publish(&poison).await;
+    dlq_support::wait_dlq_depth(env, 1).await;
+
+    for e in ENDPOINTS {
+        let path = e
+            .path
+            .replace("{run_id}", "r-ok")
+            .replace("{id}", "poison-1")
+            .replace("{name}", "chain");
+        let method = Method::from_bytes(e.method.as_bytes()).unwrap();
+        let (status, _) = api.call(method.clone(), &path, None, None, None).await;
+        assert_eq!(
+            status,
+            StatusCode::UNAUTHORIZED,
+            "{} {path} without a token",
+            e.method
+        );
+        let (status, _) = api
+            .call(method.clone(), &path, Some("tm_not_a_token"), None, None)
+            .await;
+        assert_eq!(
+            status,
+            StatusCode::UNAUTHORIZED,
+            "{} {path} with a wrong token",
+            e.method
+        );
+        for role in [Role::Viewer, Role::Operator]
+            .into_iter()
+            .filter(|r| *r < e.role)
+        {
+            let body = Some(json!({"reason": "matrix", "step": "link"}));
+            let key = uuid::Uuid::new_v4().to_string();
+            let (status, _) = api
+                .call(
+                    method.clone(),
+                    &path,
+                    Some(api.token(role)),
+                    body,
+                    Some(&key),
+                )
+                .await;
+            assert_eq!(
+                status,
+                StatusCode::FORBIDDEN,
+                "{} {path} as {role:?}",
+                e.method
+            );
+        }
+        if e.method == "GET" {
+            let before = api.audit_rows().await;
+            let (status, body) = api
+                .call(method, &path, Some(api.token(e.role)), None, None)
+                .await;
+            assert_eq!(status, StatusCode::OK, "GET {path} as {:?}: {body}", e.role);
+            assert_eq!(
+                api.audit_rows().await,
+                before,
+                "a read wrote an audit row: {path}"
+            );
+        }
+    }
+
+    // Mutations: a refused one changes nothing and records nothing; a done one records one row.
+    let op = Some(api.token(Role::Operator));
+    let reason = |r: &str| Some(json!({"reason": r}));
+    let before = api.audit_rows().await;
+    let (status, body) = api
+        .call(
+            Method::POST,
+            "/api/v1/runs/r-ok/resume",
+            op,
+            reason("again"),
+            None,
+        )
+        .await;
+    assert_eq!(status, StatusCode::CONFLICT, "{body}");
+    assert_eq!(body["status"], "succeeded", "{body}");
+    assert_eq!(api.audit_rows().await, before);
+    let (status, body) = api
+        .call(
+            Method::POST,
+            "/api/v1/runs/r-review/resume",
+            op,
+            reason("retry it"),
+            None,
+        )
+        .await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert_eq!(body["status_after"], "running", "{body}");
+    assert_eq!(api.audit_rows().await, before + 1);
+    env.wait_status("r-review", RunStatus::NeedsReview, WAIT)
+        .await;
+    let (status, body) = api
+        .call(
+            Method::POST,
+            "/api/v1/runs/r-review/cancel",
+            op,
+            reason("give up"),
+            None,
+        )
+        .await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert_eq!(api.audit_rows().await, before + 2);
+    let (status, _) = api
+        .call(
+            Method::POST,
+            "/api/v1/runs/r-ok/cancel",
+            op,
+            Some(json!({"reason": " "})),
+            None,
+        )
+        .await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "a blank reason is refused");
+
+    let admin = Some(api.token(Role::Admin));
+    let (status, body) = api
+        .call(
+            Method::POST,
+            "/api/v1/dead-letters/poison-1/reveal",
+            admin,
+            reason("look"),
+            None,
+        )
+        .await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert_eq!(
+        body["body"]["head_hex"],
+        json!(hex::encode(b"{not json")),
+        "{body}"
+    );
+    assert_eq!(
+        api.audit_rows().await,
+        before + 3,
+        "revealing a body is audited"
+    );
+    let entry: (String, String, String, Option<String>) = sqlx::query_as(
+        "SELECT actor, role, action, request_id FROM trailmark.audit ORDER BY id DESC LIMIT 1",
+    )
+    .fetch_one(&env.pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        (&entry.0[..], &entry.1[..], &entry.2[..]),
+        ("ada", "admin", "dlq.reveal")
+    );
+    assert!(entry.3.is_some(), "the request id is recorded");
+    let (status, body) = api
+        .call(
+            Method::POST,
+            "/api/v1/dead-letters/purge",
+            admin,
+            Some(json!({"reason": "count", "reason_code": "undecodable", "preview": true})),
+            None,
+        )
+        .await;
+    assert_eq!(
+        (status, &body["would_touch"]),
+        (StatusCode::OK, &json!(1)),
+        "{body}"
+    );
+    assert_eq!(
+        api.audit_rows().await,
+        before + 3,
+        "a preview changes nothing"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idempotency_key_replays_its_first_answer_refuses_another_request_and_a_running_one() {
+    let api = Api::start(trailmark::builtin::registry()).await;
+    let env = &api.env;
+    env.start_run("chain", "r-undo", json!({"steps": 3})).await;
+    env.wait_status("r-undo", RunStatus::Succeeded, WAIT).await;
+    let op = Some(api.token(Role::Operator));
+    let body = json!({"reason": "the run posted to the wrong ledger"});
+    let path = "/api/v1/runs/r-undo/undo";
+
+    let (status, _) = api
+        .call(Method::POST, path, op, Some(body.clone()), None)
+        .await;
+    assert_eq!(
+        status,
+        StatusCode::PRECONDITION_REQUIRED,
+        "undo without a key"
+    );
+    let key = uuid::Uuid::new_v4().to_string();
+    let (first, answer) = api
+        .call(Method::POST, path, op, Some(body.clone()), Some(&key))
+        .await;
+    assert_eq!(first, StatusCode::OK, "{answer}");
+    // A double-click: the same answer, the undo decided once.
+    let (again, replayed) = api
+        .call(Method::POST, path, op, Some(body.clone()), Some(&key))
+        .await;
+    assert_eq!((again, &replayed), (StatusCode::OK, &answer));
+    let undos: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM trailmark.decisions WHERE action = 'undo'")
+            .fetch_one(&env.pool)
+            .await
+            .unwrap();
+    assert_eq!(undos, 1);
+    let (reused, _) = api
+        .call(
+            Method::POST,
+            path,
+            op,
+            Some(json!({"reason": "other"})),
+            Some(&key),
+        )
+        .await;
+    assert_eq!(reused, StatusCode::UNPROCESSABLE_ENTITY);
+
+    // A request still running under a key (as its row says) makes a repeat wait: 409.
+    let busy = uuid::Uuid::new_v4().to_string();
+    let cancel = json!({"reason": "stop"});
+    let mut fingerprint = sha2::Sha256::new();
+    fingerprint.update(b"POST /api/v1/runs/r-undo/cancel\n");
+    fingerprint.update(cancel.to_string().as_bytes());
+    sqlx::query("INSERT INTO trailmark.api_idempotency (key, request_hash) VALUES ($1, $2)")
+        .bind(&busy)
+        .bind(hex::encode(fingerprint.finalize()))
+        .execute(&env.pool)
+        .await
+        .unwrap();
+    let (status, body) = api
+        .call(
+            Method::POST,
+            "/api/v1/runs/r-undo/cancel",
+            op,
+            Some(cancel),
+            Some(&busy),
+        )
+        .await;
+    assert_eq!(status, StatusCode::CONFLICT, "{body}");
+    assert!(
+        body["message"].as_str().unwrap().contains("still running"),
+        "{body}"
+    );
+}
+
+/// A workflow whose step fails once (a temporary error), parks an item, and says what it does.
+fn bumpy() -> Workflow {
+    Workflow::new("bumpy", 1).step("work", StepKind::Read, |ctx| async move {
+        ctx.progress("reading 3 invoices");
+        if ctx.attempt() == 1 {
+            return Err(StepError::temporary("the supplier API is busy (429)"));
+        }
+        ctx.park("inv-2", "the scan is unreadable");
+        ctx.progress("2 of 3 invoices read; inv-2 parked");
+        Ok(StepOutcome::finish(json!({"read": 2})))
+    })
+}
+
+fn metric(text: &str, name_and_labels: &str) -> f64 {
+    text.lines()
+        .find(|l| l.starts_with(name_and_labels))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0.0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_move_after_a_retry_a_parked_item_and_a_poison_message_and_run_watch_sees_progress()
+{
+    let api = Api::start(registry_with(bumpy())).await;
+    let env = &api.env;
+    let scrape = || async {
+        let (_, body) = api.call(Method::GET, "/metrics", None, None, None).await;
+        body.as_str().unwrap_or_default().to_owned()
+    };
+    let before = scrape().await;
+    env.start_run("bumpy", "r-bumpy", json!({})).await;
+    env.wait_status("r-bumpy", RunStatus::Succeeded, WAIT).await;
+    let poison = dlq_support::message(
+        env.topology().steps_exchange(),
+        trailmark::domain::STEP_ROUTING_KEY,
+        "poison-m",
+        b"\x80\x01".to_vec(),
+    );
+    env.publish(&poison).await;
+    dlq_support::wait_dlq_depth(env, 1).await;
+
+    let moved = |name: &str, before: &str, after: &str| metric(after, name) - metric(before, name);
+    let after = scrape().await;
+    assert_eq!(
+        moved(
+            "trailmark_step_retries_total{class=\"temporary\"}",
+            &before,
+            &after
+        ),
+        1.0,
+        "{after}"
+    );
+    assert_eq!(
+        moved(
+            "trailmark_resumes_total{cause=\"redelivery\"}",
+            &before,
+            &after
+        ),
+        1.0
+    );
+    assert_eq!(
+        moved(
+            "trailmark_dead_lettered_total{reason=\"undecodable\"}",
+            &before,
+            &after
+        ),
+        1.0
+    );
+    assert_eq!(
+        moved(
+            "trailmark_step_duration_seconds_count{workflow=\"bumpy\",step=\"work\",outcome=\"committed\"}",
+            &before,
+            &after
+        ),
+        1.0
+    );
+    assert!(!after.contains("r-bumpy"), "a run id became a label");
+    let parked = trailmark::store::parked::list(&env.pool, "r-bumpy")
+        .await
+        .unwrap();
+    assert_eq!(parked.len(), 1);
+    env.wait_until("the runs gauge to count the run", WAIT, || async {
+        metric(
+            &scrape().await,
+            "trailmark_runs{workflow=\"bumpy\",status=\"succeeded\"}",
+        ) == 1.0
+    })
+    .await;
+
+    // `run watch` of the finished run prints its progress lines, the engine's retry line too.
+    let out = env.command(&["run", "watch", "r-bumpy"]).output().unwrap();
+    let (stdout, stderr) = common::text(&out);
+    assert!(out.status.success(), "{stderr}");
+    for line in [
+        "reading 3 invoices",
+        "failed temporarily, attempt 1 of 5: the supplier API is busy (429)",
+        "attempt 2: the previous attempt did not finish",
+        "2 of 3 invoices read; inv-2 parked",
+        "run r-bumpy is succeeded",
+    ] {
+        assert!(stdout.contains(line), "{line:?} missing from:\n{stdout}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_stopping_for_review_publishes_exactly_one_event_with_its_error() {
+    let api = Api::start(registry_with(fragile())).await;
+    let env = &api.env;
+    let conn = trailmark::broker::connect(&env.settings.broker, "test-events")
+        .await
+        .unwrap();
+    let ch = conn.create_channel().await.unwrap();
+    let queue = format!("{}.test-events", env.prefix);
+    let opts = lapin::options::QueueDeclareOptions {
+        exclusive: true,
+        ..Default::default()
+    };
+    ch.queue_declare(queue.as_str().into(), opts, Default::default())
+        .await
+        .unwrap();
+    ch.queue_bind(
+        queue.as_str().into(),
+        env.topology().events_exchange().into(),
+        "run.#".into(),
+        Default::default(),
+        Default::default(),
+    )
+    .await
+    .unwrap();
+    env.start_run("fragile", "r-event", json!({})).await;
+    env.wait_status("r-event", RunStatus::NeedsReview, WAIT)
+        .await;
+    let first = common::eventually("the event", WAIT, || async {
+        let got = ch
+            .basic_get(queue.as_str().into(), Default::default())
+            .await
+            .unwrap();
+        got.map(|m| (m.delivery.routing_key.to_string(), m.delivery.data.clone()))
+    })
+    .await;
+    let events: Vec<(String, Vec<u8>)> = first.into_iter().collect();
+    // Anything else would have been published with the same commit: nothing more comes.
+    let more = ch
+        .basic_get(queue.as_str().into(), Default::default())
+        .await
+        .unwrap();
+    assert!(more.is_none(), "a second event");
+    assert_eq!(events.len(), 1);
+    assert_eq!(events[0].0, "run.needs_review.fragile");
+    let event: trailmark::domain::Event = serde_json::from_slice(&events[0].1).unwrap();
+    assert_eq!(event.run_id.as_ref().map(|r| r.as_str()), Some("r-event"));
+    assert_eq!(event.step, Some(StepAddress::step("break")));
+    assert_eq!(event.error_class.as_deref(), Some("unknown"));
+    assert!(event.error.unwrap().contains("answered nonsense"));
+    let _ = conn.close(200, "done".into()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_sigterm_readyz_turns_503_before_the_process_stops() {
+    let env = TestEnv::with(|s| s.process.drain_delay_ms = 3000).await;
+    let port = closed_port();
+    let mut serve = common::ChildGuard(Some(
+        env.command(&["serve"])
+            .env("TRAILMARK__API__LISTEN", format!("127.0.0.1:{port}"))
+            .spawn()
+            .unwrap(),
+    ));
+    let http = reqwest::Client::new();
+    let readyz = format!("http://127.0.0.1:{port}/readyz");
+    env.wait_until("serve to be ready", WAIT, || async {
+        matches!(http.get(&readyz).send().await, Ok(r) if r.status() == StatusCode::OK)
+    })
+    .await;
+    serve.signal(libc::SIGTERM);
+    let answer = common::eventually("/readyz to answer 503", WAIT, || async {
+        let r = http.get(&readyz).send().await.ok()?;
+        (r.status() == StatusCode::SERVICE_UNAVAILABLE).then_some(())?;
+        r.json::<Value>().await.ok()
+    })
+    .await
+    .expect("/readyz never answered 503 while draining");
+    assert!(
+        answer["reasons"][0].as_str().unwrap().contains("draining"),
+        "{answer}"
+    );
+    let status = common::wait_exit(&mut serve, Duration::from_secs(30)).await;
+    assert_eq!(status.and_then(|s| s.code()), Some(0));
+}
+
+/// The value after `marker` on the first line that has it.
+fn after<'a>(text: &'a str, marker: &str) -> &'a str {
+    text.lines()
+        .find_map(|l| l.split_once(marker).map(|(_, v)| v.trim()))
+        .unwrap_or_else(|| panic!("no {marker:?} in:\n{text}"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cli_made_token_opens_the_api_at_its_role_and_a_cli_decision_is_audited_and_watched() {
+    let env = TestEnv::new().await;
+    let out = env
+        .command(&["token", "new", "--name", "carol", "--role", "operator"])
+        .output()
+        .unwrap();
+    let (stdout, stderr) = common::text(&out);
+    assert!(out.status.success(), "{stderr}");
+    let secret = after(&stdout, "shown once:").to_owned();
+    let entry = after(&stdout, "TRAILMARK__API__TOKENS=").to_owned();
+    assert!(
+        !entry.contains(&secret),
+        "the configuration line holds the token itself"
+    );
+    let port = closed_port();
+    let _serve = env.spawn_process_with(
+        None,
+        &[
+            ("TRAILMARK__API__TOKENS", entry),
+            ("TRAILMARK__API__LISTEN", format!("127.0.0.1:{port}")),
+        ],
+    );
+
+    // A run long enough to be cancelled while `run watch` follows it.
+    env.command(&[
+        "run",
+        "start",
+        "chain",
+        "--run-id",
+        "r-long",
+        "--input",
+        r#"{"steps":100000}"#,
+    ])
+    .output()
+    .unwrap();
+    let mut watch = common::ChildGuard(Some(
+        env.command(&["run", "watch", "r-long"])
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap(),
+    ));
+    env.wait_status("r-long", RunStatus::Running, WAIT).await;
+    let out = env
+        .command(&[
+            "run",
+            "cancel",
+            "r-long",
+            "--actor",
+            "carol",
+            "--reason",
+            "wrong supplier list",
+        ])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", common::text(&out).1);
+    let watched = watch.0.take().unwrap().wait_with_output().unwrap();
+    let (seen, why) = common::text(&watched);
+    assert_eq!(
+        watched.status.code(),
+        Some(1),
+        "watch of a cancelled run: {seen}"
+    );
+    assert!(why.contains("run r-long is cancelled"), "{why}");
+
+    let out = env
+        .command(&["audit", "--target", "r-long", "--json"])
+        .output()
+        .unwrap();
+    let entries: Value = serde_json::from_slice(&out.stdout).expect("audit --json");
+    let entries = entries.as_array().unwrap();
+    assert_eq!(entries.len(), 1, "{entries:?}");
+    let e = &entries[0];
+    assert_eq!(
+        (e["actor"].as_str(), e["via"].as_str(), e["action"].as_str()),
+        (Some("carol"), Some("cli"), Some("cancel"))
+    );
+    assert_eq!(e["reason"], "wrong supplier list");
+    assert_eq!(
+        (e["status_before"].as_str(), e["status_after"].as_str()),
+        (Some("running"), Some("cancelled"))
+    );
+
+    // The token works at its role, and only there.
+    let http = reqwest::Client::new();
+    let base = format!("http://127.0.0.1:{port}");
+    env.wait_until("the API to answer", WAIT, || async {
+        http.get(format!("{base}/livez")).send().await.is_ok()
+    })
+    .await;
+    let get = |path: &str, token: &str| http.get(format!("{base}{path}")).bearer_auth(token).send();
+    let run: Value = get("/api/v1/runs/r-long", &secret)
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(run["run"]["status"], "cancelled", "{run}");
+    assert_eq!(
+        get("/api/v1/audit", &secret).await.unwrap().status(),
+        StatusCode::FORBIDDEN
+    );
+    let wrong = get("/api/v1/runs", "not-the-token").await.unwrap();
+    assert_eq!(wrong.status(), StatusCode::UNAUTHORIZED);
+
+    // `run start --follow` follows a run to its end and exits 0 when it succeeded.
+    let out = env
+        .command(&[
+            "run",
+            "start",
+            "chain",
+            "--run-id",
+            "r-short",
+            "--input",
+            r#"{"steps":3}"#,
+            "--follow",
+        ])
+        .output()
+        .unwrap();
+    let (stdout, stderr) = common::text(&out);
+    assert!(out.status.success(), "{stdout}{stderr}");
+    assert!(stdout.contains("run r-short is succeeded"), "{stdout}");
+}
