@@ -36,6 +36,9 @@ pub const DEAD_LETTERED: &str = "trailmark_dead_lettered_total";
 pub const OUTBOX_PENDING: &str = "trailmark_outbox_pending";
 /// Age of the oldest unpublished outbox row (gauge, seconds, from the database).
 pub const OUTBOX_OLDEST_AGE: &str = "trailmark_outbox_oldest_age_seconds";
+/// Outbox rows held back because the broker refused them alone (gauge, from the database):
+/// above 0, a workflow sends to an exchange that is missing or that no queue is bound to.
+pub const OUTBOX_HELD_BACK: &str = "trailmark_outbox_held_back";
 /// One relay batch from publish to its last confirm (histogram, seconds).
 pub const RELAY_PUBLISH: &str = "trailmark_relay_publish_duration_seconds";
 /// Model tokens, by model and kind (`prompt`, `completion`).
@@ -178,5 +181,6 @@ pub async fn refresh_once(pool: &PgPool) -> store::Result<()> {
     let backlog = store::outbox::backlog(pool).await?;
     gauge!(OUTBOX_PENDING).set(backlog.pending as f64);
     gauge!(OUTBOX_OLDEST_AGE).set(backlog.oldest_age_secs);
+    gauge!(OUTBOX_HELD_BACK).set(backlog.held_back as f64);
     Ok(())
 }

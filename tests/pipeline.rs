@@ -523,3 +523,119 @@ async fn a_status_this_build_does_not_know_is_an_error_not_a_guess() {
     let shown = trailmark::error::Report(&e).to_string();
     assert!(shown.contains("unknown run status \"paused\""), "{shown}");
 }
+
+/// Sends one note to `exchange`, then goes on to a second step.
+fn notifier(exchange: String) -> trailmark::workflow::Workflow {
+    use trailmark::workflow::{StepKind, StepOutcome, Workflow};
+    Workflow::new("notify", 1)
+        .step("send", StepKind::Message, move |ctx| {
+            let exchange = exchange.clone();
+            async move {
+                let key = IdempotencyKey::for_step(ctx.run_id(), "send", "note");
+                ctx.send(&exchange, "note", &key, b"{\"note\":1}".to_vec());
+                Ok(StepOutcome::next(json!({ "sent": true })))
+            }
+        })
+        .step("after", StepKind::Read, |_ctx| async {
+            Ok(StepOutcome::finish(json!({ "done": true })))
+        })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_to_a_missing_exchange_is_held_back_without_stopping_the_rest_then_sent() {
+    let env = TestEnv::with(|s| s.relay.eager_grace_ms = 100).await;
+    let exchange = format!("{}.mail-not-declared-yet", env.prefix);
+    let mut registry = trailmark::workflow::Registry::new();
+    registry.register(notifier(exchange.clone()));
+    let engine = env.engine_with(registry, Failpoints::default());
+    let running = env.spawn_all(engine);
+    let ids = ["r-mail-1", "r-mail-2", "r-mail-3"];
+    for id in ids {
+        env.start_run("notify", id, json!({})).await;
+    }
+    // Each run's next step was published beside its note: the broker closing the channel over
+    // the note must not take the step with it, nor stop the runs behind.
+    for id in ids {
+        env.wait_status(id, RunStatus::Succeeded, WAIT).await;
+    }
+    env.wait_until(
+        "the notes held back with the broker's words",
+        WAIT,
+        || async {
+            let held: Vec<String> = sqlx::query_scalar(
+                "SELECT last_error FROM trailmark.outbox
+              WHERE published_at IS NULL AND exchange = $1 AND last_error IS NOT NULL",
+            )
+            .bind(&exchange)
+            .fetch_all(&env.pool)
+            .await
+            .unwrap();
+            held.len() == 3 && held.iter().all(|e| e.contains("no exchange"))
+        },
+    )
+    .await;
+
+    // Once the exchange exists, each note is sent, once.
+    let conn = trailmark::broker::connect(&env.settings.broker, "test-mail")
+        .await
+        .unwrap();
+    let ch = conn.create_channel().await.unwrap();
+    let queue = format!("{}.mail-inbox", env.prefix);
+    ch.exchange_declare(
+        exchange.as_str().into(),
+        lapin::ExchangeKind::Direct,
+        Default::default(),
+        Default::default(),
+    )
+    .await
+    .unwrap();
+    ch.queue_declare(
+        queue.as_str().into(),
+        Default::default(),
+        Default::default(),
+    )
+    .await
+    .unwrap();
+    ch.queue_bind(
+        queue.as_str().into(),
+        exchange.as_str().into(),
+        "note".into(),
+        Default::default(),
+        Default::default(),
+    )
+    .await
+    .unwrap();
+    env.wait_until("the held-back notes published", WAIT, || async {
+        let left: i64 =
+            sqlx::query_scalar("SELECT count(*) FROM trailmark.outbox WHERE published_at IS NULL")
+                .fetch_one(&env.pool)
+                .await
+                .unwrap();
+        left == 0
+    })
+    .await;
+    let mut keys = Vec::new();
+    while let Some(m) = ch
+        .basic_get(queue.as_str().into(), Default::default())
+        .await
+        .unwrap()
+    {
+        let headers = m.delivery.properties.headers().clone().unwrap_or_default();
+        let key = headers
+            .inner()
+            .get("x-idempotency-key")
+            .map(|v| format!("{v:?}"));
+        keys.push(key.unwrap_or_default());
+    }
+    keys.sort();
+    keys.dedup();
+    assert_eq!(keys.len(), 3, "one note per run: {keys:?}");
+    running.stop().await;
+    let _ = ch
+        .queue_delete(queue.as_str().into(), Default::default())
+        .await;
+    let _ = ch
+        .exchange_delete(exchange.as_str().into(), Default::default())
+        .await;
+    let _ = conn.close(200, "done".into()).await;
+}

@@ -5,6 +5,7 @@ mod headers;
 mod publisher;
 mod topology;
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use lapin::uri::AMQPUri;
@@ -83,7 +84,7 @@ pub type Result<T> = std::result::Result<T, Error>;
 /// The AMQP heartbeat is `broker.heartbeat_secs` unless the URL sets one: a frozen process (a
 /// long GC-like pause, SIGSTOP) stops heartbeating, so the broker closes its connection and hands
 /// its unacknowledged messages to live consumers instead of leaving them with a sleeper.
-pub async fn connect(settings: &BrokerSettings, name: &str) -> Result<Connection> {
+pub async fn connect(settings: &BrokerSettings, name: &str) -> Result<Arc<Connection>> {
     let url = redact::url(&settings.url);
     let mut uri: AMQPUri = settings
         .url
@@ -98,8 +99,10 @@ pub async fn connect(settings: &BrokerSettings, name: &str) -> Result<Connection
     let props =
         ConnectionProperties::default().with_connection_name(format!("trailmark-{name}").into());
     let (user, vhost) = (uri.authority.userinfo.username.clone(), uri.vhost.clone());
+    // Shared: a publisher reopens its channel on it when the broker closed the old one.
     Connection::connect_uri(uri, props)
         .await
+        .map(Arc::new)
         .map_err(|e| refused_connection(&url, &user, &vhost, e))
 }
 

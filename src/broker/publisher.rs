@@ -1,5 +1,6 @@
 //! Publishing with publisher confirms: a message counts as sent only after the broker's ack.
 
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
@@ -24,29 +25,64 @@ pub struct Outgoing {
     pub body: Vec<u8>,
 }
 
-/// A confirm-mode channel.
+/// A confirm-mode channel that heals: the broker closes a channel for one bad publish (a
+/// missing exchange), and every later publish on it would fail; the next publish opens a new one
+/// on the same connection instead.
 #[derive(Clone)]
 pub struct Publisher {
-    channel: Channel,
+    conn: Arc<Connection>,
+    channel: Arc<Mutex<Channel>>,
+    // One reopening at a time: concurrent publishers that find the channel closed wait for it.
+    reopening: Arc<tokio::sync::Mutex<()>>,
     confirm_timeout: Duration,
+}
+
+async fn confirm_channel(conn: &Connection) -> Result<Channel> {
+    let channel = conn.create_channel().await?;
+    channel
+        .confirm_select(ConfirmSelectOptions::default())
+        .await?;
+    Ok(channel)
 }
 
 impl Publisher {
     /// Opens a channel on `conn` and switches it to confirm mode.
-    pub async fn open(conn: &Connection, confirm_timeout: Duration) -> Result<Self> {
-        let channel = conn.create_channel().await?;
-        channel
-            .confirm_select(ConfirmSelectOptions::default())
-            .await?;
+    pub async fn open(conn: &Arc<Connection>, confirm_timeout: Duration) -> Result<Self> {
+        let channel = confirm_channel(conn).await?;
         Ok(Self {
-            channel,
+            conn: conn.clone(),
+            channel: Arc::new(Mutex::new(channel)),
+            reopening: Arc::default(),
             confirm_timeout,
         })
     }
 
     /// The underlying channel (for declarations on the same connection).
-    pub fn channel(&self) -> &Channel {
-        &self.channel
+    pub fn channel(&self) -> Channel {
+        self.channel.lock().expect("channel lock").clone()
+    }
+
+    /// Whether the connection under the publisher is up (a closed channel is reopened; a
+    /// closed connection is not).
+    pub fn connected(&self) -> bool {
+        self.conn.status().connected()
+    }
+
+    /// The channel, reopened first if the broker closed it.
+    async fn live_channel(&self) -> Result<Channel> {
+        let current = self.channel();
+        if current.status().connected() {
+            return Ok(current);
+        }
+        let _one = self.reopening.lock().await;
+        let current = self.channel();
+        if current.status().connected() {
+            return Ok(current);
+        }
+        let fresh = confirm_channel(&self.conn).await?;
+        tracing::info!("publisher channel reopened (the broker had closed the previous one)");
+        *self.channel.lock().expect("channel lock") = fresh.clone();
+        Ok(fresh)
     }
 
     /// Publishes one message and waits for its confirm.
@@ -61,10 +97,24 @@ impl Publisher {
     /// in order. `mandatory` is set (except on lifecycle events), so an unroutable message is
     /// reported, never silently dropped.
     pub async fn publish_all(&self, msgs: &[Outgoing]) -> Vec<Result<()>> {
+        let channel = match self.live_channel().await {
+            Ok(c) => c,
+            Err(e) => {
+                let why = crate::error::Report(&e).to_string();
+                return msgs
+                    .iter()
+                    .map(|_| {
+                        Err(Error::Unavailable {
+                            what: format!("the publisher could not reopen its channel: {why}"),
+                            source: None,
+                        })
+                    })
+                    .collect();
+            }
+        };
         let mut pending = Vec::with_capacity(msgs.len());
         for msg in msgs {
-            let sent = self
-                .channel
+            let sent = channel
                 .basic_publish(
                     msg.exchange.as_str().into(),
                     msg.routing_key.as_str().into(),

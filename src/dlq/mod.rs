@@ -118,7 +118,7 @@ impl Selection {
 
 /// A connection to one installation's DLQ.
 pub struct Dlq {
-    conn: Connection,
+    conn: std::sync::Arc<Connection>,
     topology: Topology,
     delivery_limit: u32,
     confirm_timeout: Duration,

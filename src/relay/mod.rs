@@ -108,22 +108,23 @@ pub async fn drain_batch(engine: &Engine, publisher: &Publisher) -> Result<usize
     let started = std::time::Instant::now();
     let results = publisher.publish_all(&messages).await;
     crate::metrics::relay_published(started.elapsed());
-    let (mut ok, mut failed, mut first_error) = (Vec::new(), Vec::new(), None);
-    for (row, result) in rows.iter().zip(results) {
+    let mut ok = Vec::new();
+    let mut failed = Vec::new();
+    for (i, result) in results.into_iter().enumerate() {
         match result {
-            Ok(()) => ok.push(row.id),
-            Err(e) => {
-                failed.push(row.id);
-                first_error.get_or_insert(e);
-            }
+            Ok(()) => ok.push(rows[i].id),
+            Err(e) => failed.push((i, e)),
         }
     }
+    let (held, down) = isolate(publisher, &rows, &messages, failed, &mut ok).await;
     engine
         .failpoints
         .hit("relay.after_confirm")
         .map_err(|e| store::Error::unavailable("relay interrupted", e))?;
     outbox::mark_published(&mut *tx, &ok).await?;
-    outbox::mark_failed(&mut *tx, &failed).await?;
+    outbox::hold_back(&mut *tx, &held).await?;
+    let unsent: Vec<i64> = down.iter().map(|(i, _)| rows[*i].id).collect();
+    outbox::mark_failed(&mut *tx, &unsent).await?;
     tx.commit().await?;
     engine
         .stats
@@ -137,12 +138,79 @@ pub async fn drain_batch(engine: &Engine, publisher: &Publisher) -> Result<usize
     } else {
         tracing::debug!(rows = ok.len(), "relay published outbox rows");
     }
-    if let Some(e) = first_error {
-        // A refused message stays in the outbox and is tried again; a dead channel reconnects.
-        tracing::error!(error = %crate::error::Report(&e), failed = failed.len(), "relay could not publish some outbox rows");
+    if let Some((_, e)) = down.into_iter().next() {
+        // The broker is gone or too slow: the rows stay and the session reconnects.
+        tracing::error!(error = %crate::error::Report(&e), failed = unsent.len(), "relay could not publish some outbox rows");
         return Err(e.into());
     }
     Ok(ok.len())
+}
+
+/// Sorts the rows a batch failed to publish. One bad row (its exchange missing) makes the
+/// broker close the channel and takes the rest of its batch down with it, so each failed row
+/// is tried once more alone: those that pass join `ok`; those the broker refuses alone are
+/// returned to be held back (with the broker's words), so they cannot stop the rows behind
+/// them; the rest failed because the broker is unreachable or slow, and are returned as such.
+async fn isolate(
+    publisher: &Publisher,
+    rows: &[outbox::OutboxRow],
+    messages: &[Outgoing],
+    failed: Vec<(usize, broker::Error)>,
+    ok: &mut Vec<i64>,
+) -> (Vec<(i64, String)>, Vec<(usize, broker::Error)>) {
+    let (mut held, mut down) = (Vec::new(), Vec::new());
+    for (i, first) in failed {
+        let alone = match first {
+            // Refused on its own merits (nack, unroutable): no need to ask again.
+            refused @ broker::Error::Refused { .. } => Err(refused),
+            broker::Error::Connection(_) if publisher.connected() => {
+                publisher.publish(&messages[i]).await
+            }
+            other => Err(other),
+        };
+        match alone {
+            Ok(()) => ok.push(rows[i].id),
+            Err(e) if refused_alone(&e) && publisher.connected() => {
+                let why = match &e {
+                    broker::Error::Connection(closed) => {
+                        format!("the broker refused it and closed the channel: {closed}")
+                    }
+                    other => crate::error::Report(other).to_string(),
+                };
+                held_back_log(&rows[i], &why);
+                held.push((rows[i].id, why));
+            }
+            Err(e) => down.push((i, e)),
+        }
+    }
+    (held, down)
+}
+
+/// Whether the broker refused this message itself (rather than being unreachable or slow).
+fn refused_alone(e: &broker::Error) -> bool {
+    matches!(
+        e,
+        broker::Error::Refused { .. } | broker::Error::Connection(_)
+    )
+}
+
+fn held_back_log(row: &outbox::OutboxRow, why: &str) {
+    let header = |name: &str| {
+        row.headers
+            .get(name)
+            .and_then(serde_json::Value::as_str)
+            .unwrap_or("-")
+            .to_owned()
+    };
+    tracing::error!(
+        message.id = %row.message_id,
+        exchange = %row.exchange,
+        routing_key = %row.routing_key,
+        run.id = %header("x-trailmark-run-id"),
+        step = %header("x-trailmark-step"),
+        error = %why,
+        "the broker refused an outbox row on its own; it is held back and tried again later (the rows behind it go on). Declare the exchange and bind a queue to it, or fix the workflow's target; `trailmark_outbox_held_back` counts such rows"
+    );
 }
 
 fn row_to_outgoing(row: &outbox::OutboxRow) -> Outgoing {

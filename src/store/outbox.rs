@@ -144,6 +144,24 @@ pub async fn mark_failed(db: impl PgExecutor<'_>, ids: &[i64]) -> Result<()> {
     Ok(())
 }
 
+/// Holds back rows the broker refused on their own, each with its error: tried again after a
+/// delay that doubles with every attempt (2 s, 4 s, ... at most 5 min).
+pub async fn hold_back(db: impl PgExecutor<'_>, rows: &[(i64, String)]) -> Result<()> {
+    let (ids, errors): (Vec<i64>, Vec<String>) = rows.iter().cloned().unzip();
+    sqlx::query(
+        "UPDATE trailmark.outbox o
+            SET attempts = o.attempts + 1, last_error = f.error, holder_pid = NULL,
+                available_at = now() + make_interval(secs => least(300, 2 ^ least(o.attempts + 1, 9)))
+           FROM unnest($1::bigint[], $2::text[]) AS f(id, error)
+          WHERE o.id = f.id",
+    )
+    .bind(&ids)
+    .bind(&errors)
+    .execute(db)
+    .await?;
+    Ok(())
+}
+
 /// Deletes up to `batch` rows published more than `retention_secs` ago; returns how many.
 pub async fn prune(db: impl PgExecutor<'_>, retention_secs: f64, batch: i64) -> Result<u64> {
     let done = sqlx::query(
@@ -165,13 +183,16 @@ pub struct Backlog {
     pub pending: i64,
     /// Seconds since the oldest of them was written (0 when none).
     pub oldest_age_secs: f64,
+    /// Of those, rows held back because the broker refused them (see [`hold_back`]).
+    pub held_back: i64,
 }
 
 /// The outbox's backlog.
 pub async fn backlog(db: impl PgExecutor<'_>) -> Result<Backlog> {
     Ok(sqlx::query_as(
         "SELECT count(*) AS pending,
-                COALESCE(EXTRACT(EPOCH FROM now() - min(created_at)), 0)::float8 AS oldest_age_secs
+                COALESCE(EXTRACT(EPOCH FROM now() - min(created_at)), 0)::float8 AS oldest_age_secs,
+                count(*) FILTER (WHERE last_error IS NOT NULL) AS held_back
            FROM trailmark.outbox WHERE published_at IS NULL",
     )
     .fetch_one(db)

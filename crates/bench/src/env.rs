@@ -41,7 +41,7 @@ pub struct BenchEnv {
     pub log_dir: PathBuf,
     /// The configured pool size of one process (children use it unless told otherwise).
     pub child_pool: u32,
-    conn: Connection,
+    conn: std::sync::Arc<Connection>,
     publisher: Publisher,
     child_env: Vec<(String, String)>,
 }
@@ -66,7 +66,7 @@ impl BenchEnv {
         store::migrate(&pool).await?;
         baseline::create_schema(&pool).await?;
         let topology = Topology::new(&prefix, settings.broker.delivery_limit);
-        topology.declare(publisher.channel()).await?;
+        topology.declare(&publisher.channel()).await?;
         publisher
             .channel()
             .queue_declare(baseline::queue(&prefix).into(), durable(), quorum())
@@ -212,7 +212,7 @@ impl BenchEnv {
     pub async fn teardown(self) -> Vec<String> {
         let mut left = Vec::new();
         let ch = self.publisher.channel();
-        if let Err(e) = self.topology().delete(ch).await {
+        if let Err(e) = self.topology().delete(&ch).await {
             left.push(format!("broker objects under prefix {}: {e}", self.prefix));
         }
         let b3 = baseline::queue(&self.prefix);
