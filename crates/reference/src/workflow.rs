@@ -131,11 +131,16 @@ async fn extract_items(ctx: StepContext) -> Result<StepOutcome, StepError> {
     let (mut answers, mut items) = (Vec::new(), Vec::new());
     // One call at a time, in invoice order: call numbers must be the same on a replay, so the
     // journal hands back the answers already paid for.
-    for scan in &fetched.scans {
+    let total = fetched.scans.len();
+    for (n, scan) in fetched.scans.iter().enumerate() {
+        // For whoever watches the run: the longest step of the night says where it is.
+        if n % 50 == 0 {
+            ctx.progress(format!("reading line items: {n} of {total} invoices done"));
+        }
         let answer = ctx.model(&extract::request(&scan.text)).await?;
         ctx.failpoint("reconcile.extract.answer")?;
         let read = extract::parse_answer(&answer.content).map_err(|e| {
-            unknown(&ctx, format!("model answer for invoice {}: {e}. Point model.base_url at a model that extracts line items (`trailmark demo model-server` is one)", scan.invoice_no))
+            unknown(&ctx, format!("model answer for invoice {}: {e}. Point model.base_url at a model that extracts line items (`trailmark demo model-server` is one), then `trailmark run resume {} --after-fix --ask-again` (a plain resume replays the journaled answer)", scan.invoice_no, ctx.run_id()))
         })?;
         if read.invoice_no != scan.invoice_no {
             return Err(unknown(
@@ -152,6 +157,10 @@ async fn extract_items(ctx: StepContext) -> Result<StepOutcome, StepError> {
             answer: answer.content,
         });
     }
+    ctx.progress(format!(
+        "line items read from all {total} invoices: {} lines",
+        items.len()
+    ));
     next(Extracted { answers, items })
 }
 
