@@ -13,6 +13,17 @@ use trailmark::broker::{self, Outgoing};
 use trailmark::dlq::{Dlq, Selection, quiet};
 use trailmark::domain::{RUN_START_ROUTING_KEY, STEP_ROUTING_KEY};
 
+/// The audit trail, oldest first: "actor action target reason" and the details.
+async fn audit_rows(env: &TestEnv) -> Vec<(String, serde_json::Value)> {
+    sqlx::query_as(
+        "SELECT actor || ' ' || action || ' ' || target || ' ' || reason, details
+           FROM trailmark.audit ORDER BY id",
+    )
+    .fetch_all(&env.pool)
+    .await
+    .unwrap()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn requeue_by_reason_sends_each_back_to_its_queue_and_a_still_broken_one_returns() {
     let env = TestEnv::new().await;
@@ -42,7 +53,20 @@ async fn requeue_by_reason_sends_each_back_to_its_queue_and_a_still_broken_one_r
     let running = env.spawn_all(env.engine());
     wait_dlq_depth(&env, 3).await;
 
-    let (code, out, err) = cli(&env, &["dlq", "requeue", "--reason", "unsupported_version"]).await;
+    let (code, out, err) = cli(
+        &env,
+        &[
+            "dlq",
+            "requeue",
+            "--reason",
+            "unsupported_version",
+            "--why",
+            "v2 parser deployed",
+            "--actor",
+            "dora",
+        ],
+    )
+    .await;
     assert_eq!(code, 0, "{err}");
     assert!(out.contains("requeued 2 of 3"), "{out}");
     assert!(
@@ -82,6 +106,21 @@ async fn requeue_by_reason_sends_each_back_to_its_queue_and_a_still_broken_one_r
         out.contains("requeued 0 of 3") && out.contains("no dead letter has reason"),
         "{out}"
     );
+    // Both passes are in the audit trail, with who, why, what was selected and what it did.
+    let rows = audit_rows(&env).await;
+    assert_eq!(rows.len(), 2, "{rows:?}");
+    assert_eq!(
+        rows[0].0.as_str(),
+        "dora dlq.requeue reason:unsupported_version v2 parser deployed",
+    );
+    assert_eq!(rows[0].1["requeued"], 2);
+    assert!(
+        rows[1]
+            .0
+            .ends_with("dlq.requeue reason:nothing_like_this no reason given"),
+        "{rows:?}"
+    );
+    assert_eq!(rows[1].1["requeued"], 0);
     running.stop().await;
 }
 
@@ -119,6 +158,10 @@ async fn purge_refuses_without_a_terminal_purges_with_yes_and_errors_say_what_to
         "{err}"
     );
     assert_eq!(depth(&env, &t.dlq()).await, 3, "refused, yet purged");
+    assert!(
+        audit_rows(&env).await.is_empty(),
+        "a refused purge is audited"
+    );
 
     let (code, out, err) = cli(&env, &["dlq", "purge", "g-1", "--yes"]).await;
     assert_eq!(code, 0, "{err}");
@@ -131,6 +174,18 @@ async fn purge_refuses_without_a_terminal_purges_with_yes_and_errors_say_what_to
     assert_eq!(code, 0, "{err}");
     assert!(out.contains("purged 2 dead letters"), "{out}");
     assert_eq!(depth(&env, &t.dlq()).await, 0);
+    let rows: Vec<(String, i64)> = audit_rows(&env)
+        .await
+        .into_iter()
+        .map(|(what, details)| (what, details["purged"].as_i64().unwrap_or(-1)))
+        .collect();
+    let has = |rest: &str| rows.iter().any(|(w, _)| w.ends_with(rest));
+    assert_eq!(rows.len(), 2, "{rows:?}");
+    assert!(
+        has("dlq.purge g-1 no reason given") && has("dlq.purge all no reason given"),
+        "{rows:?}"
+    );
+    assert_eq!((rows[0].1, rows[1].1), (1, 2));
 
     let (code, _, err) = cli(&env, &["dlq", "show", "nope"]).await;
     assert_eq!(code, 1);

@@ -120,6 +120,18 @@ pub struct Caller {
 }
 
 impl Caller {
+    /// The caller as the decider of an action, with their reason: how the decision and the
+    /// audit trail record them.
+    pub fn decider(&self, reason: &str) -> crate::operator::Decider {
+        crate::operator::Decider {
+            actor: self.name.clone(),
+            reason: reason.to_owned(),
+            role: self.role.as_str().into(),
+            via: "api",
+            request_id: self.request_id.clone(),
+        }
+    }
+
     /// Refuses (403) a caller whose role is below `role`.
     pub fn require(&self, role: Role) -> Result<(), ApiError> {
         if self.role >= role {

@@ -46,13 +46,7 @@ fn decider(caller: &Caller, d: &Decision) -> Result<Decider, ApiError> {
             "reason must say why (it is recorded with the decision)",
         ));
     }
-    Ok(Decider {
-        actor: caller.name.clone(),
-        reason: d.reason.clone(),
-        role: caller.role.as_str().into(),
-        via: "api",
-        request_id: caller.request_id.clone(),
-    })
+    Ok(caller.decider(&d.reason))
 }
 
 fn step_of(d: &Decision) -> Result<&str, ApiError> {

@@ -15,7 +15,6 @@ use super::auth::{Caller, Role};
 use super::error::ApiError;
 use super::idempotency;
 use crate::dlq::{Dlq, Selection, quiet};
-use crate::store::audit;
 
 /// Most letters a listing reads.
 const MAX_LISTED: usize = 10_000;
@@ -170,12 +169,15 @@ async fn bulk_action(
     };
     dlq.close().await;
     let done = done?;
-    let target = match &which {
-        Selection::Ids(ids) => ids.join(","),
-        Selection::Reason(code) => format!("reason:{code}"),
-        Selection::All | Selection::Id(_) => "all".into(),
-    };
-    write_audit(&state, &caller, action, &target, &bulk.reason, done.clone()).await?;
+    write_audit(
+        &state,
+        &caller,
+        action,
+        &which.target(),
+        &bulk.reason,
+        done.clone(),
+    )
+    .await?;
     Ok(Json(done))
 }
 
@@ -196,18 +198,7 @@ async fn write_audit(
     reason: &str,
     details: Value,
 ) -> Result<(), ApiError> {
-    let entry = audit::NewEntry {
-        actor: &caller.name,
-        role: caller.role.as_str(),
-        via: "api",
-        action,
-        target,
-        reason,
-        request_id: caller.request_id.as_deref(),
-        status_before: None,
-        status_after: None,
-        details: &details,
-    };
-    audit::insert(&state.engine.pool, &entry).await?;
+    let who = caller.decider(reason);
+    crate::operator::record_action(&state.engine.pool, &who, action, target, &details).await?;
     Ok(())
 }

@@ -114,6 +114,16 @@ impl Selection {
             Self::Reason(r) => letter.reason == *r,
         }
     }
+
+    /// How the audit trail names what was selected: ids, `reason:<code>` or `all`.
+    pub fn target(&self) -> String {
+        match self {
+            Self::Id(id) => id.clone(),
+            Self::Ids(ids) => ids.join(","),
+            Self::Reason(code) => format!("reason:{code}"),
+            Self::All => "all".into(),
+        }
+    }
 }
 
 /// A connection to one installation's DLQ.

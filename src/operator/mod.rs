@@ -83,6 +83,32 @@ impl Decider {
     }
 }
 
+/// Records an action that changes no run (a dead letter requeued, purged or revealed) in the
+/// audit trail: who, why, on what, and what it did. The broker action cannot share a transaction
+/// with Postgres, so the row is written after it, and says what was done.
+pub async fn record_action(
+    pool: &sqlx::PgPool,
+    who: &Decider,
+    action: &str,
+    target: &str,
+    details: &Value,
+) -> Result<()> {
+    let entry = audit::NewEntry {
+        actor: &who.actor,
+        role: &who.role,
+        via: who.via,
+        action,
+        target,
+        reason: &who.reason,
+        request_id: who.request_id.as_deref(),
+        status_before: None,
+        status_after: None,
+        details,
+    };
+    audit::insert(pool, &entry).await?;
+    Ok(())
+}
+
 /// What a decision did, for the operator's terminal.
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct Outcome {

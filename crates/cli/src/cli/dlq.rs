@@ -1,12 +1,13 @@
 //! `trailmark dlq list | show | requeue | purge`: the dead-letter queue for operators.
 
-use anyhow::bail;
 use clap::{ArgGroup, Subcommand};
 
 use trailmark::config::Settings;
 use trailmark::dlq::{
     BodyView, DeadLetter, DeadLetteredBy, Dlq, Listing, Requeued, Selection, Shown,
 };
+use trailmark::operator::{self, Decider};
+use trailmark::store;
 
 /// The `dlq` subcommands.
 #[derive(Debug, Subcommand)]
@@ -40,6 +41,9 @@ pub enum DlqCommand {
         /// Every dead letter with this reason code (e.g. unknown_workflow).
         #[arg(long)]
         reason: Option<String>,
+        /// Who does it, and why: recorded in the audit trail.
+        #[command(flatten)]
+        who: Audited,
     },
     /// Delete dead letters for good. Asks first, unless --yes.
     #[command(group(ArgGroup::new("which").required(true).args(["id", "all"])))]
@@ -52,20 +56,85 @@ pub enum DlqCommand {
         /// Do not ask; required when stdin is not a terminal.
         #[arg(long)]
         yes: bool,
+        /// Who does it, and why: recorded in the audit trail.
+        #[command(flatten)]
+        who: Audited,
     },
+}
+
+/// Who requeues or purges, and why (`--reason` already selects letters by their reason code).
+#[derive(Debug, clap::Args)]
+pub struct Audited {
+    /// Why, in your words (recorded in the audit trail).
+    #[arg(long, default_value = "no reason given")]
+    why: String,
+    /// Who does it (default: $USER).
+    #[arg(long, env = "TRAILMARK_ACTOR")]
+    actor: Option<String>,
+}
+
+impl Audited {
+    fn decider(self) -> Decider {
+        Decider::cli(
+            self.actor.unwrap_or_else(super::decide::default_actor),
+            self.why,
+        )
+    }
 }
 
 /// Runs one `dlq` subcommand.
 pub async fn run(settings: &Settings, command: DlqCommand) -> anyhow::Result<()> {
+    // What changes the DLQ is audited: the database is checked before anything is touched.
+    let audit = match &command {
+        DlqCommand::Requeue { .. } | DlqCommand::Purge { .. } => {
+            Some(store::connect(&settings.database).await?)
+        }
+        _ => None,
+    };
     let dlq = Dlq::connect(&settings.broker).await?;
     let result = match command {
         DlqCommand::List { json, limit } => list(&dlq, json, limit).await,
         DlqCommand::Show { id, json } => show(&dlq, &id, json).await,
-        DlqCommand::Requeue { id, all, reason } => requeue(&dlq, &selection(id, all, reason)).await,
-        DlqCommand::Purge { id, all, yes } => purge(&dlq, &selection(id, all, None), yes).await,
+        DlqCommand::Requeue {
+            id,
+            all,
+            reason,
+            who,
+        } => {
+            let which = selection(id, all, reason);
+            let done = requeue(&dlq, &which).await;
+            record(audit, who, "dlq.requeue", &which, done).await
+        }
+        DlqCommand::Purge { id, all, yes, who } => {
+            let which = selection(id, all, None);
+            let done = purge(&dlq, &which, yes).await;
+            record(audit, who, "dlq.purge", &which, done).await
+        }
     };
     dlq.close().await;
     result
+}
+
+/// Writes the audit row of a requeue or purge that did something, then reports how it went.
+async fn record(
+    pool: Option<sqlx::PgPool>,
+    who: Audited,
+    action: &str,
+    which: &Selection,
+    done: anyhow::Result<Option<Done>>,
+) -> anyhow::Result<()> {
+    let (Some(pool), Some(done)) = (pool, done?) else {
+        return Ok(());
+    };
+    let target = which.target();
+    operator::record_action(&pool, &who.decider(), action, &target, &done.details)
+        .await
+        .map_err(|e| {
+            anyhow::anyhow!(
+                "{action} of {target} was done but not recorded in the audit trail: {e}"
+            )
+        })?;
+    done.outcome
 }
 
 fn selection(id: Option<String>, all: bool, reason: Option<String>) -> Selection {
@@ -183,17 +252,26 @@ fn print_shown(s: &Shown) {
     }
 }
 
-async fn requeue(dlq: &Dlq, which: &Selection) -> anyhow::Result<()> {
+/// What a requeue or purge did (for the audit trail), and whether all of it went.
+struct Done {
+    details: serde_json::Value,
+    outcome: anyhow::Result<()>,
+}
+
+async fn requeue(dlq: &Dlq, which: &Selection) -> anyhow::Result<Option<Done>> {
     let r = dlq.requeue(which, &progress).await?;
     print_requeued(dlq, which, &r);
     let stuck = r.failed.len() + r.no_source_queue.len();
-    if stuck > 0 {
-        bail!(
+    let outcome = if stuck > 0 {
+        Err(anyhow::anyhow!(
             "{stuck} selected dead letters were not requeued (listed above) and are still in {}; fix the cause and run the command again",
             dlq.queue()
-        );
-    }
-    Ok(())
+        ))
+    } else {
+        Ok(())
+    };
+    let details = serde_json::to_value(&r)?;
+    Ok(Some(Done { details, outcome }))
 }
 
 fn print_requeued(dlq: &Dlq, which: &Selection, r: &Requeued) {
@@ -235,7 +313,7 @@ fn print_requeued(dlq: &Dlq, which: &Selection, r: &Requeued) {
     }
 }
 
-async fn purge(dlq: &Dlq, which: &Selection, yes: bool) -> anyhow::Result<()> {
+async fn purge(dlq: &Dlq, which: &Selection, yes: bool) -> anyhow::Result<Option<Done>> {
     let plan = match which {
         Selection::Id(id) => {
             let s = dlq.show(id, &progress).await?;
@@ -244,7 +322,7 @@ async fn purge(dlq: &Dlq, which: &Selection, yes: bool) -> anyhow::Result<()> {
         _ => match dlq.depth().await? {
             0 => {
                 println!("{} is empty; nothing to purge", dlq.queue());
-                return Ok(());
+                return Ok(None);
             }
             n => format!("all {n} dead letters in {}", dlq.queue()),
         },
@@ -263,7 +341,10 @@ async fn purge(dlq: &Dlq, which: &Selection, yes: bool) -> anyhow::Result<()> {
             purged.unseen
         );
     }
-    Ok(())
+    Ok(Some(Done {
+        details: serde_json::to_value(purged)?,
+        outcome: Ok(()),
+    }))
 }
 
 fn describe_one(d: &DeadLetter, queue: &str) -> String {
