@@ -56,7 +56,10 @@ pub(super) async fn process(
     let started = std::time::Instant::now();
     // Every line of this attempt carries it and the fence it holds; a retried delivery gets a
     // span of its own for its next attempt.
-    let attempt = tracing::info_span!("claimed", attempt = claim.attempt, fence = claim.fence.0);
+    // `tokens` and `cost`: what this attempt paid the model, recorded once the handler is done,
+    // so the commit line says it.
+    let attempt = tracing::info_span!("claimed", attempt = claim.attempt, fence = claim.fence.0,
+        tokens = tracing::field::Empty, cost = tracing::field::Empty);
     let ended = run_claimed(engine, msg, &workflow, &step, &claim)
         .instrument(attempt)
         .await;
@@ -106,6 +109,12 @@ async fn run_claimed(
         let ctx = context(engine, workflow, msg, claim).await?;
         Stats::bump(&engine.stats.handler_runs);
         let result = execute(engine, step, ctx.clone()).await;
+        let (tokens, cost) = ctx.paid();
+        if tokens > 0 {
+            let span = tracing::Span::current();
+            span.record("tokens", tokens);
+            span.record("cost", cost);
+        }
         ending::decide(workflow, msg, claimed, limits, result, ctx.take_pending())
     };
     // 4. Commit the ending, give the lease back for a retry, or drop the void work.

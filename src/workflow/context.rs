@@ -64,6 +64,8 @@ pub struct StepContext {
 pub(super) struct Inner {
     pub pos: Position,
     pub calls: AtomicI32,
+    /// Tokens and cost of the answers this attempt paid for (replays cost nothing).
+    pub paid: Mutex<(i64, f64)>,
     pub outgoing: Mutex<Vec<OutgoingMessage>>,
     pub parked: Mutex<Vec<Parked>>,
     pub tools: Arc<Tools>,
@@ -74,6 +76,7 @@ impl StepContext {
         let inner = Inner {
             pos,
             calls: AtomicI32::new(0),
+            paid: Mutex::new((0, 0.0)),
             outgoing: Mutex::new(Vec::new()),
             parked: Mutex::new(Vec::new()),
             tools,
@@ -183,6 +186,11 @@ impl StepContext {
     }
 
     /// What the step queued with [`StepContext::send`] and [`StepContext::park`], for its commit.
+    /// Tokens and cost of the model answers this attempt paid for.
+    pub(crate) fn paid(&self) -> (i64, f64) {
+        *self.inner.paid.lock().expect("paid lock")
+    }
+
     pub(crate) fn take_pending(&self) -> (Vec<OutgoingMessage>, Vec<Parked>) {
         let sent = std::mem::take(&mut *self.inner.outgoing.lock().expect("outgoing lock"));
         let parked = std::mem::take(&mut *self.inner.parked.lock().expect("parked lock"));

@@ -66,6 +66,11 @@ impl StepContext {
                 })?;
             return replayed(stored, &entry.request_hash, self);
         }
+        {
+            let mut paid = self.inner.paid.lock().expect("paid lock");
+            paid.0 += entry.tokens;
+            paid.1 += entry.cost;
+        }
         tracing::debug!(tokens = entry.tokens, cost = entry.cost, latency_ms = entry.latency_ms, model = %answer.model, prompt_hash = %entry.request_hash, "model answered");
         crate::metrics::model_answered(
             &answer.model,
