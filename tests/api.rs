@@ -633,6 +633,10 @@ async fn a_cli_made_token_opens_the_api_at_its_role_and_a_cli_decision_is_audite
         "watch of a cancelled run: {seen}"
     );
     assert!(why.contains("run r-long is cancelled"), "{why}");
+    assert!(
+        seen.contains("cancel by carol: wrong supplier list"),
+        "{seen}"
+    );
 
     let out = env
         .command(&["audit", "--target", "r-long", "--json"])

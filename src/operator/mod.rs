@@ -17,7 +17,7 @@ pub use undo::{Preview, PreviewStep, UndoOptions, preview as undo_preview, undo}
 use crate::domain::{Event, IllegalMove, RunId, RunStatus, StepAddress};
 use crate::engine::Engine;
 use crate::store::decisions::{self, NewDecision};
-use crate::store::{self, audit, outbox, runs};
+use crate::store::{self, audit, outbox, progress, runs};
 
 /// Why a decision was refused.
 #[derive(Debug, thiserror::Error)]
@@ -237,6 +237,19 @@ async fn record(
         details: &details,
     };
     audit::insert(&mut *tx, &entry).await?;
+    // Whoever watches the run sees the decision among its progress lines.
+    let said = progress::NewLine {
+        run_id: run.run_id.clone(),
+        seq: step.map_or(run.step_seq, |(_, q)| q),
+        at: chrono::Utc::now(),
+        line: format!(
+            "{} by {}: {} ({next})",
+            action.replace('_', " "),
+            who.actor,
+            who.reason
+        ),
+    };
+    progress::record(&mut *tx, &[said]).await?;
     if let Ok(run_id) = RunId::parse(&run.run_id)
         && let Some(event) = Event::run(&run_id, &run.workflow, after, step)
     {

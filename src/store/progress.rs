@@ -4,7 +4,7 @@
 
 use chrono::{DateTime, Utc};
 use serde::Serialize;
-use sqlx::{PgExecutor, PgPool};
+use sqlx::PgExecutor;
 
 use super::Result;
 
@@ -38,7 +38,7 @@ pub struct Line {
 }
 
 /// Records `lines` in one statement, then prunes the runs they belong to down to [`KEEP`].
-pub async fn record(pool: &PgPool, lines: &[NewLine]) -> Result<()> {
+pub async fn record(conn: &mut sqlx::PgConnection, lines: &[NewLine]) -> Result<()> {
     if lines.is_empty() {
         return Ok(());
     }
@@ -51,7 +51,7 @@ pub async fn record(pool: &PgPool, lines: &[NewLine]) -> Result<()> {
     .bind(lines.iter().map(|l| l.seq).collect::<Vec<_>>())
     .bind(lines.iter().map(|l| l.at).collect::<Vec<_>>())
     .bind(lines.iter().map(|l| l.line.as_str()).collect::<Vec<_>>())
-    .execute(pool)
+    .execute(&mut *conn)
     .await?;
     sqlx::query(
         "DELETE FROM trailmark.progress p USING (
@@ -63,7 +63,7 @@ pub async fn record(pool: &PgPool, lines: &[NewLine]) -> Result<()> {
     )
     .bind(&runs)
     .bind(KEEP)
-    .execute(pool)
+    .execute(&mut *conn)
     .await?;
     Ok(())
 }

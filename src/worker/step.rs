@@ -58,8 +58,13 @@ pub(super) async fn process(
     // span of its own for its next attempt.
     // `tokens` and `cost`: what this attempt paid the model, recorded once the handler is done,
     // so the commit line says it.
-    let attempt = tracing::info_span!("claimed", attempt = claim.attempt, fence = claim.fence.0,
-        tokens = tracing::field::Empty, cost = tracing::field::Empty);
+    let attempt = tracing::info_span!(
+        "claimed",
+        attempt = claim.attempt,
+        fence = claim.fence.0,
+        tokens = tracing::field::Empty,
+        cost = tracing::field::Empty
+    );
     let ended = run_claimed(engine, msg, &workflow, &step, &claim)
         .instrument(attempt)
         .await;

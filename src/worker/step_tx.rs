@@ -217,7 +217,11 @@ async fn write_progress(
 ) {
     let mut batch = Vec::new();
     while lines.recv_many(&mut batch, PROGRESS_BATCH).await > 0 {
-        if let Err(e) = progress::record(&pool, &batch).await {
+        let written = match pool.acquire().await {
+            Ok(mut conn) => progress::record(&mut conn, &batch).await,
+            Err(e) => Err(e.into()),
+        };
+        if let Err(e) = written {
             tracing::warn!(error = %crate::error::Report(&e), lines = batch.len(), "progress lines were not recorded");
         }
         batch.clear();
