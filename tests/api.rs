@@ -20,13 +20,15 @@ const WAIT: Duration = Duration::from_secs(60);
 
 /// An in-process trailmark serving its API on a port of its own, with one token per role.
 struct Api {
+    // Fields drop in this order: the components stop before the environment is torn down (a
+    // worker still running would declare the deleted queues again).
+    _running: common::Running,
     env: TestEnv,
     base: String,
     http: reqwest::Client,
     viewer: String,
     operator: String,
     admin: String,
-    _running: common::Running,
 }
 
 impl Api {
