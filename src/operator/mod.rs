@@ -249,7 +249,7 @@ async fn record(
             who.reason
         ),
     };
-    progress::record(&mut *tx, &[said]).await?;
+    progress::record(&mut tx, &[said]).await?;
     if let Ok(run_id) = RunId::parse(&run.run_id)
         && let Some(event) = Event::run(&run_id, &run.workflow, after, step)
     {
