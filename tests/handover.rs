@@ -834,7 +834,16 @@ async fn decisions_that_do_not_fit_the_status_are_refused_by_the_cli() {
         .stdin(std::process::Stdio::null())
         .output()
         .unwrap();
-    assert!(String::from_utf8_lossy(&out.stderr).contains("add --yes"));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("add --yes"), "{err}");
+    // Before asking, it lists the reversals it would write, newest first.
+    let (second, first) = (
+        err.find("undo:r-cli:link:1")
+            .expect("the reversal of position 1 listed"),
+        err.find("undo:r-cli:link:0")
+            .expect("the reversal of position 0 listed"),
+    );
+    assert!(second < first, "newest first: {err}");
     assert_eq!(
         runs::get(&env.pool, "r-cli").await.unwrap().unwrap().status,
         RunStatus::Succeeded,

@@ -50,6 +50,35 @@ async fn a_suppliers_correction_is_undone_with_reversals_and_one_withdrawal() {
         .max_by_key(|(_, n)| **n)
         .map(|(s, n)| (s.clone(), *n))
         .unwrap();
+    // The preview lists exactly the reversals the undo then writes: one ledger entry per
+    // adjustment of that supplier, and nothing of the others.
+    let scope = UndoOptions::scoped(json!({ "supplier": supplier }));
+    let preview = operator::undo_preview(&engine, &run_id, scope)
+        .await
+        .unwrap();
+    let listed = |step: &str| -> Vec<String> {
+        let c = preview
+            .compensations
+            .iter()
+            .find(|c| c.step == step)
+            .unwrap();
+        let mut keys: Vec<String> = c
+            .reversals
+            .as_ref()
+            .unwrap()
+            .iter()
+            .map(|r| r.key.clone())
+            .collect();
+        keys.sort();
+        keys
+    };
+    let ledger_listed = listed("post_ledger_adjustments");
+    assert_eq!(ledger_listed.len() as i64, k, "{preview:?}");
+    assert_eq!(
+        listed("send_debit_notes").len(),
+        1,
+        "one withdrawal for one supplier"
+    );
     let who = Decider::cli("maria.ops", format!("{supplier} corrected its invoices"));
     operator::undo(
         &engine,
@@ -62,6 +91,19 @@ async fn a_suppliers_correction_is_undone_with_reversals_and_one_withdrawal() {
     r.env
         .wait_status(&run_id, RunStatus::Compensated, WAIT)
         .await;
+
+    let mut written: Vec<String> = sqlx::query_scalar(
+        "SELECT reference FROM reference.entries WHERE run_id = $1 AND reverses IS NOT NULL",
+    )
+    .bind(&run_id)
+    .fetch_all(&r.outside)
+    .await
+    .unwrap();
+    written.sort();
+    assert_eq!(
+        written, ledger_listed,
+        "the undo wrote what the preview listed"
+    );
 
     let (rows, reversals, supplier_sum, others_sum): (i64, i64, i64, i64) = sqlx::query_as(
         "SELECT count(*), count(reverses),

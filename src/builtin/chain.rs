@@ -12,7 +12,9 @@ use sqlx::PgPool;
 use crate::domain::{IdempotencyKey, RunId};
 use crate::model::{ChatMessage, ChatRequest};
 use crate::store::chain_ledger;
-use crate::workflow::{Input, StepContext, StepError, StepKind, StepOutcome, Workflow};
+use crate::workflow::{
+    Input, PreviewContext, Reversal, StepContext, StepError, StepKind, StepOutcome, Workflow,
+};
 
 /// Workflow name.
 pub const NAME: &str = "chain";
@@ -60,6 +62,19 @@ pub fn workflow() -> Workflow {
         .step(STEP, StepKind::Write, link)
         .key_recipe("run_id:link:position")
         .compensate("posts a reversal row `undo:<reference>` per link", unlink)
+        .reversals(unlink_preview)
+}
+
+/// The reversal `unlink` would write for the link at the compensated position.
+async fn unlink_preview(p: PreviewContext) -> Result<Vec<Reversal>, StepError> {
+    let seq = p.target().seq;
+    Ok(vec![Reversal {
+        key: link_key(p.run_id(), seq).undo_of().to_string(),
+        what: format!(
+            "chain_ledger: reversal row undo:{}",
+            reference(p.run_id(), seq)
+        ),
+    }])
 }
 
 /// Compensation of one link: a reversal row that points at the original (nothing is deleted).

@@ -6,10 +6,10 @@ use std::sync::Arc;
 use serde_json::{Value, json};
 
 use super::{Decided, Decider, Outcome, Result, enqueue, lock, record, refused, set_run};
-use crate::domain::{RunStatus, UndoPlan, UndoTarget};
+use crate::domain::{RunId, RunStatus, UndoPlan, UndoTarget};
 use crate::engine::Engine;
-use crate::store::{effects, runs, steps};
-use crate::workflow::Workflow;
+use crate::store::{self, effects, runs, steps};
+use crate::workflow::{Lister, PreviewContext, Reversal, StepError, Workflow};
 
 /// What an undo covers.
 #[derive(Debug, Clone)]
@@ -140,7 +140,8 @@ async fn plan(
     })
 }
 
-/// One compensation an undo would run, with the writes of its step that it reverses.
+/// One compensation an undo would run, with the writes of its step and, where the workflow
+/// lists them, exactly the reversals it would write.
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct PreviewStep {
     /// The step it undoes.
@@ -149,9 +150,16 @@ pub struct PreviewStep {
     pub seq: i32,
     /// What the compensation does, as the workflow declares it.
     pub compensation: String,
-    /// The keys of the step's writes (each reversal goes under `undo:<key>`; a scoped undo
-    /// reverses the ones its scope selects).
+    /// The keys of the step's writes (each reversal goes under `undo:<key>`).
     pub writes: Vec<String>,
+    /// The reversals the compensation would write for this scope, when the workflow declares a
+    /// lister (`Workflow::reversals`); absent otherwise.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reversals: Option<Vec<Reversal>>,
+    /// Why the reversals could not be listed (the compensation would fail the same way, e.g.
+    /// a scope that selects nothing).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cannot_list: Option<String>,
 }
 
 /// What `run undo` would do, without doing it.
@@ -169,8 +177,8 @@ pub struct Preview {
     pub left_standing: Vec<String>,
 }
 
-/// Previews an undo: the compensations it would run, newest first, and the writes each
-/// reverses; nothing is changed or locked.
+/// Previews an undo: the compensations it would run, newest first, the writes of each step and
+/// the reversals each would write; nothing is changed or locked.
 pub async fn preview(engine: &Engine, run_id: &str, opts: UndoOptions) -> Result<Preview> {
     let mut tx = engine.pool.begin().await?;
     let run = runs::get(&mut *tx, run_id)
@@ -179,25 +187,33 @@ pub async fn preview(engine: &Engine, run_id: &str, opts: UndoOptions) -> Result
     let plan = plan(engine, &mut tx, &run, opts).await?;
     let wf = undoable(engine, &run)?;
     let written = effects::list(&mut *tx, run_id).await?;
+    let seqs: Vec<i32> = plan.targets.iter().map(|t| t.seq).collect();
+    let mut outputs = steps::outputs_at(&mut *tx, run_id, &seqs).await?;
     tx.rollback().await?;
-    let compensations = plan
-        .targets
-        .iter()
-        .map(|t| PreviewStep {
+    let mut compensations = Vec::with_capacity(plan.targets.len());
+    for t in &plan.targets {
+        let declared = wf.find(&t.step).and_then(|d| d.compensation.as_ref());
+        let output = outputs.remove(&t.seq).unwrap_or_default();
+        let (reversals, cannot_list) = match declared.and_then(|c| c.reversals.clone()) {
+            None => (None, None),
+            Some(lister) => match list(engine, &run, t, output, &plan.scope, lister).await? {
+                Ok(listed) => (Some(listed), None),
+                Err(why) => (None, Some(why)),
+            },
+        };
+        compensations.push(PreviewStep {
             step: t.step.clone(),
             seq: t.seq,
-            compensation: wf
-                .find(&t.step)
-                .and_then(|d| d.compensation.as_ref())
-                .map(|c| c.note.clone())
-                .unwrap_or_default(),
+            compensation: declared.map(|c| c.note.clone()).unwrap_or_default(),
             writes: written
                 .iter()
                 .filter(|e| e.seq == t.seq)
                 .map(|e| e.idempotency_key.clone())
                 .collect(),
-        })
-        .collect();
+            reversals,
+            cannot_list,
+        });
+    }
     Ok(Preview {
         run_id: run.run_id,
         status: run.status,
@@ -205,6 +221,37 @@ pub async fn preview(engine: &Engine, run_id: &str, opts: UndoOptions) -> Result
         compensations,
         left_standing: plan.left_standing,
     })
+}
+
+/// Runs one declared lister; its refusal is returned as text, a store failure as an error.
+async fn list(
+    engine: &Engine,
+    run: &runs::RunRow,
+    target: &UndoTarget,
+    output: Value,
+    scope: &Value,
+    lister: Lister,
+) -> Result<std::result::Result<Vec<Reversal>, String>> {
+    let run_id = RunId::parse(&run.run_id).map_err(|e| refused(run, "undo", e.to_string()))?;
+    let undone = crate::workflow::UndoTarget {
+        step: target.step.clone(),
+        seq: target.seq,
+        output,
+        scope: scope.clone(),
+    };
+    let ctx = PreviewContext::new(run_id, run.input.clone(), undone, engine.tools.clone());
+    match lister(ctx).await {
+        Ok(listed) => Ok(Ok(listed)),
+        Err(StepError::Infrastructure(why)) => Err(store::Error::Unavailable {
+            what: format!(
+                "the reversals of run {} could not be listed: {why}",
+                run.run_id
+            ),
+            source: None,
+        }
+        .into()),
+        Err(other) => Ok(Err(other.to_string())),
+    }
 }
 
 /// The run's workflow, when the run may be undone: stopped, and its compensations deployed.

@@ -71,6 +71,25 @@ pub async fn output_at(db: impl PgExecutor<'_>, run_id: &RunId, seq: i32) -> Res
     )
 }
 
+/// The checkpointed outputs at positions `seqs`, in one statement.
+pub async fn outputs_at(
+    db: impl PgExecutor<'_>,
+    run_id: &str,
+    seqs: &[i32],
+) -> Result<std::collections::HashMap<i32, Value>> {
+    let rows: Vec<(i32, Option<Value>)> = sqlx::query_as(
+        "SELECT seq, output FROM trailmark.steps WHERE run_id = $1 AND seq = ANY($2)",
+    )
+    .bind(run_id)
+    .bind(seqs)
+    .fetch_all(db)
+    .await?;
+    Ok(rows
+        .into_iter()
+        .map(|(seq, output)| (seq, output.unwrap_or_default()))
+        .collect())
+}
+
 /// The run's finished forward steps (not compensations), newest first: what undo may reverse.
 pub async fn finished_forward(db: impl PgExecutor<'_>, run_id: &str) -> Result<Vec<(i32, String)>> {
     Ok(sqlx::query_as(

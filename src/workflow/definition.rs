@@ -19,6 +19,8 @@ pub struct Compensation {
     pub note: String,
     /// The code; it reads the original step through `ctx.undo()`.
     pub handler: Handler,
+    /// Lists the reversals the code would write, for an undo's preview (optional).
+    pub reversals: Option<super::reversal::Lister>,
 }
 
 /// One declared step.
@@ -172,7 +174,38 @@ impl Workflow {
         self.last().compensation = Some(Compensation {
             note: note.to_owned(),
             handler: boxed(handler),
+            reversals: None,
         });
+        self
+    }
+
+    /// Declares how to list, before an undo runs, the reversals the compensation declared last
+    /// would write (for the preview a person confirms). Build the keys with the same code the
+    /// compensation uses, so the preview is exactly what runs.
+    ///
+    /// ```
+    /// # use serde_json::json;
+    /// # use trailmark::workflow::{Reversal, StepKind, StepOutcome, Workflow};
+    /// let wf = Workflow::new("pay", 1)
+    ///     .step("post", StepKind::Write, |_ctx| async { Ok(StepOutcome::finish(json!({}))) })
+    ///     .compensate("posts a reversal", |_ctx| async { Ok(StepOutcome::next(json!({}))) })
+    ///     .reversals(|p| async move {
+    ///         let key = format!("undo:{}:post:invoice-7", p.run_id());
+    ///         Ok(vec![Reversal { key, what: "reverse invoice-7".into() }])
+    ///     });
+    /// assert!(wf.find("post").unwrap().compensation.as_ref().unwrap().reversals.is_some());
+    /// ```
+    pub fn reversals<F, Fut>(mut self, lister: F) -> Self
+    where
+        F: Fn(super::PreviewContext) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Result<Vec<super::Reversal>, StepError>> + Send + 'static,
+    {
+        let compensation = self
+            .last()
+            .compensation
+            .as_mut()
+            .expect("declare the compensation before its reversals");
+        compensation.reversals = Some(Arc::new(move |p| Box::pin(lister(p))));
         self
     }
 

@@ -98,6 +98,7 @@ mod effect;
 mod error;
 mod host;
 mod model_call;
+mod reversal;
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -113,6 +114,7 @@ pub use definition::{Compensation, Input, StepDef, Workflow};
 pub use effect::{Lookup, Tool};
 pub use error::{ResultExt, StepError};
 pub(crate) use host::{BoxFuture, Models, Records, Tools};
+pub use reversal::{ListFuture, Lister, PreviewContext, Reversal};
 
 /// What a step does to the outside world; recovery rules follow from it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]

@@ -12,8 +12,8 @@ use super::logic::{self, Mismatch};
 use super::night::Night;
 use super::workflow::{FLAG, SEND_NOTES, SEND_SUMMARY, keyed, mail_exchange, next, setup};
 use super::{ledger, stock};
-use trailmark::domain::IdempotencyKey;
-use trailmark::workflow::{StepContext, StepError, StepOutcome};
+use trailmark::domain::{IdempotencyKey, RunId};
+use trailmark::workflow::{PreviewContext, Reversal, StepContext, StepError, StepOutcome};
 
 /// Scope fields an undo of `reconcile` understands.
 const SCOPE_FIELDS: [&str; 2] = ["supplier", "invoice_no"];
@@ -30,6 +30,132 @@ async fn selected(ctx: &StepContext) -> Result<Vec<Mismatch>, StepError> {
     let flagged: Flagged = prior(ctx, FLAG).await?;
     select(&flagged.mismatches, &target.scope)
         .map_err(|e| StepError::Unknown(format!("run {} {}: {e}", ctx.run_id(), ctx.step())))
+}
+
+/// The adjustments an undo's scope selects, read as a preview reads them (the same checkpoint
+/// and the same selection as [`selected`]).
+async fn selected_for_preview(p: &PreviewContext) -> Result<Vec<Mismatch>, StepError> {
+    let raw = p.output_of(FLAG).await?.ok_or_else(|| {
+        StepError::Unknown(format!(
+            "run {}: no checkpoint of step {FLAG}, so nothing it flagged can be listed",
+            p.run_id()
+        ))
+    })?;
+    let flagged: Flagged = serde_json::from_value(raw).map_err(|e| {
+        StepError::Unknown(format!(
+            "run {}: the checkpoint of step {FLAG} is unreadable: {e}",
+            p.run_id()
+        ))
+    })?;
+    select(&flagged.mismatches, &p.target().scope)
+        .map_err(|e| StepError::Unknown(format!("run {}: {e}", p.run_id())))
+}
+
+/// The ledger entry that reverses adjustment `m`: the preview lists it, the compensation posts it.
+fn entry_reversal(run_id: &str, m: &Mismatch) -> ledger::Entry {
+    let mut entry = logic::entry(run_id, m);
+    entry.reference = format!("undo:{}", m.key);
+    entry.amount_cents = -m.amount_cents;
+    entry.reverses = Some(m.key.clone());
+    entry
+}
+
+/// The stock adjustment that releases the units adjustment `m` put on hold.
+fn stock_reversal(run_id: &str, night: &str, m: &Mismatch) -> stock::Adjustment {
+    let original = format!("{}:stock", m.key);
+    stock::Adjustment {
+        reference: format!("undo:{original}"),
+        run_id: run_id.to_owned(),
+        night: night.to_owned(),
+        po_no: m.matched.item.po_no.clone(),
+        line: m.matched.item.line,
+        qty: -m.disputed_qty,
+        reverses: Some(original),
+    }
+}
+
+/// The key of the withdrawal of `supplier`'s debit note.
+fn withdrawal_key(run_id: &RunId, supplier: &str) -> IdempotencyKey {
+    IdempotencyKey::for_step(run_id, SEND_NOTES, supplier).undo_of()
+}
+
+/// The key of the finance head's correction for `scope`.
+fn correction_key(run_id: &RunId, scope: &Value) -> Result<IdempotencyKey, StepError> {
+    let original = IdempotencyKey::for_step(run_id, SEND_SUMMARY, "finance-head").undo_of();
+    IdempotencyKey::parse(&format!("{original}:{}", scope_tag(scope)))
+        .map_err(|e| StepError::Unknown(format!("run {run_id}: {e}")))
+}
+
+/// Preview of step 7's undo: one reversal entry per selected adjustment.
+pub(super) async fn list_entry_reversals(p: PreviewContext) -> Result<Vec<Reversal>, StepError> {
+    let chosen = selected_for_preview(&p).await?;
+    Ok(chosen
+        .iter()
+        .map(|m| {
+            let e = entry_reversal(p.run_id().as_str(), m);
+            Reversal {
+                what: format!(
+                    "ledger entry {} for {} (invoice {} line {}, {}), reversing {}",
+                    ledger::cents(e.amount_cents),
+                    e.supplier,
+                    e.invoice_no,
+                    e.line,
+                    e.kind,
+                    m.key
+                ),
+                key: e.reference,
+            }
+        })
+        .collect())
+}
+
+/// Preview of step 8's undo: one releasing adjustment per selected adjustment.
+pub(super) async fn list_stock_reversals(p: PreviewContext) -> Result<Vec<Reversal>, StepError> {
+    let chosen = selected_for_preview(&p).await?;
+    let night = Night::from_input(p.input())?.id();
+    Ok(chosen
+        .iter()
+        .map(|m| {
+            let adj = stock_reversal(p.run_id().as_str(), &night, m);
+            Reversal {
+                what: format!(
+                    "stock: release {} units of {} line {} ({})",
+                    -adj.qty, adj.po_no, adj.line, m.matched.item.supplier
+                ),
+                key: adj.reference,
+            }
+        })
+        .collect())
+}
+
+/// Preview of step 9's undo: one withdrawal per supplier in scope.
+pub(super) async fn list_withdrawals(p: PreviewContext) -> Result<Vec<Reversal>, StepError> {
+    let chosen = selected_for_preview(&p).await?;
+    Ok(logic::by_supplier(&chosen)
+        .into_iter()
+        .map(|(supplier, lines)| Reversal {
+            key: withdrawal_key(p.run_id(), &supplier).to_string(),
+            what: format!(
+                "mail: withdraw the debit note to {supplier} ({} lines, {})",
+                lines.len(),
+                ledger::cents(lines.iter().map(|m| m.amount_cents).sum())
+            ),
+        })
+        .collect())
+}
+
+/// Preview of step 10's undo: the finance head's correction.
+pub(super) async fn list_correction(p: PreviewContext) -> Result<Vec<Reversal>, StepError> {
+    let chosen = selected_for_preview(&p).await?;
+    let key = correction_key(p.run_id(), &p.target().scope)?;
+    Ok(vec![Reversal {
+        key: key.to_string(),
+        what: format!(
+            "mail: correction to the finance head for {} adjustments ({})",
+            chosen.len(),
+            ledger::cents(chosen.iter().map(|m| m.amount_cents).sum())
+        ),
+    }])
 }
 
 /// Applies a scope; an unknown field or a scope that selects nothing is refused, since both
@@ -80,10 +206,7 @@ pub(super) async fn reverse_entries(ctx: StepContext) -> Result<StepOutcome, Ste
     let fence = ctx.fence().0;
     let mut writes = Vec::with_capacity(chosen.len());
     for m in &chosen {
-        let mut entry = logic::entry(ctx.run_id().as_str(), m);
-        entry.reference = format!("undo:{}", m.key);
-        entry.amount_cents = -m.amount_cents;
-        entry.reverses = Some(m.key.clone());
+        let entry = entry_reversal(ctx.run_id().as_str(), m);
         let request = serde_json::to_value(&entry).expect("entries serialise");
         let outcome =
             keyed(&ctx, "ledger", &entry.reference, &request, || {
@@ -110,16 +233,7 @@ pub(super) async fn reverse_stock(ctx: StepContext) -> Result<StepOutcome, StepE
     let fence = ctx.fence().0;
     let mut writes = Vec::with_capacity(chosen.len());
     for m in &chosen {
-        let original = format!("{}:stock", m.key);
-        let adj = stock::Adjustment {
-            reference: format!("undo:{original}"),
-            run_id: ctx.run_id().to_string(),
-            night: night.id(),
-            po_no: m.matched.item.po_no.clone(),
-            line: m.matched.item.line,
-            qty: -m.disputed_qty,
-            reverses: Some(original),
-        };
+        let adj = stock_reversal(ctx.run_id().as_str(), &night.id(), m);
         let request = serde_json::to_value(&adj).expect("adjustments serialise");
         let outcome = keyed(&ctx, "stock", &adj.reference, &request, || {
             let (pool, adj) = (pool.clone(), adj.clone());
@@ -144,7 +258,7 @@ pub(super) async fn withdraw_notes(ctx: StepContext) -> Result<StepOutcome, Step
     let mut notes = Vec::new();
     for (supplier, lines) in logic::by_supplier(&chosen) {
         let mail = logic::withdrawal(ctx.run_id().as_str(), &night.id(), &supplier, &lines);
-        let key = IdempotencyKey::for_step(ctx.run_id(), SEND_NOTES, &supplier).undo_of();
+        let key = withdrawal_key(ctx.run_id(), &supplier);
         let total_cents = lines.iter().map(|m| m.amount_cents).sum();
         notes.push(Note {
             key: key.to_string(),
@@ -168,15 +282,15 @@ pub(super) async fn withdraw_notes(ctx: StepContext) -> Result<StepOutcome, Step
 pub(super) async fn correct_summary(ctx: StepContext) -> Result<StepOutcome, StepError> {
     let chosen = selected(&ctx).await?;
     let night = Night::from_input(ctx.input())?;
-    let scope = ctx
-        .undo()
-        .map(|t| scope_tag(&t.scope))
-        .unwrap_or_else(|| "all".into());
+    let scope = ctx.undo().map(|t| t.scope.clone()).unwrap_or_default();
     let refs: Vec<&Mismatch> = chosen.iter().collect();
-    let mail = logic::correction(ctx.run_id().as_str(), &night.id(), &scope, &refs);
-    let original = IdempotencyKey::for_step(ctx.run_id(), SEND_SUMMARY, "finance-head").undo_of();
-    let key = IdempotencyKey::parse(&format!("{original}:{scope}"))
-        .map_err(|e| StepError::Unknown(format!("run {}: {e}", ctx.run_id())))?;
+    let mail = logic::correction(
+        ctx.run_id().as_str(),
+        &night.id(),
+        &scope_tag(&scope),
+        &refs,
+    );
+    let key = correction_key(ctx.run_id(), &scope)?;
     ctx.send(
         &mail_exchange(ctx.input()),
         "summary_correction",

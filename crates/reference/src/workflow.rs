@@ -79,24 +79,28 @@ pub fn workflow() -> Workflow {
             "posts a reversal entry undo:<key> per adjustment in scope",
             undo::reverse_entries,
         )
+        .reversals(undo::list_entry_reversals)
         .step(UPDATE_STOCK, StepKind::Write, update_stock)
         .key_recipe("run_id:invoice_no:line:kind:stock")
         .compensate(
             "posts a reversal adjustment per adjustment in scope, releasing the units",
             undo::reverse_stock,
         )
+        .reversals(undo::list_stock_reversals)
         .step(SEND_NOTES, StepKind::Message, send_notes)
         .key_recipe("run_id:send_debit_notes:supplier")
         .compensate(
             "sends one withdrawal note per supplier in scope, naming the claim",
             undo::withdraw_notes,
         )
+        .reversals(undo::list_withdrawals)
         .step(SEND_SUMMARY, StepKind::Message, send_summary)
         .key_recipe("run_id:send_summary:finance-head")
         .compensate(
             "sends the finance head a correction naming the scope",
             undo::correct_summary,
         )
+        .reversals(undo::list_correction)
 }
 
 /// The night from the run's input and a pool on the outside database.

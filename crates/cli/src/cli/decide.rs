@@ -70,21 +70,18 @@ pub async fn decide(
                     .with_context(|| format!("--scope is not valid JSON: {raw}"))?,
                 None => serde_json::json!({}),
             };
-            let what = if scope.as_object().is_some_and(|o| o.is_empty()) {
-                "every completed write".to_owned()
-            } else {
-                format!("the writes selected by {scope}")
-            };
-            super::confirm(
-                &format!("undo run {run_id}: post reversals for {what}, newest first"),
-                "Check the run with `trailmark run show`, ",
-                yes,
-            )
-            .await?;
             let opts = UndoOptions {
                 scope,
                 leave_partial,
             };
+            let preview = operator::undo_preview(&engine, run_id, opts.clone()).await?;
+            let what = print_preview(&preview);
+            super::confirm(
+                &format!("undo run {run_id}: {what}, newest first"),
+                "Check the run with `trailmark run show`, ",
+                yes,
+            )
+            .await?;
             operator::undo(&engine, run_id, &who, opts).await?
         }
         Decision::Cancel => operator::cancel(&engine, run_id, &who).await?,
@@ -92,6 +89,41 @@ pub async fn decide(
         Decision::Reject { step } => operator::reject(&engine, run_id, &step, &who).await?,
     };
     print_outcome(&outcome, as_json)
+}
+
+/// Most reversals printed per compensation before asking (the rest are counted).
+const PREVIEW_LINES: usize = 20;
+
+/// Prints on stderr what an undo would write, and returns it in a few words for the question.
+fn print_preview(p: &operator::Preview) -> String {
+    let mut listed = 0;
+    for c in &p.compensations {
+        eprintln!("step {} (position {}): {}", c.step, c.seq, c.compensation);
+        match (&c.reversals, &c.cannot_list) {
+            (Some(reversals), _) => {
+                listed += reversals.len();
+                for r in reversals.iter().take(PREVIEW_LINES) {
+                    eprintln!("  {}  {}", r.key, r.what);
+                }
+                if reversals.len() > PREVIEW_LINES {
+                    eprintln!("  ... and {} more", reversals.len() - PREVIEW_LINES);
+                }
+            }
+            (None, Some(why)) => eprintln!("  cannot list its reversals: {why}"),
+            (None, None) => eprintln!(
+                "  reverses {} recorded writes of its step (the workflow lists no reversals)",
+                c.writes.len()
+            ),
+        }
+    }
+    for key in &p.left_standing {
+        eprintln!("left standing (reverse by hand): {key}");
+    }
+    format!(
+        "run {} compensations ({listed} listed reversals) for scope {}",
+        p.compensations.len(),
+        p.scope
+    )
 }
 
 fn print_outcome(o: &Outcome, as_json: bool) -> anyhow::Result<()> {
