@@ -1,5 +1,7 @@
 //! The run timeline: everything about one run that an operator needs to decide (resume,
-//! compensate or kill), read in one place, so the CLI and any other face only render it.
+//! compensate or kill), read in one place, so the CLI, the API and the console only render it.
+//! [`load`] reads every step (the CLI prints them all); [`overview`] reads one page of steps, so
+//! a run of 10,000 steps is never read whole for a page or an API call.
 
 use serde::Serialize;
 use sqlx::PgPool;
@@ -43,7 +45,7 @@ pub struct JournalTotals {
 }
 
 /// Effect totals of a run.
-#[derive(Debug, Serialize)]
+#[derive(Debug, Clone, Serialize)]
 pub struct EffectTotals {
     /// Intents recorded.
     pub recorded: i64,
@@ -76,5 +78,71 @@ pub async fn load(pool: &PgPool, run_id: &str) -> store::Result<Option<Timeline>
         progress: progress::list(pool, run_id, 0).await?,
         run,
         steps,
+    }))
+}
+
+/// What a run's model calls cost, as an overview shows it.
+#[derive(Debug, Clone, Serialize)]
+pub struct Spending {
+    /// Model calls paid for (answers set aside included).
+    pub model_calls: i64,
+    /// Tokens.
+    pub tokens: i64,
+    /// Cost.
+    pub cost: f64,
+}
+
+/// One run with one page of its steps: what the API's run and the console's run page show.
+#[derive(Debug, Serialize)]
+pub struct Overview {
+    /// The run row (status, step, handover note, error, lease).
+    pub run: runs::RunRow,
+    /// Positions the run has reached.
+    pub steps_total: i64,
+    /// The page of steps asked for, in order.
+    pub steps: Vec<steps::StepRow>,
+    /// What its model calls cost.
+    pub spent: Spending,
+    /// Effects recorded and completed.
+    pub effects: EffectTotals,
+    /// Items set aside with their reasons.
+    pub parked: Vec<parked::ParkedRow>,
+    /// Decisions, oldest first.
+    pub decisions: Vec<decisions::DecisionRow>,
+    /// The last lines the run said about its work, oldest first.
+    pub progress: Vec<progress::Line>,
+}
+
+/// The run with `page` steps after position `after`, or its newest `page` steps when `after` is
+/// `None`; `None` when the run does not exist.
+pub async fn overview(
+    pool: &PgPool,
+    run_id: &str,
+    after: Option<i32>,
+    page: i64,
+) -> store::Result<Option<Overview>> {
+    let Some(run) = runs::get(pool, run_id).await? else {
+        return Ok(None);
+    };
+    let steps_total = steps::count(pool, run_id).await?;
+    let after = after.unwrap_or((steps_total - page).max(0) as i32 - 1);
+    let spent = journal::totals(pool, run_id).await?;
+    let (recorded, completed) = effects::totals(pool, run_id).await?;
+    Ok(Some(Overview {
+        steps_total,
+        steps: steps::page(pool, run_id, after, page).await?,
+        spent: Spending {
+            model_calls: spent.entries,
+            tokens: spent.tokens,
+            cost: spent.cost,
+        },
+        effects: EffectTotals {
+            recorded,
+            completed,
+        },
+        parked: parked::list(pool, run_id).await?,
+        decisions: decisions::list(pool, run_id).await?,
+        progress: progress::list(pool, run_id, 0).await?,
+        run,
     }))
 }

@@ -62,6 +62,13 @@ pub struct Token {
     hash: [u8; 32],
 }
 
+impl Token {
+    /// The SHA-256 of the token, hex (what a console session remembers of it).
+    pub fn hash_hex(&self) -> String {
+        hex::encode(self.hash)
+    }
+}
+
 /// Parses `api.tokens` entries, `name:role:sha256`.
 pub fn parse_tokens(entries: &[String]) -> Result<Vec<Token>, String> {
     entries.iter().map(|e| parse_token(e)).collect()

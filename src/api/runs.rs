@@ -10,7 +10,8 @@ use serde_json::{Value, json};
 use super::AppState;
 use super::error::ApiError;
 use crate::domain::RunStatus;
-use crate::store::{decisions, effects, journal, parked, progress, runs, steps};
+use crate::store::{effects, journal, runs, steps};
+use crate::timeline;
 
 /// Most items in one page.
 const MAX_PAGE: i64 = 500;
@@ -65,7 +66,7 @@ pub async fn list(
     let limit = page_size(q.limit);
     let page = runs::page(&state.engine.pool, &filter, limit).await?;
     let next_cursor = (page.len() as i64 == limit)
-        .then(|| page.last().map(|r| encode_cursor(r.created_at, &r.run_id)))
+        .then(|| page.last().map(runs::Summary::cursor))
         .flatten();
     Ok(Json(RunPage {
         runs: page,
@@ -73,20 +74,9 @@ pub async fn list(
     }))
 }
 
-/// A cursor: the last run's creation time (microseconds) and id.
-fn encode_cursor(at: DateTime<Utc>, run_id: &str) -> String {
-    format!("{}.{run_id}", at.timestamp_micros())
-}
-
 fn decode_cursor(cursor: &str) -> Result<(DateTime<Utc>, String), ApiError> {
-    let bad = || ApiError::bad_request("cursor is not one this API handed out");
-    let (micros, run_id) = cursor.split_once('.').ok_or_else(bad)?;
-    let at = micros
-        .parse::<i64>()
-        .ok()
-        .and_then(DateTime::from_timestamp_micros)
-        .ok_or_else(bad)?;
-    Ok((at, run_id.to_owned()))
+    runs::parse_cursor(cursor)
+        .ok_or_else(|| ApiError::bad_request("cursor is not one this API handed out"))
 }
 
 /// Runs by status, and by workflow and status.
@@ -113,26 +103,11 @@ const STEPS_SHOWN: i64 = 50;
 pub async fn show(
     State(state): State<AppState>,
     Path(run_id): Path<String>,
-) -> Result<Json<Value>, ApiError> {
-    let pool = &state.engine.pool;
-    let Some(run) = runs::get(pool, &run_id).await? else {
-        return Err(ApiError::not_found(format!("run {run_id} not found")));
-    };
-    let steps_total = steps::count(pool, &run_id).await?;
-    let after = (steps_total - STEPS_SHOWN).max(0) as i32 - 1;
-    let newest = steps::page(pool, &run_id, after, STEPS_SHOWN).await?;
-    let spent = journal::totals(pool, &run_id).await?;
-    let (recorded, completed) = effects::totals(pool, &run_id).await?;
-    Ok(Json(json!({
-        "run": run,
-        "steps_total": steps_total,
-        "steps": newest,
-        "spent": { "model_calls": spent.entries, "tokens": spent.tokens, "cost": spent.cost },
-        "effects": { "recorded": recorded, "completed": completed },
-        "parked": parked::list(pool, &run_id).await?,
-        "decisions": decisions::list(pool, &run_id).await?,
-        "progress": progress::list(pool, &run_id, 0).await?,
-    })))
+) -> Result<Json<timeline::Overview>, ApiError> {
+    timeline::overview(&state.engine.pool, &run_id, None, STEPS_SHOWN)
+        .await?
+        .map(Json)
+        .ok_or_else(|| ApiError::not_found(format!("run {run_id} not found")))
 }
 
 /// Paging through a run's positions.
@@ -183,13 +158,13 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_cursor_round_trips_and_a_forged_one_is_refused() {
+    fn a_forged_cursor_is_refused() {
+        assert!(decode_cursor("nonsense").is_err());
+        assert!(decode_cursor("12x.run-1").is_err());
         let at = DateTime::from_timestamp_micros(1_790_000_000_123_456).unwrap();
-        let cursor = encode_cursor(at, "run-1.a:b");
         assert_eq!(
-            decode_cursor(&cursor).unwrap(),
+            decode_cursor("1790000000123456.run-1.a:b").unwrap(),
             (at, "run-1.a:b".to_owned())
         );
-        assert!(decode_cursor("nonsense").is_err());
     }
 }

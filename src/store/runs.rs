@@ -569,6 +569,21 @@ pub struct Summary {
     pub updated_at: DateTime<Utc>,
 }
 
+impl Summary {
+    /// Where the next page starts: this run's creation time (microseconds) and id.
+    pub fn cursor(&self) -> String {
+        format!("{}.{}", self.created_at.timestamp_micros(), self.run_id)
+    }
+}
+
+/// A cursor handed out by [`Summary::cursor`], as [`Filter::after`] takes it; `None` when it is
+/// not one.
+pub fn parse_cursor(cursor: &str) -> Option<(DateTime<Utc>, String)> {
+    let (micros, run_id) = cursor.split_once('.')?;
+    let at = DateTime::from_timestamp_micros(micros.parse().ok()?)?;
+    Some((at, run_id.to_owned()))
+}
+
 /// A page of runs, newest first.
 pub async fn page(db: impl PgExecutor<'_>, f: &Filter, limit: i64) -> Result<Vec<Summary>> {
     let (after_at, after_id) = f.after.clone().unzip();
