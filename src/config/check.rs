@@ -86,7 +86,7 @@ fn distance(a: &str, b: &str) -> usize {
 }
 
 /// The whole-number settings and their ranges (inclusive).
-const LIMITS: [(&str, i128, i128); 26] = [
+const LIMITS: [(&str, i128, i128); 27] = [
     ("database.max_connections", 1, 10_000),
     ("database.connect_timeout_ms", 1, 3_600_000),
     ("broker.delivery_limit", 1, 1_000_000),
@@ -113,6 +113,7 @@ const LIMITS: [(&str, i128, i128); 26] = [
     ("api.body_limit_bytes", 1_024, 1 << 30),
     ("api.request_timeout_secs", 1, 3_600),
     ("api.idempotency_retention_secs", 60, 31_536_000),
+    ("api.console_session_secs", 60, 2_592_000),
 ];
 
 /// What a value that did not even parse must be, when the driver's message names its key.

@@ -162,6 +162,8 @@ pub struct ApiSettings {
     pub request_timeout_secs: u64,
     /// How long the response to an `Idempotency-Key` is kept for a repeat.
     pub idempotency_retention_secs: u64,
+    /// How long a console login lasts.
+    pub console_session_secs: u64,
 }
 
 impl fmt::Debug for ApiSettings {
@@ -175,6 +177,7 @@ impl fmt::Debug for ApiSettings {
                 "idempotency_retention_secs",
                 &self.idempotency_retention_secs,
             )
+            .field("console_session_secs", &self.console_session_secs)
             .finish()
     }
 }

@@ -4,6 +4,7 @@
 pub mod audit;
 pub mod chain_ledger;
 pub mod checkpoint;
+pub mod console_sessions;
 pub mod decisions;
 pub mod effects;
 pub mod idempotency;
