@@ -8,6 +8,7 @@
 //! | module | what it does |
 //! |---|---|
 //! | [`api`] | the HTTP surface: `/livez`, `/readyz`, `/metrics`, and the ops API under `/api/v1` with roles and an audit trail |
+//! | [`console`] | the ops console in the browser at `/`: review queue, run pages, decisions, dead letters |
 //! | [`domain`] | ids, run status and its allowed moves, step addresses, undo plans, journal and effect records, the messages; no I/O |
 //! | [`config`] | typed settings: compiled-in defaults, optional file, environment |
 //! | [`store`] | all SQL: runs, step checkpoints, journal, effects, inbox, outbox, decisions |
@@ -48,6 +49,7 @@ pub mod api;
 pub mod broker;
 pub mod builtin;
 pub mod config;
+pub mod console;
 pub mod dlq;
 pub mod domain;
 pub mod engine;

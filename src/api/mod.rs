@@ -39,7 +39,7 @@ use tower_http::request_id::{MakeRequestUuid, PropagateRequestIdLayer, SetReques
 use tower_http::timeout::TimeoutLayer;
 use tower_http::trace::TraceLayer;
 
-pub use auth::{Role, Token, hash_token, new_token, parse_tokens};
+pub use auth::{Role, Token, hash_token, identify, new_token, parse_tokens};
 pub use error::ApiError;
 pub use openapi::{ENDPOINTS, Endpoint, document};
 
@@ -114,12 +114,14 @@ pub fn router(engine: Arc<Engine>) -> Result<Router, Error> {
             .unwrap_or("");
         tracing::debug_span!("http", method = %req.method(), path = %req.uri().path(), request.id = %id)
     });
+    let console = crate::console::router(state.engine.clone(), state.tokens.clone());
     Ok(Router::new()
         .nest("/api/v1", api)
         .route("/livez", get(health::livez))
         .route("/readyz", get(health::readyz))
         .route("/metrics", get(health::metrics))
         .with_state(state)
+        .merge(console)
         .layer(CatchPanicLayer::new())
         .layer(TimeoutLayer::with_status_code(
             StatusCode::GATEWAY_TIMEOUT,

@@ -1,0 +1,549 @@
+//! One run: the handover note on top, the decisions the person's role and the run's status
+//! allow, what the run says while it works (refreshed while it moves), its steps, model calls and
+//! effects a page at a time (a run of 10,000 steps opens as fast as one of ten), parked items and
+//! the decisions taken. Undo goes through a preview of the exact reversals, then a confirmation.
+
+use axum::Form;
+use axum::extract::{Path, Query, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Redirect, Response};
+use maud::{Markup, html};
+use serde::Deserialize;
+use serde_json::Value;
+
+use super::layout::{
+    csrf_field, done_box, error_box, json_block, maybe_time, one_line, page, status, time,
+};
+use super::session::{Me, Person};
+use super::{ConsoleState, Shown, refusal};
+use crate::api::Role;
+use crate::domain::RunStatus;
+use crate::operator::{self, Outcome, Resume, UndoOptions};
+use crate::store::{effects, journal};
+use crate::timeline::{self, Overview};
+
+/// Steps, model calls and effects shown per page.
+const PAGE: i64 = 100;
+/// Items of a handover note's lists shown before "and N more".
+const NOTE_ITEMS: usize = 20;
+/// Progress lines shown in the live part.
+const PROGRESS_SHOWN: usize = 12;
+
+/// `GET /runs/{id}` options.
+#[derive(Debug, Deserialize)]
+pub struct RunQuery {
+    /// Show the steps after this position (absent: the newest page).
+    after: Option<i32>,
+    /// What was just done (after a decision's redirect).
+    done: Option<String>,
+}
+
+/// What a page says besides the run: what was just done, or what went wrong in a form.
+enum Notice {
+    None,
+    Done(String),
+    Failed(String),
+}
+
+/// `GET /runs/{id}`.
+pub async fn show(
+    State(state): State<ConsoleState>,
+    me: Me,
+    Path(run_id): Path<String>,
+    Query(q): Query<RunQuery>,
+) -> Result<Response, Shown> {
+    let notice = match q.done {
+        Some(done) => Notice::Done(done),
+        None => Notice::None,
+    };
+    render(&state, &me, &run_id, q.after, notice, StatusCode::OK).await
+}
+
+async fn render(
+    state: &ConsoleState,
+    me: &Person,
+    run_id: &str,
+    after: Option<i32>,
+    notice: Notice,
+    code: StatusCode,
+) -> Result<Response, Shown> {
+    let pool = &state.engine.pool;
+    let Some(o) = timeline::overview(pool, run_id, after, PAGE).await? else {
+        return Err(Shown::not_found(format!(
+            "run {run_id} not found; list runs on the Runs page"
+        )));
+    };
+    let from = o.steps.first().map_or(-1, |s| s.seq - 1);
+    let calls = journal::page(pool, run_id, from, PAGE).await?;
+    let writes = effects::page(pool, run_id, from, PAGE).await?;
+    let body = html! {
+        @match &notice {
+            Notice::Done(done) => (done_box(done)),
+            _ => {},
+        }
+        (summary(&o))
+        @if matches!(o.run.status, RunStatus::NeedsReview | RunStatus::Waiting) {
+            @if let Some(note) = &o.run.handover { (handover(note)) }
+        }
+        @if me.may(Role::Operator) {
+            h2 #decide { "Decide" }
+            @if let Notice::Failed(why) = &notice { (error_box(why)) }
+            (decisions(me, &o))
+        }
+        (live_part(&o))
+        (steps_part(&o))
+        h2 { "Model calls" }
+        @if calls.is_empty() { p.muted { "None at these positions." } }
+        @else {
+            table {
+                thead { tr { th.num { "position" } th.num { "call" } th { "model" } th { "prompt hash" } th.num { "tokens" } th.num { "cost" } th.num { "ms" } } }
+                tbody { @for c in &calls { tr {
+                    td.num { (c.seq) } td.num { (c.call_no) } td { (c.model.as_deref().unwrap_or(&c.kind)) }
+                    td.key { (&c.request_hash[..16.min(c.request_hash.len())]) "…" }
+                    td.num { (c.tokens) } td.num { (format!("{:.4}", c.cost)) } td.num { (c.latency_ms) }
+                } } }
+            }
+        }
+        h2 { "Effects" }
+        @if writes.is_empty() { p.muted { "None at these positions." } }
+        @else {
+            table {
+                thead { tr { th { "key" } th { "tool" } th.num { "position" } th { "state" } th { "request hash" } } }
+                tbody { @for e in &writes {
+                    tr class=(if e.state == "unknown" { "unknown" } else { "" }) {
+                        td.key { (e.idempotency_key) } td { (e.tool) } td.num { (e.seq) }
+                        td { @if e.state == "unknown" { strong { "unknown outcome" } } @else { (e.state) } }
+                        td.key { (&e.request_hash[..16.min(e.request_hash.len())]) "…" }
+                    }
+                } }
+            }
+        }
+        @if !o.parked.is_empty() {
+            h2 { "Parked items" }
+            table {
+                thead { tr { th { "item" } th { "step" } th.num { "position" } th { "why" } } }
+                tbody { @for p in &o.parked { tr { td { (p.item) } td { (p.step) } td.num { (p.seq) } td { (p.reason) } } } }
+            }
+        }
+        h2 { "Decisions" }
+        @if o.decisions.is_empty() { p.muted { "No one has decided anything about this run." } }
+        @else {
+            table {
+                thead { tr { th { "when" } th { "who" } th { "what" } th { "status" } th { "why" } } }
+                tbody { @for d in &o.decisions { tr {
+                    td { (time(d.created_at)) } td { (d.actor) } td { (d.action) }
+                    td { (d.status_before) " → " (d.status_after) } td { (d.reason) }
+                } } }
+            }
+        }
+    };
+    let title = format!("Run {}", o.run.run_id);
+    Ok((code, page(&title, Some(me), body)).into_response())
+}
+
+fn summary(o: &Overview) -> Markup {
+    let r = &o.run;
+    html! {
+        p #status-line {
+            (status(r.status)) " "
+            (r.workflow) " v" (r.workflow_version)
+            @if let Some(step) = &r.step { " · step " strong { (step) } " (position " (r.step_seq) ")" }
+            " · " (o.steps_total) " positions · " (o.spent.model_calls) " model calls, "
+            (o.spent.tokens) " tokens, cost " (format!("{:.4}", o.spent.cost))
+            " · effects " (o.effects.completed) "/" (o.effects.recorded) " completed"
+        }
+        p.muted {
+            "created " (time(r.created_at)) " · changed " (time(r.updated_at))
+            @if let Some(f) = r.finished_at { " · finished " (time(f)) }
+            @if let Some(owner) = &r.lease_owner { " · lease " (owner) " until " (maybe_time(r.lease_expires_at)) }
+        }
+        @if let (Some(error), false) = (&r.error, matches!(r.status, RunStatus::NeedsReview | RunStatus::Waiting)) {
+            p.muted { "last error: " (error) }
+        }
+    }
+}
+
+/// Keys of a note's effect list, at most [`NOTE_ITEMS`], with how many were left out.
+fn keys(list: Option<&Value>) -> (Vec<String>, usize) {
+    let all = list.and_then(Value::as_array).cloned().unwrap_or_default();
+    let shown = all
+        .iter()
+        .take(NOTE_ITEMS)
+        .map(|e| {
+            let key = e["key"].as_str().unwrap_or_default();
+            let tool = e["tool"].as_str().unwrap_or_default();
+            format!("{key} ({tool}, position {})", e["seq"])
+        })
+        .collect();
+    (shown, all.len().saturating_sub(NOTE_ITEMS))
+}
+
+fn handover(note: &Value) -> Markup {
+    let text = |k: &str| note[k].as_str().map(str::to_owned);
+    let (done, done_more) = keys(note.get("effects_committed"));
+    let (unknown, unknown_more) = keys(note.get("effects_unknown"));
+    let parked = note["parked"].as_array().cloned().unwrap_or_default();
+    html! {
+        section.note #handover {
+            h2 { "Handover note" }
+            dl {
+                @if let Some(step) = text("failed_step") {
+                    dt { "Stopped at" } dd { (step) " (position " (note["seq"]) ", attempt " (note["attempt"]) ")" }
+                }
+                @if let Some(class) = text("error_class") { dt { "Error class" } dd { (class) } }
+                @if let Some(error) = text("error").or_else(|| text("question")) { dt { "What happened" } dd #handover-error { (error) } }
+                dt { "Effects done" }
+                dd { @if done.is_empty() { "none" } @else { ul { @for k in &done { li.key { (k) } } } } @if done_more > 0 { "and " (done_more) " more" } }
+                dt { "Effects of unknown outcome" }
+                dd { @if unknown.is_empty() { "none" } @else { ul { @for k in &unknown { li.key { strong { (k) } } } } } @if unknown_more > 0 { "and " (unknown_more) " more" } }
+                @if !parked.is_empty() {
+                    dt { "Parked items" }
+                    dd { ul { @for p in &parked { li { (p["item"].as_str().unwrap_or_default()) ": " (p["reason"].as_str().unwrap_or_default()) } } } }
+                }
+                @if let Some(next) = text("next") { dt { "Proposed next action" } dd { (next) } }
+            }
+            details { summary { "The whole note" } (json_block(note)) }
+        }
+    }
+}
+
+/// The decisions that fit the run's status (the operator functions refuse the others anyway).
+fn decisions(me: &Person, o: &Overview) -> Markup {
+    let r = &o.run;
+    let id = &r.run_id;
+    let reason = html! { label { "Why " input type="text" name="reason" required placeholder="recorded with the decision"; } };
+    let step = r
+        .step
+        .as_ref()
+        .map(|s| s.as_str().to_owned())
+        .unwrap_or_default();
+    let form = |action: &str, label: &str, extra: Markup, danger: bool| {
+        html! {
+            form method="post" action={ "/runs/" (id) "/decide" } data-action=(action) {
+                (csrf_field(me))
+                input type="hidden" name="action" value=(action);
+                input type="hidden" name="step" value=(step);
+                (reason) (extra)
+                button type="submit" class=(if danger { "danger" } else { "" }) { (label) }
+            }
+        }
+    };
+    let s = r.status;
+    html! {
+        div.decisions {
+            @if s == RunStatus::NeedsReview {
+                (form("resume", "Resume", html! { p.muted { "Runs the stopped step again from its checkpoint; journaled answers are replayed." } }, false))
+                (form("resume_after_fix", "Resume after fix", html! {
+                    label { input type="checkbox" name="ask_again" value="true"; " ask the model again (set the step's journaled answers aside)" }
+                    p.muted { "Resets the step's attempts; continues on the version deployed now." }
+                }, false))
+            }
+            @if s == RunStatus::Waiting {
+                (form("approve", "Approve", html! {}, false))
+                (form("reject", "Reject", html! {}, true))
+            }
+            @if s.accepts_steps() || matches!(s, RunStatus::NeedsReview | RunStatus::Waiting) {
+                (form("cancel", "Cancel the run", html! {}, true))
+            }
+            @if !s.accepts_steps() {
+                form method="get" action={ "/runs/" (id) "/undo" } data-action="undo-preview" {
+                    label { "Undo scope (JSON, empty: everything) " input type="text" name="scope" placeholder=r#"{"supplier": "SUP03"}"#; }
+                    label { input type="checkbox" name="leave_partial" value="true"; " leave a stopped step's writes standing" }
+                    button type="submit" { "Preview the undo" }
+                }
+            }
+        }
+    }
+}
+
+/// The part that moves: status, step, attempts and progress lines; polled while the run runs.
+fn live_part(o: &Overview) -> Markup {
+    let r = &o.run;
+    let moving = r.status.accepts_steps();
+    let lines: Vec<_> = o.progress.iter().rev().take(PROGRESS_SHOWN).rev().collect();
+    let attempts = o
+        .steps
+        .iter()
+        .find(|s| s.seq == r.step_seq)
+        .map_or(0, |s| s.attempts);
+    html! {
+        section #live
+            hx-get=[moving.then(|| format!("/runs/{}/live?was={}", r.run_id, r.status.as_str()))]
+            hx-trigger=[moving.then_some("every 2s")]
+            hx-swap=[moving.then_some("outerHTML")] {
+            h2 { "Now" }
+            p #live-status {
+                (status(r.status))
+                @if let Some(step) = &r.step { " step " (step) " (position " (r.step_seq) "), attempt " (attempts) }
+                @if moving { span.muted { " · refreshes every 2 s" } }
+            }
+            @if lines.is_empty() { p.muted { "The run has said nothing about its progress." } }
+            @else {
+                ul #progress { @for l in &lines { li { (time(l.at)) " · position " (l.seq) " · " (l.line) } } }
+            }
+        }
+    }
+}
+
+fn steps_part(o: &Overview) -> Markup {
+    let first = o.steps.first().map_or(0, |s| s.seq);
+    let last = o.steps.last().map_or(-1, |s| s.seq);
+    let id = &o.run.run_id;
+    html! {
+        h2 #steps { "Steps " (first) "–" (last) " of " (o.steps_total) }
+        p.pager {
+            @if first > 0 { a href={ "/runs/" (id) "?after=" ((first - PAGE as i32 - 1).max(-1)) "#steps" } { "← earlier" } }
+            @if (last as i64) < o.steps_total - 1 { a href={ "/runs/" (id) "?after=" (last) "#steps" } { "later →" } }
+            @if first > 0 || (last as i64) < o.steps_total - 1 { a href={ "/runs/" (id) "?after=-1#steps" } { "first" } a href={ "/runs/" (id) "#steps" } { "newest" } }
+        }
+        table {
+            thead { tr { th.num { "position" } th { "step" } th.num { "attempts" } th { "started" } th { "finished" } th.num { "ms" } th { "next retry" } th { "last error" } } }
+            tbody { @for s in &o.steps { tr {
+                td.num { (s.seq) } td { (s.step) } td.num { (s.attempts) }
+                td { (time(s.started_at)) } td { (maybe_time(s.finished_at)) }
+                td.num { @if let Some(f) = s.finished_at { ((f - s.started_at).num_milliseconds()) } @else { "–" } }
+                td { (maybe_time(s.retry_at)) }
+                td { (one_line(s.last_error.as_deref().unwrap_or("–"), 100)) }
+            } } }
+        }
+    }
+}
+
+/// `GET /runs/{id}/live` options.
+#[derive(Debug, Deserialize)]
+pub struct LiveQuery {
+    /// The status the page was showing.
+    was: Option<String>,
+}
+
+/// `GET /runs/{id}/live`: the moving part again; when the status changed, the whole page
+/// reloads (its note and its decisions changed too).
+pub async fn live(
+    State(state): State<ConsoleState>,
+    _me: Me,
+    Path(run_id): Path<String>,
+    Query(q): Query<LiveQuery>,
+) -> Result<Response, Shown> {
+    let Some(o) = timeline::overview(&state.engine.pool, &run_id, None, 1).await? else {
+        return Err(Shown::not_found(format!("run {run_id} not found")));
+    };
+    if q.was.as_deref() != Some(o.run.status.as_str()) {
+        return Ok(([("HX-Refresh", "true")], live_part(&o)).into_response());
+    }
+    Ok(live_part(&o).into_response())
+}
+
+/// A decision's form.
+#[derive(Debug, Deserialize)]
+pub struct DecideForm {
+    action: String,
+    #[serde(default)]
+    reason: String,
+    #[serde(default)]
+    step: String,
+    ask_again: Option<String>,
+}
+
+/// `POST /runs/{id}/decide`: resume, resume after a fix, cancel, approve, reject.
+pub async fn decide(
+    State(state): State<ConsoleState>,
+    me: Me,
+    Path(run_id): Path<String>,
+    Form(f): Form<DecideForm>,
+) -> Result<Response, Shown> {
+    me.require(Role::Operator, "deciding about a run")?;
+    if f.reason.trim().is_empty() {
+        let why = "say why in the reason field: it is recorded with the decision".to_owned();
+        return render(
+            &state,
+            &me,
+            &run_id,
+            None,
+            Notice::Failed(why),
+            StatusCode::BAD_REQUEST,
+        )
+        .await;
+    }
+    let engine = &state.engine;
+    let who = me.decider(&f.reason);
+    let ask_again = f.ask_again.is_some();
+    let decided = match f.action.as_str() {
+        "resume" => operator::resume(engine, &run_id, &who, Resume::Again).await,
+        "resume_after_fix" => {
+            let how = Resume::from_flags(true, ask_again).expect("after_fix is set");
+            operator::resume(engine, &run_id, &who, how).await
+        }
+        "cancel" => operator::cancel(engine, &run_id, &who).await,
+        "approve" => operator::approve(engine, &run_id, &f.step, &who).await,
+        "reject" => operator::reject(engine, &run_id, &f.step, &who).await,
+        other => {
+            return Err(Shown::bad_request(format!(
+                "no decision {other:?}: resume, resume_after_fix, cancel, approve or reject"
+            )));
+        }
+    };
+    finish(&state, &me, &run_id, decided).await
+}
+
+/// After a decision: back to the run with what was done, or the run with why not, in place.
+async fn finish(
+    state: &ConsoleState,
+    me: &Person,
+    run_id: &str,
+    decided: operator::Result<Outcome>,
+) -> Result<Response, Shown> {
+    match decided {
+        Ok(o) => {
+            let done = format!(
+                "{}: {} → {}; {}",
+                o.action, o.status_before, o.status_after, o.next
+            );
+            let q = url::form_urlencoded::Serializer::new(String::new())
+                .append_pair("done", &done)
+                .finish();
+            Ok(Redirect::to(&format!("/runs/{run_id}?{q}")).into_response())
+        }
+        Err(e) => {
+            let code = refusal(&e);
+            if code == StatusCode::NOT_FOUND {
+                return Err(Shown::not_found(e.to_string()));
+            }
+            let why = crate::error::Report(&e).to_string();
+            render(state, me, run_id, None, Notice::Failed(why), code).await
+        }
+    }
+}
+
+/// `GET /runs/{id}/undo` options.
+#[derive(Debug, Deserialize)]
+pub struct UndoQuery {
+    #[serde(default)]
+    scope: String,
+    leave_partial: Option<String>,
+}
+
+fn undo_options(scope: &str, leave_partial: bool) -> Result<UndoOptions, String> {
+    let scope: Value = match scope.trim() {
+        "" => serde_json::json!({}),
+        raw => serde_json::from_str(raw).map_err(|e| {
+            format!("the scope is not JSON ({e}); write it like {{\"supplier\": \"SUP03\"}}")
+        })?,
+    };
+    if !scope.is_object() {
+        return Err("the scope must be a JSON object, like {\"supplier\": \"SUP03\"}".into());
+    }
+    Ok(UndoOptions {
+        scope,
+        leave_partial,
+    })
+}
+
+/// `GET /runs/{id}/undo`: what an undo would write, exactly, and a form to confirm it.
+pub async fn undo_preview(
+    State(state): State<ConsoleState>,
+    me: Me,
+    Path(run_id): Path<String>,
+    Query(q): Query<UndoQuery>,
+) -> Result<Response, Shown> {
+    me.require(Role::Operator, "undoing a run")?;
+    let leave = q.leave_partial.is_some();
+    let opts = match undo_options(&q.scope, leave) {
+        Ok(o) => o,
+        Err(why) => {
+            return render(
+                &state,
+                &me,
+                &run_id,
+                None,
+                Notice::Failed(why),
+                StatusCode::BAD_REQUEST,
+            )
+            .await;
+        }
+    };
+    let preview = match operator::undo_preview(&state.engine, &run_id, opts).await {
+        Ok(p) => p,
+        Err(e) => {
+            let code = refusal(&e);
+            let why = crate::error::Report(&e).to_string();
+            return render(&state, &me, &run_id, None, Notice::Failed(why), code).await;
+        }
+    };
+    let listed: usize = preview
+        .compensations
+        .iter()
+        .map(|c| c.reversals.as_ref().map_or(0, Vec::len))
+        .sum();
+    let body = html! {
+        p { "Run " a href={ "/runs/" (run_id) } { (run_id) } " is " (status(preview.status)) ". Scope: " code { (preview.scope) } }
+        p { "The undo runs " (preview.compensations.len()) " compensations, newest first, writing these " (listed) " reversals:" }
+        @for c in &preview.compensations {
+            h2 { (c.step) " (position " (c.seq) ")" }
+            p.muted { (c.compensation) }
+            @match (&c.reversals, &c.cannot_list) {
+                (Some(list), _) => {
+                    @if list.is_empty() { p { "Nothing in this scope." } }
+                    @else {
+                        table.reversals data-step=(c.step) {
+                            thead { tr { th { "key" } th { "what" } } }
+                            tbody { @for r in list { tr { td.key.reversal { (r.key) } td { (r.what) } } } }
+                        }
+                    }
+                }
+                (None, Some(why)) => (error_box(&format!("its reversals cannot be listed, and the compensation would fail the same way: {why}"))),
+                (None, None) => p { "It reverses the step's " (c.writes.len()) " recorded writes as its code decides (the workflow lists no reversals)." },
+            }
+        }
+        @if !preview.left_standing.is_empty() {
+            h2 { "Left standing" }
+            p { "These writes of the step that stopped are not reversed; reverse them by hand:" }
+            ul { @for k in &preview.left_standing { li.key { (k) } } }
+        }
+        form.box method="post" action={ "/runs/" (run_id) "/undo" } {
+            (csrf_field(&me))
+            input type="hidden" name="scope" value=(q.scope);
+            @if leave { input type="hidden" name="leave_partial" value="true"; }
+            input type="hidden" name="form_key" value=(uuid::Uuid::new_v4().to_string());
+            label { "Why " input type="text" name="reason" required; }
+            button.danger type="submit" { "Undo: write these reversals" }
+        }
+    };
+    Ok(page(&format!("Undo run {run_id}?"), Some(&me), body).into_response())
+}
+
+/// The undo confirmation.
+#[derive(Debug, Deserialize)]
+pub struct UndoForm {
+    #[serde(default)]
+    scope: String,
+    leave_partial: Option<String>,
+    #[serde(default)]
+    reason: String,
+    #[serde(default)]
+    form_key: String,
+}
+
+/// `POST /runs/{id}/undo`: the confirmed undo (once, however often the form is sent).
+pub async fn undo(
+    State(state): State<ConsoleState>,
+    me: Me,
+    Path(run_id): Path<String>,
+    Form(f): Form<UndoForm>,
+) -> Result<Response, Shown> {
+    me.require(Role::Operator, "undoing a run")?;
+    let opts = undo_options(&f.scope, f.leave_partial.is_some()).map_err(Shown::bad_request)?;
+    if f.reason.trim().is_empty() {
+        return Err(Shown::bad_request(
+            "say why in the reason field: it is recorded with the decision",
+        ));
+    }
+    let fingerprint = format!("undo {run_id} {} {}", f.scope, f.leave_partial.is_some());
+    let once = super::once::Once::take(&state, &f.form_key, &fingerprint).await?;
+    if let Some(replay) = once.replay() {
+        return Ok(replay);
+    }
+    let decided = operator::undo(&state.engine, &run_id, &me.decider(&f.reason), opts).await;
+    let response = finish(&state, &me, &run_id, decided).await?;
+    once.keep(&state, &response).await?;
+    Ok(response)
+}
