@@ -207,6 +207,10 @@ fn options(settings: &DatabaseSettings) -> Result<PgConnectOptions> {
     //   one probe per key, and that plan stays cached while the table grows. Measured with
     //   `trailmark bench --scale`: Postgres CPU per step 0.72 ms at 1,000 runs and 1.75 ms at
     //   10,000 before; see the README for after. A query with no index to use still scans.
+    // - no JIT: a scan the settings above discourage still runs, but its cost now reads ten
+    //   billion, far past `jit_above_cost`, so Postgres spent 50-150 ms compiling a query that
+    //   runs in a millisecond (the console's counts of a one-row table took 80 ms). Trailmark's
+    //   statements are short; none gains from compilation.
     Ok(opts
         .log_statements(tracing::log::LevelFilter::Trace)
         .options([
@@ -214,6 +218,7 @@ fn options(settings: &DatabaseSettings) -> Result<PgConnectOptions> {
             ("enable_seqscan", "off"),
             ("enable_hashjoin", "off"),
             ("enable_mergejoin", "off"),
+            ("jit", "off"),
         ]))
 }
 
