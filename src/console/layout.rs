@@ -66,6 +66,16 @@ pub fn maybe_time(at: Option<DateTime<Utc>>) -> Markup {
     }
 }
 
+/// A time carried as text (a dead letter's header): shown in the browser's zone when it parses,
+/// as written when it does not, since a header is whatever the sender wrote.
+pub fn text_time(at: Option<&str>) -> Markup {
+    match at.map(|t| (t, DateTime::parse_from_rfc3339(t))) {
+        Some((_, Ok(parsed))) => time(parsed.with_timezone(&Utc)),
+        Some((raw, Err(_))) => html! { (raw) },
+        None => html! { "–" },
+    }
+}
+
 /// A run's status as a badge (its class colours it).
 pub fn status(s: RunStatus) -> Markup {
     html! { span.status.(s.as_str()) data-status=(s.as_str()) { (s.as_str()) } }

@@ -12,7 +12,7 @@ use maud::{Markup, html};
 use serde::Deserialize;
 use serde_json::json;
 
-use super::layout::{csrf_field, done_box, error_box, page};
+use super::layout::{csrf_field, done_box, error_box, page, text_time};
 use super::once::Once;
 use super::session::{Me, Person};
 use super::{ConsoleState, Shown};
@@ -76,7 +76,7 @@ pub async fn list(
                         td { (d.queue.as_deref().unwrap_or("–")) }
                         td.num { (d.deliveries.map(|n| n.to_string()).unwrap_or("–".into())) }
                         td.num { (d.body_bytes) }
-                        td { (d.failed_at.as_deref().unwrap_or("–")) }
+                        td { (text_time(d.failed_at.as_deref())) }
                         td { (super::layout::one_line(d.detail.as_deref().unwrap_or(""), 120)) }
                     } } }
                 }

@@ -24,6 +24,13 @@ use crate::timeline::{self, Overview};
 
 /// Steps, model calls and effects shown per page.
 const PAGE: i64 = 100;
+/// Compensations an undo page lists one by one, and reversals per compensation: the count above
+/// them covers all; a run of 10,000 positions would otherwise make a page of megabytes.
+const COMPENSATIONS_SHOWN: usize = 100;
+/// See [`COMPENSATIONS_SHOWN`].
+const REVERSALS_SHOWN: usize = 500;
+/// Where the whole list is.
+const UNDO_PREVIEW_API: &str = "GET /api/v1/runs/{run_id}/undo-preview";
 /// Items of a handover note's lists shown before "and N more".
 const NOTE_ITEMS: usize = 20;
 /// Progress lines shown in the live part.
@@ -477,7 +484,7 @@ pub async fn undo_preview(
     let body = html! {
         p { "Run " a href={ "/runs/" (run_id) } { (run_id) } " is " (status(preview.status)) ". Scope: " code { (preview.scope) } }
         p { "The undo runs " (preview.compensations.len()) " compensations, newest first, writing these " (listed) " reversals:" }
-        @for c in &preview.compensations {
+        @for c in preview.compensations.iter().take(COMPENSATIONS_SHOWN) {
             h2 { (c.step) " (position " (c.seq) ")" }
             p.muted { (c.compensation) }
             @match (&c.reversals, &c.cannot_list) {
@@ -486,13 +493,17 @@ pub async fn undo_preview(
                     @else {
                         table.reversals data-step=(c.step) {
                             thead { tr { th { "key" } th { "what" } } }
-                            tbody { @for r in list { tr { td.key.reversal { (r.key) } td { (r.what) } } } }
+                            tbody { @for r in list.iter().take(REVERSALS_SHOWN) { tr { td.key.reversal { (r.key) } td { (r.what) } } } }
                         }
+                        @if list.len() > REVERSALS_SHOWN { p.muted { "and " (list.len() - REVERSALS_SHOWN) " more (" (UNDO_PREVIEW_API) " lists every one)." } }
                     }
                 }
                 (None, Some(why)) => (error_box(&format!("its reversals cannot be listed, and the compensation would fail the same way: {why}"))),
                 (None, None) => p { "It reverses the step's " (c.writes.len()) " recorded writes as its code decides (the workflow lists no reversals)." },
             }
+        }
+        @if preview.compensations.len() > COMPENSATIONS_SHOWN {
+            p.muted { "and " (preview.compensations.len() - COMPENSATIONS_SHOWN) " older compensations (" (UNDO_PREVIEW_API) " lists every one)." }
         }
         @if !preview.left_standing.is_empty() {
             h2 { "Left standing" }
