@@ -9,6 +9,7 @@
 //! |---|---|
 //! | [`api`] | the HTTP surface: `/livez`, `/readyz`, `/metrics`, and the ops API under `/api/v1` with roles and an audit trail |
 //! | [`console`] | the ops console in the browser at `/`: review queue, run pages, decisions, dead letters |
+//! | [`diff`] | two runs compared position by position: outputs, model answers, outside writes |
 //! | [`domain`] | ids, run status and its allowed moves, step addresses, undo plans, journal and effect records, the messages; no I/O |
 //! | [`config`] | typed settings: compiled-in defaults, optional file, environment |
 //! | [`store`] | all SQL: runs, step checkpoints, journal, effects, inbox, outbox, decisions |
@@ -19,7 +20,7 @@
 //! | [`supervisor`] | expired leases -> the step re-queued through the outbox; late decisions escalated |
 //! | [`process`] | the components one process runs ([`serve`]) and how they stop |
 //! | [`startup`] | what a process checks before it says it started: servers reachable, logins accepted, schema current |
-//! | [`operator`] | operator decisions: resume, resume after fix, undo, cancel, approve, reject |
+//! | [`operator`] | operator decisions: resume, resume after fix, undo, cancel, approve, reject, fork |
 //! | [`timeline`] | a run as an operator reads it (what `trailmark run show` prints) |
 //! | [`dlq`] | the dead-letter queue for operators: list, show, requeue, purge |
 //! | [`guard`] | budgets, repeated-action detection, circuit breakers |
@@ -50,6 +51,7 @@ pub mod broker;
 pub mod builtin;
 pub mod config;
 pub mod console;
+pub mod diff;
 pub mod dlq;
 pub mod domain;
 pub mod engine;

@@ -6,7 +6,10 @@
 use serde::Serialize;
 use sqlx::PgPool;
 
-use crate::store::{self, decisions, effects, journal, parked, progress, runs, steps};
+use crate::domain::ShadowWrite;
+use crate::store::{
+    self, decisions, effects, forks, journal, parked, progress, runs, shadow, steps,
+};
 
 /// A run as an operator reads it: the run row, its steps with attempts and timings, journal
 /// and effect totals, parked items and decisions.
@@ -31,6 +34,10 @@ pub struct Timeline {
     pub steps: Vec<steps::StepRow>,
     /// The last lines the run said about its work, oldest first.
     pub progress: Vec<progress::Line>,
+    /// The run it was forked from, and its forks.
+    pub lineage: forks::Lineage,
+    /// What a shadow run would have written outside, in order (empty for a live run).
+    pub shadow_writes: Vec<ShadowWrite>,
 }
 
 /// Journal totals of a run.
@@ -76,6 +83,8 @@ pub async fn load(pool: &PgPool, run_id: &str) -> store::Result<Option<Timeline>
         parked: parked::list(pool, run_id).await?,
         decisions: decisions::list(pool, run_id).await?,
         progress: progress::list(pool, run_id, 0).await?,
+        lineage: forks::lineage(pool, run_id).await?,
+        shadow_writes: shadow::list(pool, run_id).await?,
         run,
         steps,
     }))
@@ -111,6 +120,8 @@ pub struct Overview {
     pub decisions: Vec<decisions::DecisionRow>,
     /// The last lines the run said about its work, oldest first.
     pub progress: Vec<progress::Line>,
+    /// The run it was forked from, and its forks.
+    pub lineage: forks::Lineage,
 }
 
 /// The run with `page` steps after position `after`, or its newest `page` steps when `after` is
@@ -143,6 +154,7 @@ pub async fn overview(
         parked: parked::list(pool, run_id).await?,
         decisions: decisions::list(pool, run_id).await?,
         progress: progress::list(pool, run_id, 0).await?,
+        lineage: forks::lineage(pool, run_id).await?,
         run,
     }))
 }

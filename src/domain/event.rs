@@ -50,8 +50,9 @@ pub struct Event {
 }
 
 /// The run statuses that are events: a run ended, or stopped for a person to decide.
-pub const EVENT_STATUSES: [RunStatus; 5] = [
+pub const EVENT_STATUSES: [RunStatus; 6] = [
     RunStatus::Succeeded,
+    RunStatus::Shadowed,
     RunStatus::Failed,
     RunStatus::NeedsReview,
     RunStatus::Cancelled,

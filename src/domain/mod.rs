@@ -16,7 +16,8 @@ pub use envelope::{
 pub use event::{EVENT_HEADER, EVENT_STATUSES, Event};
 pub use ids::{Fence, IdError, IdempotencyKey, MessageId, RunId};
 pub use record::{
-    EffectIntent, EffectState, IntentOutcome, JournalEntry, Spent, ToolUsage, request_hash,
+    EffectIntent, EffectState, IntentOutcome, JournalEntry, ShadowWrite, Spent, ToolUsage,
+    request_hash,
 };
 pub use status::{IllegalMove, RunStatus, Transition, UnknownStatus};
 pub use step::{StepAddress, UndoPlan, UndoTarget};

@@ -77,6 +77,21 @@ pub struct ToolUsage {
     pub repeats: i64,
 }
 
+/// An outside write a shadow run would have made: recorded instead of made.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct ShadowWrite {
+    /// The position that would have made it.
+    pub seq: i32,
+    /// `effect` or `message`.
+    pub kind: String,
+    /// Its idempotency key.
+    pub key: String,
+    /// The tool, or `exchange/routing key` of a message.
+    pub target: String,
+    /// The request (an effect's request, a message's body).
+    pub request: Value,
+}
+
 /// What a run has spent on models so far, for its budget.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct Spent {

@@ -25,6 +25,8 @@ pub enum RunStatus {
     Failed,
     /// Stopped by an operator.
     Cancelled,
+    /// A shadow fork finished every step; its outside writes were recorded, never made.
+    Shadowed,
 }
 
 use RunStatus::*;
@@ -32,11 +34,18 @@ use RunStatus::*;
 /// Every move a run's status may make, by status of departure. Writers ask
 /// [`RunStatus::move_to`] before they bind a new status into SQL, so no statement can put a run
 /// where this table does not allow (a move to the same status is a step that advanced the run).
-const MOVES: [(RunStatus, &[RunStatus]); 8] = [
+const MOVES: [(RunStatus, &[RunStatus]); 9] = [
     // Steps commit (advance, end, wait for a person, stop for review); an operator cancels.
     (
         Running,
-        &[Running, Succeeded, Waiting, NeedsReview, Cancelled],
+        &[
+            Running,
+            Succeeded,
+            Shadowed,
+            Waiting,
+            NeedsReview,
+            Cancelled,
+        ],
     ),
     // The same for compensations.
     (
@@ -49,6 +58,7 @@ const MOVES: [(RunStatus, &[RunStatus]); 8] = [
         &[
             Running,
             Succeeded,
+            Shadowed,
             Cancelled,
             NeedsReview,
             Compensating,
@@ -65,6 +75,8 @@ const MOVES: [(RunStatus, &[RunStatus]); 8] = [
     (Compensated, &[Compensating, Compensated]),
     (Failed, &[Compensating, Compensated]),
     (Cancelled, &[Compensating, Compensated]),
+    // A shadow run changed nothing outside: there is nothing to undo.
+    (Shadowed, &[]),
 ];
 
 /// A status move the table of moves allows; the only way a writer gets a status to store.
@@ -81,7 +93,10 @@ impl Transition {
     /// committed step advances the run (also when it ends it); a run that stops for a person
     /// stays at the step that stopped it.
     pub fn advances(self) -> bool {
-        matches!(self.to, Running | Compensating | Succeeded | Compensated)
+        matches!(
+            self.to,
+            Running | Compensating | Succeeded | Compensated | Shadowed
+        )
     }
 }
 
@@ -97,7 +112,7 @@ pub struct IllegalMove {
 
 impl RunStatus {
     /// Every status, for listings and metrics.
-    pub const ALL: [RunStatus; 8] = [
+    pub const ALL: [RunStatus; 9] = [
         Running,
         Waiting,
         NeedsReview,
@@ -106,6 +121,7 @@ impl RunStatus {
         Compensated,
         Failed,
         Cancelled,
+        Shadowed,
     ];
 
     /// The statuses in which workers execute steps.
@@ -122,12 +138,16 @@ impl RunStatus {
             Compensated => "compensated",
             Failed => "failed",
             Cancelled => "cancelled",
+            Shadowed => "shadowed",
         }
     }
 
     /// True when no step will run again without an operator decision.
     pub fn is_terminal(self) -> bool {
-        matches!(self, Succeeded | Compensated | Failed | Cancelled)
+        matches!(
+            self,
+            Succeeded | Compensated | Failed | Cancelled | Shadowed
+        )
     }
 
     /// Whether a worker may execute steps of a run in this status.
@@ -210,11 +230,23 @@ mod tests {
 
     #[test]
     fn ended_runs_can_only_be_undone() {
-        for st in RunStatus::ALL.into_iter().filter(|s| s.is_terminal()) {
+        for st in RunStatus::ALL
+            .into_iter()
+            .filter(|s| s.is_terminal() && *s != Shadowed)
+        {
             for to in RunStatus::ALL {
                 let undo = matches!(to, Compensating | Compensated);
                 assert_eq!(st.move_to(to).is_ok(), undo, "{st} -> {to}");
             }
+        }
+    }
+
+    #[test]
+    fn a_shadow_run_ends_shadowed_and_has_nothing_to_undo() {
+        assert!(Running.move_to(Shadowed).unwrap().advances());
+        assert!(Shadowed.is_terminal());
+        for to in RunStatus::ALL {
+            assert!(Shadowed.move_to(to).is_err(), "shadowed -> {to}");
         }
     }
 

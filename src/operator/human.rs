@@ -120,8 +120,13 @@ pub async fn approve(engine: &Engine, run_id: &str, step: &str, who: &Decider) -
             )
         }
         None => {
-            set_run(&mut tx, &run, RunStatus::Succeeded, None, seq + 1, version).await?;
-            (RunStatus::Succeeded, "the run is complete".to_owned())
+            let done = if run.shadow {
+                RunStatus::Shadowed
+            } else {
+                RunStatus::Succeeded
+            };
+            set_run(&mut tx, &run, done, None, seq + 1, version).await?;
+            (done, "the run is complete".to_owned())
         }
     };
     record(

@@ -1,8 +1,9 @@
 //! Operator decisions as durable state: resume, resume after a fix, undo, cancel,
-//! approve and reject. Each is one transaction that checks the run's status, changes the run,
+//! approve, reject, and fork (a new run from another's checkpoint). Each is one transaction that checks the run's status, changes the run,
 //! records who/when/what/why with the status before and after (a decision row and an audit
 //! row), and queues the next step message through the outbox. None restarts a run from zero.
 
+mod fork;
 mod human;
 mod resume;
 mod undo;
@@ -10,6 +11,7 @@ mod undo;
 use serde_json::{Value, json};
 use sqlx::{PgConnection, Postgres, Transaction};
 
+pub use fork::{ForkPlan, ForkPoint, ForkRequest, fork, plan as fork_plan};
 pub use human::{approve, reject};
 pub use resume::{Resume, resume};
 pub use undo::{Preview, PreviewStep, UndoOptions, preview as undo_preview, undo};

@@ -256,6 +256,13 @@ async fn list(
 
 /// The run's workflow, when the run may be undone: stopped, and its compensations deployed.
 fn undoable(engine: &Engine, run: &runs::RunRow) -> Result<Arc<Workflow>> {
+    if run.shadow {
+        return Err(refused(
+            run,
+            "undo",
+            "it is a shadow run: its outside writes were recorded, never made, so there is nothing to reverse",
+        ));
+    }
     if run.status.accepts_steps() {
         return Err(refused(
             run,

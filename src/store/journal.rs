@@ -54,11 +54,13 @@ pub async fn get(
 }
 
 /// Entries, tokens and cost of a run, for `run show` and the run's model budget: the answers
-/// set aside by an operator count too (they were paid for).
+/// set aside by an operator count too (they were paid for); the answers a fork took over from
+/// its parent do not (the parent paid for them).
 pub async fn totals(db: impl PgExecutor<'_>, run_id: &str) -> Result<Spent> {
     let (entries, tokens, cost) = sqlx::query_as(
         "SELECT count(*), COALESCE(sum(tokens), 0)::bigint, COALESCE(sum(cost), 0)::float8
-           FROM (SELECT tokens, cost FROM trailmark.journal WHERE run_id = $1
+           FROM (SELECT tokens, cost FROM trailmark.journal
+                  WHERE run_id = $1 AND inherited_from IS NULL
                  UNION ALL
                  SELECT tokens, cost FROM trailmark.journal_set_aside WHERE run_id = $1) paid",
     )
@@ -77,7 +79,10 @@ pub async fn totals(db: impl PgExecutor<'_>, run_id: &str) -> Result<Spent> {
 pub async fn set_aside(db: impl PgExecutor<'_>, run_id: &str, seq: i32) -> Result<u64> {
     let moved = sqlx::query(
         "WITH moved AS (DELETE FROM trailmark.journal WHERE run_id = $1 AND seq = $2 RETURNING *)
-         INSERT INTO trailmark.journal_set_aside SELECT moved.*, now() FROM moved",
+         INSERT INTO trailmark.journal_set_aside (run_id, seq, call_no, kind, request_hash, response,
+                                                  tokens, cost, latency_ms, created_at, set_aside_at)
+         SELECT run_id, seq, call_no, kind, request_hash, response, tokens, cost, latency_ms,
+                created_at, now() FROM moved",
     )
     .bind(run_id)
     .bind(seq)
@@ -121,6 +126,34 @@ pub async fn page(
     .bind(run_id)
     .bind(after)
     .bind(limit)
+    .fetch_all(db)
+    .await?)
+}
+
+/// A model answer as a comparison of two runs reads it.
+#[derive(Debug, Clone, sqlx::FromRow)]
+pub struct Answer {
+    /// Position.
+    pub seq: i32,
+    /// Call number within the position.
+    pub call_no: i32,
+    /// Hash of the request.
+    pub request_hash: String,
+    /// The answer's text.
+    pub content: Option<String>,
+    /// Tokens.
+    pub tokens: i64,
+    /// Cost.
+    pub cost: f64,
+}
+
+/// Every journaled answer of a run, in order.
+pub async fn answers(db: impl PgExecutor<'_>, run_id: &str) -> Result<Vec<Answer>> {
+    Ok(sqlx::query_as(
+        "SELECT seq, call_no, request_hash, response->>'content' AS content, tokens, cost
+           FROM trailmark.journal WHERE run_id = $1 ORDER BY seq, call_no",
+    )
+    .bind(run_id)
     .fetch_all(db)
     .await?)
 }

@@ -7,6 +7,7 @@ pub mod checkpoint;
 pub mod console_sessions;
 pub mod decisions;
 pub mod effects;
+pub mod forks;
 pub mod idempotency;
 pub mod inbox;
 pub mod journal;
@@ -15,6 +16,7 @@ pub mod parked;
 pub mod progress;
 pub mod records;
 pub mod runs;
+pub mod shadow;
 pub mod steps;
 mod types;
 

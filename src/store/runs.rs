@@ -49,6 +49,8 @@ pub struct RunRow {
     pub updated_at: DateTime<Utc>,
     /// Finished.
     pub finished_at: Option<DateTime<Utc>>,
+    /// A shadow fork: outside writes recorded, never made.
+    pub shadow: bool,
 }
 
 /// A new run; the first step is queued by the caller in the same transaction.
@@ -128,6 +130,8 @@ pub struct Claim {
     /// Whether another owner held the lease until this claim (a dead or frozen worker's, or
     /// one the supervisor voided).
     pub took_over: bool,
+    /// A shadow run: outside writes are recorded, never made.
+    pub shadow: bool,
 }
 
 /// A worker asking for a run's lease to execute one step delivery (owned, so a group-commit task
@@ -186,6 +190,7 @@ struct ClaimRow {
     input: Option<Value>,
     age_secs: Option<f64>,
     undo: Option<sqlx::types::Json<UndoPlan>>,
+    shadow: Option<bool>,
     attempts: Option<i32>,
     journaled: i32,
     run_status: Option<RunStatus>,
@@ -221,14 +226,14 @@ const CLAIM: &str = "WITH req AS (
            AND (u.lease_owner IS NULL OR u.lease_expires_at < now() OR u.lease_owner = r.owner
                 OR trailmark.process_gone(u.lease_pid))
         RETURNING r.n, r.run_id, r.seq, r.step, u.fence, u.status, u.input,
-                  EXTRACT(EPOCH FROM now() - u.created_at)::float8 AS age_secs, u.undo
+                  EXTRACT(EPOCH FROM now() - u.created_at)::float8 AS age_secs, u.undo, u.shadow
     ), attempt AS (
         INSERT INTO trailmark.steps (run_id, seq, step, attempts) SELECT run_id, seq, step, 1 FROM claimed
         ON CONFLICT (run_id, seq) DO UPDATE SET attempts = trailmark.steps.attempts + 1, retry_at = NULL
         RETURNING run_id, seq, attempts
     )
     SELECT r.n IN (SELECT n FROM seen) AS seen, r.n IN (SELECT n FROM held) AS took_over,
-           c.fence, c.status, c.input, c.age_secs, c.undo, a.attempts,
+           c.fence, c.status, c.input, c.age_secs, c.undo, c.shadow, a.attempts,
            (SELECT count(*) FROM trailmark.journal j WHERE j.run_id = r.run_id AND j.seq = r.seq)::int4 AS journaled,
            o.status AS run_status, o.step_seq AS run_seq
       FROM req r LEFT JOIN claimed c ON c.n = r.n LEFT JOIN attempt a ON a.run_id = c.run_id AND a.seq = c.seq
@@ -297,6 +302,7 @@ fn outcome(row: ClaimRow, asked_seq: i32) -> ClaimOutcome {
         attempt,
         journaled: row.journaled,
         took_over: row.took_over,
+        shadow: row.shadow.unwrap_or(false),
     })
 }
 

@@ -90,11 +90,15 @@ pub async fn outputs_at(
         .collect())
 }
 
-/// The run's finished forward steps (not compensations), newest first: what undo may reverse.
+/// The run's own finished forward steps (not compensations, not the positions a fork took
+/// over from its parent), newest first: what undo may reverse.
 pub async fn finished_forward(db: impl PgExecutor<'_>, run_id: &str) -> Result<Vec<(i32, String)>> {
     Ok(sqlx::query_as(
         "SELECT seq, step FROM trailmark.steps WHERE run_id = $1 AND finished_at IS NOT NULL
-            AND step NOT LIKE $2 ORDER BY seq DESC",
+            AND step NOT LIKE $2
+            -- A fork's positions before its fork point are its parent's work, not its own.
+            AND seq >= COALESCE((SELECT from_seq FROM trailmark.forks WHERE run_id = $1), 0)
+          ORDER BY seq DESC",
     )
     .bind(run_id)
     .bind(StepAddress::UNDO_LIKE)

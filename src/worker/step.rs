@@ -17,14 +17,15 @@ use super::handover::{self, Evidence};
 use super::lease::Heartbeat;
 use super::outcome::{Disposition, dead};
 use super::published;
-use crate::domain::{OutgoingMessage, RunStatus, StepMessage, Transition, UndoPlan};
+use crate::domain::{OutgoingMessage, RunStatus, ShadowWrite, StepMessage, Transition, UndoPlan};
 use crate::engine::{Engine, Stats};
 use crate::failpoint::Injected;
 use crate::guard::Budget;
 use crate::metrics;
-use crate::store::{self, decisions, runs, steps};
+use crate::store::{self, decisions, runs, shadow, steps};
 use crate::workflow::{
-    Position, Records, StepContext, StepDef, StepError, StepOutcome, UndoTarget, Workflow,
+    IDEMPOTENCY_KEY_HEADER, Position, Records, StepContext, StepDef, StepError, StepOutcome,
+    UndoTarget, Workflow,
 };
 
 /// Processes a decoded step message to its disposition; `Err` means trailmark's own
@@ -120,7 +121,11 @@ async fn run_claimed(
             span.record("tokens", tokens);
             span.record("cost", cost);
         }
-        ending::decide(workflow, msg, claimed, limits, result, ctx.take_pending())
+        let (mut sent, parked) = ctx.take_pending();
+        if claim.shadow {
+            shadow_sends(engine, msg, std::mem::take(&mut sent)).await?;
+        }
+        ending::decide(workflow, msg, claimed, limits, result, (sent, parked))
     };
     // 4. Commit the ending, give the lease back for a retry, or drop the void work.
     let outcome = verdict.outcome();
@@ -328,8 +333,34 @@ async fn context(
             .unwrap_or_else(|| Budget::from_settings(&engine.settings.guards)),
         input: claim.input.clone(),
         undo: undo_target(engine, msg, claim.undo.as_ref()).await?,
+        shadow: claim.shadow,
     };
     Ok(StepContext::new(engine.tools.clone(), pos))
+}
+
+/// A shadow run's outside messages: recorded with their keys and bodies, never sent. Recorded
+/// before the step commits; a replay records the same keys again, which changes nothing.
+async fn shadow_sends(
+    engine: &Engine,
+    msg: &StepMessage,
+    sent: Vec<OutgoingMessage>,
+) -> store::Result<()> {
+    let writes: Vec<ShadowWrite> = sent
+        .into_iter()
+        .map(|m| ShadowWrite {
+            seq: msg.seq,
+            kind: "message".into(),
+            key: m
+                .headers
+                .get(IDEMPOTENCY_KEY_HEADER)
+                .cloned()
+                .unwrap_or_else(|| m.message_id.to_string()),
+            target: format!("{}/{}", m.exchange, m.routing_key),
+            request: serde_json::from_slice(&m.body)
+                .unwrap_or_else(|_| Value::String(String::from_utf8_lossy(&m.body).into_owned())),
+        })
+        .collect();
+    shadow::record(&engine.pool, msg.run_id.as_str(), &writes).await
 }
 
 /// For a compensation: the original step's checkpoint and the operator's scope.
@@ -386,6 +417,13 @@ async fn commit(
     ending: Ending,
 ) -> store::Result<Disposition> {
     let mut step = ending::to_commit(&engine.topology, msg, claim.fence, claim.status, ending)
+        .and_then(|mut step| {
+            // A shadow run that finishes ends `shadowed`: it changed nothing outside.
+            if claim.shadow && step.to.status.to == RunStatus::Succeeded {
+                step.to.status = step.to.status.from.move_to(RunStatus::Shadowed)?;
+            }
+            Ok(step)
+        })
         .map_err(|e| store::Error::unavailable("the step's ending is not a legal move", e))?;
     let to = step.to.status;
     published::hold_for_eager_publish(engine, &mut step.outbox);

@@ -16,12 +16,13 @@ use sqlx::PgPool;
 use super::batch::Batcher;
 use crate::broker::Topology;
 use crate::domain::{
-    EffectIntent, Event, Fence, IdempotencyKey, IntentOutcome, JournalEntry, RunId, Spent,
+    EffectIntent, Event, Fence, IdempotencyKey, IntentOutcome, JournalEntry, RunId, ShadowWrite,
+    Spent,
 };
 use crate::store::checkpoint::{self, StepCommit};
 use crate::store::records::{self, Record};
 use crate::store::runs::{self, ClaimOutcome, ClaimRequest};
-use crate::store::{self, effects, journal, outbox, progress, steps};
+use crate::store::{self, effects, journal, outbox, progress, shadow, steps};
 use crate::workflow::{BoxFuture, Records, StepError};
 
 /// Claims, records, commits and releases of one process's steps.
@@ -144,6 +145,14 @@ impl Records for StepTx {
         entry: JournalEntry,
     ) -> BoxFuture<'a, Result<bool, StepError>> {
         Box::pin(async move { Ok(self.record(Record::Journal(run.clone(), entry)).await?) })
+    }
+
+    fn shadow_write<'a>(
+        &'a self,
+        run: &'a RunId,
+        write: ShadowWrite,
+    ) -> BoxFuture<'a, Result<(), StepError>> {
+        Box::pin(async move { Ok(shadow::record(&self.pool, run.as_str(), &[write]).await?) })
     }
 
     fn spent<'a>(&'a self, run: &'a RunId) -> BoxFuture<'a, Result<Spent, StepError>> {

@@ -53,6 +53,8 @@ pub(crate) struct Position {
     pub input: Value,
     pub budget: Budget,
     pub undo: Option<UndoTarget>,
+    /// A shadow fork's step: outside writes are recorded, never made.
+    pub shadow: bool,
 }
 
 /// The handle a step handler works through. Cheap to clone.
@@ -117,6 +119,11 @@ impl StepContext {
     /// For a compensation: the step being undone and the undo's scope.
     pub fn undo(&self) -> Option<&UndoTarget> {
         self.inner.pos.undo.as_ref()
+    }
+    /// Whether this run is a shadow fork: `effect` and `send` record what they would do and do
+    /// nothing. A handler that writes outside by other means must ask this and refrain.
+    pub fn is_shadow(&self) -> bool {
+        self.inner.pos.shadow
     }
     /// Trailmark's database, for handlers of built-in workflows.
     pub fn pool(&self) -> &PgPool {

@@ -158,6 +158,8 @@ impl StepContext {
                     "effect outcome unknown after a restart; calling again under the same key"
                 );
             }
+            // A shadow run never calls: what it would have done is recorded, below.
+            EffectState::Unknown if self.is_shadow() => {}
             EffectState::Unknown => match lookup(key.clone()).await? {
                 Lookup::Done(result) => {
                     self.tools()
@@ -175,6 +177,9 @@ impl StepContext {
                 }
             },
         }
+        if self.is_shadow() {
+            return self.shadow_effect(tool, key, request).await;
+        }
         let result = self.call_with_retries(tool, key, retries, call).await?;
         // A crash here is the "unknown outcome" case: the call happened, its result is not known.
         self.failpoint("effect.after_call")?;
@@ -186,6 +191,30 @@ impl StepContext {
             .records
             .finish_effect(key.clone(), result.clone())
             .await?;
+        Ok(result)
+    }
+
+    /// In a shadow run: records the call it would make (key, tool, request) and answers as if it
+    /// had been made, `{"shadow": true}`, so the run goes on and its budget and repeat guards
+    /// count the call like a real one.
+    async fn shadow_effect(
+        &self,
+        tool: &Tool,
+        key: &IdempotencyKey,
+        request: &Value,
+    ) -> Result<Value, StepError> {
+        let write = crate::domain::ShadowWrite {
+            seq: self.seq(),
+            kind: "effect".into(),
+            key: key.to_string(),
+            target: tool.name.clone(),
+            request: request.clone(),
+        };
+        let records = &self.tools().records;
+        records.shadow_write(self.run_id(), write).await?;
+        let result = serde_json::json!({ "shadow": true });
+        records.finish_effect(key.clone(), result.clone()).await?;
+        tracing::debug!("shadow run: the call was recorded, not made");
         Ok(result)
     }
 

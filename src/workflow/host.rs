@@ -11,7 +11,9 @@ use serde_json::Value;
 use sqlx::PgPool;
 
 use super::StepError;
-use crate::domain::{EffectIntent, IdempotencyKey, IntentOutcome, JournalEntry, RunId, Spent};
+use crate::domain::{
+    EffectIntent, IdempotencyKey, IntentOutcome, JournalEntry, RunId, ShadowWrite, Spent,
+};
 use crate::failpoint::Failpoints;
 use crate::guard::Breakers;
 use crate::model::ModelClient;
@@ -60,6 +62,14 @@ pub(crate) trait Records: Send + Sync {
         &'a self,
         tool: &'a str,
         opened: bool,
+    ) -> BoxFuture<'a, Result<(), StepError>>;
+
+    /// Records what a shadow run would have written outside (an effect or a message), instead
+    /// of writing it.
+    fn shadow_write<'a>(
+        &'a self,
+        run: &'a RunId,
+        write: ShadowWrite,
     ) -> BoxFuture<'a, Result<(), StepError>>;
 
     /// The newest committed output of `step` before position `before`.
