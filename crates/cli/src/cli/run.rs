@@ -240,6 +240,7 @@ pub async fn show(settings: &Settings, run_id: &str, as_json: bool) -> anyhow::R
             run.fence
         );
     }
+    super::fork::print_lineage(&r.lineage, &r.shadow_writes);
     if let Some(error) = &run.error {
         println!("error: {error}");
     }

@@ -74,6 +74,20 @@ pub enum RunCommand {
         #[command(flatten)]
         who: Who,
     },
+    /// Start a new run from this run's checkpoint at a position: the positions before it are
+    /// taken over (outputs and journaled answers), the rest runs on the deployed workflow, live
+    /// (asks first when it writes outside, unless --yes) or in shadow.
+    Fork(super::fork::ForkArgs),
+    /// Compare two runs position by position: outputs, model answers, outside writes.
+    Diff {
+        /// The first run (A).
+        a: String,
+        /// The second run (B), often a fork of A.
+        b: String,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
     /// Cancel a run; a step in flight commits nothing.
     Cancel {
         /// Run id.
@@ -163,6 +177,8 @@ pub async fn dispatch(
             )
             .await
         }
+        RunCommand::Fork(args) => super::fork::fork(settings, registry, args).await,
+        RunCommand::Diff { a, b, json } => super::fork::diff(&settings, &a, &b, json).await,
         RunCommand::Cancel { run_id, who } => {
             decide(settings, registry, &run_id, Decision::Cancel, who).await
         }

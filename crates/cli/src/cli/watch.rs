@@ -19,7 +19,7 @@ struct Seen {
     progress: i64,
 }
 
-/// Follows `run_id` until it ends: `Ok` when it succeeded (or its undo completed), an error
+/// Follows `run_id` until it ends: `Ok` when it succeeded (or its undo or shadow run completed), an error
 /// (exit 1) when it failed, was cancelled or stopped for review. A run that does not exist yet
 /// is waited for at most `appear_secs`.
 pub async fn watch(pool: &PgPool, run_id: &str, appear_secs: u64) -> anyhow::Result<()> {
@@ -37,7 +37,7 @@ pub async fn watch(pool: &PgPool, run_id: &str, appear_secs: u64) -> anyhow::Res
         };
         show_changes(pool, &run, &mut seen).await?;
         match run.status {
-            RunStatus::Succeeded | RunStatus::Compensated => return Ok(()),
+            RunStatus::Succeeded | RunStatus::Compensated | RunStatus::Shadowed => return Ok(()),
             RunStatus::Failed | RunStatus::Cancelled | RunStatus::NeedsReview => {
                 let why = run.error.as_deref().unwrap_or("no error recorded");
                 bail!("run {run_id} is {}: {why}", run.status);
