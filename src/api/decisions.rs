@@ -1,7 +1,8 @@
 //! Deciding about runs: resume, resume after a fix, undo (with a preview of what it would
 //! reverse), cancel, approve, reject. A reason is required; a decision that does not fit the
 //! run's status is 409 with the status. Each writes its audit row in the decision's transaction.
-//! Also the export of every decision, for evaluations.
+//! Also forks (a new run from another's checkpoint), comparisons of two runs, and the export
+//! of every decision, for evaluations.
 
 use axum::body::Body;
 use axum::extract::{Path, Query, State};
@@ -104,6 +105,70 @@ pub async fn decide(
         }
     };
     Ok(Json(outcome))
+}
+
+/// `POST /api/v1/runs/{id}/fork`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ForkBody {
+    /// Why (required).
+    reason: String,
+    /// A position (number) or a step name (its first visit).
+    from: Value,
+    /// The fork's id (default `<run>-fork-<8 hex>`).
+    run_id: Option<String>,
+    /// A new input (default: the parent's).
+    input: Option<Value>,
+    /// Record outside writes instead of making them.
+    #[serde(default)]
+    shadow: bool,
+}
+
+/// Forks a run: a new run from its checkpoint at `from`, live or in shadow. A live fork writes
+/// outside under its own keys, so it needs an `Idempotency-Key` like other bulk actions.
+pub async fn fork(
+    State(state): State<AppState>,
+    Extension(caller): Extension<Caller>,
+    Path(run_id): Path<String>,
+    headers: HeaderMap,
+    Json(b): Json<ForkBody>,
+) -> Result<Json<operator::ForkPlan>, ApiError> {
+    caller.require(Role::Operator)?;
+    idempotency::required(&headers)?;
+    if b.reason.trim().is_empty() {
+        return Err(ApiError::bad_request(
+            "reason must say why (it is recorded with the fork)",
+        ));
+    }
+    let from = match &b.from {
+        Value::Number(n) => n
+            .as_i64()
+            .and_then(|n| i32::try_from(n).ok())
+            .map(operator::ForkPoint::Position),
+        Value::String(s) => s.parse().ok(),
+        _ => None,
+    }
+    .ok_or_else(|| ApiError::bad_request("from must be a position (a number) or a step name"))?;
+    let req = operator::ForkRequest {
+        from,
+        run_id: b.run_id,
+        input: b.input,
+        shadow: b.shadow,
+    };
+    let who = caller.decider(&b.reason);
+    Ok(Json(
+        operator::fork(&state.engine, &run_id, &req, &who).await?,
+    ))
+}
+
+/// `GET /api/v1/runs/{id}/diff/{other}`: two runs compared position by position.
+pub async fn diff(
+    State(state): State<AppState>,
+    Path((run_id, other)): Path<(String, String)>,
+) -> Result<Json<crate::diff::RunDiff>, ApiError> {
+    Ok(Json(
+        crate::diff::compare(&state.engine.pool, &run_id, &other).await?,
+    ))
 }
 
 /// `GET /api/v1/runs/{id}/undo-preview` options.

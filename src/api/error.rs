@@ -122,6 +122,15 @@ impl From<operator::Error> for ApiError {
     }
 }
 
+impl From<crate::diff::Error> for ApiError {
+    fn from(e: crate::diff::Error) -> Self {
+        match e {
+            crate::diff::Error::NotFound(run) => Self::not_found(format!("run {run} not found")),
+            crate::diff::Error::Store(s) => s.into(),
+        }
+    }
+}
+
 impl From<dlq::Error> for ApiError {
     fn from(e: dlq::Error) -> Self {
         match &e {

@@ -87,6 +87,8 @@ pub fn router(engine: Arc<Engine>) -> Result<Router, Error> {
         .route("/runs/{run_id}/journal", get(runs::journal))
         .route("/runs/{run_id}/effects", get(runs::effects))
         .route("/runs/{run_id}/undo-preview", get(decisions::undo_preview))
+        .route("/runs/{run_id}/fork", post(decisions::fork))
+        .route("/runs/{run_id}/diff/{other}", get(decisions::diff))
         .route("/runs/{run_id}/{action}", post(decisions::decide))
         .route("/decisions/export", get(decisions::export))
         .route("/dead-letters", get(dlq::list))

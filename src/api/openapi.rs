@@ -109,6 +109,17 @@ pub const ENDPOINTS: &[Endpoint] = &[
         "Reject the step a waiting run stopped at (reason, step)",
         false,
     ),
+    post(
+        "/api/v1/runs/{run_id}/fork",
+        Role::Operator,
+        "A new run from this run's checkpoint at a position (reason, from: position or step name, run_id, input, shadow); live forks write outside under their own keys",
+        true,
+    ),
+    get(
+        "/api/v1/runs/{run_id}/diff/{other}",
+        Role::Viewer,
+        "Two runs compared position by position: outputs, model answers with token and cost deltas, outside writes",
+    ),
     get(
         "/api/v1/decisions/export",
         Role::Viewer,

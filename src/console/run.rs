@@ -19,7 +19,7 @@ use super::{ConsoleState, Shown, refusal};
 use crate::api::Role;
 use crate::domain::RunStatus;
 use crate::operator::{self, Outcome, Resume, UndoOptions};
-use crate::store::{effects, journal};
+use crate::store::{effects, forks, journal};
 use crate::timeline::{self, Overview};
 
 /// Steps, model calls and effects shown per page.
@@ -167,6 +167,29 @@ fn summary(o: &Overview) -> Markup {
         @if let (Some(error), false) = (&r.error, matches!(r.status, RunStatus::NeedsReview | RunStatus::Waiting)) {
             p.muted { "last error: " (error) }
         }
+        (lineage(&o.lineage))
+    }
+}
+
+/// Where a fork comes from and what was forked from this run, with links both ways.
+fn lineage(l: &forks::Lineage) -> Markup {
+    let mode = |shadow: bool| if shadow { "shadow fork" } else { "fork" };
+    html! {
+        @if let Some(p) = &l.parent {
+            p #lineage {
+                (mode(p.shadow)) " of " a href={ "/runs/" (p.parent_run_id) } { (p.parent_run_id) }
+                " from " (p.from_step) " (position " (p.from_seq) ") by " (p.actor) ": " (p.reason)
+            }
+        }
+        @if !l.children.is_empty() {
+            p #forks {
+                "forks: "
+                @for (i, c) in l.children.iter().enumerate() {
+                    @if i > 0 { ", " }
+                    a href={ "/runs/" (c.run_id) } { (c.run_id) } " (" (mode(c.shadow)) " from position " (c.from_seq) ")"
+                }
+            }
+        }
     }
 }
 
@@ -252,7 +275,7 @@ fn decisions(me: &Person, o: &Overview) -> Markup {
             @if s.accepts_steps() || matches!(s, RunStatus::NeedsReview | RunStatus::Waiting) {
                 (form("cancel", "Cancel the run", html! {}, true))
             }
-            @if !s.accepts_steps() {
+            @if !s.accepts_steps() && !r.shadow {
                 form method="get" action={ "/runs/" (id) "/undo" } data-action="undo-preview" {
                     label { "Undo scope (JSON, empty: everything) " input type="text" name="scope" placeholder=r#"{"supplier": "SUP03"}"#; }
                     label { input type="checkbox" name="leave_partial" value="true"; " leave a stopped step's writes standing" }
