@@ -140,6 +140,7 @@ async fn every_endpoint_answers_401_without_a_token_403_below_its_role_and_audit
         let path = e
             .path
             .replace("{run_id}", "r-ok")
+            .replace("{other}", "r-ok")
             .replace("{id}", "poison-1")
             .replace("{name}", "chain");
         let method = Method::from_bytes(e.method.as_bytes()).unwrap();
@@ -707,4 +708,88 @@ fn the_readme_lists_every_endpoint_with_its_role() {
         let row = format!("| `{} {}` | {} |", e.method, e.path, e.role.as_str());
         assert!(readme.contains(&row), "README.md has no row {row}");
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shadow_fork_through_the_api_ends_shadowed_and_its_diff_is_served() {
+    let api = Api::start(trailmark::builtin::registry()).await;
+    let env = &api.env;
+    env.start_run("chain", "r-base", json!({"steps": 4})).await;
+    env.wait_status("r-base", RunStatus::Succeeded, WAIT).await;
+    let op = Some(api.token(Role::Operator));
+    let body = json!({"reason": "eval", "from": 2, "shadow": true, "run_id": "r-shadow"});
+    let (status, body_back) = api
+        .call(
+            Method::POST,
+            "/api/v1/runs/r-base/fork",
+            op,
+            Some(body.clone()),
+            None,
+        )
+        .await;
+    assert_eq!(
+        status,
+        StatusCode::PRECONDITION_REQUIRED,
+        "no Idempotency-Key: {body_back}"
+    );
+    let key = uuid::Uuid::new_v4().to_string();
+    let (status, plan) = api
+        .call(
+            Method::POST,
+            "/api/v1/runs/r-base/fork",
+            op,
+            Some(body),
+            Some(&key),
+        )
+        .await;
+    assert_eq!(status, StatusCode::OK, "{plan}");
+    assert_eq!(
+        (plan["from_seq"].as_i64(), plan["shadow"].as_bool()),
+        (Some(2), Some(true))
+    );
+    env.wait_status("r-shadow", RunStatus::Shadowed, WAIT).await;
+    assert_eq!(
+        env.chain_ledger("r-shadow").await,
+        (0, 0),
+        "a shadow run wrote the ledger"
+    );
+
+    let viewer = Some(api.token(Role::Viewer));
+    let (status, d) = api
+        .call(
+            Method::GET,
+            "/api/v1/runs/r-base/diff/r-shadow",
+            viewer,
+            None,
+            None,
+        )
+        .await;
+    assert_eq!(status, StatusCode::OK, "{d}");
+    assert_eq!(
+        (d["inherited_before"].as_i64(), d["compared"].as_i64()),
+        (Some(2), Some(2))
+    );
+    let (status, _) = api
+        .call(
+            Method::GET,
+            "/api/v1/runs/r-base/diff/nope",
+            viewer,
+            None,
+            None,
+        )
+        .await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+    let bad = json!({"reason": "eval", "from": "no_such_step"});
+    let key = uuid::Uuid::new_v4().to_string();
+    let (status, why) = api
+        .call(
+            Method::POST,
+            "/api/v1/runs/r-base/fork",
+            op,
+            Some(bad),
+            Some(&key),
+        )
+        .await;
+    assert_eq!(status, StatusCode::CONFLICT, "{why}");
+    assert!(why.to_string().contains("has no step"), "{why}");
 }
