@@ -24,20 +24,42 @@ pub struct Timeline {
     pub attempts: i64,
     /// Journal entries, tokens, cost.
     pub journal: JournalTotals,
+    /// Every checkpoint.
+    pub steps: Vec<steps::StepRow>,
+    /// Effects, parked items, decisions, progress lines, lineage.
+    #[serde(flatten)]
+    pub around: Around,
+    /// What a shadow run would have written outside, in order (empty for a live run).
+    pub shadow_writes: Vec<ShadowWrite>,
+}
+
+/// What every view of a run shows around its steps.
+#[derive(Debug, Serialize)]
+pub struct Around {
     /// Effects recorded and completed.
     pub effects: EffectTotals,
     /// Items set aside with their reasons.
     pub parked: Vec<parked::ParkedRow>,
     /// Operator decisions, oldest first (the timeline's human part).
     pub decisions: Vec<decisions::DecisionRow>,
-    /// Every checkpoint.
-    pub steps: Vec<steps::StepRow>,
     /// The last lines the run said about its work, oldest first.
     pub progress: Vec<progress::Line>,
     /// The run it was forked from, and its forks.
     pub lineage: forks::Lineage,
-    /// What a shadow run would have written outside, in order (empty for a live run).
-    pub shadow_writes: Vec<ShadowWrite>,
+}
+
+async fn around(pool: &PgPool, run_id: &str) -> store::Result<Around> {
+    let (recorded, completed) = effects::totals(pool, run_id).await?;
+    Ok(Around {
+        effects: EffectTotals {
+            recorded,
+            completed,
+        },
+        parked: parked::list(pool, run_id).await?,
+        decisions: decisions::list(pool, run_id).await?,
+        progress: progress::list(pool, run_id, 0).await?,
+        lineage: forks::lineage(pool, run_id).await?,
+    })
 }
 
 /// Journal totals of a run.
@@ -67,7 +89,6 @@ pub async fn load(pool: &PgPool, run_id: &str) -> store::Result<Option<Timeline>
     };
     let steps = steps::list(pool, run_id).await?;
     let spent = journal::totals(pool, run_id).await?;
-    let (recorded, completed) = effects::totals(pool, run_id).await?;
     Ok(Some(Timeline {
         steps_done: steps.iter().filter(|s| s.finished_at.is_some()).count(),
         attempts: steps.iter().map(|s| s.attempts as i64).sum(),
@@ -76,14 +97,7 @@ pub async fn load(pool: &PgPool, run_id: &str) -> store::Result<Option<Timeline>
             tokens: spent.tokens,
             cost: spent.cost,
         },
-        effects: EffectTotals {
-            recorded,
-            completed,
-        },
-        parked: parked::list(pool, run_id).await?,
-        decisions: decisions::list(pool, run_id).await?,
-        progress: progress::list(pool, run_id, 0).await?,
-        lineage: forks::lineage(pool, run_id).await?,
+        around: around(pool, run_id).await?,
         shadow_writes: shadow::list(pool, run_id).await?,
         run,
         steps,
@@ -112,16 +126,9 @@ pub struct Overview {
     pub steps: Vec<steps::StepRow>,
     /// What its model calls cost.
     pub spent: Spending,
-    /// Effects recorded and completed.
-    pub effects: EffectTotals,
-    /// Items set aside with their reasons.
-    pub parked: Vec<parked::ParkedRow>,
-    /// Decisions, oldest first.
-    pub decisions: Vec<decisions::DecisionRow>,
-    /// The last lines the run said about its work, oldest first.
-    pub progress: Vec<progress::Line>,
-    /// The run it was forked from, and its forks.
-    pub lineage: forks::Lineage,
+    /// Effects, parked items, decisions, progress lines, lineage.
+    #[serde(flatten)]
+    pub around: Around,
 }
 
 /// The run with `page` steps after position `after`, or its newest `page` steps when `after` is
@@ -138,7 +145,6 @@ pub async fn overview(
     let steps_total = steps::count(pool, run_id).await?;
     let after = after.unwrap_or((steps_total - page).max(0) as i32 - 1);
     let spent = journal::totals(pool, run_id).await?;
-    let (recorded, completed) = effects::totals(pool, run_id).await?;
     Ok(Some(Overview {
         steps_total,
         steps: steps::page(pool, run_id, after, page).await?,
@@ -147,14 +153,7 @@ pub async fn overview(
             tokens: spent.tokens,
             cost: spent.cost,
         },
-        effects: EffectTotals {
-            recorded,
-            completed,
-        },
-        parked: parked::list(pool, run_id).await?,
-        decisions: decisions::list(pool, run_id).await?,
-        progress: progress::list(pool, run_id, 0).await?,
-        lineage: forks::lineage(pool, run_id).await?,
+        around: around(pool, run_id).await?,
         run,
     }))
 }

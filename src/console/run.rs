@@ -125,19 +125,19 @@ async fn render(
                 } }
             }
         }
-        @if !o.parked.is_empty() {
+        @if !o.around.parked.is_empty() {
             h2 { "Parked items" }
             table {
                 thead { tr { th { "item" } th { "step" } th.num { "position" } th { "why" } } }
-                tbody { @for p in &o.parked { tr { td { (p.item) } td { (p.step) } td.num { (p.seq) } td { (p.reason) } } } }
+                tbody { @for p in &o.around.parked { tr { td { (p.item) } td { (p.step) } td.num { (p.seq) } td { (p.reason) } } } }
             }
         }
         h2 { "Decisions" }
-        @if o.decisions.is_empty() { p.muted { "No one has decided anything about this run." } }
+        @if o.around.decisions.is_empty() { p.muted { "No one has decided anything about this run." } }
         @else {
             table {
                 thead { tr { th { "when" } th { "who" } th { "what" } th { "status" } th { "why" } } }
-                tbody { @for d in &o.decisions { tr {
+                tbody { @for d in &o.around.decisions { tr {
                     td { (time(d.created_at)) } td { (d.actor) } td { (d.action) }
                     td { (d.status_before) " → " (d.status_after) } td { (d.reason) }
                 } } }
@@ -157,7 +157,7 @@ fn summary(o: &Overview) -> Markup {
             @if let Some(step) = &r.step { " · step " strong { (step) } " (position " (r.step_seq) ")" }
             " · " (o.steps_total) " positions · " (o.spent.model_calls) " model calls, "
             (o.spent.tokens) " tokens, cost " (format!("{:.4}", o.spent.cost))
-            " · effects " (o.effects.completed) "/" (o.effects.recorded) " completed"
+            " · effects " (o.around.effects.completed) "/" (o.around.effects.recorded) " completed"
         }
         p.muted {
             "created " (time(r.created_at)) " · changed " (time(r.updated_at))
@@ -167,7 +167,7 @@ fn summary(o: &Overview) -> Markup {
         @if let (Some(error), false) = (&r.error, matches!(r.status, RunStatus::NeedsReview | RunStatus::Waiting)) {
             p.muted { "last error: " (error) }
         }
-        (lineage(&o.lineage))
+        (lineage(&o.around.lineage))
     }
 }
 
@@ -290,7 +290,14 @@ fn decisions(me: &Person, o: &Overview) -> Markup {
 fn live_part(o: &Overview) -> Markup {
     let r = &o.run;
     let moving = r.status.accepts_steps();
-    let lines: Vec<_> = o.progress.iter().rev().take(PROGRESS_SHOWN).rev().collect();
+    let lines: Vec<_> = o
+        .around
+        .progress
+        .iter()
+        .rev()
+        .take(PROGRESS_SHOWN)
+        .rev()
+        .collect();
     let attempts = o
         .steps
         .iter()

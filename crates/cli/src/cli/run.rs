@@ -228,8 +228,8 @@ pub async fn show(settings: &Settings, run_id: &str, as_json: bool) -> anyhow::R
         r.journal.entries,
         r.journal.tokens,
         r.journal.cost,
-        r.effects.recorded,
-        r.effects.completed
+        r.around.effects.recorded,
+        r.around.effects.completed
     );
     if let Some(owner) = &run.lease_owner {
         println!(
@@ -240,14 +240,14 @@ pub async fn show(settings: &Settings, run_id: &str, as_json: bool) -> anyhow::R
             run.fence
         );
     }
-    super::fork::print_lineage(&r.lineage, &r.shadow_writes);
+    super::fork::print_lineage(&r.around.lineage, &r.shadow_writes);
     if let Some(error) = &run.error {
         println!("error: {error}");
     }
     if let Some(note) = &run.handover {
         print_handover(note);
     }
-    for d in &r.decisions {
+    for d in &r.around.decisions {
         let version = if d.version_before != d.version_after {
             format!(" (v{} -> v{})", d.version_before, d.version_after)
         } else {
@@ -263,18 +263,18 @@ pub async fn show(settings: &Settings, run_id: &str, as_json: bool) -> anyhow::R
             d.created_at, d.action, d.actor, d.status_before, d.status_after, d.reason
         );
     }
-    if !r.parked.is_empty() {
-        println!("parked items ({}):", r.parked.len());
-        for p in &r.parked {
+    if !r.around.parked.is_empty() {
+        println!("parked items ({}):", r.around.parked.len());
+        for p in &r.around.parked {
             println!(
                 "  {}  (step {}, position {}): {}",
                 p.item, p.step, p.seq, p.reason
             );
         }
     }
-    if !r.progress.is_empty() {
+    if !r.around.progress.is_empty() {
         println!("progress:");
-        for p in &r.progress {
+        for p in &r.around.progress {
             println!("  {}  {}", p.at.format("%H:%M:%S"), p.line);
         }
     }
