@@ -145,7 +145,9 @@ pub async fn compare(pool: &PgPool, a: &str, b: &str) -> Result<RunDiff, Error> 
         tokens_delta += answers_sum(&b_run, *seq).0 - answers_sum(&a_run, *seq).0;
         cost_delta += answers_sum(&b_run, *seq).1 - answers_sum(&a_run, *seq).1;
         let (sa, sb) = (a_run.steps.get(seq), b_run.steps.get(seq));
-        let output_changed = sa.map(|s| &s.output) != sb.map(|s| &s.output);
+        // Outputs name their run (keys, claims): B's is read under A's id.
+        let b_output = sb.map(|s| s.output.as_ref().map(|o| rename(o, b, a)));
+        let output_changed = sa.map(|s| s.output.clone()) != b_output;
         let writes = write_diffs(&a_run, &b_run, *seq);
         if output_changed || !answers.is_empty() || !writes.is_empty() {
             differences.push(PositionDiff {

@@ -31,6 +31,7 @@ fn fork_at(from: ForkPoint, run_id: &str, shadow: bool) -> ForkRequest {
         run_id: Some(run_id.into()),
         input: None,
         shadow,
+        answers_from: None,
     }
 }
 
@@ -312,7 +313,30 @@ async fn a_shadow_fork_with_a_changed_answer_shows_what_would_change_and_touches
         .unwrap();
     assert_eq!(plan.from_seq, 1);
     r.env.wait_status(&shadow, RunStatus::Shadowed, WAIT).await;
+    // A second shadow fork replays the night's own answers instead of asking the model: the
+    // model is not called, and it would do exactly what the night did.
+    let replay = format!("{run_id}-replay");
+    let from = ForkPoint::Step(reconcile::EXTRACT.into());
+    let again = ForkRequest {
+        answers_from: Some(run_id.clone()),
+        ..fork_at(from, &replay, true)
+    };
+    operator::fork(&engine, &run_id, &again, &who())
+        .await
+        .unwrap();
+    r.env.wait_status(&replay, RunStatus::Shadowed, WAIT).await;
     running.stop().await;
+    let same = diff::compare(&r.env.pool, &run_id, &replay).await.unwrap();
+    // Same answers, same writes; only the write steps' outputs say "recorded" instead of
+    // "written", as a shadow run's do.
+    assert_eq!((same.compared, same.tokens_delta), (9, 0));
+    let differ: Vec<&str> = same
+        .differences
+        .iter()
+        .inspect(|p| assert!(p.answers.is_empty() && p.writes.is_empty(), "{p:?}"))
+        .filter_map(|p| p.b_step.as_deref())
+        .collect();
+    assert_eq!(differ, [reconcile::POST, reconcile::UPDATE_STOCK]);
 
     // Nothing outside changed, byte for byte; the shadow asked the model for every invoice.
     assert_eq!(outside_world(&r).await, before);

@@ -122,6 +122,8 @@ pub struct ForkBody {
     /// Record outside writes instead of making them.
     #[serde(default)]
     shadow: bool,
+    /// A run whose journaled answers from the fork point on are replayed.
+    answers_from: Option<String>,
 }
 
 /// Forks a run: a new run from its checkpoint at `from`, live or in shadow. A live fork writes
@@ -154,6 +156,7 @@ pub async fn fork(
         run_id: b.run_id,
         input: b.input,
         shadow: b.shadow,
+        answers_from: b.answers_from,
     };
     let who = caller.decider(&b.reason);
     Ok(Json(

@@ -45,6 +45,10 @@ pub struct ForkRequest {
     pub input: Option<Value>,
     /// Record outside writes instead of making them.
     pub shadow: bool,
+    /// Replay the model answers this run journaled from the fork point on, instead of asking
+    /// the model again (a step whose request differs from the journaled one stops for review,
+    /// as any replay does).
+    pub answers_from: Option<String>,
 }
 
 /// What a fork takes over and what it will do: shown before a live fork is confirmed, and
@@ -128,6 +132,13 @@ pub async fn plan(engine: &Engine, parent: &str, req: &ForkRequest) -> Result<Fo
         ),
     };
     RunId::parse(&run_id).map_err(|e| refuse(format!("the fork's id is not valid: {e}")))?;
+    if let Some(source) = &req.answers_from
+        && runs::get(pool, source).await?.is_none()
+    {
+        return Err(refuse(format!(
+            "the run to replay answers from, {source}, does not exist"
+        )));
+    }
     Ok(ForkPlan {
         parent: parent.to_owned(),
         run_id,
@@ -221,6 +232,7 @@ pub async fn fork(
         shadow: plan.shadow,
         actor: &who.actor,
         reason: &who.reason,
+        answers_from: req.answers_from.as_deref(),
     };
     if !forks::create(&mut tx, &new).await? {
         return Err(super::refused(
@@ -249,6 +261,7 @@ pub async fn fork(
         "shadow": plan.shadow,
         "inherited_answers": plan.inherited_answers,
         "new_input": req.input.is_some(),
+        "answers_from": req.answers_from,
     });
     let mode = if plan.shadow { "shadow" } else { "live" };
     let next = format!(

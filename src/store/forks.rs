@@ -67,6 +67,8 @@ pub struct NewFork<'a> {
     pub actor: &'a str,
     /// Why.
     pub reason: &'a str,
+    /// A run whose journaled answers from `from_seq` on are replayed instead of asked again.
+    pub answers_from: Option<&'a str>,
 }
 
 /// Creates the fork: its run row, its lineage row, and the parent's steps and journal entries
@@ -125,7 +127,33 @@ pub async fn create(tx: &mut PgConnection, f: &NewFork<'_>) -> Result<bool> {
     .bind(f.from_seq)
     .execute(&mut *tx)
     .await?;
+    if let Some(source) = f.answers_from {
+        copy_answers_after(tx, f.run_id, source, f.from_seq).await?;
+    }
     Ok(true)
+}
+
+/// Copies `source`'s journaled answers at positions from `from_seq` on: the fork's steps replay
+/// them where they ask the same request at the same position and call, as any replay does.
+async fn copy_answers_after(
+    tx: &mut PgConnection,
+    run_id: &str,
+    source: &str,
+    from_seq: i32,
+) -> Result<u64> {
+    let done = sqlx::query(
+        "INSERT INTO trailmark.journal (run_id, seq, call_no, kind, request_hash, response, tokens,
+                                        cost, latency_ms, created_at, inherited_from)
+         SELECT $1, seq, call_no, kind, request_hash, response, tokens, cost, latency_ms,
+                created_at, $2
+           FROM trailmark.journal WHERE run_id = $2 AND seq >= $3",
+    )
+    .bind(run_id)
+    .bind(source)
+    .bind(from_seq)
+    .execute(&mut *tx)
+    .await?;
+    Ok(done.rows_affected())
 }
 
 /// The run's lineage.

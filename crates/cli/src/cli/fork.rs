@@ -31,6 +31,11 @@ pub struct ForkArgs {
     /// Record outside writes and messages instead of making them; the fork ends `shadowed`.
     #[arg(long)]
     pub shadow: bool,
+    /// Replay the model answers this run journaled from the fork point on instead of asking the
+    /// model again (for example the parent itself, when only code changed); a step whose
+    /// request differs stops for review, as any replay does.
+    #[arg(long, value_name = "RUN")]
+    pub answers_from: Option<String>,
     /// Do not ask before a live fork writes outside.
     #[arg(long)]
     pub yes: bool,
@@ -56,6 +61,7 @@ pub async fn fork(settings: Settings, registry: Registry, args: ForkArgs) -> any
         run_id: args.new_run_id.clone(),
         input,
         shadow: args.shadow,
+        answers_from: args.answers_from.clone(),
     };
     let engine = Engine::new(settings, registry, Failpoints::default()).await?;
     let plan = operator::fork_plan(&engine, &args.run_id, &req).await?;
