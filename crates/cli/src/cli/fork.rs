@@ -166,12 +166,12 @@ fn print_diff(d: &RunDiff) {
         println!("position {} {step}: {output}", p.seq);
         for a in &p.answers {
             let why = if a.request_changed {
-                "request and answer"
+                "request and answer differ"
             } else {
-                "answer"
+                "answer differs"
             };
             println!(
-                "  model call {}: {why} differ (tokens {:+}, cost {:+.4})",
+                "  model call {}: {why} (tokens {:+}, cost {:+.4})",
                 a.call_no, a.tokens_delta, a.cost_delta
             );
             println!("    A: {}", one_line(a.a.as_deref()));
