@@ -20,6 +20,8 @@ CREATE INDEX forks_parent_idx ON trailmark.forks (parent_run_id);
 -- Journal entries a fork took over from its parent (positions before the fork): kept word for
 -- word for the replay, but not paid by the fork, so its spending and budgets count its own calls.
 ALTER TABLE trailmark.journal ADD COLUMN inherited_from TEXT;
+-- The same for answers set aside by a resume after a fix: still not the fork's spending.
+ALTER TABLE trailmark.journal_set_aside ADD COLUMN inherited_from TEXT;
 
 -- What a shadow run would have done outside: each effect (key, tool, request) and each message
 -- it would have sent (key, exchange and routing key, body). Written instead of the real thing.

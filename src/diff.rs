@@ -10,7 +10,6 @@ use std::collections::BTreeMap;
 use serde::Serialize;
 use sqlx::PgPool;
 
-use crate::domain::ShadowWrite;
 use crate::store::{self, effects, forks, journal, runs, shadow, steps};
 
 /// Why two runs cannot be compared.
@@ -200,28 +199,28 @@ async fn load(pool: &PgPool, run_id: &str) -> Result<Loaded, Error> {
         .collect();
     let recorded = shadow::list(pool, run_id).await?;
     let mut writes: BTreeMap<i32, BTreeMap<(String, String), Write>> = BTreeMap::new();
+    // A live run's writes are in `effects` (request hashes); a shadow run's in `shadow_writes`.
     for e in effects::page(pool, run_id, -1, i64::MAX).await? {
-        let key = e.idempotency_key.replace(run_id, "{run}");
-        let request = shadow_request(&recorded, "effect", &e.idempotency_key);
+        let key = replace_id(&e.idempotency_key, run_id, "{run}");
         let w = Write {
             hash: Some(e.request_hash),
-            request,
+            request: None,
         };
         writes
             .entry(e.seq)
             .or_default()
             .insert(("effect".into(), key), w);
     }
-    for m in recorded.iter().filter(|w| w.kind == "message") {
-        let key = m.key.replace(run_id, "{run}");
-        let w = Write {
-            hash: Some(crate::domain::request_hash(&m.request)),
-            request: Some(m.request.clone()),
+    for w in &recorded {
+        let key = replace_id(&w.key, run_id, "{run}");
+        let write = Write {
+            hash: Some(crate::domain::request_hash(&w.request)),
+            request: Some(w.request.clone()),
         };
         writes
-            .entry(m.seq)
+            .entry(w.seq)
             .or_default()
-            .insert(("message".into(), key), w);
+            .insert((w.kind.clone(), key), write);
     }
     let side = Side {
         run_id: run.run_id.clone(),
@@ -257,27 +256,43 @@ fn same_request(x: &Write, a_id: &str, y: &Write, b_id: &str) -> bool {
 fn rename(value: &serde_json::Value, from: &str, to: &str) -> serde_json::Value {
     use serde_json::Value;
     match value {
-        Value::String(s) => Value::String(s.replace(from, to)),
+        Value::String(s) => Value::String(replace_id(s, from, to)),
         Value::Array(items) => Value::Array(items.iter().map(|v| rename(v, from, to)).collect()),
         Value::Object(map) => Value::Object(
             map.iter()
-                .map(|(k, v)| (k.replace(from, to), rename(v, from, to)))
+                .map(|(k, v)| (replace_id(k, from, to), rename(v, from, to)))
                 .collect(),
         ),
         other => other.clone(),
     }
 }
 
-fn shadow_request(recorded: &[ShadowWrite], kind: &str, key: &str) -> Option<serde_json::Value> {
-    recorded
-        .iter()
-        .find(|w| w.kind == kind && w.key == key)
-        .map(|w| w.request.clone())
+/// `text` with run id `id` replaced by `to` where it stands as a whole id: not inside a longer
+/// one (`r1` in `r10`, a parent's id inside its fork's `<id>-fork-...`).
+fn replace_id(text: &str, id: &str, to: &str) -> String {
+    let part = |c: char| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.');
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text;
+    while let Some(at) = rest.find(id) {
+        let before = rest[..at].chars().next_back().or(out.chars().next_back());
+        let after = rest[at + id.len()..].chars().next();
+        out.push_str(&rest[..at]);
+        if before.is_some_and(part) || after.is_some_and(part) {
+            out.push_str(id);
+        } else {
+            out.push_str(to);
+        }
+        rest = &rest[at + id.len()..];
+    }
+    out.push_str(rest);
+    out
 }
 
+/// Tokens and cost a run paid at `seq` (answers a fork took over were paid by another run).
 fn answers_sum(run: &Loaded, seq: i32) -> (i64, f64) {
     run.answers
         .range((seq, i32::MIN)..=(seq, i32::MAX))
+        .filter(|(_, a)| !a.inherited)
         .fold((0, 0.0), |(t, c), (_, a)| (t + a.tokens, c + a.cost))
 }
 
@@ -334,4 +349,20 @@ fn write_diffs(a: &Loaded, b: &Loaded, seq: i32) -> Vec<WriteDiff> {
             })
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::replace_id;
+
+    #[test]
+    fn a_run_id_is_replaced_only_where_it_stands_whole() {
+        assert_eq!(
+            replace_id("r1:link:3 r10:link:3", "r1", "{run}"),
+            "{run}:link:3 r10:link:3"
+        );
+        assert_eq!(replace_id("a-fork-1:x", "a", "{run}"), "a-fork-1:x");
+        assert_eq!(replace_id("a-fork-1:x", "a-fork-1", "a"), "a:x");
+        assert_eq!(replace_id("r1r1", "r1", "x"), "r1r1");
+    }
 }

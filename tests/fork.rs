@@ -232,6 +232,33 @@ async fn forks_that_cannot_be_made_are_refused_with_what_to_do() {
         .await,
         0
     );
+    // A live fork of a shadow run would build on writes that never happened; a fork of an undone
+    // run on writes that were reversed.
+    let shadow = fork_at(ForkPoint::Position(1), "c-shadow", true);
+    operator::fork(&engine, "c-done", &shadow, &who())
+        .await
+        .unwrap();
+    env.wait_status("c-shadow", RunStatus::Shadowed, SHORT)
+        .await;
+    let live = fork_at(ForkPoint::Position(2), "f-x", false);
+    let why = refused(operator::fork(&engine, "c-shadow", &live, &who()).await);
+    assert!(why.contains("is a shadow run"), "{why}");
+    let undo = operator::UndoOptions::scoped(json!({}));
+    operator::undo(&engine, "c-done", &who(), undo)
+        .await
+        .unwrap();
+    env.wait_status("c-done", RunStatus::Compensated, SHORT)
+        .await;
+    let why = refused(
+        operator::fork(
+            &engine,
+            "c-done",
+            &fork_at(ForkPoint::Position(1), "f-x", true),
+            &who(),
+        )
+        .await,
+    );
+    assert!(why.contains("its undo reversed"), "{why}");
     running.stop().await;
 }
 
@@ -329,7 +356,15 @@ async fn a_shadow_fork_with_a_changed_answer_shows_what_would_change_and_touches
     let same = diff::compare(&r.env.pool, &run_id, &replay).await.unwrap();
     // Same answers, same writes; only the write steps' outputs say "recorded" instead of
     // "written", as a shadow run's do.
-    assert_eq!((same.compared, same.tokens_delta), (9, 0));
+    // The replay paid nothing: every answer it used was the night's.
+    let night_paid = r
+        .env
+        .scalar(
+            "SELECT COALESCE(sum(tokens), 0)::bigint FROM trailmark.journal WHERE run_id = $1 AND seq >= 1",
+            &run_id,
+        )
+        .await;
+    assert_eq!((same.compared, same.tokens_delta), (9, -night_paid));
     let differ: Vec<&str> = same
         .differences
         .iter()

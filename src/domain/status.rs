@@ -184,7 +184,7 @@ impl fmt::Display for RunStatus {
 /// trailmark).
 #[derive(Debug, thiserror::Error)]
 #[error(
-    "unknown run status {0:?}: expected one of running, waiting, needs_review, compensating, succeeded, compensated, failed, cancelled"
+    "unknown run status {0:?}: expected one of running, waiting, needs_review, compensating, succeeded, compensated, failed, cancelled, shadowed"
 )]
 pub struct UnknownStatus(String);
 

@@ -104,12 +104,7 @@ pub async fn plan(engine: &Engine, parent: &str, req: &ForkRequest) -> Result<Fo
             "position {gap} has no checkpoint, so a fork at {from_seq} would start from nothing; fork at {gap} or earlier"
         )));
     }
-    if run.status == RunStatus::NeedsReview && from_seq >= run.step_seq {
-        return Err(refuse(format!(
-            "it stopped for review at position {}; fork from an earlier position, or decide the run first (`trailmark run show {parent}`)",
-            run.step_seq
-        )));
-    }
+    check_parent(&run, from_seq, req.shadow)?;
     if workflow.find(step_at.declared()).is_none() {
         return Err(refuse(format!(
             "step {step_at} no longer exists in the deployed workflow {} v{}; fork at a step it declares",
@@ -151,6 +146,31 @@ pub async fn plan(engine: &Engine, parent: &str, req: &ForkRequest) -> Result<Fo
         inherited_answers: prefix.answers,
         writing_steps: writing_steps(&workflow, step_at.declared()),
     })
+}
+
+/// What the parent's state allows: checked when the fork is planned and again on the locked
+/// row, so a parent that changed in between is not forked on old facts.
+fn check_parent(run: &runs::RunRow, from_seq: i32, shadow: bool) -> Result<()> {
+    let refuse = |why: String| super::refused(run, "fork", why);
+    if matches!(run.status, RunStatus::Compensating | RunStatus::Compensated) || run.undo.is_some()
+    {
+        return Err(refuse(format!(
+            "it is {} and its undo reversed (or is reversing) the writes a fork would build on; fork a run that was not undone",
+            run.status
+        )));
+    }
+    if run.shadow && !shadow {
+        return Err(refuse(
+            "it is a shadow run, whose writes never happened; a live fork would build on them. Fork it with --shadow, or fork the live run it came from".into(),
+        ));
+    }
+    if run.status == RunStatus::NeedsReview && from_seq >= run.step_seq {
+        return Err(refuse(format!(
+            "it stopped for review at position {}; fork from an earlier position, or decide the run first (`trailmark run show {}`)",
+            run.step_seq, run.run_id
+        )));
+    }
+    Ok(())
 }
 
 /// The position a fork point names in the parent.
@@ -216,6 +236,7 @@ pub async fn fork(
     let plan = plan(engine, parent, req).await?;
     let mut tx = engine.pool.begin().await?;
     let parent_run = lock(&mut tx, parent).await?;
+    check_parent(&parent_run, plan.from_seq, plan.shadow)?;
     let from_step = StepAddress::from(plan.from_step.as_str());
     let input = req
         .input

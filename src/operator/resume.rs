@@ -55,6 +55,9 @@ pub async fn resume(engine: &Engine, run_id: &str, who: &Decider, how: Resume) -
             RunStatus::Waiting => {
                 "it waits for a person: use `trailmark run approve` or `run reject`"
             }
+            RunStatus::Shadowed => {
+                "a shadow run has ended and changed nothing outside; fork it again to try more"
+            }
             s if s.is_terminal() => "it has ended; only `trailmark run undo` applies",
             _ => "it is not stopped; only runs in needs_review can be resumed",
         };

@@ -71,8 +71,8 @@ pub struct NewFork<'a> {
     pub answers_from: Option<&'a str>,
 }
 
-/// Creates the fork: its run row, its lineage row, and the parent's steps and journal entries
-/// before `from_seq`, in the caller's transaction. `false` when a run with that id exists.
+/// Creates the fork: its run row, its lineage row, and the parent's steps, journal entries and
+/// parked items before `from_seq`, in the caller's transaction. `false` when a run with that id exists.
 pub async fn create(tx: &mut PgConnection, f: &NewFork<'_>) -> Result<bool> {
     let made = sqlx::query(
         "INSERT INTO trailmark.runs (run_id, workflow, workflow_version, status, step, step_seq,
@@ -121,6 +121,18 @@ pub async fn create(tx: &mut PgConnection, f: &NewFork<'_>) -> Result<bool> {
          SELECT $1, seq, call_no, kind, request_hash, response, tokens, cost, latency_ms,
                 created_at, $2
            FROM trailmark.journal WHERE run_id = $2 AND seq < $3",
+    )
+    .bind(f.run_id)
+    .bind(f.parent_run_id)
+    .bind(f.from_seq)
+    .execute(&mut *tx)
+    .await?;
+    // Items the parent set aside before the fork point stay set aside: a step that runs only
+    // when nothing is in doubt must see them in the fork too.
+    sqlx::query(
+        "INSERT INTO trailmark.parked (run_id, item, seq, step, reason, created_at)
+         SELECT $1, item, seq, step, reason, created_at
+           FROM trailmark.parked WHERE run_id = $2 AND seq < $3",
     )
     .bind(f.run_id)
     .bind(f.parent_run_id)

@@ -62,7 +62,8 @@ pub async fn totals(db: impl PgExecutor<'_>, run_id: &str) -> Result<Spent> {
            FROM (SELECT tokens, cost FROM trailmark.journal
                   WHERE run_id = $1 AND inherited_from IS NULL
                  UNION ALL
-                 SELECT tokens, cost FROM trailmark.journal_set_aside WHERE run_id = $1) paid",
+                 SELECT tokens, cost FROM trailmark.journal_set_aside
+                  WHERE run_id = $1 AND inherited_from IS NULL) paid",
     )
     .bind(run_id)
     .fetch_one(db)
@@ -80,9 +81,10 @@ pub async fn set_aside(db: impl PgExecutor<'_>, run_id: &str, seq: i32) -> Resul
     let moved = sqlx::query(
         "WITH moved AS (DELETE FROM trailmark.journal WHERE run_id = $1 AND seq = $2 RETURNING *)
          INSERT INTO trailmark.journal_set_aside (run_id, seq, call_no, kind, request_hash, response,
-                                                  tokens, cost, latency_ms, created_at, set_aside_at)
+                                                  tokens, cost, latency_ms, created_at, set_aside_at,
+                                                  inherited_from)
          SELECT run_id, seq, call_no, kind, request_hash, response, tokens, cost, latency_ms,
-                created_at, now() FROM moved",
+                created_at, now(), inherited_from FROM moved",
     )
     .bind(run_id)
     .bind(seq)
@@ -145,12 +147,15 @@ pub struct Answer {
     pub tokens: i64,
     /// Cost.
     pub cost: f64,
+    /// Taken over by a fork (paid by another run).
+    pub inherited: bool,
 }
 
 /// Every journaled answer of a run, in order.
 pub async fn answers(db: impl PgExecutor<'_>, run_id: &str) -> Result<Vec<Answer>> {
     Ok(sqlx::query_as(
-        "SELECT seq, call_no, request_hash, response->>'content' AS content, tokens, cost
+        "SELECT seq, call_no, request_hash, response->>'content' AS content, tokens, cost,
+                inherited_from IS NOT NULL AS inherited
            FROM trailmark.journal WHERE run_id = $1 ORDER BY seq, call_no",
     )
     .bind(run_id)

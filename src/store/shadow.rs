@@ -15,8 +15,8 @@ struct Row {
     request: Value,
 }
 
-/// Records writes of a shadow run; a replayed step records the same keys again, which changes
-/// nothing.
+/// Records writes of a shadow run; a replayed step records the same keys again and its request
+/// replaces the earlier attempt's (the attempt that commits is the one that counts).
 pub async fn record(db: impl PgExecutor<'_>, run_id: &str, writes: &[ShadowWrite]) -> Result<()> {
     if writes.is_empty() {
         return Ok(());
@@ -25,7 +25,8 @@ pub async fn record(db: impl PgExecutor<'_>, run_id: &str, writes: &[ShadowWrite
     sqlx::query(
         "INSERT INTO trailmark.shadow_writes (run_id, seq, kind, key, target, request)
          SELECT $1, * FROM UNNEST($2::int4[], $3::text[], $4::text[], $5::text[], $6::jsonb[])
-         ON CONFLICT (run_id, kind, key) DO NOTHING",
+         ON CONFLICT (run_id, kind, key) DO UPDATE
+            SET seq = EXCLUDED.seq, target = EXCLUDED.target, request = EXCLUDED.request",
     )
     .bind(run_id)
     .bind(writes.iter().map(|w| w.seq).collect::<Vec<_>>())

@@ -206,6 +206,7 @@ pub(super) fn to_commit(
     msg: &StepMessage,
     fence: Fence,
     status: RunStatus,
+    shadow: bool,
     ending: Ending,
 ) -> Result<StepCommit, IllegalMove> {
     // A run that stops for a person stays at the step that stopped it.
@@ -241,6 +242,8 @@ pub(super) fn to_commit(
             let to = match (ends, status) {
                 (false, s) => s,
                 (true, RunStatus::Compensating) => RunStatus::Compensated,
+                // A shadow run changed nothing outside; its end (and its event) says so.
+                (true, _) if shadow => RunStatus::Shadowed,
                 (true, _) => RunStatus::Succeeded,
             };
             let to = Advance {
@@ -350,7 +353,8 @@ mod tests {
             panic!("not committed");
         };
         let topology = Topology::new("t", 5);
-        let commit = to_commit(&topology, &msg, Fence(7), RunStatus::Running, ending).unwrap();
+        let commit =
+            to_commit(&topology, &msg, Fence(7), RunStatus::Running, false, ending).unwrap();
         assert_eq!(commit.to.next_step, Some(StepAddress::step("b")));
         assert_eq!(commit.to.status.to, RunStatus::Running);
         assert!(commit.to.status.advances() && commit.finished);
@@ -377,6 +381,7 @@ mod tests {
             &msg,
             Fence(1),
             RunStatus::Running,
+            false,
             ending,
         )
         .unwrap();
@@ -421,6 +426,7 @@ mod tests {
             &last,
             Fence(1),
             RunStatus::Compensating,
+            false,
             ending,
         )
         .unwrap();
@@ -492,6 +498,7 @@ mod tests {
             &msg,
             Fence(2),
             RunStatus::Running,
+            false,
             ending,
         )
         .unwrap();

@@ -123,7 +123,12 @@ async fn run_claimed(
         }
         let (mut sent, parked) = ctx.take_pending();
         if claim.shadow {
-            shadow_sends(engine, msg, std::mem::take(&mut sent)).await?;
+            // Never queued; recorded only when the handler finished (a failed attempt's
+            // messages would not have left a live run either).
+            let would_send = std::mem::take(&mut sent);
+            if result.is_ok() {
+                shadow_sends(engine, msg, would_send).await?;
+            }
         }
         ending::decide(workflow, msg, claimed, limits, result, (sent, parked))
     };
@@ -416,14 +421,8 @@ async fn commit(
     claim: &runs::Claim,
     ending: Ending,
 ) -> store::Result<Disposition> {
-    let mut step = ending::to_commit(&engine.topology, msg, claim.fence, claim.status, ending)
-        .and_then(|mut step| {
-            // A shadow run that finishes ends `shadowed`: it changed nothing outside.
-            if claim.shadow && step.to.status.to == RunStatus::Succeeded {
-                step.to.status = step.to.status.from.move_to(RunStatus::Shadowed)?;
-            }
-            Ok(step)
-        })
+    let (fence, status) = (claim.fence, claim.status);
+    let mut step = ending::to_commit(&engine.topology, msg, fence, status, claim.shadow, ending)
         .map_err(|e| store::Error::unavailable("the step's ending is not a legal move", e))?;
     let to = step.to.status;
     published::hold_for_eager_publish(engine, &mut step.outbox);

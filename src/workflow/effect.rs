@@ -148,6 +148,11 @@ impl StepContext {
         L: FnOnce(IdempotencyKey) -> LFut,
         LFut: Future<Output = Result<Lookup, StepError>>,
     {
+        // A shadow run never calls, and never touches the effects table either: a key its
+        // inherited outputs carry may be another run's, whose record must stay as it is.
+        if self.is_shadow() {
+            return self.shadow_effect(tool, key, request).await;
+        }
         let hash = request_hash(request);
         let known = self.record_intent(tool, key, &hash, request).await?;
         match known {
@@ -158,8 +163,6 @@ impl StepContext {
                     "effect outcome unknown after a restart; calling again under the same key"
                 );
             }
-            // A shadow run never calls: what it would have done is recorded, below.
-            EffectState::Unknown if self.is_shadow() => {}
             EffectState::Unknown => match lookup(key.clone()).await? {
                 Lookup::Done(result) => {
                     self.tools()
@@ -177,9 +180,6 @@ impl StepContext {
                 }
             },
         }
-        if self.is_shadow() {
-            return self.shadow_effect(tool, key, request).await;
-        }
         let result = self.call_with_retries(tool, key, retries, call).await?;
         // A crash here is the "unknown outcome" case: the call happened, its result is not known.
         self.failpoint("effect.after_call")?;
@@ -194,9 +194,10 @@ impl StepContext {
         Ok(result)
     }
 
-    /// In a shadow run: records the call it would make (key, tool, request) and answers as if it
-    /// had been made, `{"shadow": true}`, so the run goes on and its budget and repeat guards
-    /// count the call like a real one.
+    /// In a shadow run: records the call it would make (key, tool, request) in `shadow_writes`
+    /// and answers `{"shadow": true}`, so the run goes on. No call is made, so none counts
+    /// against the tool budget; a replayed step records the same key again, which keeps its
+    /// latest request.
     async fn shadow_effect(
         &self,
         tool: &Tool,
@@ -210,12 +211,12 @@ impl StepContext {
             target: tool.name.clone(),
             request: request.clone(),
         };
-        let records = &self.tools().records;
-        records.shadow_write(self.run_id(), write).await?;
-        let result = serde_json::json!({ "shadow": true });
-        records.finish_effect(key.clone(), result.clone()).await?;
+        self.tools()
+            .records
+            .shadow_write(self.run_id(), write)
+            .await?;
         tracing::debug!("shadow run: the call was recorded, not made");
-        Ok(result)
+        Ok(serde_json::json!({ "shadow": true }))
     }
 
     /// Records the intent, enforcing the run's tool-call budget and repeated-action detection for
