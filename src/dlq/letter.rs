@@ -91,7 +91,12 @@ impl DeadLetter {
             routing_key: None,
             by: DeadLetteredBy::Unknown,
         };
-        if let Some(reason) = header_str(headers, dl::REASON) {
+        // A reason is what operators group and select letters by, so an empty one (a header
+        // someone set blank) counts as none and the letter reads as `unknown`.
+        let reason_in = |table: Option<&FieldTable>, key: &str| {
+            header_str(table, key).filter(|r| !r.trim().is_empty())
+        };
+        if let Some(reason) = reason_in(headers, dl::REASON) {
             letter.by = DeadLetteredBy::Worker;
             letter.reason = reason;
             letter.detail = header_str(headers, dl::DETAIL);
@@ -103,7 +108,7 @@ impl DeadLetter {
         } else if let Some(death) = latest_death(headers) {
             letter.by = DeadLetteredBy::Broker;
             letter.read_death(death, routing_key);
-        } else if let Some(reason) = header_str(headers, "x-first-death-reason") {
+        } else if let Some(reason) = reason_in(headers, "x-first-death-reason") {
             letter.by = DeadLetteredBy::Broker;
             letter.reason = reason;
             letter.queue = header_str(headers, "x-first-death-queue");
@@ -123,7 +128,9 @@ impl DeadLetter {
 
     fn read_death(&mut self, death: &FieldTable, routing_key: &str) {
         let field = |k: &str| header_str(Some(death), k);
-        self.reason = field("reason").unwrap_or_else(|| "unknown".into());
+        self.reason = field("reason")
+            .filter(|r| !r.trim().is_empty())
+            .unwrap_or_else(|| "unknown".into());
         self.queue = field("queue");
         self.exchange = field("exchange");
         self.routing_key = match death.inner().get("routing-keys") {
@@ -313,6 +320,22 @@ mod tests {
         );
         assert_eq!(l.queue.as_deref(), Some("tm.runs.start"));
         assert_eq!((l.deliveries, l.requeued, l.body_bytes), (Some(1), 2, 2));
+    }
+
+    #[test]
+    fn a_blank_reason_reads_as_unknown() {
+        // Found by tests/fuzz.rs: a blank reason header left the letter without a reason to
+        // group or select it by.
+        for key in [dl::REASON, "x-first-death-reason"] {
+            let h = table(&[(key, s(" "))]);
+            let l = DeadLetter::read(Some("m-2"), Some(&h), "", b"{}", 20);
+            assert_eq!(l.reason, "unknown", "{key}");
+        }
+        let death = table(&[("reason", s(""))]);
+        let deaths = FieldArray::from(vec![AMQPValue::FieldTable(death)]);
+        let h = table(&[("x-death", AMQPValue::FieldArray(deaths))]);
+        let l = DeadLetter::read(None, Some(&h), "tm.steps", b"{}", 20);
+        assert_eq!(l.reason, "unknown");
     }
 
     #[test]
