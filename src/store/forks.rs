@@ -105,67 +105,33 @@ pub async fn create(tx: &mut PgConnection, f: &NewFork<'_>) -> Result<bool> {
     .bind(f.reason)
     .execute(&mut *tx)
     .await?;
+    // One statement takes over the parent's checkpoint before the fork point: its steps, its
+    // journaled answers (each marked with the run that paid for it), its parked items; and, with
+    // `answers_from`, that run's answers from the fork point on, for the fork to replay.
     sqlx::query(
-        "INSERT INTO trailmark.steps (run_id, seq, step, attempts, output, started_at, finished_at)
-         SELECT $1, seq, step, attempts, output, started_at, finished_at
-           FROM trailmark.steps WHERE run_id = $2 AND seq < $3",
-    )
-    .bind(f.run_id)
-    .bind(f.parent_run_id)
-    .bind(f.from_seq)
-    .execute(&mut *tx)
-    .await?;
-    sqlx::query(
-        "INSERT INTO trailmark.journal (run_id, seq, call_no, kind, request_hash, response, tokens,
-                                        cost, latency_ms, created_at, inherited_from)
-         SELECT $1, seq, call_no, kind, request_hash, response, tokens, cost, latency_ms,
-                created_at, $2
-           FROM trailmark.journal WHERE run_id = $2 AND seq < $3",
-    )
-    .bind(f.run_id)
-    .bind(f.parent_run_id)
-    .bind(f.from_seq)
-    .execute(&mut *tx)
-    .await?;
-    // Items the parent set aside before the fork point stay set aside: a step that runs only
-    // when nothing is in doubt must see them in the fork too.
-    sqlx::query(
-        "INSERT INTO trailmark.parked (run_id, item, seq, step, reason, created_at)
+        "WITH steps AS (
+            INSERT INTO trailmark.steps (run_id, seq, step, attempts, output, started_at, finished_at)
+            SELECT $1, seq, step, attempts, output, started_at, finished_at
+              FROM trailmark.steps WHERE run_id = $2 AND seq < $3
+         ), answers AS (
+            INSERT INTO trailmark.journal (run_id, seq, call_no, kind, request_hash, response,
+                                           tokens, cost, latency_ms, created_at, inherited_from)
+            SELECT $1, seq, call_no, kind, request_hash, response, tokens, cost, latency_ms,
+                   created_at, run_id
+              FROM trailmark.journal
+             WHERE (run_id = $2 AND seq < $3) OR (run_id = $4 AND seq >= $3)
+         )
+         INSERT INTO trailmark.parked (run_id, item, seq, step, reason, created_at)
          SELECT $1, item, seq, step, reason, created_at
            FROM trailmark.parked WHERE run_id = $2 AND seq < $3",
     )
     .bind(f.run_id)
     .bind(f.parent_run_id)
     .bind(f.from_seq)
+    .bind(f.answers_from)
     .execute(&mut *tx)
     .await?;
-    if let Some(source) = f.answers_from {
-        copy_answers_after(tx, f.run_id, source, f.from_seq).await?;
-    }
     Ok(true)
-}
-
-/// Copies `source`'s journaled answers at positions from `from_seq` on: the fork's steps replay
-/// them where they ask the same request at the same position and call, as any replay does.
-async fn copy_answers_after(
-    tx: &mut PgConnection,
-    run_id: &str,
-    source: &str,
-    from_seq: i32,
-) -> Result<u64> {
-    let done = sqlx::query(
-        "INSERT INTO trailmark.journal (run_id, seq, call_no, kind, request_hash, response, tokens,
-                                        cost, latency_ms, created_at, inherited_from)
-         SELECT $1, seq, call_no, kind, request_hash, response, tokens, cost, latency_ms,
-                created_at, $2
-           FROM trailmark.journal WHERE run_id = $2 AND seq >= $3",
-    )
-    .bind(run_id)
-    .bind(source)
-    .bind(from_seq)
-    .execute(&mut *tx)
-    .await?;
-    Ok(done.rows_affected())
 }
 
 /// The run's lineage.
