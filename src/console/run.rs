@@ -19,7 +19,8 @@ use super::{ConsoleState, Shown, refusal};
 use crate::api::Role;
 use crate::domain::RunStatus;
 use crate::operator::{self, Outcome, Resume, UndoOptions};
-use crate::store::{effects, forks, journal};
+use crate::store::runs::RunRow;
+use crate::store::{effects, forks, journal, progress, runs, steps};
 use crate::timeline::{self, Overview};
 
 /// Steps, model calls and effects shown per page.
@@ -97,7 +98,7 @@ async fn render(
             @if let Notice::Failed(why) = &notice { (error_box(why)) }
             (decisions(me, &o))
         }
-        (live_part(&o))
+        (live_part(&Live::read(pool, &o.run, &o.around.progress).await?))
         (steps_part(&o))
         h2 { "Model calls" }
         @if calls.is_empty() { p.muted { "None at these positions." } }
@@ -287,22 +288,34 @@ fn decisions(me: &Person, o: &Overview) -> Markup {
 }
 
 /// The part that moves: status, step, attempts and progress lines; polled while the run runs.
-fn live_part(o: &Overview) -> Markup {
-    let r = &o.run;
+/// What the live part shows: the run's row, the attempt at its current position (read apart
+/// from the page of steps shown, which may be an older page) and its progress lines.
+struct Live<'a> {
+    run: &'a RunRow,
+    attempts: i32,
+    progress: &'a [progress::Line],
+}
+
+impl<'a> Live<'a> {
+    async fn read(
+        pool: &sqlx::PgPool,
+        run: &'a RunRow,
+        progress: &'a [progress::Line],
+    ) -> Result<Live<'a>, Shown> {
+        let attempts = steps::attempts_at(pool, &run.run_id, run.step_seq).await?;
+        Ok(Live {
+            run,
+            attempts,
+            progress,
+        })
+    }
+}
+
+fn live_part(l: &Live) -> Markup {
+    let (r, attempts) = (l.run, l.attempts);
     let moving = r.status.accepts_steps();
-    let lines: Vec<_> = o
-        .around
-        .progress
-        .iter()
-        .rev()
-        .take(PROGRESS_SHOWN)
-        .rev()
-        .collect();
-    let attempts = o
-        .steps
-        .iter()
-        .find(|s| s.seq == r.step_seq)
-        .map_or(0, |s| s.attempts);
+    let shown = l.progress.len().saturating_sub(PROGRESS_SHOWN);
+    let lines = &l.progress[shown..];
     html! {
         section #live
             hx-get=[moving.then(|| format!("/runs/{}/live?was={}", r.run_id, r.status.as_str()))]
@@ -316,7 +329,7 @@ fn live_part(o: &Overview) -> Markup {
             }
             @if lines.is_empty() { p.muted { "The run has said nothing about its progress." } }
             @else {
-                ul #progress { @for l in &lines { li { (time(l.at)) " · position " (l.seq) " · " (l.line) } } }
+                ul #progress { @for l in lines { li { (time(l.at)) " · position " (l.seq) " · " (l.line) } } }
             }
         }
     }
@@ -361,13 +374,17 @@ pub async fn live(
     Path(run_id): Path<String>,
     Query(q): Query<LiveQuery>,
 ) -> Result<Response, Shown> {
-    let Some(o) = timeline::overview(&state.engine.pool, &run_id, None, 1).await? else {
+    // Polled every 2 s by every open page of a moving run: three indexed reads, not the page's.
+    let pool = &state.engine.pool;
+    let Some(run) = runs::get(pool, &run_id).await? else {
         return Err(Shown::not_found(format!("run {run_id} not found")));
     };
-    if q.was.as_deref() != Some(o.run.status.as_str()) {
-        return Ok(([("HX-Refresh", "true")], live_part(&o)).into_response());
+    let progress = progress::list(pool, &run_id, 0).await?;
+    let part = live_part(&Live::read(pool, &run, &progress).await?);
+    if q.was.as_deref() != Some(run.status.as_str()) {
+        return Ok(([("HX-Refresh", "true")], part).into_response());
     }
-    Ok(live_part(&o).into_response())
+    Ok(part.into_response())
 }
 
 /// A decision's form.
