@@ -141,8 +141,9 @@ pub async fn compare(pool: &PgPool, a: &str, b: &str) -> Result<RunDiff, Error> 
     let (mut tokens_delta, mut cost_delta) = (0, 0.0);
     for seq in &seqs {
         let answers = answer_diffs(&a_run, &b_run, *seq);
-        tokens_delta += answers_sum(&b_run, *seq).0 - answers_sum(&a_run, *seq).0;
-        cost_delta += answers_sum(&b_run, *seq).1 - answers_sum(&a_run, *seq).1;
+        let ((ta, ca), (tb, cb)) = (answers_sum(&a_run, *seq), answers_sum(&b_run, *seq));
+        tokens_delta += tb - ta;
+        cost_delta += cb - ca;
         let (sa, sb) = (a_run.steps.get(seq), b_run.steps.get(seq));
         // Outputs name their run (keys, claims): B's is read under A's id.
         let b_output = sb.map(|s| s.output.as_ref().map(|o| rename(o, b, a)));
