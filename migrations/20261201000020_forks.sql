@@ -4,13 +4,13 @@
 -- returns the flag with the lease, so a step knows before its handler runs.
 ALTER TABLE trailmark.runs ADD COLUMN shadow BOOLEAN NOT NULL DEFAULT false;
 
--- Lineage: which run a fork came from, at which position, who asked and why.
+-- Lineage: which run a fork came from, at which position, who asked and why (whether it is a
+-- shadow fork is the fork's own `runs.shadow`).
 CREATE TABLE trailmark.forks (
     run_id         TEXT PRIMARY KEY,
     parent_run_id  TEXT NOT NULL,
     from_seq       INTEGER NOT NULL,
     from_step      TEXT NOT NULL,
-    shadow         BOOLEAN NOT NULL,
     actor          TEXT NOT NULL,
     reason         TEXT NOT NULL,
     created_at     TIMESTAMPTZ NOT NULL DEFAULT now()

@@ -93,14 +93,13 @@ pub async fn create(tx: &mut PgConnection, f: &NewFork<'_>) -> Result<bool> {
         return Ok(false);
     }
     sqlx::query(
-        "INSERT INTO trailmark.forks (run_id, parent_run_id, from_seq, from_step, shadow, actor, reason)
-         VALUES ($1, $2, $3, $4, $5, $6, $7)",
+        "INSERT INTO trailmark.forks (run_id, parent_run_id, from_seq, from_step, actor, reason)
+         VALUES ($1, $2, $3, $4, $5, $6)",
     )
     .bind(f.run_id)
     .bind(f.parent_run_id)
     .bind(f.from_seq)
     .bind(f.from_step)
-    .bind(f.shadow)
     .bind(f.actor)
     .bind(f.reason)
     .execute(&mut *tx)
@@ -136,12 +135,10 @@ pub async fn create(tx: &mut PgConnection, f: &NewFork<'_>) -> Result<bool> {
 
 /// The run's lineage.
 pub async fn lineage(db: &sqlx::PgPool, run_id: &str) -> Result<Lineage> {
-    let parent = sqlx::query_as("SELECT * FROM trailmark.forks WHERE run_id = $1")
-        .bind(run_id)
-        .fetch_optional(db)
-        .await?;
+    let parent = parent(db, run_id).await?;
     let children = sqlx::query_as(
-        "SELECT * FROM trailmark.forks WHERE parent_run_id = $1 ORDER BY created_at, run_id",
+        "SELECT f.*, r.shadow FROM trailmark.forks f JOIN trailmark.runs r USING (run_id)
+          WHERE f.parent_run_id = $1 ORDER BY f.created_at, f.run_id",
     )
     .bind(run_id)
     .fetch_all(db)
@@ -151,12 +148,13 @@ pub async fn lineage(db: &sqlx::PgPool, run_id: &str) -> Result<Lineage> {
 
 /// The fork record of a run, if it is a fork.
 pub async fn parent(db: impl PgExecutor<'_>, run_id: &str) -> Result<Option<ForkRow>> {
-    Ok(
-        sqlx::query_as("SELECT * FROM trailmark.forks WHERE run_id = $1")
-            .bind(run_id)
-            .fetch_optional(db)
-            .await?,
+    Ok(sqlx::query_as(
+        "SELECT f.*, r.shadow FROM trailmark.forks f JOIN trailmark.runs r USING (run_id)
+              WHERE f.run_id = $1",
     )
+    .bind(run_id)
+    .fetch_optional(db)
+    .await?)
 }
 
 /// What a fork at `from_seq` would take over from its parent.
