@@ -142,6 +142,12 @@ impl RunStatus {
         }
     }
 
+    /// The status of a run that finished its last step: `shadowed` for a shadow fork, which
+    /// changed nothing outside, else `succeeded`.
+    pub fn finished(shadow: bool) -> RunStatus {
+        if shadow { Shadowed } else { Succeeded }
+    }
+
     /// True when no step will run again without an operator decision.
     pub fn is_terminal(self) -> bool {
         matches!(

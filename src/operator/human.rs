@@ -120,11 +120,7 @@ pub async fn approve(engine: &Engine, run_id: &str, step: &str, who: &Decider) -
             )
         }
         None => {
-            let done = if run.shadow {
-                RunStatus::Shadowed
-            } else {
-                RunStatus::Succeeded
-            };
+            let done = RunStatus::finished(run.shadow);
             set_run(&mut tx, &run, done, None, seq + 1, version).await?;
             (done, "the run is complete".to_owned())
         }

@@ -243,8 +243,7 @@ pub(super) fn to_commit(
                 (false, s) => s,
                 (true, RunStatus::Compensating) => RunStatus::Compensated,
                 // A shadow run changed nothing outside; its end (and its event) says so.
-                (true, _) if shadow => RunStatus::Shadowed,
-                (true, _) => RunStatus::Succeeded,
+                (true, _) => RunStatus::finished(shadow),
             };
             let to = Advance {
                 seq: msg.seq,
