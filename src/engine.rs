@@ -112,7 +112,7 @@ impl Engine {
             _ => None,
         };
         let guards = &settings.guards;
-        let topology = Topology::new(&settings.broker.prefix, settings.broker.delivery_limit);
+        let topology = Topology::from_settings(&settings.broker);
         let step_tx = Arc::new(StepTx::new(
             &pool,
             topology.clone(),

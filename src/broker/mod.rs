@@ -13,7 +13,10 @@ use lapin::{Connection, ConnectionProperties};
 
 pub use headers::{header_str, headers_to_map, map_to_headers};
 pub use publisher::{Outgoing, Publisher};
-pub use topology::Topology;
+pub use topology::{
+    BindingSpec, DEFAULT_QUORUM_GROUP_SIZE, ExchangeSpec, KeptGroupSize, QUORUM_GROUP_SIZE_ARG,
+    QueueSpec, Topology,
+};
 
 use crate::config::BrokerSettings;
 use crate::error::{Cause, Reaction};
@@ -153,16 +156,14 @@ pub async fn publish_once(settings: &BrokerSettings, name: &str, msg: &Outgoing)
 }
 
 /// Declares the exchanges and queues of `settings.broker.prefix` (idempotent; every worker also
-/// declares them at start). An existing queue declared with other arguments is refused by the
-/// broker; it must be deleted first.
-pub async fn declare_topology(settings: &BrokerSettings) -> Result<()> {
+/// declares them at start). An existing queue with other arguments is refused
+/// ([`Error::Misconfigured`], naming it), except for its initial group size: such a queue is
+/// used as it is and returned (see [`Topology::declare`]).
+pub async fn declare_topology(settings: &BrokerSettings) -> Result<Vec<KeptGroupSize>> {
     let conn = connect(settings, "migrate").await?;
-    let channel = conn.create_channel().await?;
-    let declared = Topology::new(&settings.prefix, settings.delivery_limit)
-        .declare(&channel)
-        .await;
+    let declared = Topology::from_settings(settings).declare(&conn).await;
     let _ = conn.close(200, "done".into()).await;
-    Ok(declared?)
+    declared
 }
 
 /// What a queue holds and who reads it, as the broker tells a passive declare.

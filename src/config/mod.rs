@@ -62,6 +62,9 @@ pub struct BrokerSettings {
     pub prefix: String,
     /// Quorum-queue delivery limit before a message is dead-lettered.
     pub delivery_limit: u32,
+    /// Replicas of each quorum queue trailmark creates (`x-quorum-initial-group-size`), so a
+    /// cluster keeps its queues when a node is lost; RabbitMQ caps it at the nodes it has.
+    pub quorum_group_size: u32,
     /// How long to wait for a publisher confirm before treating the publish as failed.
     pub confirm_timeout_ms: u64,
     /// AMQP heartbeat in seconds (unless the URL sets one); 0 leaves it to the server.
@@ -199,6 +202,7 @@ impl fmt::Debug for BrokerSettings {
             .field("url", &crate::redact::url(&self.url))
             .field("prefix", &self.prefix)
             .field("delivery_limit", &self.delivery_limit)
+            .field("quorum_group_size", &self.quorum_group_size)
             .field("confirm_timeout_ms", &self.confirm_timeout_ms)
             .field("heartbeat_secs", &self.heartbeat_secs)
             .finish()

@@ -101,7 +101,7 @@ async fn session(
         Duration::from_millis(settings.broker.confirm_timeout_ms),
     )
     .await?;
-    engine.topology.declare(&publisher.channel()).await?;
+    engine.topology.declare(&conn).await?;
     let channel = conn.create_channel().await?;
     channel
         .basic_qos(settings.worker.concurrency, BasicQosOptions::default())

@@ -181,9 +181,8 @@ impl TestEnv {
         let conn = broker::connect(&settings.broker, "test-setup")
             .await
             .expect("connect RabbitMQ");
-        let ch = conn.create_channel().await.expect("channel");
-        Topology::new(&prefix, settings.broker.delivery_limit)
-            .declare(&ch)
+        Topology::from_settings(&settings.broker)
+            .declare(&conn)
             .await
             .expect("declare topology");
         let _ = conn.close(200, "setup done".into()).await;
@@ -196,7 +195,7 @@ impl TestEnv {
     }
 
     pub fn topology(&self) -> Topology {
-        Topology::new(&self.prefix, self.settings.broker.delivery_limit)
+        Topology::from_settings(&self.settings.broker)
     }
 
     /// An engine with the built-in workflows (plus `extra`) and the given failpoints.

@@ -66,7 +66,7 @@ impl BenchEnv {
         store::migrate(&pool).await?;
         baseline::create_schema(&pool).await?;
         let topology = Topology::new(&prefix, settings.broker.delivery_limit);
-        topology.declare(&publisher.channel()).await?;
+        topology.declare(&conn).await?;
         publisher
             .channel()
             .queue_declare(baseline::queue(&prefix).into(), durable(), quorum())
