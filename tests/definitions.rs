@@ -147,9 +147,12 @@ impl Drop for Vhost {
     }
 }
 
-/// `doc` with every object's `vhost` set to `vhost`: in RabbitMQ 3.10 `import_definitions` is
-/// global, and the file names the vhost of each object.
+/// `doc` with its vhost and every object's `vhost` set to `vhost`: in RabbitMQ 3.10
+/// `import_definitions` is global, and the file names the vhost of each object.
 fn into_vhost(mut doc: Value, vhost: &str) -> Value {
+    for named in doc["vhosts"].as_array_mut().into_iter().flatten() {
+        named["name"] = Value::from(vhost);
+    }
     for kind in ["exchanges", "queues", "bindings", "policies"] {
         for object in doc[kind].as_array_mut().into_iter().flatten() {
             object["vhost"] = Value::from(vhost);

@@ -394,6 +394,9 @@ impl Topology {
             })
             .collect();
         json!({
+            // Named so that a node loading the file at boot creates it: such a node seeds no
+            // default vhost (nor user) of its own.
+            "vhosts": [{ "name": vhost }],
             "policies": [],
             "exchanges": exchanges,
             "queues": queues,
