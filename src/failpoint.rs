@@ -29,19 +29,28 @@ struct Point {
 #[error("failpoint {0} fired (injected failure)")]
 pub struct Injected(pub String);
 
-/// The configured failpoints of a process; empty (and free) unless configured.
+/// The configured failpoints of a process, and its drill seams; empty (and free) unless
+/// configured.
 #[derive(Debug, Clone, Default)]
 pub struct Failpoints {
     points: Arc<Mutex<HashMap<String, Point>>>,
+    seams: Option<Arc<crate::seams::Seams>>,
 }
 
 impl Failpoints {
-    /// Reads `TRAILMARK_FAILPOINTS`.
+    /// Reads `TRAILMARK_FAILPOINTS` and the drill seams (`TRAILMARK_DRILL`).
     pub fn from_env() -> Result<Self, String> {
-        match std::env::var("TRAILMARK_FAILPOINTS") {
-            Ok(spec) => Self::parse(&spec),
-            Err(_) => Ok(Self::default()),
-        }
+        let mut fp = match std::env::var("TRAILMARK_FAILPOINTS") {
+            Ok(spec) => Self::parse(&spec)?,
+            Err(_) => Self::default(),
+        };
+        fp.seams = crate::seams::Seams::from_env()?.map(Arc::new);
+        Ok(fp)
+    }
+
+    /// The drill seams, when a drill switched them on.
+    pub fn seams(&self) -> Option<&crate::seams::Seams> {
+        self.seams.as_deref()
     }
 
     /// Parses `name=action[@nth];...`.

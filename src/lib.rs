@@ -31,6 +31,7 @@
 //! | [`error`] | how a caller reacts to an error: retry, fix the configuration, or accept a refusal |
 //! | [`builtin`] | the `chain` workflow, for smoke tests, drills and benchmarks |
 //! | [`failpoint`] | named failpoints for crash tests and drills |
+//! | [`seams`] | faults a drill switches on around `ctx.model` and `ctx.effect`, and its call log |
 //! | [`redact`] | the one place that hides secrets in what trailmark prints |
 //! | [`telemetry`] | logging setup |
 //!
@@ -65,6 +66,7 @@ pub mod operator;
 pub mod process;
 pub mod redact;
 pub mod relay;
+pub mod seams;
 pub mod startup;
 pub mod store;
 pub mod supervisor;

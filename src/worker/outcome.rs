@@ -114,6 +114,11 @@ pub(super) async fn settle(
         tracing::warn!(error = %crate::error::Report(&e), "could not move the message; leaving it unacknowledged for redelivery");
         return;
     }
+    // A crash here leaves the next step published and this delivery unacknowledged: its
+    // redelivery must be dropped as a duplicate.
+    if engine.failpoints.hit("step.before_ack").is_err() {
+        return;
+    }
     if let Err(e) = delivery.acker.ack(BasicAckOptions::default()).await {
         // The work is committed; the redelivery this causes is dropped by the inbox.
         tracing::warn!(error = %crate::error::Report(&e), "ack failed after commit; the redelivery will be dropped as a duplicate");

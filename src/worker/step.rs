@@ -422,6 +422,9 @@ async fn commit(
     ending: Ending,
 ) -> store::Result<Disposition> {
     let (fence, status) = (claim.fence, claim.status);
+    // Only a step that checkpointed its output counts as done in the drill's call log: a stop
+    // for review commits too, and the same position commits again once resumed.
+    let checkpointed = matches!(ending, Ending::Advance { .. });
     let mut step = ending::to_commit(&engine.topology, msg, fence, status, claim.shadow, ending)
         .map_err(|e| store::Error::unavailable("the step's ending is not a legal move", e))?;
     let to = step.to.status;
@@ -441,6 +444,12 @@ async fn commit(
             return Ok(Disposition::Stale("fenced out at commit".into()));
         }
         Err(e) => return Err(e),
+    }
+    if let Some(seams) = fp.seams().filter(|_| checkpointed) {
+        seams.log(format_args!(
+            "commit {} {} {}",
+            msg.run_id, msg.seq, fence.0
+        ));
     }
     fp.hit("step.after_commit").map_err(infra)?;
     Stats::bump(&engine.stats.steps_committed);

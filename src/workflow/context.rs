@@ -149,6 +149,42 @@ impl StepContext {
             .map_err(|e| StepError::Infrastructure(e.to_string()))
     }
 
+    /// Fails this attempt when a drill switched `seam` on for this position (a no-op otherwise).
+    pub(super) fn drill_seam(&self, seam: crate::seams::Seam) -> Result<(), StepError> {
+        let Some(seams) = self.tools().failpoints.seams() else {
+            return Ok(());
+        };
+        if !seams.fires(seam, self.run_id(), self.seq(), self.attempt()) {
+            return Ok(());
+        }
+        let what = format!(
+            "{} at run {} step {} (position {}), attempt {}",
+            seam.marker(),
+            self.run_id(),
+            self.step(),
+            self.seq(),
+            self.attempt()
+        );
+        Err(match seam {
+            crate::seams::Seam::Model500 => {
+                StepError::temporary(format!("{what}: the model answered 500"))
+            }
+            crate::seams::Seam::LateTool => StepError::temporary(format!(
+                "{what}: the tool answered after the client timeout"
+            )),
+            crate::seams::Seam::Review => {
+                StepError::Unknown(format!("{what}: forced into review by the drill"))
+            }
+        })
+    }
+
+    /// Appends a line to the drill's call log, when a drill is logging.
+    pub(super) fn drill_log(&self, line: std::fmt::Arguments<'_>) {
+        if let Some(seams) = self.tools().failpoints.seams() {
+            seams.log(line);
+        }
+    }
+
     /// Says what the step is doing, for the people waiting on the run ("retrieving sources…"):
     /// kept with the run (its last lines, with the time) and shown by `trailmark run show`,
     /// `run watch` and the API. Cheap: written in batches off the step's path.

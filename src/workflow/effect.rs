@@ -180,9 +180,17 @@ impl StepContext {
                 }
             },
         }
+        self.drill_log(format_args!(
+            "call {} {} {key} {} {}",
+            self.run_id(),
+            self.seq(),
+            self.fence().0,
+            unix_nanos()
+        ));
         let result = self.call_with_retries(tool, key, retries, call).await?;
         // A crash here is the "unknown outcome" case: the call happened, its result is not known.
         self.failpoint("effect.after_call")?;
+        self.drill_seam(crate::seams::Seam::LateTool)?;
         // Recorded at once, not with the step commit: a step that dies later keeps what it has
         // done, and its replay (and the handover note) knows this call happened. Only a crash of
         // Postgres before the step's next synchronous commit could lose it (relaxed_pool); the
@@ -316,4 +324,11 @@ impl StepContext {
             .notify(|e, delay| tracing::warn!(error = %e, retry_in_ms = delay.as_millis() as u64, "tool call failed; retrying under the same key"))
             .await
     }
+}
+
+/// Wall-clock nanoseconds, for the drill's call log (one host, one clock).
+fn unix_nanos() -> u128 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos())
 }

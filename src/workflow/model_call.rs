@@ -19,6 +19,9 @@ impl StepContext {
     pub async fn model(&self, request: &ChatRequest) -> Result<ChatAnswer, StepError> {
         let call_no = self.inner.calls.fetch_add(1, Ordering::SeqCst);
         tracing::Span::current().record("call_no", call_no);
+        if call_no == 0 {
+            self.drill_seam(crate::seams::Seam::Review)?;
+        }
         let request_json = serde_json::to_value(request).expect("chat request serialises");
         let hash = request_hash(&request_json);
         let records = &self.tools().records;
@@ -37,7 +40,15 @@ impl StepContext {
             let spent = records.spent(self.run_id()).await?;
             guard::check_model_budget(spent, self.run_id(), budget)?;
         }
+        self.drill_seam(crate::seams::Seam::Model500)?;
         let answer = self.call_model(request).await?;
+        self.drill_log(format_args!(
+            "model {} {} {call_no}",
+            self.run_id(),
+            self.seq()
+        ));
+        // A crash here loses a paid answer before it is journaled: the replay asks again.
+        self.failpoint("model.after_answer")?;
         let entry = JournalEntry {
             seq: self.seq(),
             call_no,
