@@ -41,6 +41,10 @@ pub struct BenchEnv {
     pub log_dir: PathBuf,
     /// The configured pool size of one process (children use it unless told otherwise).
     pub child_pool: u32,
+    /// The program children are started from (the current executable unless set).
+    pub exe: PathBuf,
+    /// Whether this is the bench's environment (with B3's schema and queue).
+    bench: bool,
     conn: std::sync::Arc<Connection>,
     publisher: Publisher,
     child_env: Vec<(String, String)>,
@@ -49,8 +53,20 @@ pub struct BenchEnv {
 impl BenchEnv {
     /// Creates the database (migrated, plus the B3 schema) and declares the topology.
     pub async fn create(base: &Settings, child_pool: Option<u32>) -> Result<Self> {
+        Self::create_named(base, child_pool, "bench").await
+    }
+
+    /// Like [`BenchEnv::create`] for another tool (`drill`): its database is `tm_<tool>_<tag>`,
+    /// its prefix `tm<tool>-<tag>`; only the bench gets the B3 schema.
+    pub async fn create_named(
+        base: &Settings,
+        child_pool: Option<u32>,
+        tool: &str,
+    ) -> Result<Self> {
         let tag = uuid::Uuid::new_v4().simple().to_string()[..10].to_owned();
-        let (db_name, prefix) = (format!("tm_bench_{tag}"), format!("tmbench-{tag}"));
+        let (db_name, prefix) = (format!("tm_{tool}_{tag}"), format!("tm{tool}-{tag}"));
+        let exe =
+            std::env::current_exe().map_err(|e| Error::io("finding the current executable", e))?;
         let child_pool = child_pool.unwrap_or(base.database.max_connections);
         let mut settings = base.clone();
         settings.database.url = with_database(&base.database.url, &db_name)?;
@@ -64,14 +80,19 @@ impl BenchEnv {
         own.url = with_app_name(&settings.database.url)?;
         let pool = store::connect(&own).await?;
         store::migrate(&pool).await?;
-        baseline::create_schema(&pool).await?;
+        let bench = tool == "bench";
+        if bench {
+            baseline::create_schema(&pool).await?;
+        }
         let topology = Topology::new(&prefix, settings.broker.delivery_limit);
         topology.declare(&conn).await?;
-        publisher
-            .channel()
-            .queue_declare(baseline::queue(&prefix).into(), durable(), quorum())
-            .await?;
-        let log_dir = std::env::temp_dir().join(format!("trailmark-bench-{tag}"));
+        if bench {
+            publisher
+                .channel()
+                .queue_declare(baseline::queue(&prefix).into(), durable(), quorum())
+                .await?;
+        }
+        let log_dir = std::env::temp_dir().join(format!("trailmark-{tool}-{tag}"));
         std::fs::create_dir_all(&log_dir)
             .map_err(|e| Error::io(format!("creating {}", log_dir.display()), e))?;
         let child_env = vec![
@@ -91,6 +112,8 @@ impl BenchEnv {
             prefix,
             log_dir,
             child_pool,
+            exe,
+            bench,
             conn,
             publisher,
             child_env,
@@ -178,8 +201,17 @@ impl BenchEnv {
 
     /// Starts `trailmark ARGS` with the bench's settings; output goes to `<log_dir>/<name>.log`.
     pub fn spawn(&self, name: &str, args: &[&str]) -> Result<Proc> {
-        let exe =
-            std::env::current_exe().map_err(|e| Error::io("finding the current executable", e))?;
+        self.spawn_with(name, args, &[])
+    }
+
+    /// Like [`BenchEnv::spawn`], with extra environment for this child only (failpoints).
+    pub fn spawn_with(
+        &self,
+        name: &str,
+        args: &[&str],
+        extra: &[(String, String)],
+    ) -> Result<Proc> {
+        let exe = &self.exe;
         let log_path = self.log_dir.join(format!("{name}.log"));
         let log = File::options()
             .create(true)
@@ -189,11 +221,11 @@ impl BenchEnv {
         let log2 = log
             .try_clone()
             .map_err(|e| Error::io("duplicating a log handle", e))?;
-        let mut cmd = Command::new(&exe);
+        let mut cmd = Command::new(exe);
         cmd.args(args)
             .env("RUST_LOG", "warn")
             .env_remove("TRAILMARK_FAILPOINTS");
-        for (k, v) in &self.child_env {
+        for (k, v) in self.child_env.iter().chain(extra) {
             cmd.env(k, v);
         }
         let child = cmd
@@ -208,21 +240,30 @@ impl BenchEnv {
         })
     }
 
+    async fn teardown_broker(&self) -> Result<()> {
+        let conn = broker::connect(&self.settings.broker, "bench-teardown").await?;
+        let ch = conn.create_channel().await?;
+        self.topology().delete(&ch).await?;
+        if self.bench {
+            ch.queue_delete(
+                baseline::queue(&self.prefix).as_str().into(),
+                QueueDeleteOptions::default(),
+            )
+            .await?;
+        }
+        let _ = conn.close(200, "bench done".into()).await;
+        Ok(())
+    }
+
     /// Removes the database and everything under the prefix; returns what could not be removed.
     pub async fn teardown(self) -> Vec<String> {
         let mut left = Vec::new();
-        let ch = self.publisher.channel();
-        if let Err(e) = self.topology().delete(&ch).await {
-            left.push(format!("broker objects under prefix {}: {e}", self.prefix));
-        }
-        let b3 = baseline::queue(&self.prefix);
-        if let Err(e) = ch
-            .queue_delete(b3.as_str().into(), QueueDeleteOptions::default())
-            .await
-        {
-            left.push(format!("queue {b3}: {e}"));
-        }
+        // A connection of its own: a drill's broker faults may have closed the first one.
         let _ = self.conn.close(200, "bench done".into()).await;
+        match self.teardown_broker().await {
+            Ok(()) => {}
+            Err(e) => left.push(format!("broker objects under prefix {}: {e}", self.prefix)),
+        }
         self.pool.close().await;
         let dropped = match self
             .settings
@@ -337,6 +378,13 @@ impl Proc {
             Some(Err(e)) => Err(Error::io(format!("checking child {name}"), e)),
             None => Err(Error::Failed(format!("child {name} was already stopped"))),
         }
+    }
+
+    /// How it ended, once it has (reaped then; `None` while it runs or after a stop).
+    pub fn exited(&mut self) -> Option<std::process::ExitStatus> {
+        let status = self.child.as_mut()?.try_wait().ok()??;
+        self.child = None;
+        Some(status)
     }
 
     /// SIGSTOP: the process keeps its connections, leases and unacked deliveries but does
