@@ -1,0 +1,367 @@
+//! Reading what the drill left: run statuses, keys, receiver rows, the processes' call logs and
+//! the DLQ, and the verdict on each invariant.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::path::Path;
+
+use sqlx::PgPool;
+
+use super::report::{DeadLetters, Effects, Fencing, Invariant, ModelCalls, Report, Runs};
+use super::{Error, RUN_PREFIX, Result};
+use trailmark::config::BrokerSettings;
+use trailmark::dlq::{self, Dlq};
+
+/// Terminal statuses other than success.
+const OTHER_TERMINAL: [&str; 4] = ["failed", "cancelled", "compensated", "shadowed"];
+
+/// Where the drill's runs ended (the control run excluded).
+pub async fn runs(pool: &PgPool, ids: &[String], steps_per_run: i64) -> Result<Runs> {
+    let rows: Vec<(String, String, bool, Option<String>)> = sqlx::query_as(
+        "SELECT run_id, status, handover IS NOT NULL, error FROM trailmark.runs WHERE run_id = ANY($1)",
+    )
+    .bind(ids)
+    .fetch_all(pool)
+    .await
+    .map_err(trailmark::store::Error::from)?;
+    let mut r = Runs {
+        started: ids.len() as i64,
+        steps_per_run,
+        ..Runs::default()
+    };
+    let mut seen = HashSet::new();
+    for (id, status, note, error) in rows {
+        seen.insert(id.clone());
+        match status.as_str() {
+            "succeeded" => r.succeeded += 1,
+            "needs_review" if note => {
+                r.in_review += 1;
+                if r.review_examples.len() < 5 {
+                    r.review_examples.push(error.unwrap_or_default());
+                }
+            }
+            "needs_review" => r.in_review_without_note += 1,
+            s if OTHER_TERMINAL.contains(&s) => r.other_terminal += 1,
+            s => {
+                r.lost += 1;
+                if r.lost_examples.len() < 10 {
+                    r.lost_examples.push(format!("{id} is {s}"));
+                }
+            }
+        }
+    }
+    for id in ids.iter().filter(|id| !seen.contains(*id)) {
+        r.lost += 1;
+        if r.lost_examples.len() < 10 {
+            r.lost_examples.push(format!("{id} was never created"));
+        }
+    }
+    Ok(r)
+}
+
+/// Runs neither terminal nor in review: the ones still moving.
+pub async fn unsettled(pool: &PgPool, ids: &[String]) -> Result<i64> {
+    let settled: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM trailmark.runs WHERE run_id = ANY($1)
+            AND status IN ('succeeded', 'needs_review', 'failed', 'cancelled', 'compensated', 'shadowed')",
+    )
+    .bind(ids)
+    .fetch_one(pool)
+    .await
+    .map_err(trailmark::store::Error::from)?;
+    Ok(ids.len() as i64 - settled)
+}
+
+/// Steps committed by the drill's runs.
+pub async fn steps_done(pool: &PgPool) -> Result<i64> {
+    let n: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM trailmark.steps WHERE finished_at IS NOT NULL AND run_id LIKE $1",
+    )
+    .bind(format!("{RUN_PREFIX}%"))
+    .fetch_one(pool)
+    .await
+    .map_err(trailmark::store::Error::from)?;
+    Ok(n)
+}
+
+/// What one run did: steps, distinct effect keys done.
+pub async fn one_run(pool: &PgPool, run: &str) -> Result<(i64, i64)> {
+    let figures: (i64, i64) = sqlx::query_as(
+        "SELECT (SELECT count(*) FROM trailmark.steps WHERE run_id = $1 AND finished_at IS NOT NULL),
+                (SELECT count(*) FROM trailmark.effects WHERE run_id = $1 AND completed_at IS NOT NULL)",
+    )
+    .bind(run)
+    .fetch_one(pool)
+    .await
+    .map_err(trailmark::store::Error::from)?;
+    Ok(figures)
+}
+
+/// The drill's runs that succeeded.
+pub async fn succeeded(pool: &PgPool, ids: &[String]) -> Result<Vec<String>> {
+    let ids: Vec<String> = sqlx::query_scalar(
+        "SELECT run_id FROM trailmark.runs WHERE run_id = ANY($1) AND status = 'succeeded'",
+    )
+    .bind(ids)
+    .fetch_all(pool)
+    .await
+    .map_err(trailmark::store::Error::from)?;
+    Ok(ids)
+}
+
+/// Distinct effect keys done for `runs`.
+pub async fn keys(pool: &PgPool, runs: &[String]) -> Result<i64> {
+    let n: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM trailmark.effects WHERE run_id = ANY($1) AND completed_at IS NOT NULL",
+    )
+    .bind(runs)
+    .fetch_one(pool)
+    .await
+    .map_err(trailmark::store::Error::from)?;
+    Ok(n)
+}
+
+/// Rows left in the outbox that no relay published.
+pub async fn unpublished(pool: &PgPool) -> Result<i64> {
+    let n: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM trailmark.outbox WHERE published_at IS NULL")
+            .fetch_one(pool)
+            .await
+            .map_err(trailmark::store::Error::from)?;
+    Ok(n)
+}
+
+/// The processes' call logs, read back.
+#[derive(Debug, Default)]
+pub struct CallLogs {
+    /// Model answers paid for.
+    pub models: ModelCalls,
+    /// Outside calls made, and made again under the same key.
+    pub calls: i64,
+    /// Calls beyond the first per key.
+    pub calls_repeated: i64,
+    /// Commits and fence findings.
+    pub fencing: Fencing,
+}
+
+/// Reads every `calls-*.log` under `dir`.
+pub fn call_logs(dir: &Path) -> Result<CallLogs> {
+    let mut text = String::new();
+    let entries = std::fs::read_dir(dir)
+        .map_err(|e| Error::Failed(format!("reading the call logs in {}: {e}", dir.display())))?;
+    for entry in entries.flatten() {
+        text.push_str(&std::fs::read_to_string(entry.path()).unwrap_or_default());
+    }
+    Ok(parse_logs(&text))
+}
+
+/// The counts and fence findings of the call logs' lines.
+pub fn parse_logs(text: &str) -> CallLogs {
+    let mut out = CallLogs::default();
+    let mut models = HashSet::new();
+    let mut keys = HashSet::new();
+    let mut commits: HashMap<(String, String), u32> = HashMap::new();
+    // Per run: (time, fence, key) of every call, to find a call under an older fence.
+    let mut calls: BTreeMap<String, Vec<(u128, i64, String)>> = BTreeMap::new();
+    for line in text.lines() {
+        let f: Vec<&str> = line.split(' ').collect();
+        match f.as_slice() {
+            ["model", run, seq, call] => {
+                out.models.paid += 1;
+                models.insert(format!("{run} {seq} {call}"));
+            }
+            ["call", run, _seq, key, fence, at] => {
+                out.calls += 1;
+                keys.insert(key.to_string());
+                if let (Ok(fence), Ok(at)) = (fence.parse(), at.parse()) {
+                    calls
+                        .entry(run.to_string())
+                        .or_default()
+                        .push((at, fence, key.to_string()));
+                }
+            }
+            ["commit", run, seq, _fence] => {
+                out.fencing.commits += 1;
+                *commits
+                    .entry((run.to_string(), seq.to_string()))
+                    .or_default() += 1;
+            }
+            // A line cut short by a kill -9 mid-write cannot happen (one write per line), but
+            // a log from another build may carry lines this one does not know.
+            _ => {}
+        }
+    }
+    out.models.distinct = models.len() as i64;
+    out.models.repeated = out.models.paid - out.models.distinct;
+    out.calls_repeated = out.calls - keys.len() as i64;
+    out.fencing.double_commits = commits
+        .into_iter()
+        .filter(|(_, n)| *n > 1)
+        .map(|((run, seq), n)| format!("{run} position {seq} committed {n} times"))
+        .collect();
+    for (run, mut list) in calls {
+        list.sort();
+        let mut newest = i64::MIN;
+        for (_, fence, key) in list {
+            if fence < newest {
+                out.fencing.stale_calls.push(format!(
+                    "{run}: {key} called under fence {fence} after fence {newest}"
+                ));
+            }
+            newest = newest.max(fence);
+        }
+    }
+    out
+}
+
+/// The DLQ's letters: poison found with a reason, poison missing, letters that are not poison.
+pub async fn dead_letters(settings: &BrokerSettings, poison: &[String]) -> Result<DeadLetters> {
+    let dlq = Dlq::connect(settings).await?;
+    let listing = dlq.list(usize::MAX, &dlq::quiet).await;
+    dlq.close().await;
+    let listing = listing?;
+    let mut d = DeadLetters {
+        poison_sent: poison.len() as u32,
+        ..DeadLetters::default()
+    };
+    let poison_ids: HashSet<&str> = poison.iter().map(String::as_str).collect();
+    let mut found = HashSet::new();
+    for letter in &listing.letters {
+        *d.by_reason.entry(letter.reason.clone()).or_default() += 1;
+        if poison_ids.contains(letter.id.as_str()) {
+            if !letter.reason.is_empty() && letter.reason != "unknown" {
+                found.insert(letter.id.clone());
+            }
+        } else {
+            d.unexpected
+                .push(format!("{} ({})", letter.id, letter.reason));
+        }
+    }
+    d.poison_found = found.len() as u32;
+    d.poison_missing = poison
+        .iter()
+        .filter(|id| !found.contains(*id))
+        .cloned()
+        .collect();
+    Ok(d)
+}
+
+/// Every invariant's verdict, from the report's figures.
+pub fn verdicts(r: &Report, unpublished: i64) -> Vec<Invariant> {
+    let e: &Effects = &r.effects;
+    let runs = &r.runs;
+    let d = &r.dead_letters;
+    let f = &r.fencing;
+    vec![
+        Invariant {
+            name: "every run ends terminal, or in review with a note".into(),
+            ok: runs.lost == 0 && runs.in_review_without_note == 0,
+            detail: format!(
+                "{} lost, {} in review without a note{}",
+                runs.lost,
+                runs.in_review_without_note,
+                if runs.lost_examples.is_empty() {
+                    String::new()
+                } else {
+                    format!(" (e.g. {})", runs.lost_examples.join("; "))
+                }
+            ),
+        },
+        Invariant {
+            name: "applied effects = distinct keys = expected".into(),
+            ok: e.keys == e.expected
+                && e.applied.is_none_or(|a| a == e.keys)
+                && e.duplicated.unwrap_or(0) == 0,
+            detail: format!(
+                "expected {}, keys {}, applied {}, duplicated {}",
+                e.expected,
+                e.keys,
+                e.applied.map_or("not counted".into(), |a| a.to_string()),
+                e.duplicated.map_or("not counted".into(), |a| a.to_string())
+            ),
+        },
+        Invariant {
+            name: "no healthy message in the DLQ".into(),
+            ok: d.unexpected.is_empty(),
+            detail: if d.unexpected.is_empty() {
+                "none".into()
+            } else {
+                d.unexpected
+                    .iter()
+                    .take(10)
+                    .cloned()
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            },
+        },
+        Invariant {
+            name: "every poison message in the DLQ with a reason".into(),
+            ok: d.poison_missing.is_empty(),
+            detail: format!(
+                "{} of {} found{}",
+                d.poison_found,
+                d.poison_sent,
+                if d.poison_missing.is_empty() {
+                    String::new()
+                } else {
+                    format!(
+                        "; missing {}",
+                        d.poison_missing
+                            .iter()
+                            .take(10)
+                            .cloned()
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    )
+                }
+            ),
+        },
+        Invariant {
+            name: "no write from a fenced-out worker accepted".into(),
+            ok: f.double_commits.is_empty() && f.stale_calls.is_empty(),
+            detail: format!(
+                "{} positions committed twice, {} calls under an older fence{}",
+                f.double_commits.len(),
+                f.stale_calls.len(),
+                f.double_commits
+                    .iter()
+                    .chain(&f.stale_calls)
+                    .next()
+                    .map_or(String::new(), |x| format!(" (e.g. {x})"))
+            ),
+        },
+        Invariant {
+            name: "no checkpoint without its next-step message".into(),
+            ok: unpublished == 0 && runs.lost == 0,
+            detail: format!(
+                "{unpublished} outbox rows never published; every committed step's successor ran or the run settled"
+            ),
+        },
+    ]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_call_logs_give_repeats_double_commits_and_stale_calls() {
+        let logs = "model r1 0 0\nmodel r1 0 0\nmodel r1 1 0\n\
+                    call r1 0 k0 3 100\ncall r1 0 k0 4 200\ncall r1 1 k1 2 300\n\
+                    commit r1 0 4\ncommit r1 1 5\ncommit r1 1 6\n";
+        let c = parse_logs(logs);
+        assert_eq!(
+            (c.models.paid, c.models.distinct, c.models.repeated),
+            (3, 2, 1)
+        );
+        assert_eq!((c.calls, c.calls_repeated), (3, 1));
+        assert_eq!(c.fencing.commits, 3);
+        assert_eq!(
+            c.fencing.double_commits,
+            vec!["r1 position 1 committed 2 times"]
+        );
+        assert_eq!(
+            c.fencing.stale_calls,
+            vec!["r1: k1 called under fence 2 after fence 4"]
+        );
+    }
+}

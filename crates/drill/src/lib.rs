@@ -1,0 +1,422 @@
+//! `trailmark drill WORKFLOW`: starts runs of any registered workflow on worker processes the
+//! drill owns, injects faults on a seeded schedule, waits for every run to settle, and reports
+//! what the promises kept, in the spirit of Jepsen's reports. Also a library call, so a team
+//! drills its own workflows from its own binary ([`drill`]).
+//!
+//! | file | part |
+//! |---|---|
+//! | `schedule.rs` | the seeded generator and the fault plan |
+//! | `fleet.rs` | the owned processes: restarts, kills, seams armed, pauses |
+//! | `faults.rs` | broker, Postgres and poison faults; recovery time |
+//! | `proxy.rs` | the latency fault: a delaying, cutting TCP proxy |
+//! | `tap.rs` | the dup fault: step messages published again with the same id |
+//! | `settle.rs` | the drive loop: progress, faults at their moment, forced reviews resumed |
+//! | `check.rs` | counts, call logs, the DLQ, and each invariant's verdict |
+//! | `report.rs` | the report, as text and JSON |
+
+pub mod check;
+pub mod faults;
+pub mod fleet;
+pub mod proxy;
+pub mod report;
+pub mod schedule;
+pub mod settle;
+pub mod tap;
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+use sqlx::PgPool;
+
+pub use faults::{BrokerFault, PostgresFault};
+pub use report::Report;
+use schedule::Fault;
+use trailmark::config::Settings;
+use trailmark::workflow::Registry;
+
+/// Every run a drill starts has an id starting with this (its database is its own).
+pub const RUN_PREFIX: &str = "drill-";
+
+/// Why a drill could not run (a drill that ran and found a broken promise is a [`Report`]
+/// whose [`Report::ok`] is false, not an error).
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The drill's own environment failed (database, broker, child processes).
+    #[error(transparent)]
+    Env(#[from] trailmark_bench::Error),
+    /// Postgres failed or is unreachable.
+    #[error("the drill lost the database")]
+    Store(#[from] trailmark::store::Error),
+    /// RabbitMQ failed or is unreachable.
+    #[error("the drill lost the broker")]
+    Broker(#[from] trailmark::broker::Error),
+    /// The workflow, its input or a setting cannot be drilled, or a fault could not be made.
+    #[error("{0}")]
+    Failed(String),
+}
+
+impl From<trailmark::dlq::Error> for Error {
+    fn from(e: trailmark::dlq::Error) -> Self {
+        Self::Failed(format!("reading the drill's DLQ: {e}"))
+    }
+}
+
+/// Shorthand for drill results.
+pub type Result<T> = std::result::Result<T, Error>;
+
+/// A boxed future, for [`Receiver`].
+pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// The system a workflow writes to, as a drill sees it: set up in the drill's place, its rows
+/// counted, removed afterwards. A drill of a workflow without one counts keys only.
+pub trait Receiver: Send + Sync {
+    /// Prepares what the workflow writes to (and the model it asks) for a drill whose
+    /// processes use `settings`; returns the input the runs get (for example with the drill's
+    /// own exchange in it) and settings for the processes.
+    fn prepare<'a>(
+        &'a self,
+        settings: &'a Settings,
+        input: Value,
+    ) -> BoxFuture<'a, Result<Prepared>> {
+        let _ = settings;
+        Box::pin(async move {
+            Ok(Prepared {
+                input,
+                child_env: Vec::new(),
+            })
+        })
+    }
+
+    /// `(rows, distinct references)` the receiver holds for `runs`: more rows than references
+    /// is a write done twice.
+    fn count<'a>(
+        &'a self,
+        pool: &'a PgPool,
+        runs: &'a [String],
+    ) -> BoxFuture<'a, Result<(i64, i64)>>;
+
+    /// Removes what [`Receiver::prepare`] made.
+    fn teardown<'a>(&'a self, settings: &'a Settings) -> BoxFuture<'a, Result<()>> {
+        let _ = settings;
+        Box::pin(async { Ok(()) })
+    }
+}
+
+/// What [`Receiver::prepare`] gives the drill.
+#[derive(Debug, Clone)]
+pub struct Prepared {
+    /// The input every run gets.
+    pub input: Value,
+    /// Environment for the drill's processes (e.g. `TRAILMARK__MODEL__BASE_URL`).
+    pub child_env: Vec<(String, String)>,
+}
+
+/// `chain`'s receiver: the `chain_ledger` table, one row per reference.
+pub struct ChainLedger;
+
+impl Receiver for ChainLedger {
+    fn count<'a>(
+        &'a self,
+        pool: &'a PgPool,
+        runs: &'a [String],
+    ) -> BoxFuture<'a, Result<(i64, i64)>> {
+        Box::pin(async move {
+            let counts: (i64, i64) = sqlx::query_as(
+                "SELECT count(*), count(DISTINCT reference) FROM trailmark.chain_ledger
+                  WHERE run_id = ANY($1) AND reference NOT LIKE 'undo:%'",
+            )
+            .bind(runs)
+            .fetch_one(pool)
+            .await
+            .map_err(trailmark::store::Error::from)?;
+            Ok(counts)
+        })
+    }
+}
+
+/// What to drill: a workflow, the input every run gets, and optionally how to count its writes.
+#[derive(Clone)]
+pub struct Target {
+    /// A workflow of the registry.
+    pub workflow: String,
+    /// The input of every run (the same work per run, so the control run gives the expected).
+    pub input: Value,
+    /// The system it writes to, when the drill knows how to count it.
+    pub receiver: Option<Arc<dyn Receiver>>,
+}
+
+/// The faults and their amounts. Counts are spread over 5%..85% of the expected steps; shares
+/// (0..1) apply to each message or position.
+#[derive(Debug, Clone)]
+pub struct Faults {
+    /// `kill -9` of a process (each replacement is armed to kill itself at a named seam).
+    pub kill: u32,
+    /// SIGSTOP of a worker past its lease, then SIGCONT.
+    pub pause: u32,
+    /// Broker faults, made as `broker_mode` says.
+    pub broker: u32,
+    /// Close the drill's connections, or restart the broker.
+    pub broker_mode: BrokerFault,
+    /// Postgres faults, made as `postgres_mode` says.
+    pub postgres: u32,
+    /// End the drill's backends, or stop the server at once and start it.
+    pub postgres_mode: PostgresFault,
+    /// Malformed messages, sent in bursts of up to ten.
+    pub poison: u32,
+    /// Latency episodes: delay on every byte to Postgres and RabbitMQ, then every connection cut.
+    pub latency: u32,
+    /// Share of step messages published again with the same id.
+    pub dup: f64,
+    /// Share of positions where the model answers 500 on attempt 1.
+    pub model_500: f64,
+    /// Share of positions where the tool answers after the client timeout on attempt 1.
+    pub late_tool: f64,
+    /// Share of runs whose start event is published twice.
+    pub started_twice: f64,
+    /// Share of positions forced into review on attempt 1 (resumed by the drill).
+    pub review: f64,
+}
+
+impl Faults {
+    /// No fault at all.
+    pub fn none() -> Self {
+        Self {
+            kill: 0,
+            pause: 0,
+            broker: 0,
+            broker_mode: BrokerFault::Close,
+            postgres: 0,
+            postgres_mode: PostgresFault::Terminate,
+            poison: 0,
+            latency: 0,
+            dup: 0.0,
+            model_500: 0.0,
+            late_tool: 0.0,
+            started_twice: 0.0,
+            review: 0.0,
+        }
+    }
+
+    /// The CI profile: every fault, in amounts that fit a few minutes on 2 cores, none of them
+    /// disturbing anyone else on the servers.
+    pub fn ci() -> Self {
+        Self {
+            kill: 6,
+            pause: 2,
+            broker: 2,
+            postgres: 2,
+            poison: 20,
+            latency: 2,
+            dup: 0.1,
+            model_500: 0.02,
+            late_tool: 0.02,
+            started_twice: 0.05,
+            review: 0.01,
+            ..Self::none()
+        }
+    }
+
+    /// The release profile: 200 kills, 50 broker restarts, 50 Postgres stops, 100 pauses, 500
+    /// poison messages, 30% duplicated deliveries (run it over 1,000 runs).
+    pub fn long() -> Self {
+        Self {
+            kill: 200,
+            pause: 100,
+            broker: 50,
+            broker_mode: BrokerFault::Restart,
+            postgres: 50,
+            postgres_mode: PostgresFault::Restart,
+            poison: 500,
+            latency: 20,
+            dup: 0.3,
+            ..Self::ci()
+        }
+    }
+
+    fn counts(&self) -> Vec<(Fault, u32)> {
+        vec![
+            (Fault::Kill, self.kill),
+            (Fault::Pause, self.pause),
+            (Fault::Broker, self.broker),
+            (Fault::Postgres, self.postgres),
+            (Fault::Poison, self.poison.div_ceil(10)),
+            (Fault::Latency, self.latency),
+        ]
+    }
+
+    /// The engine seams' setting (`TRAILMARK_DRILL`) for the processes.
+    fn seams_spec(&self, seed: u64, dir: &std::path::Path) -> String {
+        format!(
+            "seed={seed};dir={};model_500={};late_tool={};review={}",
+            dir.display(),
+            self.model_500,
+            self.late_tool,
+            self.review
+        )
+    }
+}
+
+/// How a drill runs.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// Runs started (default 200).
+    pub runs: usize,
+    /// Worker processes (besides one relay and one supervisor).
+    pub workers: usize,
+    /// The seed of the schedule and of the engine seams.
+    pub seed: u64,
+    /// What to inject.
+    pub faults: Faults,
+    /// The workers' lease (short, so pauses past it stay short).
+    pub lease_secs: u64,
+    /// The drill gives up waiting after this long without a step committed.
+    pub quiet_secs: u64,
+    /// Keep the database, prefix and logs for a look afterwards.
+    pub keep: bool,
+    /// Print a progress line every few seconds (to stderr).
+    pub progress: bool,
+    /// Deliveries each worker takes at once (`worker.concurrency`; default: the setting's).
+    pub worker_concurrency: Option<u32>,
+    /// The program the processes are started from, with `worker`, `relay` and `supervisor`
+    /// as their argument (default: the current executable).
+    pub program: Option<std::path::PathBuf>,
+}
+
+impl Config {
+    /// 200 runs, 2 workers, the CI faults.
+    pub fn new(seed: u64) -> Self {
+        Self {
+            runs: 200,
+            workers: 2,
+            seed,
+            faults: Faults::ci(),
+            lease_secs: 4,
+            quiet_secs: 90,
+            keep: false,
+            progress: true,
+            worker_concurrency: None,
+            program: None,
+        }
+    }
+}
+
+/// Drills `target` as `cfg` says against the servers in `base`, in a database, broker prefix
+/// (and for broker faults a vhost) of its own, all removed at the end unless `cfg.keep`.
+/// Worker processes are started from `cfg.program` (default: the current executable) with
+/// `worker`, `relay` or `supervisor`; it must serve the registry's workflows.
+pub async fn drill(
+    base: &Settings,
+    registry: Registry,
+    target: Target,
+    cfg: &Config,
+) -> Result<Report> {
+    let started = Instant::now();
+    let wf = registry.get(&target.workflow).ok_or_else(|| {
+        Error::Failed(format!(
+            "workflow {:?} is not registered in this binary; registered: {}",
+            target.workflow,
+            registry.names().join(", ")
+        ))
+    })?;
+    wf.check_input(&target.input).map_err(|e| {
+        Error::Failed(format!(
+            "the input for {:?} is refused: {e}",
+            target.workflow
+        ))
+    })?;
+    if cfg.runs == 0 || cfg.workers == 0 {
+        return Err(Error::Failed(
+            "a drill needs at least one run and one worker".into(),
+        ));
+    }
+    let mut base = base.clone();
+    let vhost = if cfg.faults.broker > 0 && cfg.faults.broker_mode == BrokerFault::Close {
+        Some(own_vhost(&mut base)?)
+    } else {
+        None
+    };
+    let result = settle::run(&base, registry, &target, cfg, vhost.as_deref()).await;
+    if let Some(vh) = &vhost
+        && !cfg.keep
+        && let Err(e) = faults::delete_vhost(vh)
+    {
+        tracing::warn!(vhost = %vh, error = %e, "the drill's vhost could not be removed");
+    }
+    let mut report = result?;
+    report.wall_secs = started.elapsed().as_secs_f64();
+    report.replay = replay(&target, cfg);
+    Ok(report)
+}
+
+/// Creates a vhost for the drill and points `base` at it.
+fn own_vhost(base: &mut Settings) -> Result<String> {
+    let mut url = url::Url::parse(&base.broker.url).map_err(|e| {
+        Error::Failed(format!(
+            "AMQP_URL {} is not a URL: {e}",
+            trailmark::redact::url(&base.broker.url)
+        ))
+    })?;
+    let vhost = format!(
+        "tmdrill-{}",
+        &uuid::Uuid::new_v4().simple().to_string()[..10]
+    );
+    let user = if url.username().is_empty() {
+        "guest"
+    } else {
+        url.username()
+    }
+    .to_owned();
+    faults::create_vhost(&vhost, &user)?;
+    url.set_path(&format!("/{vhost}"));
+    base.broker.url = url.to_string();
+    Ok(vhost)
+}
+
+/// The command that runs this drill again.
+fn replay(target: &Target, cfg: &Config) -> String {
+    let f = &cfg.faults;
+    format!(
+        "trailmark drill {} --input '{}' --runs {} --workers {} --seed {} --kill {} --pause {} --broker {} --broker-mode {} --postgres {} --postgres-mode {} --poison {} --latency {} --dup {} --model-500 {} --late-tool {} --started-twice {} --review {}",
+        target.workflow,
+        target.input,
+        cfg.runs,
+        cfg.workers,
+        cfg.seed,
+        f.kill,
+        f.pause,
+        f.broker,
+        match f.broker_mode {
+            BrokerFault::Close => "close",
+            BrokerFault::Restart => "restart",
+        },
+        f.postgres,
+        match f.postgres_mode {
+            PostgresFault::Terminate => "terminate",
+            PostgresFault::Restart => "restart",
+        },
+        f.poison,
+        f.latency,
+        f.dup,
+        f.model_500,
+        f.late_tool,
+        f.started_twice,
+        f.review
+    ) + &cfg
+        .worker_concurrency
+        .map_or(String::new(), |n| format!(" --concurrency {n}"))
+}
+
+/// Prints a progress line to stderr when asked to.
+fn say(cfg: &Config, line: &str) {
+    if cfg.progress {
+        eprintln!("drill: {line}");
+    }
+}
+
+/// A pause long enough to outlast `lease_secs` by two seconds.
+fn past_lease(lease_secs: u64) -> Duration {
+    Duration::from_secs(lease_secs + 2)
+}

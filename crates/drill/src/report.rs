@@ -1,0 +1,276 @@
+//! What a drill found, in the spirit of Jepsen's reports: counts first, then each invariant
+//! with its verdict, then the seed that replays it. Printed as text or as JSON (`--json`).
+
+use std::collections::BTreeMap;
+use std::fmt;
+
+use serde::Serialize;
+
+/// The whole report.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Report {
+    /// The workflow drilled.
+    pub workflow: String,
+    /// The seed; the same seed replays the same plan.
+    pub seed: u64,
+    /// How to run this drill again.
+    pub replay: String,
+    /// Wall time of the drill, setup included (s).
+    pub wall_secs: f64,
+    /// Runs and where they ended.
+    pub runs: Runs,
+    /// Outside writes.
+    pub effects: Effects,
+    /// Model calls paid for.
+    pub model_calls: ModelCalls,
+    /// The dead-letter queue at the end.
+    pub dead_letters: DeadLetters,
+    /// Each fault: how often, and how long until the next step committed.
+    pub faults: Vec<FaultFigures>,
+    /// Self-kills at named seams, by seam.
+    pub seam_kills: BTreeMap<String, u32>,
+    /// The engine seams switched on around `ctx.model` and `ctx.effect`.
+    pub engine_seams: EngineSeams,
+    /// Writes checked against the fences.
+    pub fencing: Fencing,
+    /// Every invariant with its verdict.
+    pub invariants: Vec<Invariant>,
+    /// Processes that exited without the drill's doing (restarted at once), with their status.
+    pub exits: Vec<String>,
+}
+
+/// Where the drill's runs ended.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Runs {
+    /// Runs the drill started (a run started twice counts once).
+    pub started: i64,
+    /// Finished every step.
+    pub succeeded: i64,
+    /// Stopped for a person, each with a handover note.
+    pub in_review: i64,
+    /// Why some of them stopped (the runs' error lines).
+    pub review_examples: Vec<String>,
+    /// In review without a handover note.
+    pub in_review_without_note: i64,
+    /// Failed, cancelled or compensated.
+    pub other_terminal: i64,
+    /// Neither terminal nor in review when the drill gave up waiting, or never created.
+    pub lost: i64,
+    /// Some of the lost ones, with where they stood.
+    pub lost_examples: Vec<String>,
+    /// Steps a run took in the fault-free control run.
+    pub steps_per_run: i64,
+}
+
+/// Outside writes, counted through the workflow's idempotency keys.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Effects {
+    /// The control run's keys times the runs that succeeded.
+    pub expected: i64,
+    /// Distinct keys recorded done for the runs that succeeded.
+    pub keys: i64,
+    /// Rows the receiving system holds for those runs, when the drill knows how to count them.
+    pub applied: Option<i64>,
+    /// Rows beyond one per key at the receiver (a write done twice).
+    pub duplicated: Option<i64>,
+    /// Calls made again under a key already called (absorbed by a receiver that enforces keys).
+    pub calls_repeated: i64,
+}
+
+/// Model calls.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct ModelCalls {
+    /// Answers paid for.
+    pub paid: i64,
+    /// Distinct calls (run, position, call number).
+    pub distinct: i64,
+    /// Answers paid for twice (a crash between the answer and its journal entry).
+    pub repeated: i64,
+}
+
+/// The DLQ at the end.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct DeadLetters {
+    /// Poison messages published.
+    pub poison_sent: u32,
+    /// Of those, found in the DLQ with a reason.
+    pub poison_found: u32,
+    /// Poison messages not in the DLQ (or there without a reason).
+    pub poison_missing: Vec<String>,
+    /// Letters that were not poison: healthy messages that should never be there.
+    pub unexpected: Vec<String>,
+    /// Letters by reason code.
+    pub by_reason: BTreeMap<String, u32>,
+}
+
+/// One kind of fault.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct FaultFigures {
+    /// Its name.
+    pub fault: String,
+    /// How often it was injected.
+    pub injected: u32,
+    /// From the fault to the next committed step: p50 (ms).
+    pub recovery_p50_ms: Option<f64>,
+    /// The same, worst case (ms).
+    pub recovery_max_ms: Option<f64>,
+    /// Faults after which no step committed at all (the runs had all settled, or stalled).
+    pub without_progress: u32,
+}
+
+/// The engine seams.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct EngineSeams {
+    /// Positions where the model answered 500 on attempt 1.
+    pub model_500: i64,
+    /// Positions where the tool answered after the client timeout on attempt 1.
+    pub late_tool: i64,
+    /// Runs forced into review and resumed by the drill after an approve.
+    pub reviews_resumed: i64,
+    /// Run ids started twice.
+    pub started_twice: i64,
+    /// Step messages republished with the same id.
+    pub duplicated_deliveries: u64,
+}
+
+/// Writes checked against the fences, from the processes' call logs.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Fencing {
+    /// Step commits logged.
+    pub commits: i64,
+    /// Positions committed twice.
+    pub double_commits: Vec<String>,
+    /// Outside calls made under a fence older than one already seen for the run.
+    pub stale_calls: Vec<String>,
+}
+
+/// One promise and whether the drill saw it kept.
+#[derive(Debug, Clone, Serialize)]
+pub struct Invariant {
+    /// What is promised.
+    pub name: String,
+    /// Kept?
+    pub ok: bool,
+    /// The numbers behind the verdict.
+    pub detail: String,
+}
+
+impl Report {
+    /// Whether every invariant held.
+    pub fn ok(&self) -> bool {
+        self.invariants.iter().all(|i| i.ok)
+    }
+}
+
+fn ms(v: Option<f64>) -> String {
+    v.map_or("-".into(), |v| format!("{v:.0}"))
+}
+
+fn opt(v: Option<i64>) -> String {
+    v.map_or("not counted".into(), |v| v.to_string())
+}
+
+impl fmt::Display for Report {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let r = &self.runs;
+        writeln!(
+            f,
+            "drill of `{}`, seed {}, {:.0} s",
+            self.workflow, self.seed, self.wall_secs
+        )?;
+        writeln!(
+            f,
+            "runs       started {}  succeeded {}  in review {} ({} without a note)  failed/cancelled {}  lost {}",
+            r.started, r.succeeded, r.in_review, r.in_review_without_note, r.other_terminal, r.lost
+        )?;
+        for why in &r.review_examples {
+            writeln!(f, "  review   {why}")?;
+        }
+        let e = &self.effects;
+        writeln!(
+            f,
+            "effects    expected {}  keys {}  applied {}  duplicated {}  calls repeated under a key {}",
+            e.expected,
+            e.keys,
+            opt(e.applied),
+            opt(e.duplicated),
+            e.calls_repeated
+        )?;
+        let m = &self.model_calls;
+        writeln!(
+            f,
+            "model      paid {}  distinct {}  repeated {}",
+            m.paid, m.distinct, m.repeated
+        )?;
+        let d = &self.dead_letters;
+        let reasons: Vec<String> = d
+            .by_reason
+            .iter()
+            .map(|(k, v)| format!("{k} {v}"))
+            .collect();
+        writeln!(
+            f,
+            "dlq        poison sent {}  found {}  missing {}  unexpected {}  ({})",
+            d.poison_sent,
+            d.poison_found,
+            d.poison_missing.len(),
+            d.unexpected.len(),
+            reasons.join(", ")
+        )?;
+        let s = &self.engine_seams;
+        writeln!(
+            f,
+            "seams      model 500 {}  late tool {}  reviews resumed {}  started twice {}  deliveries duplicated {}",
+            s.model_500, s.late_tool, s.reviews_resumed, s.started_twice, s.duplicated_deliveries
+        )?;
+        let kills: Vec<String> = self
+            .seam_kills
+            .iter()
+            .map(|(k, v)| format!("{k} {v}"))
+            .collect();
+        writeln!(
+            f,
+            "seam kills {}",
+            if kills.is_empty() {
+                "none".into()
+            } else {
+                kills.join(", ")
+            }
+        )?;
+        writeln!(
+            f,
+            "fault      injected  recovery p50 ms  max ms  no progress"
+        )?;
+        for x in &self.faults {
+            writeln!(
+                f,
+                "{:<10} {:>8}  {:>15}  {:>6}  {:>11}",
+                x.fault,
+                x.injected,
+                ms(x.recovery_p50_ms),
+                ms(x.recovery_max_ms),
+                x.without_progress
+            )?;
+        }
+        writeln!(
+            f,
+            "fencing    commits logged {}  positions committed twice {}  stale calls accepted {}",
+            self.fencing.commits,
+            self.fencing.double_commits.len(),
+            self.fencing.stale_calls.len()
+        )?;
+        for e in &self.exits {
+            writeln!(f, "exit       {e}")?;
+        }
+        for i in &self.invariants {
+            writeln!(
+                f,
+                "{} {}: {}",
+                if i.ok { "ok  " } else { "FAIL" },
+                i.name,
+                i.detail
+            )?;
+        }
+        write!(f, "replay: {}", self.replay)
+    }
+}

@@ -1,0 +1,533 @@
+//! The drive loop: the drill's environment and processes, the control run, the runs, each
+//! fault at its moment, forced reviews resumed, and the wait until every run has settled.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use chrono::{DateTime, Utc};
+
+use super::check;
+use super::fleet::Fleet;
+use super::proxy::Proxy;
+use super::report::{EngineSeams, FaultFigures, Report};
+use super::schedule::{self, Fault, Planned, Rng};
+use super::tap::Tap;
+use super::{Config, Error, RUN_PREFIX, Result, Target, faults, past_lease, say};
+use trailmark::broker::Outgoing;
+use trailmark::config::Settings;
+use trailmark::domain::{RunId, RunStartEvent};
+use trailmark::engine::Engine;
+use trailmark::failpoint::Failpoints;
+use trailmark::operator::{self, Decider, Resume};
+use trailmark::seams::{self, Seam};
+use trailmark::workflow::Registry;
+use trailmark_bench::env::BenchEnv;
+
+/// Everything a drill holds while it runs.
+struct Drill<'a> {
+    env: BenchEnv,
+    cfg: &'a Config,
+    engine: std::sync::Arc<Engine>,
+    fleet: Fleet,
+    rng: Rng,
+    vhost: Option<&'a str>,
+    proxies: Vec<Proxy>,
+    calls_dir: std::path::PathBuf,
+    poison: Vec<String>,
+    /// Each fault's name and moment; recovery is read from the steps' commit times at the end.
+    moments: Vec<(String, DateTime<Utc>)>,
+    injected: BTreeMap<Fault, u32>,
+    reviews_resumed: i64,
+}
+
+/// Runs the whole drill in its own environment, which is removed afterwards (unless kept)
+/// whatever happened.
+pub async fn run(
+    base: &Settings,
+    registry: Registry,
+    target: &Target,
+    cfg: &Config,
+    vhost: Option<&str>,
+) -> Result<Report> {
+    let mut env = BenchEnv::create_named(base, None, "drill").await?;
+    say(
+        cfg,
+        &format!(
+            "database {}, broker prefix {}, logs in {}",
+            env.db_name,
+            env.prefix,
+            env.log_dir.display()
+        ),
+    );
+    let mut target = target.clone();
+    let outcome = match prepare(&mut env, cfg, &mut target).await {
+        Ok((proxies, calls_dir)) => {
+            drive(env, registry, &target, cfg, vhost, proxies, calls_dir).await
+        }
+        Err(e) => Err((e, env)),
+    };
+    let (result, env) = match outcome {
+        Ok((report, env)) => (Ok(report), env),
+        Err((e, env)) => (Err(e), env),
+    };
+    if let Some(receiver) = target.receiver.as_ref().filter(|_| !cfg.keep)
+        && let Err(e) = receiver.teardown(&env.settings).await
+    {
+        tracing::warn!(error = %e, "the drill could not remove its receiver's tables");
+    }
+    if cfg.keep {
+        say(
+            cfg,
+            &format!("kept database {} and prefix {}", env.db_name, env.prefix),
+        );
+    } else {
+        let left = env.teardown().await;
+        if !left.is_empty() {
+            tracing::warn!(left = ?left, "the drill could not remove everything it created");
+        }
+    }
+    result
+}
+
+/// The children's settings: a short lease, the engine seams, and the proxies when latency is
+/// drilled.
+async fn prepare(
+    env: &mut BenchEnv,
+    cfg: &Config,
+    target: &mut Target,
+) -> Result<(Vec<Proxy>, std::path::PathBuf)> {
+    if let Some(receiver) = &target.receiver {
+        let prepared = receiver
+            .prepare(&env.settings, target.input.clone())
+            .await?;
+        target.input = prepared.input;
+        for (k, v) in &prepared.child_env {
+            env.set_child_env(k, v);
+        }
+    }
+    if let Some(program) = &cfg.program {
+        env.exe = program.clone();
+    }
+    if let Some(n) = cfg.worker_concurrency {
+        env.set_child_env("TRAILMARK__WORKER__CONCURRENCY", &n.to_string());
+    }
+    let calls_dir = env.log_dir.join("calls");
+    std::fs::create_dir_all(&calls_dir)
+        .map_err(|e| Error::Failed(format!("creating {}: {e}", calls_dir.display())))?;
+    env.set_child_env("TRAILMARK__WORKER__LEASE_SECS", &cfg.lease_secs.to_string());
+    env.set_child_env(
+        "TRAILMARK__WORKER__HEARTBEAT_SECS",
+        &(cfg.lease_secs / 3).max(1).to_string(),
+    );
+    env.set_child_env(seams::ENV, &cfg.faults.seams_spec(cfg.seed, &calls_dir));
+    let mut proxies = Vec::new();
+    if cfg.faults.latency > 0 {
+        let db = env.settings.database.url.clone();
+        let amqp = env.settings.broker.url.clone();
+        for (var, url) in [("DATABASE_URL", db), ("AMQP_URL", amqp)] {
+            let (proxied, proxy) = through_proxy(&url).await?;
+            env.set_child_env(var, &proxied);
+            proxies.push(proxy);
+        }
+    }
+    Ok((proxies, calls_dir))
+}
+
+/// A proxy to the server of `url`, and the same URL pointing at the proxy.
+async fn through_proxy(url: &str) -> Result<(String, Proxy)> {
+    let mut parsed = url::Url::parse(url)
+        .map_err(|e| Error::Failed(format!("{} is not a URL: {e}", trailmark::redact::url(url))))?;
+    let host = parsed.host_str().unwrap_or("127.0.0.1").to_owned();
+    let port = parsed
+        .port_or_known_default()
+        .unwrap_or(match parsed.scheme() {
+            "amqp" => 5672,
+            _ => 5432,
+        });
+    let proxy = Proxy::start(format!("{host}:{port}"))
+        .await
+        .map_err(|e| Error::Failed(format!("starting the latency proxy: {e}")))?;
+    let _ = parsed.set_host(Some("127.0.0.1"));
+    let _ = parsed.set_port(Some(proxy.addr().port()));
+    Ok((parsed.to_string(), proxy))
+}
+
+type Outcome = std::result::Result<(Report, BenchEnv), (Error, BenchEnv)>;
+
+async fn drive(
+    env: BenchEnv,
+    registry: Registry,
+    target: &Target,
+    cfg: &Config,
+    vhost: Option<&str>,
+    proxies: Vec<Proxy>,
+    calls_dir: std::path::PathBuf,
+) -> Outcome {
+    let engine = match Engine::with_pool(
+        env.settings.clone(),
+        registry,
+        Failpoints::default(),
+        env.pool.clone(),
+    ) {
+        Ok(engine) => engine,
+        Err(e) => return Err((Error::Failed(format!("the drill's engine: {e}")), env)),
+    };
+    let fleet = match Fleet::start(&env, cfg.workers) {
+        Ok(fleet) => fleet,
+        Err(e) => return Err((e, env)),
+    };
+    let mut drill = Drill {
+        env,
+        cfg,
+        engine,
+        fleet,
+        rng: Rng::new(cfg.seed),
+        vhost,
+        proxies,
+        calls_dir,
+        poison: Vec::new(),
+        moments: Vec::new(),
+        injected: BTreeMap::new(),
+        reviews_resumed: 0,
+    };
+    let result = drill.everything(target).await;
+    drill.fleet.stop(Duration::from_secs(5)).await;
+    match result {
+        Ok(report) => Ok((report, drill.env)),
+        Err(e) => Err((e, drill.env)),
+    }
+}
+
+impl Drill<'_> {
+    async fn everything(&mut self, target: &Target) -> Result<Report> {
+        let topology = self.env.topology();
+        self.env
+            .wait_consumers(
+                &topology.steps_queue(),
+                self.cfg.workers as u32,
+                Duration::from_secs(60),
+            )
+            .await?;
+        let tap = (self.cfg.faults.dup > 0.0).then(|| {
+            Tap::start(
+                self.env.settings.broker.clone(),
+                topology.clone(),
+                self.cfg.faults.dup,
+                self.cfg.seed,
+            )
+        });
+        let outcome = self.runs(target).await;
+        let copies = match tap {
+            Some(tap) => tap.stop().await,
+            None => 0,
+        };
+        let (ids, steps_per_run, keys_per_run, twice) = outcome?;
+        self.report(target, &ids, steps_per_run, keys_per_run, twice, copies)
+            .await
+    }
+
+    /// The control run, then the drill's runs under faults; returns the run ids, the control's
+    /// steps and keys, and how many runs were started twice.
+    async fn runs(&mut self, target: &Target) -> Result<(Vec<String>, i64, i64, i64)> {
+        let control = format!("{RUN_PREFIX}control");
+        self.start(target, std::slice::from_ref(&control), 0.0)
+            .await?;
+        say(
+            self.cfg,
+            "control run started (no faults from outside; the engine seams are on)",
+        );
+        self.wait(std::slice::from_ref(&control), Vec::new(), 1.0)
+            .await?;
+        let runs = check::runs(&self.env.pool, std::slice::from_ref(&control), 0).await?;
+        if runs.succeeded != 1 {
+            return Err(Error::Failed(format!(
+                "the control run {control} did not succeed ({runs:?}); a workflow must succeed without faults before a drill can tell anything; see `trailmark run show {control}` with --keep"
+            )));
+        }
+        let (steps, keys) = check::one_run(&self.env.pool, &control).await?;
+        let ids: Vec<String> = (0..self.cfg.runs)
+            .map(|i| format!("{RUN_PREFIX}{i}"))
+            .collect();
+        let twice = self
+            .start(target, &ids, self.cfg.faults.started_twice)
+            .await?;
+        say(
+            self.cfg,
+            &format!(
+                "{} runs started ({twice} of them twice); a run takes {steps} steps and {keys} keyed writes",
+                ids.len()
+            ),
+        );
+        let plan = schedule::plan(&self.cfg.faults.counts(), &mut self.rng);
+        let total = (steps * ids.len() as i64) as f64;
+        self.wait(&ids, plan, total).await?;
+        Ok((ids, steps, keys, twice))
+    }
+
+    /// Publishes the start events of `ids`, a `twice` share of them a second time (with another
+    /// message id, somewhere later); returns how many were doubled.
+    async fn start(&mut self, target: &Target, ids: &[String], twice: f64) -> Result<i64> {
+        let topology = self.env.topology();
+        let mut msgs: Vec<Outgoing> = Vec::new();
+        let mut doubled = Vec::new();
+        for id in ids {
+            let run_id =
+                RunId::parse(id).map_err(|e| Error::Failed(format!("drill run id {id}: {e}")))?;
+            let event = RunStartEvent::new(run_id, &target.workflow, target.input.clone());
+            msgs.push(topology.run_start(&event));
+            if self.rng.unit() < twice {
+                doubled.push(topology.run_start(&event));
+            }
+        }
+        let n = doubled.len() as i64;
+        for copy in doubled {
+            let at = self.rng.range(0, msgs.len() as u64 + 1) as usize;
+            msgs.insert(at.max(1).min(msgs.len()), copy);
+        }
+        self.env.publish(&msgs).await?;
+        Ok(n)
+    }
+
+    /// Drives `ids` until every one has settled (or nothing moved for `quiet_secs`), injecting
+    /// each planned fault once `total` steps times its share have committed.
+    async fn wait(&mut self, ids: &[String], mut plan: Vec<Planned>, total: f64) -> Result<()> {
+        let mut last = (-1i64, Instant::now());
+        let mut said = Instant::now();
+        loop {
+            for seam in self.fleet.check(&self.env)? {
+                tracing::debug!(seam, "a process killed itself at its seam");
+                self.moments.push(("kill at seam".into(), Utc::now()));
+            }
+            self.resume_forced_reviews().await;
+            let (done, unsettled) = match (
+                check::steps_done(&self.env.pool).await,
+                check::unsettled(&self.env.pool, ids).await,
+            ) {
+                (Ok(d), Ok(u)) => (d, u),
+                // Postgres is down (a fault of ours): keep driving, the next round will read.
+                _ => (last.0, i64::MAX),
+            };
+            if done != last.0 {
+                last = (done, Instant::now());
+            }
+            while let Some(p) = plan.first().copied() {
+                if (done as f64) < p.at * total {
+                    break;
+                }
+                plan.remove(0);
+                self.inject(p.fault).await?;
+                last.1 = Instant::now();
+            }
+            if unsettled == 0 {
+                return Ok(());
+            }
+            if last.1.elapsed() > Duration::from_secs(self.cfg.quiet_secs) {
+                say(
+                    self.cfg,
+                    &format!(
+                        "no step committed for {} s; {unsettled} runs have not settled",
+                        self.cfg.quiet_secs
+                    ),
+                );
+                return Ok(());
+            }
+            if said.elapsed() > Duration::from_secs(5) {
+                said = Instant::now();
+                let injected: u32 = self.injected.values().sum();
+                say(
+                    self.cfg,
+                    &format!(
+                        "{done} steps committed, {unsettled} of {} runs moving, {injected} faults injected, {} to come",
+                        ids.len(),
+                        plan.len()
+                    ),
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// Resumes, as a person would after approving, every run the review seam stopped.
+    async fn resume_forced_reviews(&mut self) {
+        let marker = format!("%{}%", Seam::Review.marker());
+        let stopped: Vec<String> = sqlx::query_scalar(
+            "SELECT run_id FROM trailmark.runs WHERE status = 'needs_review' AND (error LIKE $1 OR handover::text LIKE $1)",
+        )
+        .bind(&marker)
+        .fetch_all(&self.env.pool)
+        .await
+        .unwrap_or_default();
+        let who = Decider::cli(
+            "drill",
+            "forced into review by the drill's review seam; approved and resumed",
+        );
+        for run in stopped {
+            match operator::resume(&self.engine, &run, &who, Resume::Again).await {
+                Ok(_) => self.reviews_resumed += 1,
+                Err(e) => {
+                    tracing::debug!(run, error = %e, "resume of a forced review failed; trying again next round")
+                }
+            }
+        }
+    }
+
+    async fn inject(&mut self, fault: Fault) -> Result<()> {
+        let since = Utc::now();
+        let f = &self.cfg.faults;
+        match fault {
+            Fault::Kill => {
+                let killed = self.fleet.kill(&self.env, &mut self.rng)?;
+                tracing::debug!(killed, "kill -9");
+            }
+            Fault::Pause => {
+                let slot = self.fleet.freeze(&mut self.rng);
+                tokio::time::sleep(past_lease(self.cfg.lease_secs)).await;
+                self.fleet.thaw(slot);
+            }
+            Fault::Broker => {
+                let vhost = self.vhost.unwrap_or("/");
+                faults::broker(f.broker_mode, vhost).await?;
+            }
+            Fault::Postgres => {
+                faults::postgres(f.postgres_mode, &self.env.pool, &self.env.db_name).await?
+            }
+            Fault::Poison => {
+                let sent = self.poison.len() as u32;
+                let n = (f.poison - sent).min(10);
+                let topology = self.env.topology();
+                let ids =
+                    faults::poison(&self.env.settings.broker, &topology, n, sent, &mut self.rng)
+                        .await?;
+                self.poison.extend(ids);
+            }
+            Fault::Latency => {
+                let delay = Duration::from_millis(self.rng.range(20, 200));
+                for p in &self.proxies {
+                    p.set_delay(delay);
+                }
+                tokio::time::sleep(Duration::from_millis(self.rng.range(1000, 3000))).await;
+                for p in &self.proxies {
+                    p.cut_all();
+                    p.set_delay(Duration::ZERO);
+                }
+            }
+        }
+        *self.injected.entry(fault).or_default() += 1;
+        // A pause is measured from its end: while the worker is stopped, others go on anyway.
+        let since = if fault == Fault::Pause {
+            Utc::now()
+        } else {
+            since
+        };
+        self.moments.push((fault.name().into(), since));
+        Ok(())
+    }
+
+    async fn report(
+        &mut self,
+        target: &Target,
+        ids: &[String],
+        steps_per_run: i64,
+        keys_per_run: i64,
+        twice: i64,
+        copies: u64,
+    ) -> Result<Report> {
+        let pool = self.env.pool.clone();
+        let runs = check::runs(&pool, ids, steps_per_run).await?;
+        let succeeded = check::succeeded(&pool, ids).await?;
+        let keys = check::keys(&pool, &succeeded).await?;
+        let receiver = match &target.receiver {
+            Some(r) => Some(r.count(&pool, &succeeded).await?),
+            None => None,
+        };
+        let logs = check::call_logs(&self.calls_dir)?;
+        let dead_letters = check::dead_letters(&self.env.settings.broker, &self.poison).await?;
+        let unpublished = check::unpublished(&pool).await?;
+        let mut report = Report {
+            workflow: target.workflow.clone(),
+            seed: self.cfg.seed,
+            runs,
+            dead_letters,
+            model_calls: logs.models,
+            fencing: logs.fencing,
+            seam_kills: self.fleet.seam_kills.clone(),
+            ..Report::default()
+        };
+        report.effects.expected = keys_per_run * succeeded.len() as i64;
+        report.effects.keys = keys;
+        report.effects.applied = receiver.map(|(rows, _)| rows);
+        report.effects.duplicated = receiver.map(|(rows, distinct)| rows - distinct);
+        report.effects.calls_repeated = logs.calls_repeated;
+        report.engine_seams = EngineSeams {
+            model_500: chosen(
+                &pool,
+                ids,
+                self.cfg.seed,
+                Seam::Model500,
+                self.cfg.faults.model_500,
+            )
+            .await?,
+            late_tool: chosen(
+                &pool,
+                ids,
+                self.cfg.seed,
+                Seam::LateTool,
+                self.cfg.faults.late_tool,
+            )
+            .await?,
+            reviews_resumed: self.reviews_resumed,
+            started_twice: twice,
+            duplicated_deliveries: copies,
+        };
+        report.faults = self.fault_figures().await?;
+        report.invariants = check::verdicts(&report, unpublished);
+        report.exits = self.fleet.unexpected_exits.clone();
+        Ok(report)
+    }
+
+    /// Per fault kind: how often, and the time from each to the next committed step.
+    async fn fault_figures(&self) -> Result<Vec<FaultFigures>> {
+        let mut by: BTreeMap<String, Vec<Option<f64>>> = BTreeMap::new();
+        for (name, since) in &self.moments {
+            let next = faults::next_commit(&self.env.pool, *since).await?;
+            by.entry(name.clone()).or_default().push(next);
+        }
+        Ok(by
+            .into_iter()
+            .map(|(fault, times)| {
+                let mut ok: Vec<f64> = times.iter().flatten().copied().collect();
+                ok.sort_by(f64::total_cmp);
+                FaultFigures {
+                    fault,
+                    injected: times.len() as u32,
+                    recovery_p50_ms: (!ok.is_empty()).then(|| ok[ok.len() / 2]),
+                    recovery_max_ms: ok.last().copied(),
+                    without_progress: times.iter().filter(|t| t.is_none()).count() as u32,
+                }
+            })
+            .collect())
+    }
+}
+
+/// Positions of the drill's runs that `seam` chose (it fired there if attempt 1 got that far).
+async fn chosen(
+    pool: &sqlx::PgPool,
+    ids: &[String],
+    seed: u64,
+    seam: Seam,
+    rate: f64,
+) -> Result<i64> {
+    if rate <= 0.0 {
+        return Ok(0);
+    }
+    let positions: Vec<(String, i32)> =
+        sqlx::query_as("SELECT run_id, seq FROM trailmark.steps WHERE run_id = ANY($1)")
+            .bind(ids)
+            .fetch_all(pool)
+            .await
+            .map_err(trailmark::store::Error::from)?;
+    Ok(positions
+        .iter()
+        .filter(|(run, seq)| seams::chosen(seed, seam, run, *seq) < rate)
+        .count() as i64)
+}
