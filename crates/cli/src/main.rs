@@ -73,6 +73,9 @@ enum Command {
     },
     /// Measure throughput, latency, CPU, memory and recovery against the bare-loop baseline B3.
     Bench(cli::bench::BenchArgs),
+    /// Drill a workflow: start runs on worker processes the drill owns, inject seeded faults,
+    /// and report whether every promise held (exit 1 when one broke).
+    Drill(Box<cli::drill::DrillArgs>),
     /// Run the stand-in OpenAI-compatible model server (for drills and demos).
     ModelServer {
         /// Port on 127.0.0.1 (0 picks a free one).
@@ -167,6 +170,7 @@ async fn dispatch(cli: Cli) -> anyhow::Result<()> {
         }
         Command::Dlq { command } => cli::dlq::run(&settings, command).await,
         Command::Bench(args) => cli::bench::run(&settings, args).await,
+        Command::Drill(args) => cli::drill::run(&settings, registry, *args).await,
         Command::ModelServer { .. } | Command::Token { .. } => unreachable!("handled above"),
     }
 }

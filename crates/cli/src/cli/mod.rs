@@ -6,6 +6,7 @@ pub mod bench;
 pub mod decide;
 pub mod demo;
 pub mod dlq;
+pub mod drill;
 pub mod fork;
 pub mod migrate;
 pub mod run;

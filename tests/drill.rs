@@ -1,0 +1,159 @@
+//! `trailmark drill` against the real servers: the CI profile (every fault: kills and seam
+//! kills, pauses past the lease, the broker closing connections, Postgres ending backends,
+//! latency with cuts, duplicated deliveries, poison, and the engine seams) on `chain` and on
+//! `reconcile` keeps every invariant; and a drill whose receiver shows a write done twice fails.
+
+mod common;
+
+use std::process::Command;
+use std::sync::Arc;
+
+use common::{amqp_url, base_url};
+use serde_json::{Value, json};
+use trailmark::config::Settings;
+use trailmark_drill::{self as drill, BoxFuture, ChainLedger, Receiver};
+
+/// `trailmark drill ARGS --json` against the local servers; returns the report.
+fn drill_cli(args: &[&str]) -> Value {
+    let out = Command::new(common::trailmark_bin())
+        .arg("drill")
+        .args(args)
+        .arg("--json")
+        .env("DATABASE_URL", format!("{}/postgres", base_url()))
+        .env("AMQP_URL", amqp_url())
+        .env("RUST_LOG", "warn")
+        .env_remove("TRAILMARK_FAILPOINTS")
+        .output()
+        .expect("run trailmark drill");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let report: Value = serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("--json prints the report ({e}); stderr: {stderr}"));
+    assert!(
+        out.status.success(),
+        "the drill found a broken promise: {}\nstderr: {stderr}",
+        serde_json::to_string_pretty(&report["invariants"]).unwrap()
+    );
+    report
+}
+
+/// What every passing CI-profile drill must show, beyond its verdicts.
+fn assert_kept(r: &Value, runs: i64) {
+    for inv in r["invariants"].as_array().expect("invariants") {
+        assert_eq!(inv["ok"], true, "invariant failed: {inv}");
+    }
+    let runs_fig = &r["runs"];
+    assert_eq!(runs_fig["started"], runs);
+    assert_eq!(runs_fig["lost"], 0, "{runs_fig}");
+    assert_eq!(
+        runs_fig["succeeded"].as_i64().unwrap() + runs_fig["in_review"].as_i64().unwrap(),
+        runs,
+        "every run succeeded or is in review with a note: {runs_fig}"
+    );
+    let e = &r["effects"];
+    assert!(e["expected"].as_i64().unwrap() > 0, "{e}");
+    assert_eq!(e["keys"], e["expected"], "{e}");
+    assert_eq!(e["applied"], e["expected"], "receiver rows = keys: {e}");
+    assert_eq!(e["duplicated"], 0, "{e}");
+    let d = &r["dead_letters"];
+    assert_eq!(d["poison_sent"], 20);
+    assert_eq!(d["poison_found"], 20, "{d}");
+    assert_eq!(
+        d["unexpected"],
+        json!([]),
+        "no healthy message dead-lettered: {d}"
+    );
+    assert_eq!(r["fencing"]["double_commits"], json!([]));
+    assert_eq!(r["fencing"]["stale_calls"], json!([]));
+    // Every fault of the profile was injected (poison in two bursts of ten).
+    let faults = r["faults"].as_array().expect("faults");
+    for (name, n) in [
+        ("kill", 6),
+        ("pause", 2),
+        ("broker", 2),
+        ("postgres", 2),
+        ("poison", 2),
+        ("latency", 2),
+    ] {
+        let f = faults
+            .iter()
+            .find(|f| f["fault"] == name)
+            .unwrap_or_else(|| panic!("fault {name} missing: {faults:?}"));
+        assert_eq!(f["injected"], n, "{f}");
+    }
+    assert!(r["engine_seams"]["duplicated_deliveries"].as_u64().unwrap() > 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_ci_profile_on_chain_keeps_every_promise() {
+    let r = drill_cli(&["chain", "--runs", "200", "--seed", "20261201"]);
+    assert_kept(&r, 200);
+    assert_eq!(r["runs"]["steps_per_run"], 10);
+    // The drill forced some runs into review and resumed them (1% of 2,000 positions).
+    assert!(
+        r["engine_seams"]["reviews_resumed"].as_i64().unwrap() > 0,
+        "{}",
+        r["engine_seams"]
+    );
+    assert!(r["engine_seams"]["model_500"].as_i64().unwrap() > 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_ci_profile_on_reconcile_keeps_every_promise() {
+    let r = drill_cli(&[
+        "reconcile",
+        "--input",
+        r#"{"date":"2026-10-13","invoices":12,"mismatches":3}"#,
+        "--runs",
+        "30",
+        "--seed",
+        "20261202",
+    ]);
+    assert_kept(&r, 30);
+}
+
+/// A receiver that holds one row too many: a write done twice, as a broken engine would leave.
+struct Doubled;
+
+impl Receiver for Doubled {
+    fn count<'a>(
+        &'a self,
+        pool: &'a sqlx::PgPool,
+        runs: &'a [String],
+    ) -> BoxFuture<'a, drill::Result<(i64, i64)>> {
+        Box::pin(async move {
+            let (rows, distinct) = ChainLedger.count(pool, runs).await?;
+            Ok((rows + 1, distinct))
+        })
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_done_twice_fails_the_drill_called_as_a_library() {
+    let mut settings = Settings::load_from(None).expect("default settings");
+    settings.database.url = format!("{}/postgres", base_url());
+    settings.broker.url = amqp_url();
+    let mut cfg = drill::Config::new(5);
+    cfg.runs = 10;
+    cfg.faults = drill::Faults::none();
+    cfg.progress = false;
+    cfg.program = Some(common::trailmark_bin());
+    let target = drill::Target {
+        workflow: "chain".into(),
+        input: json!({"steps": 3}),
+        receiver: Some(Arc::new(Doubled)),
+    };
+    let report = drill::drill(&settings, trailmark_reference::registry(), target, &cfg)
+        .await
+        .expect("the drill runs");
+    assert!(!report.ok(), "{report}");
+    let failed: Vec<&str> = report
+        .invariants
+        .iter()
+        .filter(|i| !i.ok)
+        .map(|i| i.name.as_str())
+        .collect();
+    assert_eq!(failed, ["applied effects = distinct keys = expected"]);
+    assert_eq!(report.effects.duplicated, Some(1));
+    assert_eq!(report.runs.succeeded, 10);
+    assert!(report.to_string().contains("FAIL applied effects"));
+}
