@@ -8,6 +8,7 @@ mod topology;
 use std::sync::Arc;
 use std::time::Duration;
 
+use lapin::tcp::{OwnedIdentity, OwnedTLSConfig};
 use lapin::uri::AMQPUri;
 use lapin::{Connection, ConnectionProperties};
 
@@ -102,11 +103,99 @@ pub async fn connect(settings: &BrokerSettings, name: &str) -> Result<Arc<Connec
     let props =
         ConnectionProperties::default().with_connection_name(format!("trailmark-{name}").into());
     let (user, vhost) = (uri.authority.userinfo.username.clone(), uri.vhost.clone());
+    let host = uri.authority.host.clone();
+    let tls = tls_config(settings)?;
+    let runtime = lapin::runtime::default_runtime()?;
     // Shared: a publisher reopens its channel on it when the broker closed the old one.
-    Connection::connect_uri(uri, props)
+    Connection::connect_uri_with_config(uri, props, tls, runtime)
         .await
         .map(Arc::new)
-        .map_err(|e| refused_connection(&url, &user, &vhost, e))
+        .map_err(|e| match tls_refused(settings, &url, &host, &e) {
+            Some(what) => Error::Misconfigured {
+                what,
+                source: Some(e.into()),
+            },
+            None => refused_connection(&url, &user, &vhost, e),
+        })
+}
+
+/// The CA and client certificate of an `amqps://` connection, read from the files the settings
+/// name at every connection, so that renewed files are used from the next reconnect on. The
+/// files were checked when the settings loaded; one that went away since is named here.
+fn tls_config(settings: &BrokerSettings) -> Result<OwnedTLSConfig> {
+    use crate::config::tls::{Pem, read_pem};
+    let read = |setting: &str, path: &str, kind| {
+        read_pem(setting, path, kind).map_err(|e| Error::Misconfigured {
+            what: e.to_string(),
+            source: None,
+        })
+    };
+    let mut config = OwnedTLSConfig::default();
+    if !settings.ca_file.is_empty() {
+        let pem = read("broker.ca_file", &settings.ca_file, Pem::Certificates)?;
+        // Checked as PEM certificates above, so it is text.
+        config.cert_chain = Some(String::from_utf8_lossy(&pem).into_owned());
+    }
+    if !settings.client_cert_file.is_empty() {
+        config.identity = Some(OwnedIdentity::PKCS8 {
+            pem: read(
+                "broker.client_cert_file",
+                &settings.client_cert_file,
+                Pem::Certificates,
+            )?,
+            key: read(
+                "broker.client_key_file",
+                &settings.client_key_file,
+                Pem::PrivateKey,
+            )?,
+        });
+    }
+    Ok(config)
+}
+
+/// What a failed TLS handshake with RabbitMQ means, with the setting that fixes it; `None` when
+/// TLS is not what failed.
+fn tls_refused(
+    settings: &BrokerSettings,
+    url: &str,
+    host: &str,
+    e: &lapin::Error,
+) -> Option<String> {
+    use crate::config::tls::{Refusal, it_names, refusal};
+    let lapin::ErrorKind::IOError(io) = e.kind() else {
+        return None;
+    };
+    Some(match refusal(io.as_ref())? {
+        Refusal::UnknownIssuer if settings.ca_file.is_empty() => format!(
+            "the certificate of RabbitMQ at {url} is not signed by a CA this machine trusts: set broker.ca_file (TRAILMARK__BROKER__CA_FILE) to the CA that signed it"
+        ),
+        Refusal::UnknownIssuer => format!(
+            "the certificate of RabbitMQ at {url} is not signed by broker.ca_file ({}) nor by a CA this machine trusts: set broker.ca_file to the CA that signed the broker's certificate",
+            settings.ca_file
+        ),
+        Refusal::WrongName { presented } => format!(
+            "the certificate of RabbitMQ at {url} does not name the host {host:?}{}: connect to a name the certificate holds in AMQP_URL, or give the broker a certificate for {host:?}",
+            it_names(&presented)
+        ),
+        alert @ Refusal::ServerAlert(_) if alert.about_client_certificate() => {
+            if settings.client_cert_file.is_empty() {
+                format!(
+                    "RabbitMQ at {url} ended the TLS handshake {alert}: it wants a client certificate; set broker.client_cert_file and broker.client_key_file"
+                )
+            } else {
+                format!(
+                    "RabbitMQ at {url} ended the TLS handshake {alert}: it does not accept broker.client_cert_file ({}); give it a certificate signed by a CA in the broker's ssl_options.cacertfile",
+                    settings.client_cert_file
+                )
+            }
+        }
+        alert @ Refusal::ServerAlert(_) => {
+            format!("RabbitMQ at {url} ended the TLS handshake {alert}: check its ssl_options")
+        }
+        other => format!(
+            "the certificate of RabbitMQ at {url} {other}: the broker needs a valid certificate"
+        ),
+    })
 }
 
 /// Why a connection to RabbitMQ failed, with the advice that fits the cause: a broker that is not

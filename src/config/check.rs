@@ -5,7 +5,8 @@ use std::collections::BTreeSet;
 
 use serde_json::Value;
 
-use super::{Error, Settings};
+use super::tls::{Pem, read_pem};
+use super::{BrokerSettings, Error, Settings};
 
 /// Refuses keys, from the file or the environment, that no setting has.
 pub(super) fn known_keys(built: &config::Config, file: Option<&str>) -> Result<(), Error> {
@@ -18,7 +19,7 @@ pub(super) fn known_keys(built: &config::Config, file: Option<&str>) -> Result<(
         if known.contains(&key) {
             continue;
         }
-        let env_name = format!("TRAILMARK__{}", key.replace('.', "__").to_ascii_uppercase());
+        let env_name = env_name(&key);
         let from = if std::env::var_os(&env_name).is_some() {
             format!("set by {env_name}")
         } else {
@@ -165,6 +166,131 @@ pub(super) fn ranges(s: &Settings) -> Result<(), Error> {
     Ok(())
 }
 
+/// Refuses TLS settings that cannot work, before anything connects: a certificate file that
+/// cannot be read or holds no certificate (or key), a CA that the connection would not use, half
+/// of a client certificate.
+pub(super) fn tls(s: &Settings) -> Result<(), Error> {
+    database_tls(&s.database.url)?;
+    broker_tls(&s.broker)
+}
+
+/// The TLS parameters of a Postgres URL (libpq's names, which the driver reads too).
+fn database_tls(url: &str) -> Result<(), Error> {
+    // A URL that does not parse is refused, with its problem, by the driver when it connects.
+    let Ok(parsed) = url::Url::parse(url) else {
+        return Ok(());
+    };
+    let param = |names: &[&str]| {
+        parsed
+            .query_pairs()
+            .find(|(k, _)| names.contains(&k.as_ref()))
+            .map(|(_, v)| v.into_owned())
+    };
+    let mode = param(&["sslmode", "ssl-mode"]);
+    if let Some(root) = param(&["sslrootcert", "ssl-root-cert", "ssl-ca"]) {
+        // The driver checks the certificate only with verify-ca and verify-full (libpq's require
+        // also checks it when a root certificate is given; this driver does not): with any other
+        // mode the CA file would be ignored without a word.
+        let why = match mode.as_deref() {
+            Some("verify-ca" | "verify-full") => None,
+            None => Some("no sslmode".to_owned()),
+            Some(other) => Some(format!(
+                "sslmode={other}, which does not check the server's certificate"
+            )),
+        };
+        if let Some(why) = why {
+            return Err(Error(format!(
+                "DATABASE_URL sets sslrootcert but {why}: add sslmode=verify-full (or verify-ca, which does not check the host name)"
+            )));
+        }
+        read_pem("DATABASE_URL's sslrootcert", &root, Pem::Certificates).map_err(file)?;
+    }
+    match (
+        param(&["sslcert", "ssl-cert"]),
+        param(&["sslkey", "ssl-key"]),
+    ) {
+        (Some(cert), Some(key)) => {
+            read_pem("DATABASE_URL's sslcert", &cert, Pem::Certificates).map_err(file)?;
+            read_pem("DATABASE_URL's sslkey", &key, Pem::PrivateKey).map_err(file)?;
+        }
+        (None, None) => {}
+        _ => {
+            return Err(Error(
+                "DATABASE_URL sets only one of sslcert and sslkey: a client certificate needs both"
+                    .into(),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// The broker's TLS files, and the URL that must use TLS for them to mean anything.
+fn broker_tls(b: &BrokerSettings) -> Result<(), Error> {
+    let files = [
+        ("broker.ca_file", &b.ca_file, Pem::Certificates),
+        (
+            "broker.client_cert_file",
+            &b.client_cert_file,
+            Pem::Certificates,
+        ),
+        (
+            "broker.client_key_file",
+            &b.client_key_file,
+            Pem::PrivateKey,
+        ),
+    ];
+    if let Ok(parsed) = url::Url::parse(&b.url) {
+        // RabbitMQ's URI spec names TLS files in the query; this client ignores them, so a URL
+        // that sets them would connect without them.
+        let ignored = |k: &str| match k {
+            "cacertfile" => Some("broker.ca_file"),
+            "certfile" => Some("broker.client_cert_file"),
+            "keyfile" => Some("broker.client_key_file"),
+            _ => None,
+        };
+        if let Some((k, setting)) = parsed
+            .query_pairs()
+            .find_map(|(k, _)| ignored(&k).map(|s| (k.into_owned(), s)))
+        {
+            return Err(Error(format!(
+                "AMQP_URL sets {k}, which trailmark's RabbitMQ client does not read: set {setting} instead ({})",
+                env_name(setting)
+            )));
+        }
+    }
+    let tls = b
+        .url
+        .trim_start()
+        .get(..8)
+        .is_some_and(|scheme| scheme.eq_ignore_ascii_case("amqps://"));
+    for (setting, path, kind) in files {
+        if path.is_empty() {
+            continue;
+        }
+        if !tls {
+            return Err(Error(format!(
+                "{setting} is set but AMQP_URL does not use TLS (amqp://): use amqps:// (port 5671 by default), or leave {setting} empty"
+            )));
+        }
+        read_pem(setting, path, kind).map_err(file)?;
+    }
+    if b.client_cert_file.is_empty() != b.client_key_file.is_empty() {
+        return Err(Error(
+            "only one of broker.client_cert_file and broker.client_key_file is set: a client certificate needs both".into(),
+        ));
+    }
+    Ok(())
+}
+
+/// The environment variable that sets `key` (`broker.ca_file` -> `TRAILMARK__BROKER__CA_FILE`).
+fn env_name(key: &str) -> String {
+    format!("TRAILMARK__{}", key.replace('.', "__").to_ascii_uppercase())
+}
+
+fn file(e: super::tls::FileError) -> Error {
+    Error(e.to_string())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -181,6 +307,106 @@ mod tests {
         );
         assert_eq!(nearest("worker.max_bach", &known), Some("worker.max_batch"));
         assert_eq!(nearest("nothing.like.it", &known), None);
+    }
+
+    #[test]
+    fn tls_settings_that_cannot_work_are_refused_naming_the_setting_and_the_file() {
+        let dir = std::env::temp_dir().join(format!("tm-check-tls-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        // Only the PEM framing is checked at load; the handshake checks the rest.
+        let ca = dir.join("ca.pem");
+        std::fs::write(
+            &ca,
+            "-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----\n",
+        )
+        .unwrap();
+        let ca = ca.display().to_string();
+        let refused = |database_url: &str, broker: &dyn Fn(&mut BrokerSettings)| {
+            let mut s = Settings::defaults();
+            s.database.url = database_url.to_owned();
+            broker(&mut s.broker);
+            tls(&s).err().map(|e| e.to_string())
+        };
+        let pg = "postgres://u@db.example:5432/tm";
+        let amqps = |b: &mut BrokerSettings| b.url = "amqps://u:pw@mq.example/%2f".into();
+        assert_eq!(refused(pg, &|_| {}), None);
+        let ok = format!("{pg}?sslmode=verify-full&sslrootcert={ca}");
+        assert_eq!(refused(&ok, &|_| {}), None);
+        type Change<'a> = Box<dyn Fn(&mut BrokerSettings) + 'a>;
+        let cases: Vec<(String, Change, &str)> = vec![
+            (
+                format!("{pg}?sslmode=verify-full&sslrootcert=/nonexistent/ca.pem"),
+                Box::new(|_| {}),
+                "DATABASE_URL's sslrootcert names /nonexistent/ca.pem, which cannot be read",
+            ),
+            (
+                format!("{pg}?sslrootcert={ca}"),
+                Box::new(|_| {}),
+                "sets sslrootcert but no sslmode: add sslmode=verify-full",
+            ),
+            (
+                format!("{pg}?sslmode=require&sslrootcert={ca}"),
+                Box::new(|_| {}),
+                "sslmode=require, which does not check the server's certificate",
+            ),
+            (
+                format!("{pg}?sslmode=verify-full&sslcert={ca}"),
+                Box::new(|_| {}),
+                "only one of sslcert and sslkey",
+            ),
+            (
+                pg.into(),
+                Box::new(|b| b.ca_file = "/nonexistent/ca.pem".into()),
+                "broker.ca_file is set but AMQP_URL does not use TLS (amqp://): use amqps://",
+            ),
+            (
+                pg.into(),
+                Box::new(move |b| {
+                    amqps(b);
+                    b.ca_file = "/nonexistent/ca.pem".into();
+                }),
+                "broker.ca_file names /nonexistent/ca.pem, which cannot be read",
+            ),
+            (
+                pg.into(),
+                Box::new(|b| {
+                    amqps(b);
+                    b.client_key_file = ca.clone();
+                }),
+                "broker.client_key_file names",
+            ),
+            (
+                pg.into(),
+                Box::new(|b| {
+                    amqps(b);
+                    b.client_cert_file = ca.clone();
+                }),
+                "only one of broker.client_cert_file and broker.client_key_file",
+            ),
+            (
+                pg.into(),
+                Box::new(|b| b.url = "amqps://mq.example/%2f?cacertfile=/etc/ca.pem".into()),
+                "AMQP_URL sets cacertfile, which trailmark's RabbitMQ client does not read: set broker.ca_file instead (TRAILMARK__BROKER__CA_FILE)",
+            ),
+        ];
+        let shown: Vec<_> = cases
+            .iter()
+            .map(|(url, broker, _)| refused(url, broker.as_ref()))
+            .collect();
+        let amqps_ok = refused(pg, &|b| {
+            amqps(b);
+            b.ca_file = ca.clone();
+        });
+        let _ = std::fs::remove_dir_all(&dir);
+        for ((_, _, expected), shown) in cases.iter().zip(shown) {
+            let shown = shown.unwrap_or_default();
+            assert!(
+                shown.contains(expected),
+                "expected {expected:?} in {shown:?}"
+            );
+            assert!(!shown.contains("pw@"), "{shown}");
+        }
+        assert_eq!(amqps_ok, None);
     }
 
     #[test]

@@ -1,8 +1,10 @@
 //! Typed settings: the compiled-in `config/default.toml`, then an optional file, then the
 //! environment (`TRAILMARK__SECTION__KEY`, `DATABASE_URL`, `AMQP_URL`). A key this build does
-//! not know and a value outside its range are refused (`check.rs`), never ignored.
+//! not know and a value outside its range are refused (`check.rs`), never ignored; so is a TLS
+//! file (`tls.rs`) that cannot be read or holds no certificate.
 
 mod check;
+pub mod tls;
 
 use std::fmt;
 use std::time::Duration;
@@ -69,6 +71,14 @@ pub struct BrokerSettings {
     pub confirm_timeout_ms: u64,
     /// AMQP heartbeat in seconds (unless the URL sets one); 0 leaves it to the server.
     pub heartbeat_secs: u16,
+    /// With `amqps://`: a PEM file of the CA(s) that signed the broker's certificate, trusted
+    /// besides the system's (empty: the system's only). The AMQP URL has no place for it.
+    pub ca_file: String,
+    /// With `amqps://`, for a broker that asks for client certificates: this client's
+    /// certificate (PEM), with `client_key_file`; empty: none is sent.
+    pub client_cert_file: String,
+    /// The unencrypted PEM private key of `client_cert_file`.
+    pub client_key_file: String,
 }
 
 /// How a worker process consumes.
@@ -205,6 +215,9 @@ impl fmt::Debug for BrokerSettings {
             .field("quorum_group_size", &self.quorum_group_size)
             .field("confirm_timeout_ms", &self.confirm_timeout_ms)
             .field("heartbeat_secs", &self.heartbeat_secs)
+            .field("ca_file", &self.ca_file)
+            .field("client_cert_file", &self.client_cert_file)
+            .field("client_key_file", &self.client_key_file)
             .finish()
     }
 }
@@ -242,6 +255,7 @@ impl Settings {
             .try_deserialize()
             .map_err(|e| Error(check::explain(&e.to_string())))?;
         check::ranges(&settings)?;
+        check::tls(&settings)?;
         Ok(settings)
     }
 

@@ -22,7 +22,7 @@ mod types;
 
 use std::time::Duration;
 
-use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions, PgSslMode};
 use sqlx::{ConnectOptions, PgPool};
 
 use crate::config::DatabaseSettings;
@@ -183,9 +183,11 @@ fn without_unsupported_secrets(url: &str) -> String {
 }
 
 /// Reads a Postgres URL the way every connection of trailmark does (parameters the driver
-/// would print with their secret values removed first).
+/// would print with their secret values removed first). Without `sslmode` in the URL (or
+/// `PGSSLMODE`) the connection is not encrypted, as before this build had TLS at all; see
+/// [`DEFAULT_SSL_MODE`].
 pub fn parse_url(url: &str) -> Result<PgConnectOptions> {
-    without_unsupported_secrets(url).parse().map_err(|e| {
+    let options: PgConnectOptions = without_unsupported_secrets(url).parse().map_err(|e| {
         Error::misconfigured(
             format!(
                 "DATABASE_URL {} is not a valid Postgres URL",
@@ -193,6 +195,80 @@ pub fn parse_url(url: &str) -> Result<PgConnectOptions> {
             ),
             e,
         )
+    })?;
+    let chosen = url_param(url, &["sslmode", "ssl-mode"]).is_some()
+        || std::env::var_os("PGSSLMODE").is_some();
+    Ok(if chosen {
+        options
+    } else {
+        options.ssl_mode(DEFAULT_SSL_MODE)
+    })
+}
+
+/// The TLS mode of a URL that names none. The driver's own default is libpq's `prefer`: TLS
+/// whenever the server offers it, without checking its certificate, which protects against
+/// nothing but a passive listener and would have switched every existing installation (Debian's
+/// Postgres offers TLS out of the box) to encrypted, slower connections on upgrade, unasked.
+/// TLS is asked for with `sslmode=verify-full` (or `require`, `verify-ca`).
+pub const DEFAULT_SSL_MODE: PgSslMode = PgSslMode::Disable;
+
+/// The first of `names` among a URL's query parameters, decoded.
+fn url_param(url: &str, names: &[&str]) -> Option<String> {
+    url::Url::parse(url)
+        .ok()?
+        .query_pairs()
+        .find(|(k, _)| names.contains(&k.as_ref()))
+        .map(|(_, v)| v.into_owned())
+}
+
+/// What a failed TLS setup with Postgres means, with what to fix; `None` when TLS is not what
+/// failed. A refused certificate is named with the URL parameter that decides it.
+fn tls_refused(settings: &DatabaseSettings, e: &sqlx::Error) -> Option<String> {
+    use crate::config::tls::Refusal;
+    let at = redact::url(&settings.url);
+    let mode = url_param(&settings.url, &["sslmode", "ssl-mode"]).unwrap_or_default();
+    if let sqlx::Error::Tls(why) = e {
+        let why = why.to_string();
+        return Some(if why.contains("does not support TLS") {
+            format!(
+                "Postgres at {at} does not offer TLS, and DATABASE_URL asks for it (sslmode={mode}): turn `ssl = on` in its postgresql.conf, with a certificate"
+            )
+        } else {
+            format!(
+                "the TLS setup for Postgres at {at} failed ({why}): check sslrootcert, sslcert and sslkey in DATABASE_URL"
+            )
+        });
+    }
+    let refusal = crate::config::tls::refusal(e)?;
+    let host = parse_url(&settings.url)
+        .map(|o| o.get_host().to_owned())
+        .unwrap_or_default();
+    Some(match refusal {
+        Refusal::UnknownIssuer => {
+            match url_param(&settings.url, &["sslrootcert", "ssl-root-cert", "ssl-ca"]) {
+                Some(ca) => format!(
+                    "the certificate of Postgres at {at} is not signed by the CA in DATABASE_URL's sslrootcert ({ca}): set sslrootcert to the CA that signed the server's certificate"
+                ),
+                None => format!(
+                    "the certificate of Postgres at {at} is not signed by a CA trailmark trusts (the public web's): name the CA that signed it with sslrootcert=/path/ca.pem in DATABASE_URL"
+                ),
+            }
+        }
+        Refusal::WrongName { presented } => format!(
+            "the certificate of Postgres at {at} does not name the host {host:?}{}: connect to a name the certificate holds, or give the server a certificate for {host:?} (sslmode=verify-ca would skip the host check)",
+            crate::config::tls::it_names(&presented)
+        ),
+        alert @ Refusal::ServerAlert(_) => format!(
+            "Postgres at {at} ended the TLS handshake {alert}: {}",
+            if alert.about_client_certificate() {
+                "it wants a client certificate or does not accept this one; check sslcert and sslkey in DATABASE_URL"
+            } else {
+                "check its TLS settings and the sslmode in DATABASE_URL"
+            }
+        ),
+        other => format!(
+            "the certificate of Postgres at {at} {other}: the server needs a valid certificate for sslmode={mode}"
+        ),
     })
 }
 
@@ -227,6 +303,10 @@ fn options(settings: &DatabaseSettings) -> Result<PgConnectOptions> {
 /// Why a connection to Postgres failed, with the advice that fits the cause: a server that is
 /// not reachable is worth waiting for; a refused login, a missing role or database is not.
 fn down(settings: &DatabaseSettings, e: sqlx::Error) -> Error {
+    // A certificate no retry will change: a person must fix the URL, the CA file or the server.
+    if let Some(what) = tls_refused(settings, &e) {
+        return Error::misconfigured(what, e);
+    }
     let at = redact::url(&settings.url);
     let (user, database) = parse_url(&settings.url)
         .map(|o| {
