@@ -18,16 +18,30 @@ pub async fn serve(
 ) -> anyhow::Result<()> {
     let failpoints =
         Failpoints::from_env().map_err(|e| anyhow::anyhow!("TRAILMARK_FAILPOINTS: {e}"))?;
-    trailmark::startup::check(&settings).await?;
-    let engine = Engine::new(settings, registry, failpoints).await?;
+    // The handler is installed first, before the startup checks (which wait up to
+    // process.startup_timeout_secs for a server). As PID 1 of a container the process gets no
+    // default action for SIGTERM: until a handler exists the signal is simply dropped, and
+    // `podman stop` or a pod deletion during startup would wait for the runtime's SIGKILL.
+    let term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        .map_err(|e| anyhow::anyhow!("installing the SIGTERM handler: {e}"))?;
     let shutdown = CancellationToken::new();
-    tokio::spawn(wait_for_signal(shutdown.clone()));
+    tokio::spawn(wait_for_signal(term, shutdown.clone()));
+    let start = async {
+        trailmark::startup::check(&settings).await?;
+        anyhow::Ok(Engine::new(settings, registry, failpoints).await?)
+    };
+    let engine = tokio::select! {
+        engine = start => engine?,
+        // Asked to stop before it started: nothing is in flight, so there is nothing to drain.
+        () = shutdown.cancelled() => {
+            tracing::info!("stopped before startup finished");
+            return Ok(());
+        }
+    };
     Ok(process::run(engine, components, shutdown).await?)
 }
 
-async fn wait_for_signal(shutdown: CancellationToken) {
-    use tokio::signal::unix::{SignalKind, signal};
-    let mut term = signal(SignalKind::terminate()).expect("installing a SIGTERM handler");
+async fn wait_for_signal(mut term: tokio::signal::unix::Signal, shutdown: CancellationToken) {
     tokio::select! {
         _ = term.recv() => tracing::info!("SIGTERM: shutting down"),
         _ = tokio::signal::ctrl_c() => tracing::info!("Ctrl-C: shutting down"),
