@@ -167,11 +167,11 @@ fn name(l: Loop) -> &'static str {
     }
 }
 
-/// Postgres answers within two seconds, with this build's schema.
+/// Postgres answers within two seconds, with a schema this build can run on.
 async fn schema_answers(database: &DatabaseSettings) -> store::Result<()> {
     let check = async {
         let mut conn = store::connect_one(database).await?;
-        let checked = store::check_schema(&mut conn, database).await;
+        let checked = store::check_schema(&mut conn, database).await.map(drop);
         let _ = sqlx::Connection::close(conn).await;
         checked
     };

@@ -82,7 +82,12 @@ pub async fn check(settings: &Settings) -> Result<(), Error> {
 
 async fn check_once(settings: &Settings) -> Result<(), Error> {
     let mut conn = store::connect_one(&settings.database).await?;
-    store::check_schema(&mut conn, &settings.database).await?;
+    if let Some(newer) = store::check_schema(&mut conn, &settings.database).await? {
+        tracing::warn!(
+            migration = newer,
+            "the schema is newer than this build (a rolling upgrade in progress?); it declares itself compatible, so this process starts"
+        );
+    }
     let _ = sqlx::Connection::close(conn).await;
     let broker = broker::connect(&settings.broker, "startup-check").await?;
     let _ = broker.close(200, "checked".into()).await;

@@ -140,7 +140,7 @@ async fn a_schema_never_migrated_older_or_newer_than_the_binary_is_refused() {
     );
     dropped.unwrap();
 
-    // A newer trailmark migrated it.
+    // A newer trailmark migrated it with a migration older builds cannot run on.
     sqlx::query(
         "INSERT INTO _sqlx_migrations (version, description, success, checksum, execution_time)
          VALUES (29991231000000, 'from the future', true, '\\x00', 0)",
@@ -148,10 +148,18 @@ async fn a_schema_never_migrated_older_or_newer_than_the_binary_is_refused() {
     .execute(&env.pool)
     .await
     .unwrap();
+    sqlx::query("UPDATE trailmark.schema_compat SET oldest_build = 29991231000000")
+        .execute(&env.pool)
+        .await
+        .unwrap();
     let (out, _) = run(&env, "serve", &[]);
     assert_refused(
         &out,
-        &["migrated by a newer trailmark", "29991231000000"],
+        &[
+            "migrated by a newer trailmark",
+            "29991231000000",
+            "cannot run on",
+        ],
         &[],
     );
     sqlx::query("DELETE FROM _sqlx_migrations WHERE version = 29991231000000")
@@ -243,4 +251,35 @@ async fn configuration_mistakes_are_refused_naming_the_key_and_its_range() {
         &["unknown setting relay.batch_sise", "relay.batch_size"],
         &[],
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_newer_schema_that_declares_itself_compatible_keeps_older_processes_running() {
+    // The rolling upgrade's first move: the new build migrated (an additive migration that
+    // leaves `schema_compat.oldest_build` alone), the old processes go on.
+    let env = TestEnv::new().await;
+    sqlx::query(
+        "INSERT INTO _sqlx_migrations (version, description, success, checksum, execution_time)
+         VALUES (29991231000000, 'an added table', true, '\\x00', 0)",
+    )
+    .execute(&env.pool)
+    .await
+    .unwrap();
+    let mut conn = trailmark::store::connect_one(&env.settings.database)
+        .await
+        .unwrap();
+    let newer = trailmark::store::check_schema(&mut conn, &env.settings.database)
+        .await
+        .expect("a compatible newer schema is accepted");
+    assert_eq!(newer, Some(29991231000000));
+    let _serve = env.spawn_process(None);
+    env.start_run("chain", "r-rolling", serde_json::json!({"steps": 3}))
+        .await;
+    env.wait_status(
+        "r-rolling",
+        trailmark::domain::RunStatus::Succeeded,
+        Duration::from_secs(60),
+    )
+    .await;
+    assert_eq!(env.chain_ledger("r-rolling").await, (3, 3));
 }

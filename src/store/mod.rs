@@ -503,12 +503,14 @@ pub async fn migrate(pool: &PgPool) -> Result<()> {
         .map_err(|e| Error::misconfigured("the migrations failed", e))
 }
 
-/// Checks that the database's schema is the one this build was made for: every migration of
-/// this build applied, and none this build does not know (a newer trailmark migrated it).
+/// Checks that this build can run on the database's schema: every migration of this build
+/// applied, and any migration this build does not know (a newer trailmark migrated it, as a
+/// rolling upgrade does before it replaces the binaries) declared compatible with it through
+/// `trailmark.schema_compat`. Returns the newest such unknown migration, if any.
 pub async fn check_schema(
     conn: &mut sqlx::PgConnection,
     settings: &DatabaseSettings,
-) -> Result<()> {
+) -> Result<Option<i64>> {
     let at = redact::url(&settings.url);
     let history: Option<String> =
         sqlx::query_scalar("SELECT to_regclass('_sqlx_migrations')::text")
@@ -525,14 +527,6 @@ pub async fn check_schema(
             .fetch_all(&mut *conn)
             .await?;
     let known: Vec<i64> = MIGRATOR.iter().map(|m| m.version).collect();
-    if let Some(newer) = applied.iter().find(|v| !known.contains(v)) {
-        return Err(Error::Misconfigured {
-            what: format!(
-                "the database at {at} was migrated by a newer trailmark (migration {newer} is unknown to this build): deploy that version or a newer one"
-            ),
-            source: None,
-        });
-    }
     if let Some(missing) = MIGRATOR.iter().find(|m| !applied.contains(&m.version)) {
         return Err(Error::Misconfigured {
             what: format!(
@@ -545,7 +539,24 @@ pub async fn check_schema(
             source: None,
         });
     }
-    Ok(())
+    let Some(&newest) = applied.iter().rev().find(|v| !known.contains(v)) else {
+        return Ok(None);
+    };
+    let oldest_build: Option<i64> =
+        sqlx::query_scalar("SELECT oldest_build FROM trailmark.schema_compat")
+            .fetch_optional(&mut *conn)
+            .await?;
+    let ours = known.iter().copied().max().unwrap_or(0);
+    match oldest_build {
+        Some(oldest) if ours >= oldest => Ok(Some(newest)),
+        oldest => Err(Error::Misconfigured {
+            what: format!(
+                "the database at {at} was migrated by a newer trailmark (migration {newest} is unknown to this build) that builds before migration {} cannot run on: deploy that version or a newer one",
+                oldest.unwrap_or(newest)
+            ),
+            source: None,
+        }),
+    }
 }
 
 /// How many migrations the database has applied successfully.
