@@ -890,3 +890,78 @@ async fn a_run_left_waiting_past_the_human_timeout_is_escalated_to_review() {
     env.wait_status("r-late", RunStatus::Waiting, WAIT).await;
     running.stop().await;
 }
+
+/// Two steps; each says which version ran it. Version 2 renamed the second step, so a run of
+/// version 1 cannot simply go on there.
+fn upgraded(version: i32) -> Workflow {
+    let second = if version == 1 { "post" } else { "post_v2" };
+    Workflow::new("upgraded", version)
+        .step("read", StepKind::Read, move |_ctx| async move {
+            Ok(StepOutcome::next(json!({ "read_by": version })))
+        })
+        .step(second, StepKind::Write, move |_ctx| async move {
+            Ok(StepOutcome::finish(json!({ "posted_by": version })))
+        })
+}
+
+/// A run of `version` created and queued at its first step, as a worker of that version left it.
+async fn queue_run_of_version(env: &TestEnv, run: &str, version: i32) {
+    let run_id = trailmark::domain::RunId::parse(run).unwrap();
+    let first: trailmark::domain::StepAddress = "read".into();
+    let new = runs::NewRun {
+        run_id: &run_id,
+        workflow: "upgraded",
+        version,
+        first_step: &first,
+        input: &json!({}),
+    };
+    assert!(runs::insert(&env.pool, &new).await.unwrap());
+    let msg = env
+        .topology()
+        .step_message(&run_id, "upgraded", version, &first, 0);
+    env.publish(&trailmark::relay::to_outgoing(&msg)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rolling_upgrade_stops_older_runs_for_review_and_holds_newer_steps_for_new_workers() {
+    let env = TestEnv::new().await;
+    // An old (v1) worker still running while the run already moved to v2: it holds the
+    // message back (delay queue) instead of dead-lettering it.
+    let (old, running) = serve(&env, upgraded(1));
+    queue_run_of_version(&env, "r-newer", 2).await;
+    env.wait_until("the v1 worker to hold the v2 step back", WAIT, || async {
+        old.stats.delayed.load(Ordering::Relaxed) > 0
+    })
+    .await;
+    running.stop().await;
+    assert_eq!(old.stats.dead_lettered.load(Ordering::Relaxed), 0);
+    // The new (v2) worker takes it, and a run still on v1 stops for a person, with advice.
+    let (new, running) = serve(&env, upgraded(2));
+    let done = env.wait_status("r-newer", RunStatus::Succeeded, WAIT).await;
+    assert_eq!(done.output.unwrap()["posted_by"], 2);
+    queue_run_of_version(&env, "r-older", 1).await;
+    let stopped = env
+        .wait_status("r-older", RunStatus::NeedsReview, WAIT)
+        .await;
+    let error = stopped.error.unwrap();
+    assert!(error.contains("was started on upgraded v1"), "{error}");
+    assert!(error.contains("run resume r-older --after-fix"), "{error}");
+    assert_eq!(
+        env.steps_done("r-older").await,
+        0,
+        "nothing ran on v2 by itself"
+    );
+    // The person checked the checkpoints and moves the run to v2.
+    operator::resume(
+        &new,
+        "r-older",
+        &who("checked: v2 reads the same input"),
+        Resume::AfterFix,
+    )
+    .await
+    .unwrap();
+    let done = env.wait_status("r-older", RunStatus::Succeeded, WAIT).await;
+    assert_eq!(done.output.unwrap()["posted_by"], 2);
+    assert_eq!(new.stats.dead_lettered.load(Ordering::Relaxed), 0);
+    running.stop().await;
+}

@@ -127,6 +127,19 @@ pub(super) fn refuse_before_running(
     None
 }
 
+/// A step of a run started on an older version of its workflow: the deployed version may not
+/// fit the run's checkpoints (that is what a new version number says), so a person decides.
+pub(super) fn refuse_older_version(msg: &StepMessage, deployed: i32) -> Option<StepError> {
+    (msg.version < deployed).then(|| {
+        StepError::Unknown(format!(
+            "run {run} was started on {wf} v{old}, and this worker runs v{deployed}: check that the run's checkpoints fit v{deployed}, then `trailmark run resume {run} --after-fix` continues it on v{deployed} (or `trailmark run undo {run}`); to let runs go on by themselves across an upgrade, keep the version number when the steps stay compatible",
+            run = msg.run_id,
+            wf = msg.workflow,
+            old = msg.version,
+        ))
+    })
+}
+
 /// How the step ends, given what its handler returned and what it queued (`pending`: outside
 /// messages and parked items, committed only with an ending that keeps the step's work).
 pub(super) fn decide(

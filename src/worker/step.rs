@@ -66,7 +66,7 @@ pub(super) async fn process(
         tokens = tracing::field::Empty,
         cost = tracing::field::Empty
     );
-    let ended = run_claimed(engine, msg, &workflow, &step, &claim)
+    let ended = run_claimed(engine, msg, &workflow, step.as_ref(), &claim)
         .instrument(attempt)
         .await;
     let outcome = ended.as_ref().map_or("infrastructure", |(o, _)| *o);
@@ -85,7 +85,7 @@ async fn run_claimed(
     engine: &Arc<Engine>,
     msg: &StepMessage,
     workflow: &Workflow,
-    step: &StepDef,
+    step: Option<&StepDef>,
     claim: &runs::Claim,
 ) -> store::Result<(&'static str, Disposition)> {
     let claimed = Claimed {
@@ -98,39 +98,18 @@ async fn run_claimed(
     };
     // 3. Run the handler, unless a guard or a doubt about the run's items stops it first.
     let run_timeout = engine.settings.guards.run_timeout_secs;
-    let verdict = if let Some(stop) =
-        ending::refuse_before_running(msg, claimed, limits, claim.age_secs, run_timeout)
-    {
-        Verdict::Review(stop)
-    } else if step.freeze_unless_clear
-        && let Some(evidence) = doubt(engine, msg).await?
-    {
-        tracing::warn!("items in doubt: step frozen until a person approves");
-        Verdict::Commit(Ending::Wait {
-            note: evidence,
-            sent: Vec::new(),
-            parked: Vec::new(),
-        })
-    } else {
-        let ctx = context(engine, workflow, msg, claim).await?;
-        Stats::bump(&engine.stats.handler_runs);
-        let result = execute(engine, step, ctx.clone()).await;
-        let (tokens, cost) = ctx.paid();
-        if tokens > 0 {
-            let span = tracing::Span::current();
-            span.record("tokens", tokens);
-            span.record("cost", cost);
+    let refused = ending::refuse_before_running(msg, claimed, limits, claim.age_secs, run_timeout)
+        .or_else(|| ending::refuse_older_version(msg, workflow.version));
+    let verdict = match (refused, step) {
+        (Some(stop), _) => Verdict::Review(stop),
+        (None, Some(step)) => {
+            run_step(engine, msg, workflow, step, claim, (claimed, limits)).await?
         }
-        let (mut sent, parked) = ctx.take_pending();
-        if claim.shadow {
-            // Never queued; recorded only when the handler finished (a failed attempt's
-            // messages would not have left a live run either).
-            let would_send = std::mem::take(&mut sent);
-            if result.is_ok() {
-                shadow_sends(engine, msg, would_send).await?;
-            }
-        }
-        ending::decide(workflow, msg, claimed, limits, result, (sent, parked))
+        // resolve gives no step only for a run of an older version, refused above.
+        (None, None) => Verdict::Review(StepError::Unknown(format!(
+            "workflow {} v{} has no step {}",
+            msg.workflow, workflow.version, msg.step
+        ))),
     };
     // 4. Commit the ending, give the lease back for a retry, or drop the void work.
     let outcome = verdict.outcome();
@@ -172,6 +151,48 @@ async fn run_claimed(
     Ok((outcome, disposition))
 }
 
+/// The step's handler (or its freeze), and the verdict on what it returned.
+async fn run_step(
+    engine: &Arc<Engine>,
+    msg: &StepMessage,
+    workflow: &Workflow,
+    step: &StepDef,
+    claim: &runs::Claim,
+    (claimed, limits): (Claimed<'_>, Limits),
+) -> store::Result<Verdict> {
+    let verdict = if step.freeze_unless_clear
+        && let Some(evidence) = doubt(engine, msg).await?
+    {
+        tracing::warn!("items in doubt: step frozen until a person approves");
+        Verdict::Commit(Ending::Wait {
+            note: evidence,
+            sent: Vec::new(),
+            parked: Vec::new(),
+        })
+    } else {
+        let ctx = context(engine, workflow, msg, claim).await?;
+        Stats::bump(&engine.stats.handler_runs);
+        let result = execute(engine, step, ctx.clone()).await;
+        let (tokens, cost) = ctx.paid();
+        if tokens > 0 {
+            let span = tracing::Span::current();
+            span.record("tokens", tokens);
+            span.record("cost", cost);
+        }
+        let (mut sent, parked) = ctx.take_pending();
+        if claim.shadow {
+            // Never queued; recorded only when the handler finished (a failed attempt's
+            // messages would not have left a live run either).
+            let would_send = std::mem::take(&mut sent);
+            if result.is_ok() {
+                shadow_sends(engine, msg, would_send).await?;
+            }
+        }
+        ending::decide(workflow, msg, claimed, limits, result, (sent, parked))
+    };
+    Ok(verdict)
+}
+
 /// Tells the people waiting on the run that a step runs again, and from where.
 async fn say_resuming(engine: &Engine, msg: &StepMessage, attempt: i32) -> store::Result<()> {
     let since = match msg.seq.checked_sub(1) {
@@ -196,7 +217,11 @@ async fn say_resuming(engine: &Engine, msg: &StepMessage, attempt: i32) -> store
 
 /// The workflow and the step definition the message names, or the dead letter for a message
 /// this worker cannot execute. A compensation runs its step's declared compensation.
-fn resolve(engine: &Engine, msg: &StepMessage) -> Result<(Arc<Workflow>, StepDef), Disposition> {
+/// The step is `None` only for a run of an older version whose step this version lacks.
+fn resolve(
+    engine: &Engine,
+    msg: &StepMessage,
+) -> Result<(Arc<Workflow>, Option<StepDef>), Disposition> {
     let Some(workflow) = engine.registry.get(&msg.workflow) else {
         return Err(dead(
             "unknown_workflow",
@@ -208,14 +233,14 @@ fn resolve(engine: &Engine, msg: &StepMessage) -> Result<(Arc<Workflow>, StepDef
             ),
         ));
     };
-    if workflow.version != msg.version {
-        return Err(dead(
-            "unknown_version",
-            format!(
-                "run {}: message is for {} v{}, this worker runs v{}; deploy that version, then requeue",
-                msg.run_id, msg.workflow, msg.version, workflow.version
-            ),
-        ));
+    if msg.version > workflow.version {
+        // A rolling upgrade: the run already moved to a version this (older) worker does not
+        // run. A newer worker takes it once the message comes back from the delay queue.
+        tracing::warn!(run.id = %msg.run_id, version = msg.version, deployed = workflow.version,
+            "step of a newer workflow version; it waits for a worker that runs that version (a rolling upgrade in progress?)");
+        return Err(Disposition::Delay(Duration::from_millis(
+            engine.settings.worker.busy_retry_ms.max(1_000),
+        )));
     }
     let found = workflow.find(msg.step.declared()).and_then(|def| {
         match (msg.step.is_undo(), &def.compensation) {
@@ -228,6 +253,11 @@ fn resolve(engine: &Engine, msg: &StepMessage) -> Result<(Arc<Workflow>, StepDef
             (true, None) => None,
         }
     });
+    // A run of an older version is claimed and stopped for review with advice (its step may
+    // be gone from this version): see `ending::refuse_before_running`.
+    if msg.version < workflow.version {
+        return Ok((workflow, found));
+    }
     let Some(step) = found else {
         return Err(dead(
             "unknown_step",
@@ -237,7 +267,7 @@ fn resolve(engine: &Engine, msg: &StepMessage) -> Result<(Arc<Workflow>, StepDef
             ),
         ));
     };
-    Ok((workflow, step))
+    Ok((workflow, Some(step)))
 }
 
 /// Pauses before re-trying a claim refused because another worker holds the lease. A message
