@@ -5,6 +5,7 @@ use tokio_util::sync::CancellationToken;
 
 use trailmark::config::Settings;
 use trailmark::engine::Engine;
+use trailmark::error::Reaction;
 use trailmark::failpoint::Failpoints;
 use trailmark::process::{self, Components};
 use trailmark::workflow::Registry;
@@ -27,8 +28,18 @@ pub async fn serve(
     let shutdown = CancellationToken::new();
     tokio::spawn(wait_for_signal(term, shutdown.clone()));
     let start = async {
-        trailmark::startup::check(&settings).await?;
-        anyhow::Ok(Engine::new(settings, registry, failpoints).await?)
+        loop {
+            trailmark::startup::check(&settings).await?;
+            match Engine::new(settings.clone(), registry.clone(), failpoints.clone()).await {
+                Ok(engine) => return anyhow::Ok(engine),
+                // The server went away between the check and the pool (a restart at that very
+                // moment, found by the drills): check again, which waits for it.
+                Err(e) if trailmark::error::reaction(&e) == Reaction::Retry => {
+                    tracing::warn!(error = %trailmark::error::Report(&e), "a server went away while the process started; waiting for it again");
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
     };
     let engine = tokio::select! {
         engine = start => engine?,
