@@ -141,13 +141,7 @@ async fn a_schema_never_migrated_older_or_newer_than_the_binary_is_refused() {
     dropped.unwrap();
 
     // A newer trailmark migrated it with a migration older builds cannot run on.
-    sqlx::query(
-        "INSERT INTO _sqlx_migrations (version, description, success, checksum, execution_time)
-         VALUES (29991231000000, 'from the future', true, '\\x00', 0)",
-    )
-    .execute(&env.pool)
-    .await
-    .unwrap();
+    migrated_by_a_newer_build(&env).await;
     sqlx::query("UPDATE trailmark.schema_compat SET oldest_build = 29991231000000")
         .execute(&env.pool)
         .await
@@ -258,13 +252,7 @@ async fn a_newer_schema_that_declares_itself_compatible_keeps_older_processes_ru
     // The rolling upgrade's first move: the new build migrated (an additive migration that
     // leaves `schema_compat.oldest_build` alone), the old processes go on.
     let env = TestEnv::new().await;
-    sqlx::query(
-        "INSERT INTO _sqlx_migrations (version, description, success, checksum, execution_time)
-         VALUES (29991231000000, 'an added table', true, '\\x00', 0)",
-    )
-    .execute(&env.pool)
-    .await
-    .unwrap();
+    migrated_by_a_newer_build(&env).await;
     let mut conn = trailmark::store::connect_one(&env.settings.database)
         .await
         .unwrap();
@@ -282,4 +270,15 @@ async fn a_newer_schema_that_declares_itself_compatible_keeps_older_processes_ru
     )
     .await;
     assert_eq!(env.chain_ledger("r-rolling").await, (3, 3));
+}
+
+/// Records migration 29991231000000, which this build does not know, as applied.
+async fn migrated_by_a_newer_build(env: &TestEnv) {
+    sqlx::query(
+        "INSERT INTO _sqlx_migrations (version, description, success, checksum, execution_time)
+         VALUES (29991231000000, 'from the future', true, '\\x00', 0)",
+    )
+    .execute(&env.pool)
+    .await
+    .unwrap();
 }

@@ -245,6 +245,11 @@ pub async fn dead_letters(settings: &BrokerSettings, poison: &[String]) -> Resul
     Ok(d)
 }
 
+/// The first ten of a list of ids, for a verdict's detail line.
+fn first_ten(ids: &[String]) -> String {
+    ids.iter().take(10).cloned().collect::<Vec<_>>().join(", ")
+}
+
 /// Every invariant's verdict, from the report's figures.
 pub fn verdicts(r: &Report, unpublished: i64) -> Vec<Invariant> {
     let e: &Effects = &r.effects;
@@ -285,12 +290,7 @@ pub fn verdicts(r: &Report, unpublished: i64) -> Vec<Invariant> {
             detail: if d.unexpected.is_empty() {
                 "none".into()
             } else {
-                d.unexpected
-                    .iter()
-                    .take(10)
-                    .cloned()
-                    .collect::<Vec<_>>()
-                    .join(", ")
+                first_ten(&d.unexpected)
             },
         },
         Invariant {
@@ -303,15 +303,7 @@ pub fn verdicts(r: &Report, unpublished: i64) -> Vec<Invariant> {
                 if d.poison_missing.is_empty() {
                     String::new()
                 } else {
-                    format!(
-                        "; missing {}",
-                        d.poison_missing
-                            .iter()
-                            .take(10)
-                            .cloned()
-                            .collect::<Vec<_>>()
-                            .join(", ")
-                    )
+                    format!("; missing {}", first_ten(&d.poison_missing))
                 }
             ),
         },
