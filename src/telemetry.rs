@@ -27,12 +27,13 @@ static LOST: AtomicU64 = AtomicU64::new(0);
 static QUEUE: OnceLock<SyncSender<Vec<u8>>> = OnceLock::new();
 
 /// Installs the global subscriber; `RUST_LOG` sets the filter (default: run lifecycle at INFO,
-/// per-step lines at DEBUG; the AMQP driver's own lines off, since trailmark logs every broker
-/// failure it meets once, where it handles it). Safe to call more than once; later calls change
-/// nothing.
+/// per-step lines at DEBUG; the AMQP driver's own lines and the broker's certificate checker's
+/// off, since trailmark logs every broker failure it meets once, where it handles it, saying
+/// which certificate check failed). Safe to call more than once; later calls change nothing.
 pub fn init() {
-    let filter = EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| EnvFilter::new("info,lapin=off,sqlx=warn"));
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| {
+        EnvFilter::new("info,lapin=off,sqlx=warn,rustls_platform_verifier=off")
+    });
     let json = std::env::var("TRAILMARK_LOG_FORMAT").is_ok_and(|f| f == "json");
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
