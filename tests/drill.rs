@@ -63,7 +63,7 @@ fn assert_kept(r: &Value, runs: i64) {
         "no healthy message dead-lettered: {d}"
     );
     assert_eq!(r["fencing"]["double_commits"], json!([]));
-    assert_eq!(r["fencing"]["stale_calls"], json!([]));
+    assert_eq!(r["fencing"]["stale_commits"], json!([]));
     // Every fault of the profile was injected (poison in two bursts of ten).
     let faults = r["faults"].as_array().expect("faults");
     for (name, n) in [
@@ -156,4 +156,58 @@ async fn a_write_done_twice_fails_the_drill_called_as_a_library() {
     assert_eq!(report.effects.duplicated, Some(1));
     assert_eq!(report.runs.succeeded, 10);
     assert!(report.to_string().contains("FAIL applied effects"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn scale_out_four_workers_two_relays_two_supervisors_lose_nothing_when_each_is_killed() {
+    // Each of the 8 processes is killed once, in turn, while 2,000 runs move.
+    let r = drill_cli(&[
+        "chain",
+        "--runs",
+        "2000",
+        "--workers",
+        "4",
+        "--relays",
+        "2",
+        "--supervisors",
+        "2",
+        "--profile",
+        "none",
+        "--kill",
+        "8",
+        "--kill-in-turn",
+        "--seed",
+        "20261218",
+    ]);
+    for inv in r["invariants"].as_array().expect("invariants") {
+        assert_eq!(inv["ok"], true, "invariant failed: {inv}");
+    }
+    assert_eq!(r["runs"]["succeeded"], 2000, "{}", r["runs"]);
+    assert_eq!(r["effects"]["applied"], 20000);
+    assert_eq!(r["effects"]["duplicated"], 0);
+    let kills = r["faults"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|f| f["fault"] == "kill")
+        .cloned()
+        .expect("kills reported");
+    assert_eq!(kills["injected"], 8);
+    // The work was spread over all four worker slots (each slot: its first process and the
+    // ones that replaced it after a kill).
+    let by_process = r["commits_by_process"]
+        .as_object()
+        .expect("commits by process");
+    for slot in 0..4 {
+        let prefix = format!("worker-{slot}.");
+        let commits: i64 = by_process
+            .iter()
+            .filter(|(name, _)| name.starts_with(&prefix))
+            .map(|(_, n)| n.as_i64().unwrap())
+            .sum();
+        assert!(
+            commits > 0,
+            "worker slot {slot} committed nothing: {by_process:?}"
+        );
+    }
 }

@@ -152,6 +152,24 @@ impl BenchEnv {
         })
     }
 
+    /// The largest pool (up to the configured one) that lets `processes` children fit in what
+    /// the server has left, so that no process is refused connections midway ("too many
+    /// clients" made a 4-process scale point at 100,000 runs fail after 20 minutes when this was
+    /// a fixed budget).
+    pub async fn pool_for(&self, processes: usize) -> Result<u32> {
+        let budget = self.connection_budget().await?;
+        let each = u32::try_from(budget.free / processes.max(1) as i64).unwrap_or(0);
+        (1..=self.child_pool.max(1))
+            .rev()
+            .find(|&p| store::connections_per_process(p) <= each)
+            .ok_or_else(|| {
+                Error::Failed(format!(
+                    "{budget}: too few for {processes} trailmark processes of {} connections each; raise max_connections or start fewer processes",
+                    store::connections_per_process(1)
+                ))
+            })
+    }
+
     /// Stops passing `key` to children started from now on.
     pub fn remove_child_env(&mut self, key: &str) {
         self.child_env.retain(|(k, _)| k != key);

@@ -11,7 +11,6 @@ use super::load::{ids, peak_rss_mib};
 use super::systems::System;
 use super::window::measured;
 use super::{Config, Error, Result, progress};
-use trailmark::store::connections_per_process;
 
 /// One point of the scale phase.
 #[derive(Debug, Clone, Serialize)]
@@ -67,24 +66,6 @@ async fn all_points(
     Ok(())
 }
 
-/// The largest pool (up to the configured one) that lets `workers` processes fit in what the
-/// server has left, so that no process is refused connections mid-point ("too many clients"
-/// made a 4-process point at 100,000 runs fail after 20 minutes when this was a fixed budget).
-async fn pool_per_process(env: &BenchEnv, workers: usize) -> Result<u32> {
-    let budget = env.connection_budget().await?;
-    let each = u32::try_from(budget.free / workers.max(1) as i64).unwrap_or(0);
-    (1..=env.child_pool.max(1))
-        .rev()
-        .find(|&p| connections_per_process(p) <= each)
-        .ok_or_else(|| {
-            Error::Failed(format!(
-                "{budget}: too few for {workers} trailmark processes of {} connections each; \
-                 raise max_connections or leave out --scale-workers {workers}",
-                connections_per_process(1)
-            ))
-        })
-}
-
 async fn point(
     env: &mut BenchEnv,
     cfg: &Config,
@@ -93,7 +74,7 @@ async fn point(
     workers: usize,
 ) -> Result<ScalePoint> {
     let system = System::Trailmark;
-    let pool = pool_per_process(env, workers).await?;
+    let pool = env.pool_for(workers).await?;
     env.set_child_pool(pool);
     system.reset(env).await?;
     let tag = format!("scale-{runs}x{workers}");

@@ -130,6 +130,36 @@ pub async fn unpublished(pool: &PgPool) -> Result<i64> {
     Ok(n)
 }
 
+/// Steps committed by each process the drill started (its call log is named by its pid).
+pub fn commits_by_process(
+    dir: &Path,
+    names: &HashMap<u32, String>,
+) -> Result<BTreeMap<String, i64>> {
+    let entries = std::fs::read_dir(dir)
+        .map_err(|e| Error::Failed(format!("reading the call logs in {}: {e}", dir.display())))?;
+    let mut by = BTreeMap::new();
+    for entry in entries.flatten() {
+        let file = entry.file_name().to_string_lossy().into_owned();
+        let Some(pid) = file
+            .strip_prefix("calls-")
+            .and_then(|f| f.strip_suffix(".log"))
+            .and_then(|p| p.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        let text = std::fs::read_to_string(entry.path()).unwrap_or_default();
+        let commits = text.lines().filter(|l| l.starts_with("commit ")).count() as i64;
+        if commits > 0 {
+            let name = names
+                .get(&pid)
+                .cloned()
+                .unwrap_or_else(|| format!("pid {pid}"));
+            by.insert(name, commits);
+        }
+    }
+    Ok(by)
+}
+
 /// The processes' call logs, read back.
 #[derive(Debug, Default)]
 pub struct CallLogs {
@@ -160,6 +190,8 @@ pub fn parse_logs(text: &str) -> CallLogs {
     let mut models = HashSet::new();
     let mut keys = HashSet::new();
     let mut commits: HashMap<(String, String), u32> = HashMap::new();
+    // Per run: (position, fence) of every commit; fences never go down along a run.
+    let mut fences: BTreeMap<String, Vec<(i32, i64)>> = BTreeMap::new();
     // Per run: (time, fence, key) of every call, to find a call under an older fence.
     let mut calls: BTreeMap<String, Vec<(u128, i64, String)>> = BTreeMap::new();
     for line in text.lines() {
@@ -179,11 +211,17 @@ pub fn parse_logs(text: &str) -> CallLogs {
                         .push((at, fence, key.to_string()));
                 }
             }
-            ["commit", run, seq, _fence] => {
+            ["commit", run, seq, fence] => {
                 out.fencing.commits += 1;
                 *commits
                     .entry((run.to_string(), seq.to_string()))
                     .or_default() += 1;
+                if let (Ok(seq), Ok(fence)) = (seq.parse::<i32>(), fence.parse::<i64>()) {
+                    fences
+                        .entry(run.to_string())
+                        .or_default()
+                        .push((seq, fence));
+                }
             }
             // A line cut short by a kill -9 mid-write cannot happen (one write per line), but
             // a log from another build may carry lines this one does not know.
@@ -198,6 +236,17 @@ pub fn parse_logs(text: &str) -> CallLogs {
         .filter(|(_, n)| *n > 1)
         .map(|((run, seq), n)| format!("{run} position {seq} committed {n} times"))
         .collect();
+    for (run, mut list) in fences {
+        list.sort();
+        for pair in list.windows(2) {
+            let ((s0, f0), (s1, f1)) = (pair[0], pair[1]);
+            if f1 < f0 {
+                out.fencing.stale_commits.push(format!(
+                    "{run}: position {s1} committed under fence {f1} after position {s0} under fence {f0}"
+                ));
+            }
+        }
+    }
     for (run, mut list) in calls {
         list.sort();
         let mut newest = i64::MIN;
@@ -309,14 +358,14 @@ pub fn verdicts(r: &Report, unpublished: i64) -> Vec<Invariant> {
         },
         Invariant {
             name: "no write from a fenced-out worker accepted".into(),
-            ok: f.double_commits.is_empty() && f.stale_calls.is_empty(),
+            ok: f.double_commits.is_empty() && f.stale_commits.is_empty(),
             detail: format!(
-                "{} positions committed twice, {} calls under an older fence{}",
+                "{} positions committed twice, {} commits under a fence older than an earlier position's{}",
                 f.double_commits.len(),
-                f.stale_calls.len(),
+                f.stale_commits.len(),
                 f.double_commits
                     .iter()
-                    .chain(&f.stale_calls)
+                    .chain(&f.stale_commits)
                     .next()
                     .map_or(String::new(), |x| format!(" (e.g. {x})"))
             ),
@@ -354,6 +403,11 @@ mod tests {
         assert_eq!(
             c.fencing.stale_calls,
             vec!["r1: k1 called under fence 2 after fence 4"]
+        );
+        let c = parse_logs("commit r2 0 5\ncommit r2 1 7\ncommit r2 2 6\n");
+        assert_eq!(
+            c.fencing.stale_commits,
+            vec!["r2: position 2 committed under fence 6 after position 1 under fence 7"]
         );
     }
 }

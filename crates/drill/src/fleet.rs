@@ -1,4 +1,4 @@
-//! The processes a drill owns: workers, a relay and a supervisor, each started from the drill's
+//! The processes a drill owns: workers, relays and supervisors, each started from the drill's
 //! program, restarted when it dies, and (after a kill) replaced by one armed to kill itself at a
 //! named seam, so that crashes also land at the moments that matter most.
 
@@ -56,21 +56,38 @@ struct Slot {
 pub struct Fleet {
     slots: Vec<Slot>,
     next_seam: usize,
+    kills: usize,
     /// Self-kills at a seam, by seam.
     pub seam_kills: BTreeMap<String, u32>,
     /// Exits the drill did not cause (neither its kill nor an armed seam), with their status.
     pub unexpected_exits: Vec<String>,
+    /// Every process started, by pid: its name (the call logs are named by pid).
+    pub names: std::collections::HashMap<u32, String>,
 }
 
 impl Fleet {
-    /// Starts `workers` workers, a relay and a supervisor.
-    pub fn start(env: &BenchEnv, workers: usize) -> Result<Self> {
-        let mut roles: Vec<Role> = vec![Role::Worker; workers];
-        roles.extend([Role::Relay, Role::Supervisor]);
-        let mut slots = Vec::new();
-        for (index, role) in roles.into_iter().enumerate() {
+    /// Starts `workers` workers, `relays` relays and `supervisors` supervisors.
+    pub fn start(
+        env: &BenchEnv,
+        workers: usize,
+        relays: usize,
+        supervisors: usize,
+    ) -> Result<Self> {
+        let roles = std::iter::repeat_n(Role::Worker, workers)
+            .chain(std::iter::repeat_n(Role::Relay, relays))
+            .chain(std::iter::repeat_n(Role::Supervisor, supervisors));
+        let mut fleet = Self {
+            slots: Vec::new(),
+            next_seam: 0,
+            kills: 0,
+            seam_kills: BTreeMap::new(),
+            unexpected_exits: Vec::new(),
+            names: Default::default(),
+        };
+        for (index, role) in roles.enumerate() {
             let proc = spawn(env, role, index, 0, None)?;
-            slots.push(Slot {
+            fleet.names.insert(proc.pid(), proc.name.clone());
+            fleet.slots.push(Slot {
                 role,
                 index,
                 generation: 0,
@@ -78,12 +95,7 @@ impl Fleet {
                 proc,
             });
         }
-        Ok(Self {
-            slots,
-            next_seam: 0,
-            seam_kills: BTreeMap::new(),
-            unexpected_exits: Vec::new(),
-        })
+        Ok(fleet)
     }
 
     /// Restarts every process that has exited; returns the seams that fired since last time.
@@ -106,18 +118,22 @@ impl Fleet {
             }
             slot.generation += 1;
             slot.proc = spawn(env, slot.role, slot.index, slot.generation, None)?;
+            self.names.insert(slot.proc.pid(), slot.proc.name.clone());
         }
         Ok(fired)
     }
 
-    /// `kill -9` of one process (a worker four times in five), replaced by one armed at the
-    /// next seam of its role, `@k` hits later.
-    pub fn kill(&mut self, env: &BenchEnv, rng: &mut Rng) -> Result<String> {
+    /// `kill -9` of one process (a worker four times in five, or with `in_turn` every process
+    /// in turn), replaced by one armed at the next seam of its role, `@k` hits later.
+    pub fn kill(&mut self, env: &BenchEnv, rng: &mut Rng, in_turn: bool) -> Result<String> {
         let workers: Vec<usize> = self.indices(Role::Worker);
         let others: Vec<usize> = (0..self.slots.len())
             .filter(|i| !workers.contains(i))
             .collect();
-        let pick = if rng.unit() < 0.8 || others.is_empty() {
+        self.kills += 1;
+        let pick = if in_turn {
+            (self.kills - 1) % self.slots.len()
+        } else if rng.unit() < 0.8 || others.is_empty() {
             workers[rng.range(0, workers.len() as u64) as usize]
         } else {
             others[rng.range(0, others.len() as u64) as usize]
@@ -146,6 +162,7 @@ impl Fleet {
             slot.generation,
             armed.as_deref(),
         )?;
+        self.names.insert(slot.proc.pid(), slot.proc.name.clone());
         slot.armed = armed.map(|a| a.split('=').next().unwrap_or_default().to_owned());
         Ok(killed)
     }

@@ -154,6 +154,9 @@ pub struct Target {
 pub struct Faults {
     /// `kill -9` of a process (each replacement is armed to kill itself at a named seam).
     pub kill: u32,
+    /// Kills go through every process in turn (workers, relays, supervisors) instead of
+    /// hitting a worker four times in five.
+    pub kill_in_turn: bool,
     /// SIGSTOP of a worker past its lease, then SIGCONT.
     pub pause: u32,
     /// Broker faults, made as `broker_mode` says.
@@ -185,6 +188,7 @@ impl Faults {
     pub fn none() -> Self {
         Self {
             kill: 0,
+            kill_in_turn: false,
             pause: 0,
             broker: 0,
             broker_mode: BrokerFault::Close,
@@ -264,8 +268,12 @@ impl Faults {
 pub struct Config {
     /// Runs started (default 200).
     pub runs: usize,
-    /// Worker processes (besides one relay and one supervisor).
+    /// Worker processes.
     pub workers: usize,
+    /// Relay processes.
+    pub relays: usize,
+    /// Supervisor processes.
+    pub supervisors: usize,
     /// The seed of the schedule and of the engine seams.
     pub seed: u64,
     /// What to inject.
@@ -286,11 +294,13 @@ pub struct Config {
 }
 
 impl Config {
-    /// 200 runs, 2 workers, the CI faults.
+    /// 200 runs, 2 workers, a relay and a supervisor, the CI faults.
     pub fn new(seed: u64) -> Self {
         Self {
             runs: 200,
             workers: 2,
+            relays: 1,
+            supervisors: 1,
             seed,
             faults: Faults::ci(),
             lease_secs: 4,
@@ -379,13 +389,20 @@ fn own_vhost(base: &mut Settings) -> Result<String> {
 fn replay(target: &Target, cfg: &Config) -> String {
     let f = &cfg.faults;
     format!(
-        "trailmark drill {} --input '{}' --runs {} --workers {} --seed {} --kill {} --pause {} --broker {} --broker-mode {} --postgres {} --postgres-mode {} --poison {} --latency {} --dup {} --model-500 {} --late-tool {} --started-twice {} --review {}",
+        "trailmark drill {} --input '{}' --runs {} --workers {} --relays {} --supervisors {} --seed {} --kill {}{} --pause {} --broker {} --broker-mode {} --postgres {} --postgres-mode {} --poison {} --latency {} --dup {} --model-500 {} --late-tool {} --started-twice {} --review {}",
         target.workflow,
         target.input,
         cfg.runs,
         cfg.workers,
+        cfg.relays,
+        cfg.supervisors,
         cfg.seed,
         f.kill,
+        if f.kill_in_turn {
+            " --kill-in-turn"
+        } else {
+            ""
+        },
         f.pause,
         f.broker,
         match f.broker_mode {

@@ -37,6 +37,8 @@ pub struct Report {
     pub invariants: Vec<Invariant>,
     /// Processes that exited without the drill's doing (restarted at once), with their status.
     pub exits: Vec<String>,
+    /// Steps committed by each process (`worker-<slot>.<restart>`): how the work was spread.
+    pub commits_by_process: BTreeMap<String, i64>,
 }
 
 /// Where the drill's runs ended.
@@ -140,7 +142,12 @@ pub struct Fencing {
     pub commits: i64,
     /// Positions committed twice.
     pub double_commits: Vec<String>,
-    /// Outside calls made under a fence older than one already seen for the run.
+    /// Positions committed under a fence older than an earlier position's commit: a stale
+    /// holder's commit accepted.
+    pub stale_commits: Vec<String>,
+    /// Outside calls logged after a call of the same run under a newer fence. Informational:
+    /// the line is written after the intent is accepted, so a worker frozen between the two (a
+    /// pause) logs late a call it made in time.
     pub stale_calls: Vec<String>,
 }
 
@@ -254,11 +261,18 @@ impl fmt::Display for Report {
         }
         writeln!(
             f,
-            "fencing    commits logged {}  positions committed twice {}  stale calls accepted {}",
+            "fencing    commits logged {}  positions committed twice {}  stale commits {}  calls logged after a newer fence's {}",
             self.fencing.commits,
             self.fencing.double_commits.len(),
+            self.fencing.stale_commits.len(),
             self.fencing.stale_calls.len()
         )?;
+        let spread: Vec<String> = self
+            .commits_by_process
+            .iter()
+            .map(|(k, v)| format!("{k} {v}"))
+            .collect();
+        writeln!(f, "commits    {}", spread.join(", "))?;
         for e in &self.exits {
             writeln!(f, "exit       {e}")?;
         }

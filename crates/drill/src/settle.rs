@@ -111,6 +111,11 @@ async fn prepare(
     if let Some(n) = cfg.worker_concurrency {
         env.set_child_env("TRAILMARK__WORKER__CONCURRENCY", &n.to_string());
     }
+    // Every process gets the pool that lets all of them fit in the server's free connections.
+    let pool = env
+        .pool_for(cfg.workers + cfg.relays + cfg.supervisors)
+        .await?;
+    env.set_child_pool(pool);
     let calls_dir = env.log_dir.join("calls");
     std::fs::create_dir_all(&calls_dir)
         .map_err(|e| Error::Failed(format!("creating {}: {e}", calls_dir.display())))?;
@@ -172,7 +177,7 @@ async fn drive(
         Ok(engine) => engine,
         Err(e) => return Err((Error::Failed(format!("the drill's engine: {e}")), env)),
     };
-    let fleet = match Fleet::start(&env, cfg.workers) {
+    let fleet = match Fleet::start(&env, cfg.workers, cfg.relays, cfg.supervisors) {
         Ok(fleet) => fleet,
         Err(e) => return Err((e, env)),
     };
@@ -376,7 +381,7 @@ impl Drill<'_> {
         let f = &self.cfg.faults;
         match fault {
             Fault::Kill => {
-                let killed = self.fleet.kill(&self.env, &mut self.rng)?;
+                let killed = self.fleet.kill(&self.env, &mut self.rng, f.kill_in_turn)?;
                 tracing::debug!(killed, "kill -9");
             }
             Fault::Pause => {
@@ -482,6 +487,7 @@ impl Drill<'_> {
         report.faults = self.fault_figures().await?;
         report.invariants = check::verdicts(&report, unpublished);
         report.exits = self.fleet.unexpected_exits.clone();
+        report.commits_by_process = check::commits_by_process(&self.calls_dir, &self.fleet.names)?;
         Ok(report)
     }
 

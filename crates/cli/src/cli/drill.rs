@@ -39,9 +39,15 @@ pub struct DrillArgs {
     /// Runs to start.
     #[arg(long, default_value_t = 200)]
     pub runs: usize,
-    /// Worker processes (the drill also runs one relay and one supervisor).
+    /// Worker processes.
     #[arg(long, default_value_t = 2)]
     pub workers: usize,
+    /// Relay processes.
+    #[arg(long, default_value_t = 1)]
+    pub relays: usize,
+    /// Supervisor processes.
+    #[arg(long, default_value_t = 1)]
+    pub supervisors: usize,
     /// Seed of the fault schedule and the engine seams [default: from the clock, printed].
     #[arg(long)]
     pub seed: Option<u64>,
@@ -51,6 +57,9 @@ pub struct DrillArgs {
     /// kill -9 of a process (its replacement kills itself at a named seam).
     #[arg(long)]
     pub kill: Option<u32>,
+    /// Kills go through every process in turn (workers, relays, supervisors).
+    #[arg(long)]
+    pub kill_in_turn: bool,
     /// SIGSTOP of a worker past its lease, then SIGCONT.
     #[arg(long)]
     pub pause: Option<u32>,
@@ -115,6 +124,8 @@ pub async fn run(settings: &Settings, registry: Registry, args: DrillArgs) -> an
     let mut cfg = drill::Config::new(seed);
     cfg.runs = args.runs;
     cfg.workers = args.workers;
+    cfg.relays = args.relays;
+    cfg.supervisors = args.supervisors;
     cfg.lease_secs = args.lease_secs;
     cfg.quiet_secs = args.quiet_secs;
     cfg.keep = args.keep;
@@ -177,6 +188,7 @@ fn faults(a: &DrillArgs) -> anyhow::Result<Faults> {
             *slot = v;
         }
     }
+    f.kill_in_turn |= a.kill_in_turn;
     if let Some(m) = &a.broker_mode {
         f.broker_mode = match m.as_str() {
             "close" => BrokerFault::Close,
