@@ -2,12 +2,13 @@
 //! it up to date), and containers of it, run the way deploy/kubernetes runs them (uid 65532, a
 //! read-only root filesystem, no capabilities), create a database and topology of the test's own
 //! with `migrate`, `serve` a `chain` run to the end, and stop on SIGTERM with exit 0: the
-//! graceful drain, not the runtime's SIGKILL (exit 137). Also `deploy/compose.yaml`: what it
-//! starts exists, a stopping worker gets its drain, and podman-compose accepts it with the test
-//! override.
+//! graceful drain, not the runtime's SIGKILL (exit 137); so does a container still waiting for
+//! its servers. Also `deploy/compose.yaml`: what it starts exists, a stopping worker gets its
+//! drain, podman-compose accepts it with the local override, and the whole project, with the
+//! server images `deploy/image/build-servers` makes, comes up, runs a run and drains.
 //!
-//! Needs podman (.ci/run installs it). Where it is missing, the tests that need it say so on
-//! stdout and pass without checking anything.
+//! Needs podman (.ci/run installs it, with debootstrap for the server images). Where podman is
+//! missing, the tests that need it say so on stdout and pass without checking anything.
 
 mod common;
 
