@@ -314,9 +314,11 @@ async fn the_scoped_undo_of_one_supplier_shows_exactly_its_reversals_then_writes
             )
             .await;
             b.click("form[data-action=undo-preview] button").await;
-            let cells = b
-                .all("table.reversals[data-step=post_ledger_adjustments] td.reversal")
-                .await;
+            // The preview arrives after the click: wait for its first row before reading all
+            // (under load the read came before the page and found none).
+            let first = "table.reversals[data-step=post_ledger_adjustments] td.reversal";
+            b.find(first).await;
+            let cells = b.all(first).await;
             let mut listed = BTreeSet::new();
             for c in cells {
                 listed.insert(c.text().await.unwrap());
