@@ -221,7 +221,12 @@ impl Drill<'_> {
                 self.cfg.seed,
             )
         });
-        let outcome = self.runs(target).await;
+        let mut outcome = self.runs(target).await;
+        if outcome.is_ok()
+            && let Err(e) = self.outbox_drained().await
+        {
+            outcome = Err(e);
+        }
         let copies = match tap {
             Some(tap) => tap.stop().await,
             None => 0,
@@ -350,6 +355,19 @@ impl Drill<'_> {
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
+    }
+
+    /// Waits, with the processes still running, until the outbox holds no unpublished row or
+    /// the relay's grace for eagerly published rows and ten seconds more have passed: a run's
+    /// last step commits its outgoing messages with it, and a worker publishes and forgets them
+    /// (or the relay takes them after the grace) a moment after the run already reads settled.
+    async fn outbox_drained(&self) -> Result<()> {
+        let grace = self.env.settings.relay.eager_grace_ms.max(0) as u64;
+        let deadline = Instant::now() + Duration::from_millis(grace) + Duration::from_secs(10);
+        while check::unpublished(&self.env.pool).await? > 0 && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        Ok(())
     }
 
     /// Resumes, as a person would after approving, every run the review seam stopped.
