@@ -282,3 +282,35 @@ async fn migrated_by_a_newer_build(env: &TestEnv) {
     .await
     .unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn broker_urls_are_tried_in_turn_so_a_node_that_is_down_does_not_stop_a_process() {
+    // A cluster of two addresses whose first node is down: every connect and reconnect goes on
+    // to the next, and the process works.
+    let env = TestEnv::new().await;
+    let down = format!("amqp://guest:guest@127.0.0.1:{}/%2f", closed_port());
+    let urls = format!("{down},{}", common::amqp_url());
+    let _serve = env.spawn_process_with(None, &[("TRAILMARK__BROKER__URLS", urls)]);
+    env.start_run("chain", "r-urls", serde_json::json!({"steps": 3}))
+        .await;
+    env.wait_status(
+        "r-urls",
+        trailmark::domain::RunStatus::Succeeded,
+        Duration::from_secs(60),
+    )
+    .await;
+    assert_eq!(env.chain_ledger("r-urls").await, (3, 3));
+    // With every address down, the refusal names them (redacted), like a single URL's.
+    let (out, _) = run(
+        &env,
+        "serve",
+        &[
+            ("TRAILMARK__BROKER__URLS", format!("{down},{down}")),
+            ("TRAILMARK__PROCESS__STARTUP_TIMEOUT_SECS", "1".into()),
+        ],
+    );
+    assert!(!out.status.success());
+    let (_, stderr) = text(&out);
+    assert!(stderr.contains("127.0.0.1"), "{stderr}");
+    assert!(!stderr.contains("guest:guest"), "password shown: {stderr}");
+}

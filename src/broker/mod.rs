@@ -89,14 +89,40 @@ pub type Result<T> = std::result::Result<T, Error>;
 /// long GC-like pause, SIGSTOP) stops heartbeating, so the broker closes its connection and hands
 /// its unacknowledged messages to live consumers instead of leaving them with a sleeper.
 pub async fn connect(settings: &BrokerSettings, name: &str) -> Result<Arc<Connection>> {
-    let url = redact::url(&settings.url);
-    let mut uri: AMQPUri = settings
-        .url
-        .parse()
-        .map_err(|e: String| Error::Misconfigured {
-            what: format!("AMQP_URL {url} is not a valid AMQP URL"),
-            source: Some(e.into()),
-        })?;
+    let addresses = settings.addresses();
+    // Each connect starts at the next address, so a process's connections, and a fleet's, spread
+    // over the nodes, and a reconnect after a node is lost tries another one first.
+    static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let start = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let mut last = None;
+    for i in 0..addresses.len() {
+        let address = addresses[(start + i) % addresses.len()];
+        match connect_to(settings, address, name).await {
+            Ok(conn) => return Ok(conn),
+            // A refused login, a missing vhost or a certificate problem is the same on every
+            // node: say it now.
+            Err(e @ Error::Misconfigured { .. }) => return Err(e),
+            Err(e) => {
+                if addresses.len() > 1 {
+                    tracing::warn!(address = %redact::url(address), error = %crate::error::Report(&e), "broker address did not answer; trying the next");
+                }
+                last = Some(e);
+            }
+        }
+    }
+    Err(last.expect("at least one broker address"))
+}
+
+async fn connect_to(
+    settings: &BrokerSettings,
+    address: &str,
+    name: &str,
+) -> Result<Arc<Connection>> {
+    let url = redact::url(address);
+    let mut uri: AMQPUri = address.parse().map_err(|e: String| Error::Misconfigured {
+        what: format!("AMQP_URL {url} is not a valid AMQP URL"),
+        source: Some(e.into()),
+    })?;
     if uri.query.heartbeat.is_none() && settings.heartbeat_secs > 0 {
         uri.query.heartbeat = Some(settings.heartbeat_secs);
     }

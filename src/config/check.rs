@@ -239,7 +239,11 @@ fn broker_tls(b: &BrokerSettings) -> Result<(), Error> {
             Pem::PrivateKey,
         ),
     ];
-    if let Ok(parsed) = url::Url::parse(&b.url) {
+    for parsed in b
+        .addresses()
+        .into_iter()
+        .filter_map(|u| url::Url::parse(u).ok())
+    {
         // RabbitMQ's URI spec names TLS files in the query; this client ignores them, so a URL
         // that sets them would connect without them.
         let ignored = |k: &str| match k {
@@ -258,11 +262,11 @@ fn broker_tls(b: &BrokerSettings) -> Result<(), Error> {
             )));
         }
     }
-    let tls = b
-        .url
-        .trim_start()
-        .get(..8)
-        .is_some_and(|scheme| scheme.eq_ignore_ascii_case("amqps://"));
+    let tls = b.addresses().into_iter().all(|u| {
+        u.trim_start()
+            .get(..8)
+            .is_some_and(|scheme| scheme.eq_ignore_ascii_case("amqps://"))
+    });
     for (setting, path, kind) in files {
         if path.is_empty() {
             continue;

@@ -60,6 +60,10 @@ pub struct DatabaseSettings {
 pub struct BrokerSettings {
     /// AMQP URL; may contain a password, so never log it unredacted.
     pub url: String,
+    /// Several AMQP URLs, one per node of a cluster, tried in turn on every connect and
+    /// reconnect (each process starts at another one, so connections spread); when set, `url`
+    /// is not used.
+    pub urls: Vec<String>,
     /// Prefix of every exchange and queue name.
     pub prefix: String,
     /// Quorum-queue delivery limit before a message is dead-lettered.
@@ -79,6 +83,17 @@ pub struct BrokerSettings {
     pub client_cert_file: String,
     /// The unencrypted PEM private key of `client_cert_file`.
     pub client_key_file: String,
+}
+
+impl BrokerSettings {
+    /// The addresses to connect to: `urls` when set, else `url`.
+    pub fn addresses(&self) -> Vec<&str> {
+        if self.urls.is_empty() {
+            vec![self.url.as_str()]
+        } else {
+            self.urls.iter().map(String::as_str).collect()
+        }
+    }
 }
 
 /// How a worker process consumes.
@@ -210,6 +225,14 @@ impl fmt::Debug for BrokerSettings {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("BrokerSettings")
             .field("url", &crate::redact::url(&self.url))
+            .field(
+                "urls",
+                &self
+                    .urls
+                    .iter()
+                    .map(|u| crate::redact::url(u))
+                    .collect::<Vec<_>>(),
+            )
             .field("prefix", &self.prefix)
             .field("delivery_limit", &self.delivery_limit)
             .field("quorum_group_size", &self.quorum_group_size)
@@ -242,7 +265,8 @@ impl Settings {
                 .separator("__")
                 .try_parsing(true)
                 .list_separator(",")
-                .with_list_parse_key("api.tokens"),
+                .with_list_parse_key("api.tokens")
+                .with_list_parse_key("broker.urls"),
         );
         let env = |name: &str| std::env::var(name).ok().filter(|v| !v.is_empty());
         let built = builder
