@@ -639,3 +639,82 @@ async fn a_message_to_a_missing_exchange_is_held_back_without_stopping_the_rest_
         .await;
     let _ = conn.close(200, "done".into()).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_publisher_nacked_again_and_again_reopens_its_channel_and_never_counts_a_nack_as_sent() {
+    use lapin::options::{QueueBindOptions, QueueDeclareOptions, QueueDeleteOptions};
+    use lapin::types::{AMQPValue, FieldTable};
+    let env = TestEnv::new().await;
+    let conn = trailmark::broker::connect(&env.settings.broker, "test-nacks")
+        .await
+        .unwrap();
+    let publisher = trailmark::broker::Publisher::open(&conn, Duration::from_secs(10))
+        .await
+        .unwrap();
+    // A queue that holds one message and rejects the rest: once over its limit, every publish
+    // routed to it is nacked.
+    let full = format!("{}.full", env.prefix);
+    let mut args = FieldTable::default();
+    args.insert(
+        "x-queue-type".into(),
+        AMQPValue::LongString("quorum".into()),
+    );
+    args.insert("x-max-length".into(), AMQPValue::LongLongInt(1));
+    args.insert(
+        "x-overflow".into(),
+        AMQPValue::LongString("reject-publish".into()),
+    );
+    let ch = conn.create_channel().await.unwrap();
+    let durable = QueueDeclareOptions {
+        durable: true,
+        ..Default::default()
+    };
+    ch.queue_declare(full.as_str().into(), durable, args)
+        .await
+        .unwrap();
+    ch.queue_bind(
+        full.as_str().into(),
+        env.topology().steps_exchange().into(),
+        "full".into(),
+        QueueBindOptions::default(),
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
+    let msg = |i: usize, key: &str| Outgoing {
+        message_id: format!("nack-{i}"),
+        exchange: env.topology().steps_exchange(),
+        routing_key: key.into(),
+        headers: FieldTable::default(),
+        body: b"{}".to_vec(),
+    };
+    let first = publisher.channel();
+    // A quorum queue applies its limit once it is over it: fill it until the first nack.
+    let mut accepted = 0;
+    while publisher
+        .publish(&msg(100 + accepted, "full"))
+        .await
+        .is_ok()
+    {
+        accepted += 1;
+        assert!(accepted < 10, "the full queue kept taking messages");
+    }
+    // That nack was the first in a row; 19 more make 20.
+    for i in 0..19 {
+        let r = publisher.publish(&msg(i, "full")).await;
+        assert!(r.is_err(), "a nacked publish is an error: {r:?}");
+    }
+    assert!(
+        !first.status().connected(),
+        "the channel was closed after 20 nacks in a row"
+    );
+    // The next publish opens a fresh channel and goes through (to the step queue).
+    publisher
+        .publish(&msg(20, trailmark::domain::STEP_ROUTING_KEY))
+        .await
+        .expect("a fresh channel publishes");
+    let _ = ch
+        .queue_delete(full.as_str().into(), QueueDeleteOptions::default())
+        .await;
+    let _ = conn.close(200, "done".into()).await;
+}
