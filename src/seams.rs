@@ -130,11 +130,6 @@ impl Seams {
     }
 }
 
-/// Whether a process's seams are on, and logging.
-pub fn log_enabled(seams: Option<&Seams>) -> bool {
-    seams.is_some_and(|s| s.log.is_some())
-}
-
 /// A number in [0, 1) from the seed and the position (FNV-1a, then a splitmix64 finaliser):
 /// stable across processes and builds, unlike the standard library's hasher.
 pub fn chosen(seed: u64, seam: Seam, run: &str, seq: i32) -> f64 {

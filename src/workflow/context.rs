@@ -179,9 +179,10 @@ impl StepContext {
     }
 
     /// Appends a line to the drill's call log, when a drill is logging.
-    pub(super) fn drill_log(&self, line: std::fmt::Arguments<'_>) {
+    /// `line` is only built when a drill is logging: no clock read or formatting otherwise.
+    pub(super) fn drill_log(&self, line: impl FnOnce() -> String) {
         if let Some(seams) = self.tools().failpoints.seams() {
-            seams.log(line);
+            seams.log(format_args!("{}", line()));
         }
     }
 

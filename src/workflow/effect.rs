@@ -180,13 +180,15 @@ impl StepContext {
                 }
             },
         }
-        self.drill_log(format_args!(
-            "call {} {} {key} {} {}",
-            self.run_id(),
-            self.seq(),
-            self.fence().0,
-            unix_nanos()
-        ));
+        self.drill_log(|| {
+            format!(
+                "call {} {} {key} {} {}",
+                self.run_id(),
+                self.seq(),
+                self.fence().0,
+                unix_nanos()
+            )
+        });
         let result = self.call_with_retries(tool, key, retries, call).await?;
         // A crash here is the "unknown outcome" case: the call happened, its result is not known.
         self.failpoint("effect.after_call")?;

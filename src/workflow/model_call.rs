@@ -42,11 +42,7 @@ impl StepContext {
         }
         self.drill_seam(crate::seams::Seam::Model500)?;
         let answer = self.call_model(request).await?;
-        self.drill_log(format_args!(
-            "model {} {} {call_no}",
-            self.run_id(),
-            self.seq()
-        ));
+        self.drill_log(|| format!("model {} {} {call_no}", self.run_id(), self.seq()));
         // A crash here loses a paid answer before it is journaled: the replay asks again.
         self.failpoint("model.after_answer")?;
         let entry = JournalEntry {
