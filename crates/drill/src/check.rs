@@ -58,29 +58,31 @@ pub async fn runs(pool: &PgPool, ids: &[String], steps_per_run: i64) -> Result<R
     Ok(r)
 }
 
-/// Runs neither terminal nor in review: the ones still moving.
-pub async fn unsettled(pool: &PgPool, ids: &[String]) -> Result<i64> {
-    let settled: i64 = sqlx::query_scalar(
-        "SELECT count(*) FROM trailmark.runs WHERE run_id = ANY($1)
-            AND status IN ('succeeded', 'needs_review', 'failed', 'cancelled', 'compensated', 'shadowed')",
+/// Where the drive stands, in one statement per round: steps committed by the drill's runs,
+/// and of `ids` the runs neither terminal nor in review (still moving).
+pub async fn standing(pool: &PgPool, ids: &[String]) -> Result<(i64, i64)> {
+    let (done, settled): (i64, i64) = sqlx::query_as(
+        "SELECT (SELECT count(*) FROM trailmark.steps WHERE finished_at IS NOT NULL AND run_id LIKE $2),
+                (SELECT count(*) FROM trailmark.runs WHERE run_id = ANY($1)
+                    AND status IN ('succeeded', 'needs_review', 'failed', 'cancelled', 'compensated', 'shadowed'))",
     )
     .bind(ids)
-    .fetch_one(pool)
-    .await
-    .map_err(trailmark::store::Error::from)?;
-    Ok(ids.len() as i64 - settled)
-}
-
-/// Steps committed by the drill's runs.
-pub async fn steps_done(pool: &PgPool) -> Result<i64> {
-    let n: i64 = sqlx::query_scalar(
-        "SELECT count(*) FROM trailmark.steps WHERE finished_at IS NOT NULL AND run_id LIKE $1",
-    )
     .bind(format!("{RUN_PREFIX}%"))
     .fetch_one(pool)
     .await
     .map_err(trailmark::store::Error::from)?;
-    Ok(n)
+    Ok((done, ids.len() as i64 - settled))
+}
+
+/// Every position the runs `ids` committed.
+pub async fn positions(pool: &PgPool, ids: &[String]) -> Result<Vec<(String, i32)>> {
+    let positions: Vec<(String, i32)> =
+        sqlx::query_as("SELECT run_id, seq FROM trailmark.steps WHERE run_id = ANY($1)")
+            .bind(ids)
+            .fetch_all(pool)
+            .await
+            .map_err(trailmark::store::Error::from)?;
+    Ok(positions)
 }
 
 /// What one run did: steps, distinct effect keys done.

@@ -309,11 +309,8 @@ impl Drill<'_> {
                 self.moments.push(("kill at seam".into(), Utc::now()));
             }
             self.resume_forced_reviews().await;
-            let (done, unsettled) = match (
-                check::steps_done(&self.env.pool).await,
-                check::unsettled(&self.env.pool, ids).await,
-            ) {
-                (Ok(d), Ok(u)) => (d, u),
+            let (done, unsettled) = match check::standing(&self.env.pool, ids).await {
+                Ok(standing) => standing,
                 // Postgres is down (a fault of ours): keep driving, the next round will read.
                 _ => (last.0, i64::MAX),
             };
@@ -481,23 +478,20 @@ impl Drill<'_> {
         report.effects.applied = receiver.map(|(rows, _)| rows);
         report.effects.duplicated = receiver.map(|(rows, distinct)| rows - distinct);
         report.effects.calls_repeated = logs.calls_repeated;
+        let positions = check::positions(&pool, ids).await?;
         report.engine_seams = EngineSeams {
             model_500: chosen(
-                &pool,
-                ids,
+                &positions,
                 self.cfg.seed,
                 Seam::Model500,
                 self.cfg.faults.model_500,
-            )
-            .await?,
+            ),
             late_tool: chosen(
-                &pool,
-                ids,
+                &positions,
                 self.cfg.seed,
                 Seam::LateTool,
                 self.cfg.faults.late_tool,
-            )
-            .await?,
+            ),
             reviews_resumed: self.reviews_resumed,
             started_twice: twice,
             duplicated_deliveries: copies,
@@ -533,25 +527,10 @@ impl Drill<'_> {
     }
 }
 
-/// Positions of the drill's runs that `seam` chose (it fired there if attempt 1 got that far).
-async fn chosen(
-    pool: &sqlx::PgPool,
-    ids: &[String],
-    seed: u64,
-    seam: Seam,
-    rate: f64,
-) -> Result<i64> {
-    if rate <= 0.0 {
-        return Ok(0);
-    }
-    let positions: Vec<(String, i32)> =
-        sqlx::query_as("SELECT run_id, seq FROM trailmark.steps WHERE run_id = ANY($1)")
-            .bind(ids)
-            .fetch_all(pool)
-            .await
-            .map_err(trailmark::store::Error::from)?;
-    Ok(positions
+/// Positions that `seam` chose (it fired there if attempt 1 got that far).
+fn chosen(positions: &[(String, i32)], seed: u64, seam: Seam, rate: f64) -> i64 {
+    positions
         .iter()
-        .filter(|(run, seq)| seams::chosen(seed, seam, run, *seq) < rate)
-        .count() as i64)
+        .filter(|(run, seq)| rate > 0.0 && seams::chosen(seed, seam, run, *seq) < rate)
+        .count() as i64
 }
