@@ -8,11 +8,12 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 use sqlx::PgPool;
 
-use super::schedule::Rng;
+use super::schedule::{Hook, Rng};
 use super::{Error, Result};
 use trailmark::broker::{self, Outgoing, Publisher, Topology};
 use trailmark::config::BrokerSettings;
 use trailmark::domain::{RUN_START_ROUTING_KEY, STEP_ROUTING_KEY};
+use trailmark_bench::env::BenchEnv;
 
 /// How a broker fault is made.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -183,6 +184,33 @@ fn one_poison(topology: &Topology, i: u32, rng: &mut Rng) -> Outgoing {
         headers: Default::default(),
         body,
     }
+}
+
+/// Runs a hook's command with `sh -c`, telling it the drill's step queue, broker prefix and
+/// database (`DRILL_STEPS_QUEUE`, `DRILL_PREFIX`, `DRILL_DATABASE`); fails when it fails.
+pub async fn hook(hook: &Hook, env: &BenchEnv) -> Result<()> {
+    let mut cmd = Command::new("sh");
+    cmd.arg("-c")
+        .arg(&hook.command)
+        .env("DRILL_STEPS_QUEUE", env.topology().steps_queue())
+        .env("DRILL_PREFIX", &env.prefix)
+        .env("DRILL_DATABASE", &env.db_name);
+    let name = hook.name.clone();
+    tokio::task::spawn_blocking(move || {
+        let out = cmd
+            .output()
+            .map_err(|e| Error::Failed(format!("cannot run hook {name}: {e}")))?;
+        if !out.status.success() {
+            return Err(Error::Failed(format!(
+                "hook {name} failed ({}): {}; the drill stops here (its processes are stopped, its database removed unless --keep)",
+                out.status,
+                String::from_utf8_lossy(&out.stderr).trim()
+            )));
+        }
+        Ok(())
+    })
+    .await
+    .map_err(|e| Error::Failed(format!("hook task: {e}")))?
 }
 
 /// The time from `since` to the first step committed after it (`None`: none was).

@@ -34,6 +34,7 @@ use sqlx::PgPool;
 pub use faults::{BrokerFault, PostgresFault};
 pub use report::Report;
 use schedule::Fault;
+pub use schedule::Hook;
 use trailmark::config::Settings;
 use trailmark::workflow::Registry;
 
@@ -181,6 +182,8 @@ pub struct Faults {
     pub started_twice: f64,
     /// Share of positions forced into review on attempt 1 (resumed by the drill).
     pub review: f64,
+    /// Commands run at chosen shares of the work (see [`Hook`]).
+    pub hooks: Vec<Hook>,
 }
 
 impl Faults {
@@ -201,6 +204,7 @@ impl Faults {
             late_tool: 0.0,
             started_twice: 0.0,
             review: 0.0,
+            hooks: Vec::new(),
         }
     }
 
@@ -424,6 +428,17 @@ fn replay(target: &Target, cfg: &Config) -> String {
     ) + &cfg
         .worker_concurrency
         .map_or(String::new(), |n| format!(" --concurrency {n}"))
+        + &f.hooks
+            .iter()
+            .map(|h| {
+                format!(
+                    " --hook '{}:{}={}'",
+                    h.at,
+                    h.name,
+                    h.command.replace('\'', "'\\''")
+                )
+            })
+            .collect::<String>()
 }
 
 /// Prints a progress line to stderr when asked to.

@@ -62,6 +62,9 @@ pub enum Fault {
     Poison,
     /// Delay on every byte to Postgres and RabbitMQ for a while, then every connection cut.
     Latency,
+    /// A command of the user's (`--hook`), the nth given: a node of a cluster killed, a
+    /// failover forced.
+    Hook(u16),
 }
 
 impl Fault {
@@ -74,6 +77,7 @@ impl Fault {
             Self::Postgres => "postgres",
             Self::Poison => "poison",
             Self::Latency => "latency",
+            Self::Hook(_) => "hook",
         }
     }
 }
@@ -88,8 +92,8 @@ pub struct Planned {
 }
 
 /// The faults of a drill, spread over 5%..85% of the work (so the last ones still meet work to
-/// disturb), oldest first.
-pub fn plan(counts: &[(Fault, u32)], rng: &mut Rng) -> Vec<Planned> {
+/// disturb), with the hooks at the shares they were given, oldest first.
+pub fn plan(counts: &[(Fault, u32)], hooks: &[Hook], rng: &mut Rng) -> Vec<Planned> {
     let mut plan: Vec<Planned> = counts
         .iter()
         .flat_map(|&(fault, n)| (0..n).map(move |_| fault))
@@ -98,8 +102,46 @@ pub fn plan(counts: &[(Fault, u32)], rng: &mut Rng) -> Vec<Planned> {
             at: 0.05 + 0.80 * rng.unit(),
         })
         .collect();
+    plan.extend(hooks.iter().enumerate().map(|(i, h)| Planned {
+        fault: Fault::Hook(i as u16),
+        at: h.at,
+    }));
     plan.sort_by(|a, b| a.at.total_cmp(&b.at));
     plan
+}
+
+/// A command the drill runs at a chosen share of the work, measured like its own faults: how a
+/// team drills what only it can break (a cluster node, a database failover).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Hook {
+    /// Share (0..1) of the expected steps committed when it runs.
+    pub at: f64,
+    /// Its name in the report.
+    pub name: String,
+    /// Run with `sh -c`; the drill waits for it and fails when it fails.
+    pub command: String,
+}
+
+impl Hook {
+    /// Reads `AT:NAME=COMMAND` (`0.3:leader-killed=scripts/cluster-drill kill leader`).
+    pub fn parse(spec: &str) -> Result<Self, String> {
+        let bad = || {
+            format!(
+                "--hook {spec:?} is not AT:NAME=COMMAND (for example 0.3:leader-killed='kill -9 1234'), AT a share of the work from 0 to 1"
+            )
+        };
+        let (head, command) = spec.split_once('=').ok_or_else(bad)?;
+        let (at, name) = head.split_once(':').ok_or_else(bad)?;
+        let at: f64 = at.trim().parse().map_err(|_| bad())?;
+        if !(0.0..=1.0).contains(&at) || name.trim().is_empty() || command.trim().is_empty() {
+            return Err(bad());
+        }
+        Ok(Self {
+            at,
+            name: name.trim().to_owned(),
+            command: command.to_owned(),
+        })
+    }
 }
 
 #[cfg(test)]
@@ -109,13 +151,33 @@ mod tests {
     #[test]
     fn one_seed_gives_one_plan_and_every_fault_is_in_it() {
         let counts = [(Fault::Kill, 5), (Fault::Pause, 2), (Fault::Poison, 3)];
-        let a = plan(&counts, &mut Rng::new(42));
-        let b = plan(&counts, &mut Rng::new(42));
+        let a = plan(&counts, &[], &mut Rng::new(42));
+        let b = plan(&counts, &[], &mut Rng::new(42));
         assert_eq!(a, b);
         assert_eq!(a.len(), 10);
         assert_eq!(a.iter().filter(|p| p.fault == Fault::Pause).count(), 2);
         assert!(a.windows(2).all(|w| w[0].at <= w[1].at));
         assert!(a.iter().all(|p| (0.05..0.85).contains(&p.at)));
-        assert_ne!(a, plan(&counts, &mut Rng::new(43)));
+        assert_ne!(a, plan(&counts, &[], &mut Rng::new(43)));
+    }
+
+    #[test]
+    fn a_hook_is_read_from_its_spec_and_planned_at_its_share() {
+        let hook = Hook::parse("0.9:leader=kill -9 $(cat pid) && echo a=b").unwrap();
+        assert_eq!(hook.name, "leader");
+        assert_eq!(hook.command, "kill -9 $(cat pid) && echo a=b");
+        let p = plan(&[(Fault::Kill, 3)], &[hook], &mut Rng::new(1));
+        assert_eq!(p.last().map(|p| p.fault), Some(Fault::Hook(0)));
+        assert_eq!(p.last().map(|p| p.at), Some(0.9));
+        for bad in [
+            "kill",
+            "0.3=kill",
+            "1.5:x=kill",
+            "0.3:=kill",
+            "0.3:x=",
+            "x:y=z",
+        ] {
+            assert!(Hook::parse(bad).is_err(), "{bad} was accepted");
+        }
     }
 }

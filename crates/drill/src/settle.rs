@@ -268,7 +268,11 @@ impl Drill<'_> {
                 ids.len()
             ),
         );
-        let plan = schedule::plan(&self.cfg.faults.counts(), &mut self.rng);
+        let plan = schedule::plan(
+            &self.cfg.faults.counts(),
+            &self.cfg.faults.hooks,
+            &mut self.rng,
+        );
         let total = (steps * ids.len() as i64) as f64;
         self.wait(&ids, plan, total).await?;
         Ok((ids, steps, keys, twice))
@@ -430,6 +434,14 @@ impl Drill<'_> {
                     p.cut_all();
                     p.set_delay(Duration::ZERO);
                 }
+            }
+            Fault::Hook(i) => {
+                let hook = &f.hooks[usize::from(i)];
+                say(self.cfg, &format!("hook {}: {}", hook.name, hook.command));
+                faults::hook(hook, &self.env).await?;
+                *self.injected.entry(fault).or_default() += 1;
+                self.moments.push((hook.name.clone(), since));
+                return Ok(());
             }
         }
         *self.injected.entry(fault).or_default() += 1;

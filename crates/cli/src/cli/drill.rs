@@ -11,7 +11,7 @@ use sqlx::PgPool;
 use trailmark::config::Settings;
 use trailmark::workflow::Registry;
 use trailmark_drill::{
-    self as drill, BoxFuture, BrokerFault, Faults, PostgresFault, Prepared, Receiver,
+    self as drill, BoxFuture, BrokerFault, Faults, Hook, PostgresFault, Prepared, Receiver,
 };
 use trailmark_reference::{extract, ledger, mail, outside, stock};
 use trailmark_standin::model_server::{ModelServer, ModelServerOptions};
@@ -98,6 +98,11 @@ pub struct DrillArgs {
     /// Share of positions forced into review on attempt 1 (the drill approves and resumes).
     #[arg(long)]
     pub review: Option<f64>,
+    /// A command of yours run once this share of the work is done, as `AT:NAME=COMMAND`
+    /// (`0.3:leader-killed=...`), measured like the drill's own faults; repeatable. It gets
+    /// DRILL_STEPS_QUEUE, DRILL_PREFIX and DRILL_DATABASE in its environment.
+    #[arg(long = "hook", value_parser = Hook::parse)]
+    pub hooks: Vec<Hook>,
     /// The workers' lease, seconds (pauses last this plus 2 s).
     #[arg(long, default_value_t = 4)]
     pub lease_secs: u64,
@@ -189,6 +194,7 @@ fn faults(a: &DrillArgs) -> anyhow::Result<Faults> {
         }
     }
     f.kill_in_turn |= a.kill_in_turn;
+    f.hooks = a.hooks.clone();
     if let Some(m) = &a.broker_mode {
         f.broker_mode = match m.as_str() {
             "close" => BrokerFault::Close,
