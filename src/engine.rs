@@ -115,6 +115,7 @@ impl Engine {
         let topology = Topology::from_settings(&settings.broker);
         let step_tx = Arc::new(StepTx::new(
             &pool,
+            &settings.database,
             topology.clone(),
             settings.worker.max_batch,
         ));

@@ -61,7 +61,10 @@ async fn only_the_relaxed_pool_commits_without_waiting_for_fsync() {
             .await
             .expect("show synchronous_commit")
     };
-    assert_eq!(show(store::relaxed_pool(&env.pool)).await, "off");
+    assert_eq!(
+        show(store::relaxed_pool(&env.pool, &env.settings.database)).await,
+        "off"
+    );
     assert_eq!(show(env.pool.clone()).await, "on");
 }
 

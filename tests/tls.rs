@@ -13,69 +13,14 @@
 mod common;
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use common::servers::{TempDir, alive, append, as_postgres, is_root, pg_bin, run_ok, set_mode};
 use common::{closed_port, eventually, text, trailmark_bin};
 use trailmark::config::Settings;
 use trailmark::domain::RunStatus;
 use trailmark::store::{self, runs};
-
-/// A directory removed with everything in it when dropped.
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new(tag: &str) -> Self {
-        let dir = std::env::temp_dir().join(format!("tm-tls-{tag}"));
-        std::fs::create_dir_all(&dir).expect("create the test's directory");
-        // Postgres runs as its own user and must reach its data directory inside.
-        set_mode(&dir, 0o755);
-        Self(dir)
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
-fn set_mode(path: &Path, mode: u32) {
-    use std::os::unix::fs::PermissionsExt;
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).expect("chmod");
-}
-
-/// Runs `cmd` to its end and returns its output; panics, with the output, when it fails.
-fn run_ok(cmd: &mut Command, what: &str) -> Output {
-    let out = cmd
-        .stdin(Stdio::null())
-        .output()
-        .unwrap_or_else(|e| panic!("{what}: cannot run it: {e}"));
-    assert!(out.status.success(), "{what} failed: {:?}", text(&out));
-    out
-}
-
-fn is_root() -> bool {
-    // SAFETY: geteuid has no preconditions and cannot fail.
-    unsafe { libc::geteuid() == 0 }
-}
-
-/// `program` as the `postgres` user when this test runs as root (initdb refuses root).
-fn as_postgres(program: &Path) -> Command {
-    if is_root() {
-        let mut cmd = Command::new("runuser");
-        cmd.args(["-u", "postgres", "--"]).arg(program);
-        cmd
-    } else {
-        Command::new(program)
-    }
-}
-
-/// Whether process `pid` still exists.
-fn alive(pid: i32) -> bool {
-    // SAFETY: signal 0 only checks that the process exists.
-    unsafe { libc::kill(pid, 0) == 0 }
-}
 
 /// A Postgres cluster of the test's own on 127.0.0.1 and 127.0.0.2, TLS only, with the
 /// certificate of `certs`; stopped when dropped.
@@ -87,16 +32,7 @@ struct Postgres {
 
 impl Postgres {
     fn start(dir: &Path, certs: &Path) -> Self {
-        // The newest installed major version.
-        let bin = std::fs::read_dir("/usr/lib/postgresql")
-            .expect("PostgreSQL's server binaries under /usr/lib/postgresql")
-            .filter_map(|e| e.ok().map(|e| e.path().join("bin")))
-            .filter(|bin| bin.join("initdb").exists())
-            .max_by_key(|bin| {
-                let version = bin.parent().and_then(Path::file_name);
-                version.and_then(|v| v.to_str()?.parse::<u32>().ok())
-            })
-            .expect("an initdb under /usr/lib/postgresql/*/bin");
+        let bin = pg_bin();
         let data = dir.join("pg");
         std::fs::create_dir_all(&data).unwrap();
         if is_root() {
@@ -160,12 +96,6 @@ impl Drop for Postgres {
             .stderr(Stdio::null())
             .status();
     }
-}
-
-fn append(path: &Path, text: &str) {
-    use std::io::Write;
-    let mut f = std::fs::OpenOptions::new().append(true).open(path).unwrap();
-    f.write_all(text.as_bytes()).unwrap();
 }
 
 /// A RabbitMQ node of the test's own with a TLS listener on 127.0.0.1 and 127.0.0.2 and no

@@ -156,12 +156,39 @@ pub(super) fn ranges(s: &Settings) -> Result<(), Error> {
         )));
     }
     crate::api::parse_tokens(&s.api.tokens).map_err(Error)?;
+    database_hosts(&s.database.hosts)?;
     let g = &s.guards;
     if g.max_cost < 0.0 || !g.max_cost.is_finite() {
         return Err(Error(format!(
             "guards.max_cost is {}; it must be 0 (no limit) or more",
             g.max_cost
         )));
+    }
+    Ok(())
+}
+
+/// Refuses a host list entry that is empty, holds a URL, or names a port that is not a port.
+fn database_hosts(hosts: &[String]) -> Result<(), Error> {
+    for h in hosts {
+        let bad = |why: &str| {
+            Err(Error(format!(
+                "database.hosts holds {:?}, {why}: give `host` or `host:port` per entry (user, password and database come from DATABASE_URL)",
+                crate::redact::url(h)
+            )))
+        };
+        if h.trim().is_empty() {
+            return bad("an empty entry");
+        }
+        if h.contains('/') || h.contains('@') {
+            return bad("which looks like a URL");
+        }
+        let (_, port) = crate::store::split_host(h);
+        if port.is_none() && h.matches(':').count() == 1 {
+            return bad("whose port is not a number from 1 to 65535");
+        }
+        if port == Some(0) {
+            return bad("whose port is 0");
+        }
     }
     Ok(())
 }
@@ -411,6 +438,27 @@ mod tests {
             assert!(!shown.contains("pw@"), "{shown}");
         }
         assert_eq!(amqps_ok, None);
+    }
+
+    #[test]
+    fn database_hosts_are_host_or_host_and_port() {
+        let mut s = Settings::defaults();
+        s.database.hosts = vec!["db1:5433".into(), "db2".into(), "[::1]:5432".into()];
+        assert!(ranges(&s).is_ok());
+        for (bad, why) in [
+            ("db:abc", "port is not a number"),
+            ("db:70000", "port is not a number"),
+            ("db:0", "port is 0"),
+            (" ", "an empty entry"),
+            ("postgres://u:pw@db/x", "looks like a URL"),
+        ] {
+            s.database.hosts = vec!["db1".into(), bad.into()];
+            let e = ranges(&s).unwrap_err().to_string();
+            assert!(
+                e.contains("database.hosts") && e.contains(why) && !e.contains(":pw@"),
+                "{bad}: {e}"
+            );
+        }
     }
 
     #[test]

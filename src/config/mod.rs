@@ -49,6 +49,11 @@ pub struct Settings {
 pub struct DatabaseSettings {
     /// Postgres URL; may contain a password, so never log it unredacted (see [`crate::redact::url`]).
     pub url: String,
+    /// A primary and its standbys (`host` or `host:port`), for a highly available Postgres:
+    /// trailmark connects only to the one that takes writes and follows a failover. Empty: the
+    /// URL's host. The driver cannot take libpq's multi-host URL, hence a list of its own.
+    #[serde(default)]
+    pub hosts: Vec<String>,
     /// Pool size per process.
     pub max_connections: u32,
     /// How long to wait for a connection before reporting the database as down.
@@ -215,6 +220,7 @@ impl fmt::Debug for DatabaseSettings {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("DatabaseSettings")
             .field("url", &crate::redact::url(&self.url))
+            .field("hosts", &self.hosts)
             .field("max_connections", &self.max_connections)
             .field("connect_timeout_ms", &self.connect_timeout_ms)
             .finish()
@@ -266,7 +272,8 @@ impl Settings {
                 .try_parsing(true)
                 .list_separator(",")
                 .with_list_parse_key("api.tokens")
-                .with_list_parse_key("broker.urls"),
+                .with_list_parse_key("broker.urls")
+                .with_list_parse_key("database.hosts"),
         );
         let env = |name: &str| std::env::var(name).ok().filter(|v| !v.is_empty());
         let built = builder

@@ -7,6 +7,7 @@ pub mod checkpoint;
 pub mod console_sessions;
 pub mod decisions;
 pub mod effects;
+mod failover;
 pub mod forks;
 pub mod idempotency;
 pub mod inbox;
@@ -18,6 +19,7 @@ pub mod records;
 pub mod runs;
 pub mod shadow;
 pub mod steps;
+pub(crate) use failover::split_host;
 mod types;
 
 use std::time::Duration;
@@ -126,7 +128,13 @@ impl From<sqlx::Error> for Error {
                 .as_deref()
                 .is_some_and(|c| c.starts_with("28") || MISCONFIGURED_STATES.contains(&c));
         let unreadable = matches!(e, sqlx::Error::ColumnDecode { .. } | sqlx::Error::Decode(_));
-        if misconfigured {
+        if code.as_deref() == Some("25006") {
+            // A standby (or a demoted primary) behind a stale connection: a failover.
+            Self::unavailable(
+                "the database is read-only (a standby; a failover in progress?): retried until a primary takes writes; with database.hosts trailmark moves to it",
+                e,
+            )
+        } else if misconfigured {
             Self::misconfigured("the database refused the request", e)
         } else if unreadable {
             Self::misconfigured(
@@ -347,19 +355,43 @@ fn down(settings: &DatabaseSettings, e: sqlx::Error) -> Error {
     }
 }
 
-/// Opens a pool and checks it with one round trip, so a wrong URL fails at start-up.
+/// Opens a pool and checks it with one round trip, so a wrong URL fails at start-up. With
+/// `database.hosts`, the pool connects to the host that takes writes and follows a failover
+/// (see [`failover`]).
 pub async fn connect(settings: &DatabaseSettings) -> Result<PgPool> {
-    let pool = PgPoolOptions::new()
-        .max_connections(settings.max_connections)
+    let moved = failover::moved_marker();
+    let pool = pool_options(settings.max_connections, settings, &moved)
         .acquire_timeout(Duration::from_millis(settings.connect_timeout_ms))
+        .connect_with(writable_options(settings).await?)
+        .await
+        .map_err(|e| down(settings, e))?;
+    failover::follow(pool.clone(), settings.clone(), moved);
+    Ok(pool)
+}
+
+/// What every pool of trailmark shares.
+fn pool_options(
+    size: u32,
+    settings: &DatabaseSettings,
+    moved: &std::sync::Arc<std::sync::Mutex<std::time::Instant>>,
+) -> PgPoolOptions {
+    let pool = PgPoolOptions::new()
+        .max_connections(size)
         // No liveness ping on every checkout (a round trip each, ~10% of a step's cost in
         // `trailmark bench`): a connection that died with a Postgres restart fails its first
         // statement instead, and every caller already retries infrastructure failures.
-        .test_before_acquire(false)
-        .connect_with(options(settings)?)
-        .await
-        .map_err(|e| down(settings, e))?;
-    Ok(pool)
+        .test_before_acquire(false);
+    if settings.hosts.is_empty() {
+        pool
+    } else {
+        failover::prepare(pool, moved)
+    }
+}
+
+/// The URL's connect options, pointed at the host of `database.hosts` that takes writes when
+/// hosts are listed.
+pub async fn writable_options(settings: &DatabaseSettings) -> Result<PgConnectOptions> {
+    failover::writable(settings, options(settings)?).await
 }
 
 /// A second pool on the same database whose commits do not wait for their WAL flush, for the
@@ -368,18 +400,21 @@ pub async fn connect(settings: &DatabaseSettings) -> Result<PgPool> {
 ///
 /// A record written here is visible at once and survives the worker's death; only a crash of
 /// Postgres itself within `wal_writer_delay` can lose it, and then the step's later commits are
-/// lost with it (WAL is written in order), so the step runs again. README "Trade-offs made for
-/// speed" spells out what that costs.
-pub fn relaxed_pool(pool: &PgPool) -> PgPool {
+/// lost with it (WAL is written in order), so the step runs again. The same holds for a
+/// failover to a synchronous standby: it receives WAL in order, so a later synchronous commit
+/// it acknowledged carries this record too. README "Trade-offs made for speed" spells out what
+/// that costs.
+pub fn relaxed_pool(pool: &PgPool, settings: &DatabaseSettings) -> PgPool {
     let options = (*pool.connect_options())
         .clone()
         .options([("synchronous_commit", "off")]);
     let strict = pool.options();
-    PgPoolOptions::new()
-        .max_connections(relaxed_size(strict.get_max_connections()))
+    let moved = failover::moved_marker();
+    let relaxed = pool_options(relaxed_size(strict.get_max_connections()), settings, &moved)
         .acquire_timeout(strict.get_acquire_timeout())
-        .test_before_acquire(false)
-        .connect_lazy_with(options)
+        .connect_lazy_with(options);
+    failover::follow(relaxed.clone(), settings.clone(), moved);
+    relaxed
 }
 
 /// Half the strict pool: relaxed statements are short and a step holds one at a time.
@@ -397,7 +432,8 @@ pub fn connections_per_process(pool: u32) -> u32 {
 
 /// One connection outside the pool, for a process's presence (see `worker::presence`).
 pub async fn connect_one(settings: &DatabaseSettings) -> Result<sqlx::PgConnection> {
-    options(settings)?
+    writable_options(settings)
+        .await?
         .connect()
         .await
         .map_err(|e| down(settings, e))
@@ -405,7 +441,7 @@ pub async fn connect_one(settings: &DatabaseSettings) -> Result<sqlx::PgConnecti
 
 /// Creates the database named in the URL when it is missing (connecting to `postgres` first).
 pub async fn ensure_database(settings: &DatabaseSettings) -> Result<()> {
-    create_database(&options(settings)?)
+    create_database(&writable_options(settings).await?)
         .await
         .map_err(|e| match e.as_database_error() {
             Some(_) => e.into(),

@@ -46,9 +46,14 @@ pub(crate) struct StepTx {
 impl StepTx {
     /// The step transactions of a process working on `pool`, batching up to `max_batch`
     /// statements of a kind.
-    pub fn new(pool: &PgPool, topology: Topology, max_batch: usize) -> Self {
+    pub fn new(
+        pool: &PgPool,
+        database: &crate::config::DatabaseSettings,
+        topology: Topology,
+        max_batch: usize,
+    ) -> Self {
         Self {
-            relaxed: store::relaxed_pool(pool),
+            relaxed: store::relaxed_pool(pool, database),
             pool: pool.clone(),
             topology,
             max_batch,

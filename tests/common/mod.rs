@@ -3,6 +3,8 @@
 
 #![allow(dead_code)]
 
+pub mod servers;
+
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};

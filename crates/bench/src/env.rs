@@ -283,12 +283,8 @@ impl BenchEnv {
             Err(e) => left.push(format!("broker objects under prefix {}: {e}", self.prefix)),
         }
         self.pool.close().await;
-        let dropped = match self
-            .settings
-            .database
-            .url
-            .parse::<sqlx::postgres::PgConnectOptions>()
-        {
+        // The host that takes writes now: with database.hosts, a failover may have moved it.
+        let dropped = match store::writable_options(&self.settings.database).await {
             Ok(target) => store::drop_database(&target)
                 .await
                 .map_err(|e| e.to_string()),
