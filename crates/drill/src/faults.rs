@@ -195,6 +195,8 @@ pub async fn hook(hook: &Hook, env: &BenchEnv) -> Result<()> {
         .env("DRILL_STEPS_QUEUE", env.topology().steps_queue())
         .env("DRILL_PREFIX", &env.prefix)
         .env("DRILL_DATABASE", &env.db_name);
+    // What it says goes to the drill's stderr: stdout carries the report (JSON with --json).
+    cmd.stdout(std::io::stderr()).stderr(std::io::stderr());
     let name = hook.name.clone();
     tokio::task::spawn_blocking(move || {
         let out = cmd
@@ -204,13 +206,50 @@ pub async fn hook(hook: &Hook, env: &BenchEnv) -> Result<()> {
             return Err(Error::Failed(format!(
                 "hook {name} failed ({}): {}; the drill stops here (its processes are stopped, its database removed unless --keep)",
                 out.status,
-                String::from_utf8_lossy(&out.stderr).trim()
+                "its output is above"
             )));
         }
         Ok(())
     })
     .await
     .map_err(|e| Error::Failed(format!("hook task: {e}")))?
+}
+
+/// How long after a fault the drill looks for stalls.
+pub const STALL_WINDOW_SECS: f64 = 20.0;
+
+/// The longest time without a committed step from `since` through the next
+/// [`STALL_WINDOW_SECS`] (the last gap ends at the window's end only while runs were still
+/// moving then, i.e. a commit came after it).
+pub async fn longest_stall(pool: &PgPool, since: DateTime<Utc>) -> Result<Option<f64>> {
+    let end = since + chrono::Duration::milliseconds((STALL_WINDOW_SECS * 1000.0) as i64);
+    let times: Vec<DateTime<Utc>> = sqlx::query_scalar(
+        "SELECT finished_at FROM trailmark.steps WHERE finished_at > $1 AND finished_at <= $2
+         ORDER BY finished_at",
+    )
+    .bind(since)
+    .bind(end)
+    .fetch_all(pool)
+    .await
+    .map_err(trailmark::store::Error::from)?;
+    let later: bool =
+        sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM trailmark.steps WHERE finished_at > $1)")
+            .bind(end)
+            .fetch_one(pool)
+            .await
+            .map_err(trailmark::store::Error::from)?;
+    let mut marks = vec![since];
+    marks.extend(times);
+    if later {
+        marks.push(end);
+    }
+    let ms = |a: DateTime<Utc>, b: DateTime<Utc>| {
+        (b - a).num_microseconds().unwrap_or(0) as f64 / 1000.0
+    };
+    Ok(marks
+        .windows(2)
+        .map(|w| ms(w[0], w[1]))
+        .max_by(f64::total_cmp))
 }
 
 /// The time from `since` to the first step committed after it (`None`: none was).

@@ -118,6 +118,10 @@ pub struct FaultFigures {
     pub recovery_max_ms: Option<f64>,
     /// Faults after which no step committed at all (the runs had all settled, or stalled).
     pub without_progress: u32,
+    /// The longest time without a committed step in the window after any of them (from the
+    /// fault, gaps between commits, up to the window's end or the last commit): steps already
+    /// in hand commit within milliseconds whatever broke, so this is what shows a stall.
+    pub stall_max_ms: Option<f64>,
 }
 
 /// The engine seams.
@@ -244,19 +248,28 @@ impl fmt::Display for Report {
                 kills.join(", ")
             }
         )?;
+        let w = self
+            .faults
+            .iter()
+            .map(|x| x.fault.len())
+            .max()
+            .unwrap_or(0)
+            .max(10);
         writeln!(
             f,
-            "fault      injected  recovery p50 ms  max ms  no progress"
+            "{:<w$} injected  recovery p50 ms  max ms  no progress  longest stall ms",
+            "fault"
         )?;
         for x in &self.faults {
             writeln!(
                 f,
-                "{:<10} {:>8}  {:>15}  {:>6}  {:>11}",
+                "{:<w$} {:>8}  {:>15}  {:>6}  {:>11}  {:>16}",
                 x.fault,
                 x.injected,
                 ms(x.recovery_p50_ms),
                 ms(x.recovery_max_ms),
-                x.without_progress
+                x.without_progress,
+                ms(x.stall_max_ms)
             )?;
         }
         writeln!(

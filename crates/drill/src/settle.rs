@@ -81,9 +81,19 @@ pub async fn run(
             &format!("kept database {} and prefix {}", env.db_name, env.prefix),
         );
     } else {
+        let log_dir = env.log_dir.clone();
         let left = env.teardown().await;
         if !left.is_empty() {
             tracing::warn!(left = ?left, "the drill could not remove everything it created");
+        }
+        // The processes' logs and call logs are evidence only when a promise broke.
+        if matches!(&result, Ok(report) if report.ok()) {
+            let _ = std::fs::remove_dir_all(&log_dir);
+        } else {
+            say(
+                cfg,
+                &format!("logs kept in {} for a look", log_dir.display()),
+            );
         }
     }
     result
@@ -440,7 +450,8 @@ impl Drill<'_> {
                 say(self.cfg, &format!("hook {}: {}", hook.name, hook.command));
                 faults::hook(hook, &self.env).await?;
                 *self.injected.entry(fault).or_default() += 1;
-                self.moments.push((hook.name.clone(), since));
+                // Measured from its end, when what it breaks is broken (a kill, a failover).
+                self.moments.push((hook.name.clone(), Utc::now()));
                 return Ok(());
             }
         }
@@ -518,13 +529,19 @@ impl Drill<'_> {
     /// Per fault kind: how often, and the time from each to the next committed step.
     async fn fault_figures(&self) -> Result<Vec<FaultFigures>> {
         let mut by: BTreeMap<String, Vec<Option<f64>>> = BTreeMap::new();
+        let mut stalls: BTreeMap<String, f64> = BTreeMap::new();
         for (name, since) in &self.moments {
             let next = faults::next_commit(&self.env.pool, *since).await?;
             by.entry(name.clone()).or_default().push(next);
+            if let Some(stall) = faults::longest_stall(&self.env.pool, *since).await? {
+                let worst = stalls.entry(name.clone()).or_default();
+                *worst = worst.max(stall);
+            }
         }
         Ok(by
             .into_iter()
             .map(|(fault, times)| {
+                let stall_max_ms = stalls.get(&fault).copied();
                 let mut ok: Vec<f64> = times.iter().flatten().copied().collect();
                 ok.sort_by(f64::total_cmp);
                 FaultFigures {
@@ -533,6 +550,7 @@ impl Drill<'_> {
                     recovery_p50_ms: (!ok.is_empty()).then(|| ok[ok.len() / 2]),
                     recovery_max_ms: ok.last().copied(),
                     without_progress: times.iter().filter(|t| t.is_none()).count() as u32,
+                    stall_max_ms,
                 }
             })
             .collect())
