@@ -20,6 +20,24 @@ use crate::config::DatabaseSettings;
 /// How often a pool checks that its host still takes writes.
 const CHECK_EVERY: Duration = Duration::from_secs(1);
 
+/// How long that check may take before the hosts are asked which one takes writes.
+const CHECK_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Whether `pool`'s host takes writes, asked on an idle connection of the pool or, when all are
+/// busy, on a connection of its own: through `acquire` a lost host would cost the whole acquire
+/// timeout, the pool retrying the refused connect until then.
+async fn still_writable(pool: &PgPool) -> sqlx::Result<bool> {
+    match pool.try_acquire() {
+        Some(mut conn) => takes_writes(&mut conn).await,
+        None => {
+            let mut conn = pool.connect_options().connect().await?;
+            let writes = takes_writes(&mut conn).await;
+            let _ = conn.close().await;
+            writes
+        }
+    }
+}
+
 /// `base` pointed at each of `settings.hosts` (`host` or `host:port`; the port defaults to the
 /// URL's), in the order given.
 fn candidates(settings: &DatabaseSettings, base: &PgConnectOptions) -> Vec<PgConnectOptions> {
@@ -153,14 +171,12 @@ pub(super) fn follow(pool: PgPool, settings: DatabaseSettings, moved: Moved) {
         return;
     }
     tokio::spawn(async move {
-        let timeout = Duration::from_millis(settings.connect_timeout_ms);
         loop {
             tokio::time::sleep(CHECK_EVERY).await;
             if pool.is_closed() {
                 return;
             }
-            let check = async { takes_writes(&mut *pool.acquire().await?).await };
-            if let Ok(Ok(true)) = tokio::time::timeout(timeout, check).await {
+            if let Ok(Ok(true)) = tokio::time::timeout(CHECK_TIMEOUT, still_writable(&pool)).await {
                 continue;
             }
             let current = at(&pool.connect_options());
