@@ -54,6 +54,12 @@ pub struct DatabaseSettings {
     /// URL's host. The driver cannot take libpq's multi-host URL, hence a list of its own.
     #[serde(default)]
     pub hosts: Vec<String>,
+    /// Journal entries and effect results commit without waiting for their WAL flush (the
+    /// step's next synchronous commit makes them durable); off for a Postgres that can fail
+    /// over (always off with `hosts`), where that next commit may land on a standby that never
+    /// received them.
+    #[serde(default = "yes")]
+    pub relaxed_commits: bool,
     /// Pool size per process.
     pub max_connections: u32,
     /// How long to wait for a connection before reporting the database as down.
@@ -88,6 +94,10 @@ pub struct BrokerSettings {
     pub client_cert_file: String,
     /// The unencrypted PEM private key of `client_cert_file`.
     pub client_key_file: String,
+}
+
+fn yes() -> bool {
+    true
 }
 
 impl BrokerSettings {
@@ -221,6 +231,7 @@ impl fmt::Debug for DatabaseSettings {
         f.debug_struct("DatabaseSettings")
             .field("url", &crate::redact::url(&self.url))
             .field("hosts", &self.hosts)
+            .field("relaxed_commits", &self.relaxed_commits)
             .field("max_connections", &self.max_connections)
             .field("connect_timeout_ms", &self.connect_timeout_ms)
             .finish()

@@ -400,11 +400,17 @@ pub async fn writable_options(settings: &DatabaseSettings) -> Result<PgConnectOp
 ///
 /// A record written here is visible at once and survives the worker's death; only a crash of
 /// Postgres itself within `wal_writer_delay` can lose it, and then the step's later commits are
-/// lost with it (WAL is written in order), so the step runs again. The same holds for a
-/// failover to a synchronous standby: it receives WAL in order, so a later synchronous commit
-/// it acknowledged carries this record too. README "Trade-offs made for speed" spells out what
-/// that costs.
+/// lost with it (WAL is written in order), so the step runs again. README "Trade-offs made for
+/// speed" spells out what that costs.
+///
+/// Not with `database.hosts` or `database.relaxed_commits = false`: after a failover a step goes
+/// on on the new primary, which never received the records its old primary acknowledged
+/// without waiting for the standby, so the step's later commit there no longer carries them
+/// (the Postgres cluster drill lost effect results that way); then the strict pool is returned.
 pub fn relaxed_pool(pool: &PgPool, settings: &DatabaseSettings) -> PgPool {
+    if !settings.relaxed_commits || !settings.hosts.is_empty() {
+        return pool.clone();
+    }
     let options = (*pool.connect_options())
         .clone()
         .options([("synchronous_commit", "off")]);
