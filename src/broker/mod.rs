@@ -90,10 +90,12 @@ pub type Result<T> = std::result::Result<T, Error>;
 /// its unacknowledged messages to live consumers instead of leaving them with a sleeper.
 pub async fn connect(settings: &BrokerSettings, name: &str) -> Result<Arc<Connection>> {
     let addresses = settings.addresses();
-    // Each connect starts at the next address, so a process's connections, and a fleet's, spread
-    // over the nodes, and a reconnect after a node is lost tries another one first.
+    // Each connect starts at the next address, so a process's connections spread over the nodes
+    // and a reconnect after a node is lost tries another one first; each process starts at its
+    // own (by pid), or a fleet started alike would put every first connection on one node.
     static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-    let start = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let start =
+        NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + std::process::id() as usize;
     let mut last = None;
     for i in 0..addresses.len() {
         let address = addresses[(start + i) % addresses.len()];

@@ -316,6 +316,7 @@ impl Drill<'_> {
     /// each planned fault once `total` steps times its share have committed.
     async fn wait(&mut self, ids: &[String], mut plan: Vec<Planned>, total: f64) -> Result<()> {
         let mut last = (-1i64, Instant::now());
+        let mut moving = ids.len() as i64;
         let mut said = Instant::now();
         loop {
             for seam in self.fleet.check(&self.env)? {
@@ -325,9 +326,11 @@ impl Drill<'_> {
             self.resume_forced_reviews().await;
             let (done, unsettled) = match check::standing(&self.env.pool, ids).await {
                 Ok(standing) => standing,
-                // Postgres is down (a fault of ours): keep driving, the next round will read.
-                _ => (last.0, i64::MAX),
+                // Postgres is down (a fault of ours): keep driving with what was last read; the
+                // next round reads again.
+                _ => (last.0, moving.max(1)),
             };
+            moving = unsettled;
             if done != last.0 {
                 last = (done, Instant::now());
             }
