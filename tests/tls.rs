@@ -273,8 +273,16 @@ fn serve_refused(vars: &[(&str, String)]) -> (String, Duration) {
     let (_, err) = text(&out);
     assert_eq!(out.status.code(), Some(2), "{err}");
     assert!(!err.contains("trailmark started"), "{err}");
-    assert_eq!(err.trim().lines().count(), 1, "one line expected: {err}");
-    (err, started.elapsed())
+    // One refusal line; before it at most a retry or two of a connection the node reset while
+    // it sent its TLS alert (seen under load: the client read the reset before the alert).
+    let lines: Vec<&str> = err.trim().lines().collect();
+    let (last, before) = lines.split_last().expect("serve said why it stopped");
+    assert!(last.starts_with("error: "), "{err}");
+    assert!(
+        before.len() <= 2 && before.iter().all(|l| l.contains("not started yet")),
+        "one refusal line expected, retries aside: {err}"
+    );
+    (err.clone(), started.elapsed())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
