@@ -29,12 +29,7 @@ const CHECK_TIMEOUT: Duration = Duration::from_secs(2);
 async fn still_writable(pool: &PgPool) -> sqlx::Result<bool> {
     match pool.try_acquire() {
         Some(mut conn) => takes_writes(&mut conn).await,
-        None => {
-            let mut conn = pool.connect_options().connect().await?;
-            let writes = takes_writes(&mut conn).await;
-            let _ = conn.close().await;
-            writes
-        }
+        None => probe(&pool.connect_options()).await,
     }
 }
 
