@@ -75,8 +75,14 @@ pub(super) async fn settle(
 ) {
     let moved = match &disposition {
         Disposition::Committed(messages) => {
-            publish_committed(publisher, published, messages).await;
-            Ok(())
+            // The ack does not wait for the confirms: the committed outbox rows stand behind
+            // these messages whatever happens to this process now (the relay publishes what
+            // is not confirmed), so the delivery's slot is freed one confirm earlier.
+            tokio::join!(
+                publish_committed(publisher, published, messages),
+                acknowledge(engine, delivery)
+            );
+            return;
         }
         Disposition::Duplicate(why) => {
             Stats::bump(&engine.stats.duplicates);
@@ -114,7 +120,12 @@ pub(super) async fn settle(
         tracing::warn!(error = %crate::error::Report(&e), "could not move the message; leaving it unacknowledged for redelivery");
         return;
     }
-    // A crash here leaves the next step published and this delivery unacknowledged: its
+    acknowledge(engine, delivery).await;
+}
+
+/// Acknowledges a delivery whose work is committed (or moved elsewhere).
+async fn acknowledge(engine: &Engine, delivery: &Delivery) {
+    // A crash here leaves this delivery unacknowledged with its work committed: its
     // redelivery must be dropped as a duplicate.
     if engine.failpoints.hit("step.before_ack").is_err() {
         return;

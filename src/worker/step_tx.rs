@@ -39,6 +39,9 @@ pub(crate) struct StepTx {
     /// Effect intents go through the strict pool: an intent is durable before its call.
     intents: OnceLock<Batcher<EffectIntent, IntentOutcome>>,
     commits: OnceLock<Batcher<StepCommit, bool>>,
+    /// Commits that only move a running run to its next step, on the relaxed pool (see
+    /// [`StepTx::commit`]).
+    advances: OnceLock<Batcher<StepCommit, bool>>,
     /// Progress lines, written in batches by a task of their own.
     progress: OnceLock<tokio::sync::mpsc::UnboundedSender<progress::NewLine>>,
 }
@@ -61,6 +64,7 @@ impl StepTx {
             records: OnceLock::new(),
             intents: OnceLock::new(),
             commits: OnceLock::new(),
+            advances: OnceLock::new(),
             progress: OnceLock::new(),
         }
     }
@@ -72,8 +76,13 @@ impl StepTx {
 
     /// Checks the inbox, takes the run's lease and counts the attempt, in one statement with the
     /// other deliveries' claims of the moment, committed before any outside call is made.
+    ///
+    /// On the relaxed pool: nothing outside is written before the step's effect intent, a
+    /// synchronous commit after the claim in the same WAL. A Postgres crash before it forgets
+    /// the claim (and its attempt); the fence's random low half keeps a forgotten claim from
+    /// ever matching the claim that replaces it (see `runs::claim`).
     pub async fn claim(&self, request: ClaimRequest) -> store::Result<ClaimOutcome> {
-        let batcher = self.batcher(&self.claims, &self.pool, |pool, batch| async move {
+        let batcher = self.batcher(&self.claims, &self.relaxed, |pool, batch| async move {
             runs::claim_all(&pool, &batch).await
         });
         batcher.call(request).await
@@ -81,8 +90,20 @@ impl StepTx {
 
     /// Commits a step (inbox row, fenced run advance, checkpoint, parked items, outbox rows),
     /// with the other steps' commits of the moment; `false`: the message was committed before.
+    ///
+    /// A commit that only moves a running (or compensating) run on to its next step does not
+    /// wait for its WAL flush: the next step's claim is a synchronous commit after it in the
+    /// same WAL, and every effect of the step was made durable by its intent before the call.
+    /// A Postgres crash in between loses the commit, and the step runs again from its journal
+    /// (README, trade-offs; `tests/relaxed_crash.rs`). Commits that end a run or hand it to a
+    /// person are seen by people and upstream services at once, and stay synchronous.
     pub async fn commit(&self, step: StepCommit) -> store::Result<bool> {
-        let batcher = self.batcher(&self.commits, &self.pool, |pool, batch| async move {
+        let (cell, pool) = if only_advances(&step) {
+            (&self.advances, &self.relaxed)
+        } else {
+            (&self.commits, &self.pool)
+        };
+        let batcher = self.batcher(cell, pool, |pool, batch| async move {
             checkpoint::commit_all(&pool, &batch).await
         });
         batcher.call(step).await
@@ -218,6 +239,16 @@ impl Records for StepTx {
     ) -> BoxFuture<'a, Result<Option<Value>, StepError>> {
         Box::pin(async move { Ok(steps::latest_output(&self.pool, run, step, before).await?) })
     }
+}
+
+/// Whether a commit only moves a running or compensating run on to its next step.
+fn only_advances(step: &StepCommit) -> bool {
+    use crate::domain::RunStatus::{Compensating, Running};
+    let status = step.to.status;
+    status.from == status.to
+        && matches!(status.to, Running | Compensating)
+        && step.to.next_step.is_some()
+        && step.finished
 }
 
 /// Most progress lines in one statement.
