@@ -10,6 +10,7 @@
 //! | `baseline.rs` | B3 itself |
 //! | `breakdown.rs` | where an unloaded trailmark step spends its time |
 //! | `measure.rs` | /proc CPU and peak RSS, the fsync probe, summaries |
+//! | `peer.rs` | the opt-in DBOS peer: its binary and the contract with it |
 //! | `recovery.rs` | kill -9 at 50% progress |
 //! | `scale.rs` | 1, 2, 4 workers x 1k, 10k, 100k runs (opt-in) |
 //! | `report.rs` | the table, the JSON, the targets |
@@ -20,6 +21,7 @@ pub mod breakdown;
 pub mod env;
 pub mod load;
 pub mod measure;
+pub mod peer;
 pub mod recovery;
 pub mod report;
 pub mod scale;
