@@ -229,7 +229,18 @@ impl BenchEnv {
         args: &[&str],
         extra: &[(String, String)],
     ) -> Result<Proc> {
-        let exe = &self.exe;
+        self.spawn_program(name, &self.exe, args, extra)
+    }
+
+    /// Like [`BenchEnv::spawn_with`] for another program (the DBOS peer's binary), with the
+    /// same environment and log file.
+    pub fn spawn_program(
+        &self,
+        name: &str,
+        exe: &std::path::Path,
+        args: &[&str],
+        extra: &[(String, String)],
+    ) -> Result<Proc> {
         let log_path = self.log_dir.join(format!("{name}.log"));
         let log = File::options()
             .create(true)

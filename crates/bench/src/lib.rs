@@ -1,11 +1,13 @@
 //! `trailmark bench`: throughput, latency, CPU, memory and recovery of the `chain` workflow on
 //! real `trailmark` processes, against B3 (a bare loop with the same step semantics, in
-//! [`baseline`]), in one run on the local servers, in a database and broker prefix of its own.
+//! [`baseline`]; measured twice, with its model answers over HTTP and made in-process) and, opt-in,
+//! a DBOS-Rust peer doing the same work ([`peer`]), in one run on the local servers, in a database
+//! and broker prefix of its own.
 //!
 //! | file | part |
 //! |---|---|
 //! | `env.rs` | the bench database and prefix, child processes |
-//! | `systems.rs` | trailmark and B3 behind one interface |
+//! | `systems.rs` | trailmark, B3 and the peer behind one interface |
 //! | `load.rs` | one repetition: warm-up, loaded phase, unloaded phase |
 //! | `baseline.rs` | B3 itself |
 //! | `breakdown.rs` | where an unloaded trailmark step spends its time |
@@ -32,6 +34,7 @@ use std::time::Duration;
 
 use env::{BenchEnv, Proc};
 use load::RepFigures;
+use peer::Peer;
 use report::{Report, Setup, Workload};
 use systems::System;
 
@@ -131,6 +134,8 @@ pub struct Config {
     /// A smoke run beside other work (the test suite) must leave the server connections to
     /// spare: a refused connection stalls a worker and skews what is measured.
     pub pool: Option<u32>,
+    /// An opt-in peer measured beside trailmark and B3 (`--peer dbos`).
+    pub peer: Option<Peer>,
 }
 
 impl Default for Config {
@@ -150,6 +155,7 @@ impl Default for Config {
             scale_runs: vec![1_000, 10_000, 100_000],
             fsync_samples: 200,
             pool: None,
+            peer: None,
         }
     }
 }
@@ -170,6 +176,20 @@ impl Config {
             pool: Some(4),
             ..Self::default()
         }
+    }
+
+    /// The systems every repetition measures, in the order of odd repetitions: B3 in-process
+    /// only when B3's answers come over HTTP (with the built-in model they are in-process
+    /// already), the peer only when asked for.
+    pub fn systems(&self) -> Vec<System> {
+        let mut systems = vec![System::Trailmark, System::B3];
+        if matches!(self.model, ModelMode::Http { .. }) {
+            systems.push(System::B3Local);
+        }
+        if self.peer == Some(Peer::Dbos) {
+            systems.push(System::Dbos);
+        }
+        systems
     }
 
     /// Bytes per model answer.
@@ -211,6 +231,12 @@ async fn warn_if_short_of_connections(env: &BenchEnv, cfg: &Config) -> Result<()
 /// Runs the whole bench in a fresh database and broker prefix, removed at the end (also on
 /// Ctrl-C); `base` supplies the servers' URLs and the processes' settings.
 pub async fn run(base: &Settings, cfg: &Config) -> Result<Report> {
+    if cfg.peer == Some(Peer::Dbos) {
+        // Before anything is created: a missing peer binary is a build step, not a bench failure.
+        let exe =
+            std::env::current_exe().map_err(|e| Error::io("finding the current executable", e))?;
+        peer::dbos_binary(&exe)?;
+    }
     let mut env = BenchEnv::create(base, cfg.pool).await?;
     progress(&format!(
         "database {}, broker prefix {} (both removed at the end); child logs in {}",
@@ -238,19 +264,19 @@ async fn measure_all(env: &mut BenchEnv, cfg: &Config) -> Result<Report> {
         fsync.p50_ms, fsync.p99_ms, fsync.dir
     ));
     let model = start_model(env, cfg).await?;
-    let (mut trailmark, mut b3) = (Vec::new(), Vec::new());
+    let systems = cfg.systems();
+    let mut reps: Vec<(System, Vec<RepFigures>)> =
+        systems.iter().map(|s| (*s, Vec::new())).collect();
     for rep in 1..=cfg.reps {
-        // Alternate who goes first, so a drift in the machine's load does not favour one side.
-        let order = if rep % 2 == 1 {
-            [System::Trailmark, System::B3]
-        } else {
-            [System::B3, System::Trailmark]
-        };
+        // Alternate the order, so a drift in the machine's load does not favour one side.
+        let mut order = systems.clone();
+        if rep % 2 == 0 {
+            order.reverse();
+        }
         for system in order {
             let figures = load::repetition(env, system, cfg, rep, model.as_ref()).await?;
-            match system {
-                System::Trailmark => trailmark.push(figures),
-                System::B3 => b3.push(figures),
+            if let Some((_, all)) = reps.iter_mut().find(|(s, _)| *s == system) {
+                all.push(figures);
             }
         }
     }
@@ -276,15 +302,7 @@ async fn measure_all(env: &mut BenchEnv, cfg: &Config) -> Result<Report> {
         background_cores_before,
         background_cores_after,
     };
-    Ok(build(
-        setup,
-        fsync,
-        env,
-        cfg,
-        (&trailmark, &b3),
-        recovery,
-        scale,
-    ))
+    Ok(build(setup, fsync, env, cfg, &reps, recovery, scale))
 }
 
 fn build(
@@ -292,18 +310,31 @@ fn build(
     fsync: measure::FsyncProbe,
     env: &BenchEnv,
     cfg: &Config,
-    reps: (&[RepFigures], &[RepFigures]),
+    reps: &[(System, Vec<RepFigures>)],
     recovery: Vec<recovery::Recovery>,
     (scale, scale_failure): (Vec<scale::ScalePoint>, Option<Error>),
 ) -> Report {
     let model = match cfg.model {
         ModelMode::Http { .. } => {
-            "journaled; from the stand-in model server over HTTP (trailmark and B3 alike)"
+            "journaled; from the stand-in model server over HTTP (trailmark, B3 and DBOS alike; \
+             B3 in-process makes the same answer in-process, no HTTP)"
         }
         ModelMode::Builtin => {
-            "journaled; the engine's in-process stand-in answer (B3 computes the same answer)"
+            "journaled; the engine's in-process stand-in answer (B3 and DBOS compute the same answer)"
         }
     };
+    let peer = cfg.peer.map(|_| {
+        format!(
+            "DBOS-Rust (crate dbos 0.5), `trailmark-peer-dbos` processes: runs enqueued onto a DBOS \
+             queue with a per-process concurrency of {} (polled every {} ms), each step one DBOS \
+             step for the model answer (its recorded output) and one for the ledger insert; \
+             DBOS's pool {} + {} for the ledger per process",
+            env.settings.worker.concurrency,
+            peer::POLL_MS,
+            env.child_pool,
+            (env.child_pool / 2).max(1)
+        )
+    });
     let workload = Workload {
         runs: cfg.runs,
         steps: cfg.steps,
@@ -315,8 +346,19 @@ fn build(
         pool: env.child_pool,
         model: model.into(),
         answer_bytes: cfg.answer_bytes(),
+        peer,
     };
-    let mut left_out = vec!["recovery and scale of B3 (B3 has no leases to wait for; it is the throughput and latency baseline only)".to_owned()];
+    let mut left_out = vec!["recovery and scale of B3, B3 in-process and DBOS (they are the throughput and latency baselines only)".to_owned()];
+    if cfg.peer.is_none() {
+        left_out.push(
+            "a DBOS-Rust peer (opt-in: --peer dbos, after `cargo build --release -p trailmark-peer-dbos`)"
+                .into(),
+        );
+    }
+    if !matches!(cfg.model, ModelMode::Http { .. }) {
+        left_out
+            .push("B3 in-process (with --builtin-model every answer is in-process already)".into());
+    }
     if !cfg.recovery {
         left_out.push("recovery (run without --no-recovery)".into());
     }
@@ -329,8 +371,9 @@ fn build(
         setup,
         fsync,
         workload,
-        figures: report::figures(reps.0, reps.1, cfg.steps),
-        breakdown: report::breakdown(reps.0),
+        figures: report::figures(reps, cfg.steps),
+        breakdown: report::breakdown(report::of(reps, System::Trailmark)),
+        ledger: report::ledger(reps, cfg.runs, cfg.steps),
         recovery_target: report::recovery_target(&recovery),
         recovery,
         scale,

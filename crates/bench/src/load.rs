@@ -44,6 +44,10 @@ pub struct RepFigures {
     pub peak_rss_mib: f64,
     /// Where an unloaded step's time goes (trailmark only).
     pub breakdown: Option<Breakdown>,
+    /// Ledger rows the loaded phase's runs left (one per step when each write happened once).
+    pub ledger_rows: i64,
+    /// Distinct references among them.
+    pub ledger_distinct: i64,
 }
 
 /// Runs one repetition of `system`.
@@ -56,12 +60,11 @@ pub async fn repetition(
 ) -> Result<RepFigures> {
     system.reset(env).await?;
     let mut procs = system.spawn(env, cfg.workers, &format!("rep{rep}"), cfg.answer_bytes())?;
-    env.wait_consumers(
-        &system.queue(env),
-        cfg.workers as u32,
-        Duration::from_secs(30),
-    )
-    .await?;
+    // The DBOS peer runs DBOS's migrations at launch and waits for its queue poller to come
+    // down to its floor (about 10 s), which takes longer than a consumer's connect.
+    system
+        .wait_ready(env, &mut procs, Duration::from_secs(90))
+        .await?;
     let label = format!("{} rep {rep}/{}", system.name(), cfg.reps);
     let warm = ids(&format!("w{rep}"), cfg.warmup_runs);
     drive(
@@ -88,6 +91,8 @@ pub async fn repetition(
     .await?;
     let steps = (cfg.runs * cfg.steps as usize) as f64;
     (figures.gap_p50_ms, figures.gap_p99_ms) = system.step_gaps(env, &format!("l{rep}-")).await?;
+    (figures.ledger_rows, figures.ledger_distinct) =
+        system.ledger(env, &format!("l{rep}-")).await?;
     figures.steps_per_s = steps / w.secs;
     figures.cpu_ms_per_step = w.machine_ms / steps;
     figures.proc_cpu_ms_per_step = w.procs_ms / steps;
@@ -118,7 +123,7 @@ async fn unloaded_figures(
     let (idle_gap_p50_ms, idle_gap_p99_ms) = system.step_gaps(env, &prefix).await?;
     let breakdown = match system {
         System::Trailmark => Some(breakdown::trailmark(env, &prefix).await?),
-        System::B3 => None,
+        System::B3 | System::B3Local | System::Dbos => None,
     };
     Ok(RepFigures {
         idle_gap_p50_ms,

@@ -92,8 +92,12 @@ async fn scenario(
         .collect::<Result<_>>()?;
     procs.push(env.spawn(&format!("{tag}-relay"), &["relay"])?);
     procs.push(env.spawn(&format!("{tag}-supervisor"), &["supervisor"])?);
-    env.wait_consumers(&system.queue(env), n as u32, Duration::from_secs(30))
-        .await?;
+    env.wait_consumers(
+        &env.topology().steps_queue(),
+        n as u32,
+        Duration::from_secs(30),
+    )
+    .await?;
     let prefix = format!("{tag}-");
     let runs = cfg.runs.max(MIN_RUNS);
     system.start_runs(env, &ids(tag, runs), cfg.steps).await?;

@@ -1,6 +1,7 @@
-//! The report: every figure for both systems as median [min–max] over the repetitions, the
-//! ratio trailmark/B3, and the issue's targets marked pass or miss (printed, never asserted).
-//! Rendered as a terminal table, or serialised as JSON for tracking.
+//! The report: every figure for every system as median [min–max] over the repetitions, the
+//! ratios trailmark/B3 and (with `--peer dbos`) trailmark/DBOS, and the targets marked pass or
+//! miss (printed, never asserted). Rendered as a terminal table, or serialised as JSON for
+//! tracking.
 
 use std::fmt::Write;
 
@@ -11,6 +12,7 @@ use super::load::RepFigures;
 use super::measure::{FsyncProbe, Spread};
 use super::recovery::Recovery;
 use super::scale::ScalePoint;
+use super::systems::System;
 
 /// Everything one `trailmark bench` run measured.
 #[derive(Debug, Clone, Serialize)]
@@ -21,8 +23,10 @@ pub struct Report {
     pub fsync: FsyncProbe,
     /// What was run.
     pub workload: Workload,
-    /// One row per figure, both systems.
+    /// One row per figure, every system.
     pub figures: Vec<Figure>,
+    /// What the loaded phases left in each system's ledger (exactly one row per step expected).
+    pub ledger: Vec<LedgerCheck>,
     /// Where an unloaded trailmark step spends its time.
     pub breakdown: Vec<Segment>,
     /// Recovery scenarios (trailmark only).
@@ -81,9 +85,11 @@ pub struct Workload {
     pub model: String,
     /// Size of each answer.
     pub answer_bytes: usize,
+    /// How the opt-in peer is set up, when one ran.
+    pub peer: Option<String>,
 }
 
-/// One figure for both systems.
+/// One figure for every system.
 #[derive(Debug, Clone, Serialize)]
 pub struct Figure {
     /// Stable key for tracking.
@@ -92,12 +98,57 @@ pub struct Figure {
     pub label: &'static str,
     /// trailmark, over the repetitions.
     pub trailmark: Spread,
-    /// B3, over the repetitions.
+    /// B3 (model answers over HTTP), over the repetitions.
     pub b3: Spread,
+    /// B3 with in-process answers of the same size (none with `--builtin-model`).
+    pub b3_local: Option<Spread>,
+    /// The DBOS peer (none without `--peer dbos`).
+    pub dbos: Option<Spread>,
     /// trailmark median / B3 median.
     pub ratio: f64,
+    /// trailmark median / DBOS median.
+    pub ratio_dbos: Option<f64>,
     /// The issue's target for this figure, if it has one.
     pub target: Option<Target>,
+    /// The target against the DBOS peer, if this figure has one and the peer ran.
+    pub target_dbos: Option<Target>,
+}
+
+/// The ledger of one system after the loaded phase of one repetition.
+#[derive(Debug, Clone, Serialize)]
+pub struct LedgerCheck {
+    /// Which system (its name in the report).
+    pub system: &'static str,
+    /// Which repetition.
+    pub rep: usize,
+    /// Rows expected: runs x steps.
+    pub expected: i64,
+    /// Rows found.
+    pub rows: i64,
+    /// Distinct references among them.
+    pub distinct: i64,
+}
+
+/// The repetitions of `system` (empty if it did not run).
+pub fn of(reps: &[(System, Vec<RepFigures>)], system: System) -> &[RepFigures] {
+    reps.iter()
+        .find(|(s, _)| *s == system)
+        .map_or(&[], |(_, r)| r.as_slice())
+}
+
+/// The ledger of every system's loaded phases, against runs x steps.
+pub fn ledger(reps: &[(System, Vec<RepFigures>)], runs: usize, steps: i32) -> Vec<LedgerCheck> {
+    reps.iter()
+        .flat_map(|(system, all)| {
+            all.iter().enumerate().map(|(i, f)| LedgerCheck {
+                system: system.name(),
+                rep: i + 1,
+                expected: runs as i64 * i64::from(steps),
+                rows: f.ledger_rows,
+                distinct: f.ledger_distinct,
+            })
+        })
+        .collect()
 }
 
 /// One segment of an unloaded trailmark step.
@@ -183,28 +234,54 @@ const ROWS: [(&str, &str, Pick); 14] = [
     }),
 ];
 
-/// One row per figure from the repetitions of both systems; targets from issue 5.
-pub fn figures(trailmark: &[RepFigures], b3: &[RepFigures], steps: i32) -> Vec<Figure> {
+/// One row per figure from the repetitions of every system; targets from issue 5, and against
+/// the DBOS peer when it ran.
+pub fn figures(reps: &[(System, Vec<RepFigures>)], steps: i32) -> Vec<Figure> {
+    let ran = |system| reps.iter().any(|(s, _)| *s == system);
     ROWS.iter()
         .map(|(key, label, pick)| {
-            let t = Spread::of(&trailmark.iter().map(pick).collect::<Vec<_>>());
-            let b = Spread::of(&b3.iter().map(pick).collect::<Vec<_>>());
-            let ratio = if b.median > 0.0 {
-                t.median / b.median
-            } else {
-                0.0
-            };
-            let target = target(key, t.median, ratio, steps);
+            let spread =
+                |system| Spread::of(&of(reps, system).iter().map(pick).collect::<Vec<_>>());
+            let t = spread(System::Trailmark);
+            let b = spread(System::B3);
+            let ratio = ratio_of(&t, &b);
+            let dbos = ran(System::Dbos).then(|| spread(System::Dbos));
+            let ratio_dbos = dbos.as_ref().map(|d| ratio_of(&t, d));
             Figure {
                 key,
                 label,
                 trailmark: t,
                 b3: b,
+                b3_local: ran(System::B3Local).then(|| spread(System::B3Local)),
+                dbos,
                 ratio,
-                target,
+                ratio_dbos,
+                target: target(key, t.median, ratio, steps),
+                target_dbos: ratio_dbos.and_then(|r| target_dbos(key, r)),
             }
         })
         .collect()
+}
+
+fn ratio_of(t: &Spread, other: &Spread) -> f64 {
+    if other.median > 0.0 {
+        t.median / other.median
+    } else {
+        0.0
+    }
+}
+
+/// The targets against the DBOS peer: 1.3 times its throughput, a lower unloaded run p50.
+fn target_dbos(key: &str, ratio: f64) -> Option<Target> {
+    let (text, pass) = match key {
+        "steps_per_s" => ("≥ 1.3 × DBOS", ratio >= 1.3),
+        "run_p50_ms" => ("< DBOS", ratio > 0.0 && ratio < 1.0),
+        _ => return None,
+    };
+    Some(Target {
+        text: text.into(),
+        pass,
+    })
 }
 
 fn target(key: &str, value: f64, ratio: f64, steps: i32) -> Option<Target> {
@@ -259,22 +336,8 @@ fn mark(t: &Option<Target>) -> String {
 pub fn render(r: &Report) -> String {
     let mut o = String::new();
     header(&mut o, r);
-    let _ = writeln!(
-        o,
-        "\n{:<36}{:<26}{:<26}{:<14}target",
-        "figure", "trailmark", "B3", "trailmark/B3"
-    );
-    for f in &r.figures {
-        let _ = writeln!(
-            o,
-            "{:<36}{:<26}{:<26}{:<14}{}",
-            f.label,
-            spread(&f.trailmark),
-            spread(&f.b3),
-            format!("{:.2}", f.ratio),
-            mark(&f.target)
-        );
-    }
+    table(&mut o, r);
+    ledger_line(&mut o, r);
     segments(&mut o, r);
     recovery(&mut o, r);
     scale(&mut o, r);
@@ -286,6 +349,76 @@ pub fn render(r: &Report) -> String {
         }
     }
     o
+}
+
+/// The figures: one column per system that ran, then the ratios and the targets.
+fn table(o: &mut String, r: &Report) {
+    let local = r.figures.iter().any(|f| f.b3_local.is_some());
+    let dbos = r.figures.iter().any(|f| f.dbos.is_some());
+    let mut head = format!("\n{:<36}{:<24}{:<24}", "figure", "trailmark", "B3");
+    if local {
+        head += &format!("{:<24}", "B3 in-process");
+    }
+    if dbos {
+        head += &format!("{:<24}", "DBOS");
+    }
+    head += &format!("{:<14}", "trailmark/B3");
+    if dbos {
+        head += &format!("{:<16}", "trailmark/DBOS");
+    }
+    let _ = writeln!(o, "{head}target");
+    let cell = |s: &Option<Spread>| s.as_ref().map_or("-".to_owned(), spread);
+    for f in &r.figures {
+        let mut line = format!(
+            "{:<36}{:<24}{:<24}",
+            f.label,
+            spread(&f.trailmark),
+            spread(&f.b3)
+        );
+        if local {
+            line += &format!("{:<24}", cell(&f.b3_local));
+        }
+        if dbos {
+            line += &format!("{:<24}", cell(&f.dbos));
+        }
+        line += &format!("{:<14}", format!("{:.2}", f.ratio));
+        if dbos {
+            let ratio = f.ratio_dbos.map_or("-".to_owned(), |r| format!("{r:.2}"));
+            line += &format!("{ratio:<16}");
+        }
+        let targets: Vec<String> = [mark(&f.target), mark(&f.target_dbos)]
+            .into_iter()
+            .filter(|m| !m.is_empty())
+            .collect();
+        let _ = writeln!(o, "{line}{}", targets.join("; "));
+    }
+}
+
+/// One line: each system's ledger after its loaded phases, rows/expected (distinct references).
+fn ledger_line(o: &mut String, r: &Report) {
+    if r.ledger.is_empty() {
+        return;
+    }
+    let parts: Vec<String> = r
+        .ledger
+        .iter()
+        .map(|l| {
+            let flag = if l.rows == l.expected && l.distinct == l.expected {
+                ""
+            } else {
+                " MISMATCH"
+            };
+            format!(
+                "{} rep {}: {}/{} ({} distinct){flag}",
+                l.system, l.rep, l.rows, l.expected, l.distinct
+            )
+        })
+        .collect();
+    let _ = writeln!(
+        o,
+        "ledger after each loaded phase (rows/runs x steps): {}",
+        parts.join(", ")
+    );
 }
 
 fn header(o: &mut String, r: &Report) {
@@ -317,10 +450,13 @@ fn header(o: &mut String, r: &Report) {
     );
     let _ = writeln!(
         o,
-        "  processes per system: {} (trailmark: `serve` = worker + relay + supervisor; B3: consumer + relay), {} deliveries in flight and a Postgres pool of {} each",
+        "  processes per system: {} (trailmark: `serve` = worker + relay + supervisor; B3: consumer + relay; DBOS: one DBOS executor), {} deliveries (DBOS: workflows) in flight and a Postgres pool of {} each",
         w.workers, w.concurrency, w.pool
     );
     let _ = writeln!(o, "  model answers: {} B, {}", w.answer_bytes, w.model);
+    if let Some(peer) = &w.peer {
+        let _ = writeln!(o, "  peer: {peer}");
+    }
     let _ = writeln!(
         o,
         "  unloaded figures: {} runs per repetition started one at a time (after the warm-up, before the loaded phase); run latency = start published -> final commit seen (NOTIFY)",

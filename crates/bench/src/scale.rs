@@ -79,8 +79,12 @@ async fn point(
     system.reset(env).await?;
     let tag = format!("scale-{runs}x{workers}");
     let mut procs = system.spawn(env, workers, &tag, cfg.answer_bytes())?;
-    env.wait_consumers(&system.queue(env), workers as u32, Duration::from_secs(30))
-        .await?;
+    env.wait_consumers(
+        &env.topology().steps_queue(),
+        workers as u32,
+        Duration::from_secs(30),
+    )
+    .await?;
     let label = format!("scale {runs} runs, {workers} workers");
     let w = measured(
         env,

@@ -1,11 +1,13 @@
-//! The two systems under test behind one interface: their processes, how a run is started,
-//! how progress is read, and the committed timestamps the latency figures come from.
+//! The systems under test behind one interface: their processes, how a run is started, how
+//! progress is read, and the committed timestamps the latency figures come from.
+
+use std::time::{Duration, Instant};
 
 use serde::Serialize;
 use serde_json::json;
 
 use super::env::{BenchEnv, Proc};
-use super::{Error, Result, baseline};
+use super::{Error, Result, baseline, peer};
 use trailmark::broker::Outgoing;
 use trailmark::domain::{RunId, RunStartEvent};
 
@@ -14,8 +16,13 @@ use trailmark::domain::{RunId, RunStartEvent};
 pub enum System {
     /// `chain` runs on `trailmark serve` processes, every guarantee on.
     Trailmark,
-    /// The bare loop of [`baseline`].
+    /// The bare loop of [`baseline`], its model answers over HTTP like trailmark's.
     B3,
+    /// The same bare loop with its answers made in-process (same size, no HTTP): what B3 costs
+    /// without the model call's own overhead.
+    B3Local,
+    /// The opt-in DBOS-Rust peer of [`peer`] (`trailmark-peer-dbos` processes).
+    Dbos,
 }
 
 /// How far the runs with one id prefix are.
@@ -38,6 +45,8 @@ impl System {
         match self {
             Self::Trailmark => "trailmark",
             Self::B3 => "B3",
+            Self::B3Local => "B3 in-process",
+            Self::Dbos => "DBOS",
         }
     }
 
@@ -50,14 +59,16 @@ impl System {
                           trailmark.parked, trailmark.decisions, trailmark.inbox, trailmark.outbox,
                           trailmark.chain_ledger"
             }
-            Self::B3 => "TRUNCATE b3.inbox, b3.checkpoints, b3.ledger, b3.outbox",
+            Self::B3 | Self::B3Local => "TRUNCATE b3.inbox, b3.checkpoints, b3.ledger, b3.outbox",
+            Self::Dbos => peer::RESET,
         };
-        sqlx::query(sql).execute(&env.pool).await?;
+        sqlx::raw_sql(sql).execute(&env.pool).await?;
         Ok(())
     }
 
-    /// Starts `workers` processes: `trailmark serve` (worker + relay + supervisor), or B3
-    /// processes (consumer + relay), both from the current executable.
+    /// Starts `workers` processes: `trailmark serve` (worker + relay + supervisor) or B3
+    /// processes (consumer + relay), both from the current executable, or DBOS peer processes
+    /// from the `trailmark-peer-dbos` binary next to it.
     pub fn spawn(
         self,
         env: &BenchEnv,
@@ -66,6 +77,7 @@ impl System {
         answer_bytes: usize,
     ) -> Result<Vec<Proc>> {
         let bytes = answer_bytes.to_string();
+        let poll = peer::POLL_MS.to_string();
         (0..workers)
             .map(|i| match self {
                 Self::Trailmark => env.spawn(&format!("{tag}-serve-{i}"), &["serve"]),
@@ -73,25 +85,60 @@ impl System {
                     &format!("{tag}-b3-{i}"),
                     &["bench", "--b3-worker", "--answer-bytes", &bytes],
                 ),
+                Self::B3Local => env.spawn(
+                    &format!("{tag}-b3local-{i}"),
+                    &[
+                        "bench",
+                        "--b3-worker",
+                        "--answer-bytes",
+                        &bytes,
+                        "--b3-local-answers",
+                    ],
+                ),
+                Self::Dbos => env.spawn_program(
+                    &format!("{tag}-dbos-{i}"),
+                    &peer::dbos_binary(&env.exe)?,
+                    &["--answer-bytes", &bytes, "--poll-ms", &poll],
+                    &[],
+                ),
             })
             .collect()
     }
 
-    /// The queue whose consumer count shows that the processes are up.
-    pub fn queue(self, env: &BenchEnv) -> String {
-        match self {
+    /// Waits until the `workers` processes just started are ready to take runs: consumers on
+    /// the queue (trailmark, B3), or DBOS launched with its queue registered (the peer).
+    pub async fn wait_ready(
+        self,
+        env: &BenchEnv,
+        procs: &mut [Proc],
+        within: Duration,
+    ) -> Result<()> {
+        let workers = procs.len();
+        let queue = match self {
             Self::Trailmark => env.topology().steps_queue(),
-            Self::B3 => baseline::queue(&env.prefix),
-        }
+            Self::B3 | Self::B3Local => baseline::queue(&env.prefix),
+            Self::Dbos => return peer_ready(env, procs, within).await,
+        };
+        env.wait_consumers(&queue, workers as u32, within).await
     }
 
     /// Starts runs the way an upstream service would: one confirmed message each.
+    /// DBOS runs are enqueued onto the peer's DBOS queue in one statement instead.
     pub async fn start_runs(self, env: &BenchEnv, ids: &[String], steps: i32) -> Result<()> {
+        if self == Self::Dbos {
+            sqlx::query(peer::ENQUEUE)
+                .bind(ids)
+                .bind(steps)
+                .execute(&env.pool)
+                .await?;
+            return Ok(());
+        }
         let msgs = ids
             .iter()
             .map(|id| match self {
                 Self::Trailmark => trailmark_start(env, id, steps),
-                Self::B3 => Ok(baseline::Message::start(&env.prefix, id, steps)),
+                Self::B3 | Self::B3Local => Ok(baseline::Message::start(&env.prefix, id, steps)),
+                Self::Dbos => unreachable!("DBOS runs are enqueued above"),
             })
             .collect::<Result<Vec<_>>>()?;
         env.publish(&msgs).await
@@ -105,10 +152,11 @@ impl System {
                         min(run_id || ' is ' || status || ': ' || COALESCE(error, '')) FILTER (WHERE status NOT IN ('running', 'succeeded'))
                    FROM trailmark.runs WHERE run_id LIKE $1"
             }
-            Self::B3 => {
+            Self::B3 | Self::B3Local => {
                 "SELECT count(*) FILTER (WHERE done), count(*) FILTER (WHERE seq >= 0), NULL::text
                    FROM b3.checkpoints WHERE run_id LIKE $1"
             }
+            Self::Dbos => peer::PROGRESS,
         };
         let (runs_done, steps_done, stopped) = sqlx::query_as(sql)
             .bind(format!("{prefix}%"))
@@ -122,8 +170,9 @@ impl System {
     }
 
     /// Commit-to-commit gaps between consecutive steps of one run (runs starting with
-    /// `prefix`): p50 and p99 in milliseconds. Both systems stamp a step with the start time of
-    /// the transaction that commits it, so the gap is one full step cycle.
+    /// `prefix`): p50 and p99 in milliseconds. trailmark and B3 stamp a step with the start time
+    /// of the transaction that commits it, the DBOS peer with the time of its ledger insert (the
+    /// second of its two DBOS steps); either way the gap is one full step cycle.
     pub async fn step_gaps(self, env: &BenchEnv, prefix: &str) -> Result<(f64, f64)> {
         let sql = match self {
             Self::Trailmark => {
@@ -133,7 +182,8 @@ impl System {
                         percentile_cont(0.99) WITHIN GROUP (ORDER BY EXTRACT(EPOCH FROM gap))::float8 * 1000
                    FROM g WHERE gap IS NOT NULL"
             }
-            Self::B3 => {
+            Self::Dbos => peer::STEP_GAPS,
+            Self::B3 | Self::B3Local => {
                 "WITH g AS (SELECT committed_at - lag(committed_at) OVER (PARTITION BY run_id ORDER BY seq) AS gap
                               FROM b3.checkpoints WHERE run_id LIKE $1 AND seq >= 0)
                  SELECT percentile_cont(0.5) WITHIN GROUP (ORDER BY EXTRACT(EPOCH FROM gap))::float8 * 1000,
@@ -151,9 +201,18 @@ impl System {
     /// Installs (or removes) a trigger that NOTIFYs [`DONE_CHANNEL`] with the run id when a run
     /// finishes, so the unloaded phase sees the final commit without polling.
     pub async fn watch_done(self, env: &BenchEnv, on: bool) -> Result<()> {
+        if self == Self::Dbos {
+            sqlx::query(peer::UNWATCH).execute(&env.pool).await?;
+            if on {
+                sqlx::query(peer::WATCH_FUNCTION).execute(&env.pool).await?;
+                sqlx::query(peer::WATCH_TRIGGER).execute(&env.pool).await?;
+            }
+            return Ok(());
+        }
         let table = match self {
             Self::Trailmark => "trailmark.runs",
-            Self::B3 => "b3.checkpoints",
+            Self::B3 | Self::B3Local => "b3.checkpoints",
+            Self::Dbos => unreachable!("handled above"),
         };
         let drop = format!("DROP TRIGGER IF EXISTS bench_done ON {table}");
         sqlx::query(sqlx::AssertSqlSafe(drop))
@@ -172,11 +231,62 @@ impl System {
         let trigger = match self {
             Self::Trailmark => "CREATE TRIGGER bench_done AFTER UPDATE ON trailmark.runs FOR EACH ROW
                  WHEN (NEW.finished_at IS NOT NULL AND OLD.finished_at IS NULL) EXECUTE FUNCTION public.bench_done()",
-            Self::B3 => "CREATE TRIGGER bench_done AFTER INSERT ON b3.checkpoints FOR EACH ROW
+            Self::B3 | Self::B3Local => "CREATE TRIGGER bench_done AFTER INSERT ON b3.checkpoints FOR EACH ROW
                  WHEN (NEW.done) EXECUTE FUNCTION public.bench_done()",
+            Self::Dbos => unreachable!("handled above"),
         };
         sqlx::query(trigger).execute(&env.pool).await?;
         Ok(())
+    }
+
+    /// Ledger rows and distinct references of the runs whose id starts with `prefix`: exactly
+    /// one per step when every step's write happened once.
+    pub async fn ledger(self, env: &BenchEnv, prefix: &str) -> Result<(i64, i64)> {
+        let sql = match self {
+            Self::Trailmark => {
+                "SELECT count(*), count(DISTINCT reference) FROM trailmark.chain_ledger WHERE run_id LIKE $1"
+            }
+            Self::B3 | Self::B3Local => {
+                "SELECT count(*), count(DISTINCT reference) FROM b3.ledger WHERE run_id LIKE $1"
+            }
+            Self::Dbos => {
+                "SELECT count(*), count(DISTINCT reference) FROM dbos_peer.ledger WHERE run_id LIKE $1"
+            }
+        };
+        Ok(sqlx::query_as(sql)
+            .bind(format!("{prefix}%"))
+            .fetch_one(&env.pool)
+            .await?)
+    }
+}
+
+/// Waits until every peer process has launched DBOS (its migrations ran) and registered the
+/// queue; fails early if one exits.
+async fn peer_ready(env: &BenchEnv, procs: &mut [Proc], within: Duration) -> Result<()> {
+    let deadline = Instant::now() + within;
+    loop {
+        let exists: bool = sqlx::query_scalar("SELECT to_regclass('dbos_peer.ready') IS NOT NULL")
+            .fetch_one(&env.pool)
+            .await?;
+        let ready: i64 = if exists {
+            sqlx::query_scalar(peer::READY).fetch_one(&env.pool).await?
+        } else {
+            0
+        };
+        if ready >= procs.len() as i64 {
+            return Ok(());
+        }
+        for p in procs.iter_mut() {
+            p.check_alive()?;
+        }
+        if Instant::now() > deadline {
+            return Err(Error::Failed(format!(
+                "{ready} of {} DBOS peer processes were ready after {within:?}; see their logs in {}",
+                procs.len(),
+                env.log_dir.display()
+            )));
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
 

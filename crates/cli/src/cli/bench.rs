@@ -1,11 +1,19 @@
 //! `trailmark bench`: the benchmark (see the `trailmark_bench` crate); prints a table, or JSON
-//! with `--json`. Also the hidden `--b3-worker` role the bench starts its baseline processes with.
+//! with `--json`. Also the hidden `--b3-worker` role the bench starts its baseline processes with
+//! (`--b3-local-answers` for the in-process variant).
 
 use anyhow::Context;
 use tokio_util::sync::CancellationToken;
 
 use trailmark::config::Settings;
-use trailmark_bench::{self as bench, Config, ModelMode, baseline};
+use trailmark_bench::{self as bench, Config, ModelMode, baseline, peer::Peer};
+
+/// The peers `--peer` accepts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum PeerName {
+    /// DBOS-Rust, in the `trailmark-peer-dbos` binary next to `trailmark`.
+    Dbos,
+}
 
 /// Sizes and phases; anything not given comes from the default (or `--quick`) configuration.
 #[derive(Debug, Clone, clap::Args)]
@@ -52,6 +60,10 @@ pub struct BenchArgs {
     /// Postgres pool of each process the bench starts [default: database.max_connections; --quick: 4].
     #[arg(long)]
     pub pool: Option<u32>,
+    /// Also measure a peer doing the same work: `dbos` (DBOS-Rust; build it first with
+    /// `cargo build --release -p trailmark-peer-dbos`).
+    #[arg(long, value_enum)]
+    pub peer: Option<PeerName>,
     /// A smoke configuration: tiny sizes, one repetition, a 3 s lease.
     #[arg(long)]
     pub quick: bool,
@@ -61,6 +73,10 @@ pub struct BenchArgs {
     /// Run one B3 baseline process (the bench starts these itself).
     #[arg(long, hide = true)]
     pub b3_worker: bool,
+    /// With --b3-worker: make the answers in-process (--answer-bytes of them) even when a model
+    /// server is configured (the bench's "B3 in-process" column).
+    #[arg(long, hide = true, requires = "b3_worker")]
+    pub b3_local_answers: bool,
 }
 
 /// Runs the bench (or, with `--b3-worker`, one baseline process) and prints the report.
@@ -113,6 +129,7 @@ pub fn config(args: &BenchArgs) -> anyhow::Result<Config> {
     cfg.scale = args.scale;
     cfg.scale_workers = args.scale_workers.clone().unwrap_or(cfg.scale_workers);
     cfg.scale_runs = args.scale_runs.clone().unwrap_or(cfg.scale_runs);
+    cfg.peer = args.peer.map(|PeerName::Dbos| Peer::Dbos);
     if cfg.runs == 0 || cfg.steps < 2 || cfg.reps == 0 || cfg.workers == 0 {
         anyhow::bail!(
             "--runs, --reps and --workers must be at least 1 and --steps at least 2 (step gaps need two steps)"
@@ -128,7 +145,7 @@ pub fn config(args: &BenchArgs) -> anyhow::Result<Config> {
 }
 
 async fn b3_worker(settings: &Settings, args: &BenchArgs) -> anyhow::Result<()> {
-    let answers = if settings.model.is_configured() {
+    let answers = if !args.b3_local_answers && settings.model.is_configured() {
         let client = trailmark::model::ModelClient::new(&settings.model)
             .context("B3 worker: model client")?;
         baseline::Answers::Http(client)
