@@ -15,7 +15,8 @@
 //! commit writes WAL out of its buffers (see [`Postgres`]). A fresh `trailmark serve` must then
 //! finish the run with what users rely on: every ledger write once, every effect with its
 //! result, every position committed once, the journal holding each answer once, no message left
-//! unpublished in the outbox.
+//! unpublished in the outbox. The last test has no kill: the worker lives on, and the crash comes
+//! after a step without an outside write was claimed, committed and acknowledged.
 //!
 //! Progress lines (`ctx.progress`, retry and resume notes) are relaxed too, and cosmetic: a lost
 //! line is not repeated and nothing depends on it, so they have no test here.
@@ -25,14 +26,19 @@ mod common;
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use common::servers::{TempDir, append, as_postgres, is_root, pg_bin, run_ok};
 use common::{ChildGuard, TestEnv, closed_port, eventually, wait_exit};
 use serde_json::{Value, json};
+use tokio::sync::Notify;
 use trailmark::config::Settings;
 use trailmark::domain::RunStatus;
+use trailmark::failpoint::Failpoints;
 use trailmark::store;
+use trailmark::workflow::{StepKind, StepOutcome, Workflow};
 use trailmark_standin::model_server::{ModelServer, ModelServerOptions};
 
 /// Bound on every wait.
@@ -41,6 +47,9 @@ const WAIT: Duration = Duration::from_secs(90);
 const STEPS: i64 = 5;
 /// The one `chain` run of each test.
 const RUN: &str = "r-relaxed";
+/// How soon a run hit by a crash must move again: ten lease periods (`worker.lease_secs` is 3 s
+/// in the tests), time for the supervisor to re-queue a step whose lease expired.
+const MOVES_WITHIN: Duration = Duration::from_secs(30);
 
 /// A Postgres server of the test's own, configured so that an asynchronous commit stays in the
 /// WAL buffers (in shared memory, which an immediate stop discards) until a synchronous commit
@@ -594,5 +603,208 @@ async fn a_step_advance_lost_with_postgres_after_its_ack_resumes_when_the_lease_
         w.model.answered(),
         STEPS as u64,
         "the journaled answer was replayed"
+    );
+}
+
+/// A spot a step handler stops at, once, until the test opens it.
+#[derive(Default)]
+struct Gate {
+    armed: AtomicBool,
+    reached: Notify,
+    open: Notify,
+}
+
+impl Gate {
+    /// A gate the first handler to pass stops at.
+    fn armed() -> Arc<Self> {
+        let gate = Self::default();
+        gate.armed.store(true, Ordering::SeqCst);
+        Arc::new(gate)
+    }
+
+    /// Stops the first caller until [`Gate::open`]; later callers pass.
+    async fn pass(&self) {
+        if self.armed.swap(false, Ordering::SeqCst) {
+            self.reached.notify_one();
+            self.open.notified().await;
+        }
+    }
+
+    /// Waits (bounded) until a handler stopped here.
+    async fn reached(&self, what: &str) {
+        tokio::time::timeout(WAIT, self.reached.notified())
+            .await
+            .unwrap_or_else(|_| panic!("{what}: not within {WAIT:?}"));
+    }
+
+    /// Lets the stopped handler go on.
+    fn open(&self) {
+        self.open.notify_one();
+    }
+}
+
+/// `hops`: three steps without an outside write or a model call (like `reconcile`'s reading
+/// steps), the first and the last stopping at a gate.
+fn hops(first: Arc<Gate>, last: Arc<Gate>) -> Workflow {
+    let gated = |gate: Arc<Gate>, outcome: fn() -> StepOutcome| {
+        move |_ctx| {
+            let gate = gate.clone();
+            async move {
+                gate.pass().await;
+                Ok(outcome())
+            }
+        }
+    };
+    Workflow::new("hops", 1)
+        .step(
+            "one",
+            StepKind::Read,
+            gated(first, || StepOutcome::next(json!({}))),
+        )
+        .step("two", StepKind::Read, |_ctx| async {
+            Ok(StepOutcome::next(json!({})))
+        })
+        .step(
+            "three",
+            StepKind::Read,
+            gated(last, || StepOutcome::finish(json!({}))),
+        )
+}
+
+/// `hold`: one step that stops at a gate, then ends its run (a synchronous commit).
+fn hold(gate: Arc<Gate>) -> Workflow {
+    Workflow::new("hold", 1).step("hold", StepKind::Read, move |_ctx| {
+        let gate = gate.clone();
+        async move {
+            gate.pass().await;
+            Ok(StepOutcome::finish(json!({})))
+        }
+    })
+}
+
+/// No kill: a worker (in this process, one delivery at a time) lives through the crash.
+/// A run of steps without outside writes, the order of commits a loaded server can see: the
+/// run moves from position 0 to 1 and its message for position 1 is published and removed
+/// from the outbox while another run's step holds the worker; that run ends (a synchronous
+/// commit, flushing both); position 1 is claimed, committed and acknowledged, and position 2
+/// claimed, all relaxed; then Postgres crashes. Position 1's claim and commit are lost, its
+/// message was acknowledged, position 2's message is ahead of the run: the run must still
+/// finish, with no person doing anything.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_and_step_commit_lost_after_the_ack_leave_no_run_stuck() {
+    let mut w = World::with("stuck", |s| s.worker.concurrency = 1).await;
+    let (first, last, held) = (Gate::armed(), Gate::armed(), Gate::armed());
+    let mut registry = trailmark::builtin::registry();
+    registry.register(hops(first.clone(), last.clone()));
+    registry.register(hold(held.clone()));
+    // A pool of its own: the test's is closed across the crash.
+    let engine =
+        trailmark::engine::Engine::new(w.env.settings.clone(), registry, Failpoints::default())
+            .await
+            .expect("engine");
+    let _running = w.env.spawn_all(engine);
+
+    w.env.start_run("hops", "r-hops", json!({})).await;
+    first.reached("position 0 of r-hops").await;
+    // r-hold is started straight in the store and its step message published by hand: the
+    // worker's one delivery slot is r-hops's, which would keep a run-start event waiting too.
+    let hold_run = trailmark::domain::RunId::parse("r-hold").unwrap();
+    let new = store::runs::NewRun {
+        run_id: &hold_run,
+        workflow: "hold",
+        version: 1,
+        first_step: &"hold".into(),
+        input: &json!({}),
+    };
+    assert!(store::runs::insert(&w.env.pool, &new).await.unwrap());
+    let message = w
+        .env
+        .topology()
+        .step_message(&hold_run, "hold", 1, &"hold".into(), 0);
+    w.env
+        .publish(&trailmark::relay::to_outgoing(&message))
+        .await;
+    let queued = eventually("r-hold's step message queued", WAIT, || async {
+        (w.ready_step_messages().await == 1).then_some(())
+    })
+    .await;
+    assert!(
+        queued.is_some(),
+        "r-hold's step message never waited in the queue"
+    );
+    first.open();
+    held.reached("r-hold's step").await;
+    // r-hops's message for position 1 waits behind r-hold's step; its outbox row goes once the
+    // worker's removal (gathered for 50 ms) is done.
+    let removed = eventually("r-hops's row for position 1 removed", WAIT, || async {
+        let rows: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM trailmark.outbox WHERE published_at IS NULL
+                AND convert_from(body, 'UTF8')::jsonb ->> 'run_id' = 'r-hops'",
+        )
+        .fetch_one(&w.env.pool)
+        .await
+        .ok()?;
+        let queued = w.ready_step_messages().await == 1;
+        (rows == 0 && queued).then_some(())
+    })
+    .await;
+    assert!(
+        removed.is_some(),
+        "r-hops's row for position 1 stayed in the outbox"
+    );
+    held.open();
+    last.reached("position 2 of r-hops").await;
+    w.env
+        .wait_status("r-hold", RunStatus::Succeeded, WAIT)
+        .await;
+    w.postgres_crash().await;
+
+    let run = store::runs::get(&w.env.pool, "r-hops")
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        (run.status, run.step_seq),
+        (RunStatus::Running, 1),
+        "position 1's commit, made without its flush, survived the crash (lease {:?})",
+        run.lease_owner
+    );
+    last.open();
+    // The worker goes on after the crash: a run started now succeeds.
+    w.env
+        .start_run("chain", "r-after", json!({"steps": 1}))
+        .await;
+    w.env
+        .wait_status("r-after", RunStatus::Succeeded, WAIT)
+        .await;
+    let done = eventually(
+        "r-hops to succeed after the crash",
+        MOVES_WITHIN,
+        || async {
+            let run = store::runs::get(&w.env.pool, "r-hops").await.ok()??;
+            (run.status == RunStatus::Succeeded).then_some(())
+        },
+    )
+    .await;
+    let run = store::runs::get(&w.env.pool, "r-hops")
+        .await
+        .unwrap()
+        .unwrap();
+    let rows: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM trailmark.outbox WHERE published_at IS NULL
+            AND convert_from(body, 'UTF8')::jsonb ->> 'run_id' = 'r-hops'",
+    )
+    .fetch_one(&w.env.pool)
+    .await
+    .unwrap();
+    assert!(
+        done.is_some(),
+        "r-hops is stuck {MOVES_WITHIN:?} after the crash: {} at position {} ({}), lease {:?}, \
+         {rows} of its messages in the outbox, {} step messages queued",
+        run.status,
+        run.step_seq,
+        run.step.map(|s| s.to_string()).unwrap_or_default(),
+        run.lease_owner,
+        w.ready_step_messages().await
     );
 }
