@@ -172,8 +172,7 @@ async fn claims_in_one_group_take_each_run_once_and_drop_processed_messages() {
     );
     let x_run = runs::get(&env.pool, "r-x").await.unwrap().unwrap();
     assert_eq!(x_run.lease_owner.as_deref(), Some(won[0]));
-    // A claim moves the fence's generation (its high 32 bits) by one.
-    assert_eq!(x_run.fence >> 32, 1, "r-x's fence was raised twice");
+    assert_eq!(x_run.fence, 1, "r-x's fence was raised twice");
     assert_eq!(env.attempts("r-x", 0).await, 1, "one attempt counted twice");
     let z_run = runs::get(&env.pool, "r-z").await.unwrap().unwrap();
     assert_eq!(

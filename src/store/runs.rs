@@ -216,13 +216,7 @@ const CLAIM: &str = "WITH req AS (
     ), claimed AS (
         UPDATE trailmark.runs u
            SET lease_owner = r.owner, lease_expires_at = now() + make_interval(secs => r.lease_secs),
-               -- The next generation in the high 32 bits, a random tag in the low ones: a claim
-               -- does not wait for its WAL flush, so a Postgres crash can forget it while its
-               -- worker goes on; the claim that then takes the run gets the same generation but
-               -- (but for one chance in 2^32) another fence, and the forgotten one never passes
-               -- a fence check again.
-               lease_pid = r.pid, fence = (((u.fence >> 32) + 1) << 32) | floor(random() * 4294967296)::int8,
-               updated_at = now()
+               lease_pid = r.pid, fence = u.fence + 1, updated_at = now()
           FROM req r
          WHERE u.run_id = r.run_id AND u.step_seq = r.seq
            -- An expression the status index cannot serve: a plan cached while the table was
@@ -249,7 +243,7 @@ const CLAIM: &str = "WITH req AS (
      ORDER BY r.n";
 
 /// Checks the inbox, takes the lease of the run at the request's position if it is free, raises
-/// the fence and counts the attempt: one statement, visible before any outside call is made.
+/// the fence and counts the attempt: one statement, committed before any outside call is made.
 pub async fn claim(db: impl PgExecutor<'_>, r: &ClaimRequest) -> Result<ClaimOutcome> {
     let mut outcomes = claim_batch(db, std::slice::from_ref(r)).await?;
     Ok(outcomes.remove(0))

@@ -77,12 +77,13 @@ impl StepTx {
     /// Checks the inbox, takes the run's lease and counts the attempt, in one statement with the
     /// other deliveries' claims of the moment, committed before any outside call is made.
     ///
-    /// On the relaxed pool: nothing outside is written before the step's effect intent, a
-    /// synchronous commit after the claim in the same WAL. A Postgres crash before it forgets
-    /// the claim (and its attempt); the fence's random low half keeps a forgotten claim from
-    /// ever matching the claim that replaces it (see `runs::claim`).
+    /// Synchronous, unlike the advance commit: a claim that a Postgres crash forgot would leave
+    /// its worker holding a fence the run no longer has; the worker's next fenced write is then
+    /// refused as if another worker held the run, and the delivery is dropped as stale while no
+    /// one holds it (a run with no lease and no message; `tests/relaxed_crash.rs`). The lease a
+    /// synchronous claim leaves is what brings a step back after its relaxed commit is lost.
     pub async fn claim(&self, request: ClaimRequest) -> store::Result<ClaimOutcome> {
-        let batcher = self.batcher(&self.claims, &self.relaxed, |pool, batch| async move {
+        let batcher = self.batcher(&self.claims, &self.pool, |pool, batch| async move {
             runs::claim_all(&pool, &batch).await
         });
         batcher.call(request).await
@@ -94,7 +95,8 @@ impl StepTx {
     /// A commit that only moves a running (or compensating) run on to its next step does not
     /// wait for its WAL flush: the next step's claim is a synchronous commit after it in the
     /// same WAL, and every effect of the step was made durable by its intent before the call.
-    /// A Postgres crash in between loses the commit, and the step runs again from its journal
+    /// A Postgres crash in between loses the commit but not the step's lease (its claim was
+    /// synchronous), so the step runs again from its journal and keys once the lease expires
     /// (README, trade-offs; `tests/relaxed_crash.rs`). Commits that end a run or hand it to a
     /// person are seen by people and upstream services at once, and stay synchronous.
     pub async fn commit(&self, step: StepCommit) -> store::Result<bool> {
