@@ -54,8 +54,8 @@ pub struct DatabaseSettings {
     /// URL's host. The driver cannot take libpq's multi-host URL, hence a list of its own.
     #[serde(default)]
     pub hosts: Vec<String>,
-    /// Journal entries and effect results commit without waiting for their WAL flush (the
-    /// step's next synchronous commit makes them durable); off for a Postgres that can fail
+    /// Journal entries, effect results and advance commits do not wait for their WAL flush (a
+    /// later synchronous commit makes them durable); off for a Postgres that can fail
     /// over (always off with `hosts`), where that next commit may land on a standby that never
     /// received them.
     #[serde(default = "yes")]

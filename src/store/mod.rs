@@ -395,8 +395,8 @@ pub async fn writable_options(settings: &DatabaseSettings) -> Result<PgConnectOp
 }
 
 /// A second pool on the same database whose commits do not wait for their WAL flush, for the
-/// records that the step's next synchronous commit makes durable anyway (journal entries, effect
-/// results, removal of eagerly published outbox rows).
+/// writes that a later synchronous commit makes durable anyway (journal entries, effect results,
+/// step commits that only move a run on, removal of eagerly published outbox rows).
 ///
 /// A record written here is visible at once and survives the worker's death; only a crash of
 /// Postgres itself within `wal_writer_delay` can lose it, and then the step's later commits are
