@@ -1,22 +1,27 @@
 //! Crashes of Postgres itself right after a relaxed commit (`store::relaxed_pool`, README
 //! "Trade-offs made for speed"): a commit that returns before its WAL is flushed, made durable
-//! only by a later synchronous commit. Relaxed are: the claim (made durable by the step's effect
-//! intent), journal entries (by the intent), effect results (by the next step's intent or the
-//! run's ending commit), a step commit that only moves a running run on (likewise), and the
-//! removal of eagerly published outbox rows. The promise: losing any of them to a Postgres crash
+//! only by a later synchronous commit. Relaxed are: journal entries (made durable by the step's
+//! effect intent), effect results and a step commit that only moves a running run on to its next
+//! step (both by the next step's claim; a step that ends its run commits synchronously), and the
+//! removal of eagerly published outbox rows (by whichever synchronous commit comes next).
+//! Synchronous are the run's start, every claim, effect intents, outside writes, and the commits
+//! that end a run or hand it to a person: a crash loses nothing committed before one of them. The promise: losing a relaxed commit to a Postgres crash
 //! costs a repeat (a model answer paid twice, a write sent again under its key, a message
-//! published again), never a wrong result and never a run that stops moving.
+//! published again, a step run again), never a wrong result and never a run that stops moving: a
+//! lost step commit leaves the run at that step's position under the lease of its claim, and the
+//! step runs again when its message comes back or, with no message, once the lease expires.
 //!
-//! Each test runs a real `trailmark serve` on a Postgres server of its own (a temporary cluster
-//! on a free port, so it runs beside the other tests and never touches the shared server), makes
-//! the worker SIGKILL itself right after one relaxed commit, stops that Postgres at once with
-//! `pg_ctl stop -m immediate` and starts it again (crash recovery). What was committed after the
-//! last synchronous commit must be gone: the server is set up so that nothing but a synchronous
-//! commit writes WAL out of its buffers (see [`Postgres`]). A fresh `trailmark serve` must then
-//! finish the run with what users rely on: every ledger write once, every effect with its
-//! result, every position committed once, the journal holding each answer once, no message left
-//! unpublished in the outbox. The last test has no kill: the worker lives on, and the crash comes
-//! after a step without an outside write was claimed, committed and acknowledged.
+//! Each test but the last two runs a real `trailmark serve` on a Postgres server of its own (a
+//! temporary cluster on a free port, so it runs beside the other tests and never touches the
+//! shared server), makes the worker SIGKILL itself right after one relaxed commit, stops that
+//! Postgres at once with `pg_ctl stop -m immediate` and starts it again (crash recovery). What was
+//! committed after the last synchronous commit must be gone, and nothing before it: the server is
+//! set up so that nothing but a synchronous commit writes WAL out of its buffers (see
+//! [`Postgres`]). A fresh `trailmark serve` must then finish the run with what users rely on:
+//! every ledger write once, every effect with its result, every position committed once, the
+//! journal holding each answer once, no message left unpublished in the outbox. The last two
+//! tests have no kill: the worker (an engine in the test's process) lives on through the crash,
+//! which comes after a step without an outside write was committed and acknowledged.
 //!
 //! Progress lines (`ctx.progress`, retry and resume notes) are relaxed too, and cosmetic: a lost
 //! line is not repeated and nothing depends on it, so they have no test here.
@@ -31,8 +36,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use common::servers::{TempDir, append, as_postgres, is_root, pg_bin, run_ok};
-use common::{ChildGuard, TestEnv, closed_port, eventually, wait_exit};
+use common::{ChildGuard, Running, TestEnv, closed_port, eventually, wait_exit};
 use serde_json::{Value, json};
+use sqlx::Connection;
 use tokio::sync::Notify;
 use trailmark::config::Settings;
 use trailmark::domain::RunStatus;
@@ -269,8 +275,9 @@ impl World {
             .expect("connect after the crash");
     }
 
-    /// Asserts where the crash left the run: running at `seq`, the positions before it
-    /// committed; returns how often `seq` was claimed.
+    /// Asserts where the crash left the run: running at `seq` under the lease of that position's
+    /// claim (a synchronous commit, so it outlives the crash; the killed worker holds it), the
+    /// positions before it committed; returns how often `seq` was claimed.
     async fn stopped_at(&self, seq: i32) -> i64 {
         let run = store::runs::get(&self.env.pool, RUN)
             .await
@@ -281,8 +288,56 @@ impl World {
             (RunStatus::Running, seq),
             "where the crash left the run"
         );
+        assert!(
+            run.lease_owner.is_some() && run.lease_expires_at.is_some(),
+            "position {seq}'s claim, a synchronous commit, lost its lease in the crash"
+        );
         assert_eq!(self.env.steps_done(RUN).await, i64::from(seq));
         self.env.attempts(RUN, seq).await
+    }
+
+    /// Asserts what a crash right after position 2's step commit (relaxed: it only moved the
+    /// run on) lost: that commit and the effect result before it (relaxed too), and nothing
+    /// before the step's last synchronous commit, its write (whose intent had made the claim and
+    /// the journal entry durable), nor position 1's effect result (made durable by the claim).
+    async fn lost_position_2_commit(&self) {
+        assert_eq!(
+            self.stopped_at(2).await,
+            1,
+            "position 2's claim, a synchronous commit, was lost"
+        );
+        assert_eq!(
+            self.effect_result(2).await,
+            None,
+            "the effect result before the lost commit survived"
+        );
+        assert!(
+            self.effect_result(1).await.is_some(),
+            "position 1's effect result, made durable by position 2's claim, was lost"
+        );
+        let journaled = self
+            .env
+            .scalar(
+                "SELECT count(*) FROM trailmark.journal WHERE run_id = $1",
+                RUN,
+            )
+            .await;
+        assert_eq!(
+            journaled, 3,
+            "position 2's answer, made durable by the effect intent, was lost"
+        );
+        assert_eq!(self.env.chain_ledger(RUN).await, (3, 3));
+    }
+
+    /// A synchronous commit of the test's own (a row in a table of its own): it writes out and
+    /// flushes all WAL before it, so every relaxed commit made so far outlives a crash.
+    async fn sync_commit(&self) {
+        for sql in [
+            "CREATE TABLE IF NOT EXISTS public.flushes (at timestamptz NOT NULL DEFAULT now())",
+            "INSERT INTO public.flushes DEFAULT VALUES",
+        ] {
+            sqlx::query(sql).execute(&self.env.pool).await.expect(sql);
+        }
     }
 
     /// Starts a fresh `trailmark serve`, waits for the run to succeed and asserts what users
@@ -389,12 +444,13 @@ impl World {
     }
 }
 
-/// (a) A model answer journaled and lost with Postgres, and with it all that was committed since
-/// the previous step's last synchronous commit (its ledger write): that step's effect result and
-/// its commit, already published and acknowledged, and this step's claim. The next position's
-/// message is then ahead of the run and dropped as stale; the supervisor re-queues the previous
-/// step once its lease (taken by a claim the intent made durable) expires; its write is sent
-/// again under its key, and the lost answer is asked for again (paid twice) and journaled once.
+/// (a) A model answer journaled and lost with Postgres, with nothing else: position 2's claim,
+/// a synchronous commit, made everything before it durable (position 1's effect result and its
+/// step commit, which only moved the run on), and the worker died before position 2's effect
+/// intent, the next synchronous commit. The run is at position 2 under the claim's lease; the
+/// delivery, never acknowledged, comes back and the fresh worker takes the lease of the dead one
+/// at once. The lost answer is asked for again (paid twice) and journaled once; position 1's
+/// write is not sent again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_journal_entry_lost_with_postgres_is_asked_for_again_and_journaled_once() {
     let mut w = World::new("journal").await;
@@ -409,31 +465,33 @@ async fn a_journal_entry_lost_with_postgres_is_asked_for_again_and_journaled_onc
             w.env.scalar(at_2, RUN).await
         ),
         (2, 0),
-        "(journal entries, position 2's): the entry committed without its flush survived"
+        "(journal entries, position 2's): position 2's entry, committed without its flush, was \
+         lost, and only it"
     );
     assert_eq!(
-        w.env.attempts(RUN, 2).await,
-        0,
-        "position 2's claim survived the crash"
-    );
-    assert_eq!(
-        w.stopped_at(1).await,
+        w.stopped_at(2).await,
         1,
-        "position 1's claim, flushed by its intent, was lost"
+        "position 2's claim, a synchronous commit, was lost"
     );
-    assert_eq!(
-        w.effect_result(1).await,
-        None,
-        "position 1's effect result survived the crash"
-    );
+    let result = w
+        .effect_result(1)
+        .await
+        .expect("position 1's effect result, made durable by position 2's claim, was lost");
+    assert_eq!(result["created"], json!(true));
     assert_eq!(w.env.chain_ledger(RUN).await, (2, 2));
 
     let _second = w.finish_and_check(1).await;
     let result = w.effect_result(1).await.expect("the result is recorded");
     assert_eq!(
         result["created"],
-        json!(false),
-        "position 1's write was sent again under its key"
+        json!(true),
+        "position 1's write was sent again, though its result outlived the crash"
+    );
+    let result = w.effect_result(2).await.expect("the result is recorded");
+    assert_eq!(
+        result["created"],
+        json!(true),
+        "position 2's write, never sent before the crash, found a ledger row"
     );
     assert_eq!(
         w.model.answered(),
@@ -443,8 +501,9 @@ async fn a_journal_entry_lost_with_postgres_is_asked_for_again_and_journaled_onc
 }
 
 /// (b) An effect result lost with Postgres after the write (whose own commit and the intent's
-/// were synchronous): the step runs again, calls again under the same key, the ledger absorbs the
-/// repeat, the result is recorded, and the journaled answer is replayed, not asked for again.
+/// were synchronous, as was the step's claim before them): the step runs again, calls again under
+/// the same key, the ledger absorbs the repeat, the result is recorded, and the journaled answer
+/// is replayed, not asked for again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_effect_result_lost_with_postgres_is_called_again_under_its_key_and_recorded() {
     let mut w = World::new("effect").await;
@@ -475,7 +534,11 @@ async fn an_effect_result_lost_with_postgres_is_called_again_under_its_key_and_r
     assert_eq!(
         w.stopped_at(2).await,
         1,
-        "the claim, flushed by the intent, was lost"
+        "position 2's claim, a synchronous commit, was lost"
+    );
+    assert!(
+        w.effect_result(1).await.is_some(),
+        "position 1's effect result, made durable by position 2's claim, was lost"
     );
 
     let _second = w.finish_and_check(1).await;
@@ -493,14 +556,33 @@ async fn an_effect_result_lost_with_postgres_is_called_again_under_its_key_and_r
 }
 
 /// (c) The removal of an eagerly published outbox row lost with Postgres: the row (committed
-/// synchronously with the run's start) is back, the relay publishes it once more, and the
-/// worker's inbox drops whichever copy of the message comes second.
+/// synchronously with the run's start) is back, but not the claim made before the removal (a
+/// synchronous commit). Position 0 runs again under a lease taken from the dead worker, the
+/// relay publishes the row once more, and the worker's inbox drops whichever copy of the message
+/// comes second.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_removed_outbox_row_back_after_a_postgres_crash_is_republished_and_its_repeat_dropped() {
     let mut w = World::new("outbox").await;
     // The first removal is of the run start's row, position 0's message, gathered for 50 ms after
-    // its publish while position 0 (claimed) waits before its model call: the removal and that
-    // claim are all that is committed after the start, and both are relaxed.
+    // its publish while position 0 waits before its model call. Position 0's claim, a synchronous
+    // commit, would make the removal durable if it came after it: a trigger of the test's own
+    // holds the removal until the claim is visible (so committed and flushed), leaving the
+    // removal the one commit after the last synchronous one whatever the machine's load.
+    for sql in [
+        "CREATE FUNCTION public.remove_after_the_claim() RETURNS trigger LANGUAGE plpgsql AS $$
+         BEGIN
+             FOR i IN 1..3000 LOOP
+                 EXIT WHEN EXISTS (SELECT 1 FROM trailmark.steps
+                                    WHERE run_id = 'r-relaxed' AND seq = 0);
+                 PERFORM pg_sleep(0.01);
+             END LOOP;
+             RETURN OLD;
+         END $$",
+        "CREATE TRIGGER remove_after_the_claim BEFORE DELETE ON trailmark.outbox
+             FOR EACH ROW EXECUTE FUNCTION public.remove_after_the_claim()",
+    ] {
+        sqlx::query(sql).execute(&w.env.pool).await.expect(sql);
+    }
     let first = w.serve(Some("outbox.after_forget=kill@1"));
     let answered = w.worker_then_postgres_crash(first, 300).await;
     assert_eq!(answered, 0, "answers given before the crash");
@@ -514,15 +596,18 @@ async fn a_removed_outbox_row_back_after_a_postgres_crash_is_republished_and_its
     assert_eq!(
         back.iter().map(|r| r.1.as_deref()).collect::<Vec<_>>(),
         [Some("0")],
-        "the removal committed without its flush survived the crash"
+        "the removal committed without its flush survived the crash (or the run start's row was \
+         lost)"
     );
     assert_eq!(
         w.stopped_at(0).await,
-        0,
-        "position 0's claim survived the crash"
+        1,
+        "position 0's claim, a synchronous commit, was lost"
     );
 
-    let _second = w.finish_and_check(0).await;
+    // Position 0 runs again: its delivery (never acknowledged) and the row's second publish
+    // bring the same message twice; one claims the position, the other is dropped.
+    let _second = w.finish_and_check(1).await;
     let (published, processed): (Option<bool>, i64) = sqlx::query_as(
         "SELECT (SELECT published_at IS NOT NULL FROM trailmark.outbox WHERE message_id = $1),
                 (SELECT count(*) FROM trailmark.inbox WHERE message_id = $1)",
@@ -547,27 +632,18 @@ async fn a_removed_outbox_row_back_after_a_postgres_crash_is_republished_and_its
     );
 }
 
-/// A step commit that only moves the run on, lost with Postgres before the step was
-/// published: the delivery comes back, the step runs again (its claim was flushed by its
-/// intent), its write is sent again under its key (the effect result was lost too) and the
-/// journaled answer is replayed.
+/// A step commit that only moves the run on, lost with Postgres before the step was published
+/// (with the effect result before it; the journal entry, the write and the step's claim were
+/// made durable by the effect intent and the write's own commit): the delivery comes back, the
+/// fresh worker takes the dead one's lease at once, the step runs again, its write is sent again
+/// under its key and the journaled answer is replayed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_step_advance_lost_with_postgres_before_its_publish_runs_the_step_again() {
     let mut w = World::new("advance").await;
     let first = w.serve(Some("step.after_commit=kill@3"));
     let answered = w.worker_then_postgres_crash(first, 0).await;
     assert_eq!(answered, 3, "answers given before the crash");
-    assert_eq!(
-        w.stopped_at(2).await,
-        1,
-        "the step commit made without its flush survived the crash"
-    );
-    assert_eq!(
-        w.effect_result(2).await,
-        None,
-        "the effect result before the lost commit survived"
-    );
-    assert_eq!(w.env.chain_ledger(RUN).await, (3, 3));
+    w.lost_position_2_commit().await;
 
     let _second = w.finish_and_check(1).await;
     let result = w.effect_result(2).await.expect("the result is recorded");
@@ -581,24 +657,33 @@ async fn a_step_advance_lost_with_postgres_before_its_publish_runs_the_step_agai
 
 /// The same lost step commit after the step was published and acknowledged: the worker dies
 /// as the next position's message arrives, before its claim. That message is ahead of the run
-/// and is dropped as stale; the run resumes at the lost position once the supervisor finds its
-/// lease expired (`worker.lease_secs`, 3 s here, 30 s by default).
+/// and is dropped as stale. The run is at the lost position under the lease of its claim (a
+/// synchronous commit): it resumes there once the supervisor finds that lease expired
+/// (`worker.lease_secs`, 3 s here, 30 s by default), or sooner if the position's own message
+/// comes back (its delivery was not acknowledged after all, the ack being sent beside the
+/// publish; or its outbox row is back, its removal lost too) and takes the dead worker's lease.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_step_advance_lost_with_postgres_after_its_ack_resumes_when_the_lease_expires() {
     let mut w = World::new("acked").await;
     let first = w.serve(Some("worker.received=kill@4"));
     let answered = w.worker_then_postgres_crash(first, 0).await;
     assert_eq!(answered, 3, "answers given before the crash");
-    assert_eq!(
-        w.stopped_at(2).await,
-        1,
-        "the step commit made without its flush survived the crash"
-    );
-    // 1 when position 2's delivery had been acknowledged (the case this test is about; the ack
-    // is sent beside the publish, so it is not certain), 2 when it comes back too.
+    w.lost_position_2_commit().await;
+    // 1 when position 2's delivery had been acknowledged (the case this test is about), 2 when
+    // it comes back too; and position 2's outbox row when its removal was lost.
     let ready = w.ready_step_messages().await;
-    eprintln!("step messages queued after the crash: {ready}");
+    let rows = w
+        .env
+        .scalar(
+            "SELECT count(*) FROM trailmark.outbox WHERE published_at IS NULL
+                AND convert_from(body, 'UTF8')::jsonb ->> 'run_id' = $1",
+            RUN,
+        )
+        .await;
+    eprintln!("after the crash: {ready} step messages queued, {rows} unpublished outbox rows");
     let _second = w.finish_and_check(1).await;
+    let result = w.effect_result(2).await.expect("the result is recorded");
+    assert_eq!(result["created"], json!(false));
     assert_eq!(
         w.model.answered(),
         STEPS as u64,
@@ -644,7 +729,7 @@ impl Gate {
 }
 
 /// `hops`: three steps without an outside write or a model call (like `reconcile`'s reading
-/// steps), the first and the last stopping at a gate.
+/// steps), the first and the last stopping at a gate (while it is armed).
 fn hops(first: Arc<Gate>, last: Arc<Gate>) -> Workflow {
     let gated = |gate: Arc<Gate>, outcome: fn() -> StepOutcome| {
         move |_ctx| {
@@ -682,27 +767,83 @@ fn hold(gate: Arc<Gate>) -> Workflow {
     })
 }
 
-/// No kill: a worker (in this process, one delivery at a time) lives through the crash.
-/// A run of steps without outside writes, the order of commits a loaded server can see: the
-/// run moves from position 0 to 1 and its message for position 1 is published and removed
-/// from the outbox while another run's step holds the worker; that run ends (a synchronous
-/// commit, flushing both); position 1 is claimed, committed and acknowledged, and position 2
-/// claimed, all relaxed; then Postgres crashes. Position 1's claim and commit are lost, its
-/// message was acknowledged, position 2's message is ahead of the run: the run must still
-/// finish, with no person doing anything.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_claim_and_step_commit_lost_after_the_ack_leave_no_run_stuck() {
-    let mut w = World::with("stuck", |s| s.worker.concurrency = 1).await;
-    let (first, last, held) = (Gate::armed(), Gate::armed(), Gate::armed());
+/// An engine in the test's process, one delivery at a time, running `workflows` besides the
+/// built-in ones; it serves until the returned guard drops. Its pools are its own: the test's
+/// is closed across the crash.
+async fn engine(w: &World, workflows: Vec<Workflow>) -> (Arc<trailmark::engine::Engine>, Running) {
     let mut registry = trailmark::builtin::registry();
-    registry.register(hops(first.clone(), last.clone()));
-    registry.register(hold(held.clone()));
-    // A pool of its own: the test's is closed across the crash.
+    for workflow in workflows {
+        registry.register(workflow);
+    }
     let engine =
         trailmark::engine::Engine::new(w.env.settings.clone(), registry, Failpoints::default())
             .await
             .expect("engine");
-    let _running = w.env.spawn_all(engine);
+    let running = w.env.spawn_all(engine.clone());
+    (engine, running)
+}
+
+/// Waits (bounded by [`MOVES_WITHIN`]) for `r-hops` to succeed after the crash, with what it
+/// looks like if it does not.
+async fn hops_succeed(w: &World) {
+    let done = eventually(
+        "r-hops to succeed after the crash",
+        MOVES_WITHIN,
+        || async {
+            let run = store::runs::get(&w.env.pool, "r-hops").await.ok()??;
+            (run.status == RunStatus::Succeeded).then_some(())
+        },
+    )
+    .await;
+    let run = store::runs::get(&w.env.pool, "r-hops")
+        .await
+        .unwrap()
+        .unwrap();
+    let rows: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM trailmark.outbox WHERE published_at IS NULL
+            AND convert_from(body, 'UTF8')::jsonb ->> 'run_id' = 'r-hops'",
+    )
+    .fetch_one(&w.env.pool)
+    .await
+    .unwrap();
+    assert!(
+        done.is_some(),
+        "r-hops is stuck {MOVES_WITHIN:?} after the crash: {} at position {} ({}), lease {:?}, \
+         {rows} of its messages in the outbox, {} step messages queued",
+        run.status,
+        run.step_seq,
+        run.step.map(|s| s.to_string()).unwrap_or_default(),
+        run.lease_owner,
+        w.ready_step_messages().await
+    );
+    assert_eq!(w.env.steps_done("r-hops").await, 3, "positions committed");
+}
+
+/// The worker goes on after the crash: a run started now succeeds.
+async fn a_run_started_after_the_crash_succeeds(w: &World) {
+    w.env
+        .start_run("chain", "r-after", json!({"steps": 1}))
+        .await;
+    w.env
+        .wait_status("r-after", RunStatus::Succeeded, WAIT)
+        .await;
+}
+
+/// No kill: a worker (in this process, one delivery at a time) lives through the crash.
+/// A run of steps without outside writes, the order of commits a loaded server can see: the
+/// run moves from position 0 to 1 and its message for position 1 is published and removed
+/// from the outbox while another run's step holds the worker; that run ends (a synchronous
+/// commit, flushing both); position 1 is claimed, committed (relaxed) and acknowledged, and
+/// position 2 claimed; then Postgres crashes while position 2's handler runs. Position 2's claim
+/// is synchronous: it made position 1's commit durable, and its lease (the fence the living
+/// worker holds) outlives the crash, so the run is at position 2 and finishes as soon as the
+/// handler does, with no person doing anything.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_keeps_the_acked_step_commit_before_it_and_the_run_finishes_after_a_crash() {
+    let mut w = World::with("kept", |s| s.worker.concurrency = 1).await;
+    let (first, last, held) = (Gate::armed(), Gate::armed(), Gate::armed());
+    let workflows = vec![hops(first.clone(), last.clone()), hold(held.clone())];
+    let (_engine, _running) = engine(&w, workflows).await;
 
     w.env.start_run("hops", "r-hops", json!({})).await;
     first.reached("position 0 of r-hops").await;
@@ -765,46 +906,163 @@ async fn a_claim_and_step_commit_lost_after_the_ack_leave_no_run_stuck() {
         .unwrap();
     assert_eq!(
         (run.status, run.step_seq),
-        (RunStatus::Running, 1),
-        "position 1's commit, made without its flush, survived the crash (lease {:?})",
-        run.lease_owner
+        (RunStatus::Running, 2),
+        "position 1's commit, made without its flush, was lost though position 2's claim (a \
+         synchronous commit) came after it"
+    );
+    assert!(
+        run.lease_owner.is_some(),
+        "position 2's claim, a synchronous commit, lost its lease in the crash"
+    );
+    assert_eq!(w.env.steps_done("r-hops").await, 2);
+    assert_eq!(
+        (
+            w.env.attempts("r-hops", 1).await,
+            w.env.attempts("r-hops", 2).await
+        ),
+        (1, 1),
+        "(claims of position 1, of position 2) before the crash"
     );
     last.open();
-    // The worker goes on after the crash: a run started now succeeds.
-    w.env
-        .start_run("chain", "r-after", json!({"steps": 1}))
-        .await;
-    w.env
-        .wait_status("r-after", RunStatus::Succeeded, WAIT)
-        .await;
-    let done = eventually(
-        "r-hops to succeed after the crash",
-        MOVES_WITHIN,
-        || async {
-            let run = store::runs::get(&w.env.pool, "r-hops").await.ok()??;
-            (run.status == RunStatus::Succeeded).then_some(())
-        },
-    )
+    a_run_started_after_the_crash_succeeds(&w).await;
+    hops_succeed(&w).await;
+    assert_eq!(
+        (
+            w.env.attempts("r-hops", 0).await,
+            w.env.attempts("r-hops", 1).await
+        ),
+        (1, 1),
+        "(claims of position 0, of position 1): a position before the crash ran again"
+    );
+    // Position 2's claims are 1, or 2 when its ending commit met a pool connection that the
+    // crash broke and the delivery was retried in place (an infrastructure failure).
+}
+
+/// No kill, and this time the crash does lose an acknowledged step commit while the worker
+/// lives on: position 0 of a run of steps without outside writes is committed (relaxed, moving
+/// the run to position 1) and acknowledged, and the claim of position 1, the synchronous commit
+/// that would flush it, is still waiting when Postgres crashes (behind a row of position 1 that
+/// the test inserted and never commits). The run comes back at position 0 under the lease of
+/// position 0's claim, with no message: position 1's message is ahead of it and dropped as
+/// stale, and position 0's was acknowledged. The supervisor re-queues position 0 once that lease
+/// expires, and the run finishes with no person doing anything.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_acked_step_commit_lost_while_the_worker_lives_resumes_when_its_claims_lease_expires() {
+    let mut w = World::with("lost", |s| s.worker.concurrency = 1).await;
+    let first = Gate::armed();
+    let workflows = vec![hops(first.clone(), Arc::new(Gate::default()))];
+    let (engine, _running) = engine(&w, workflows).await;
+
+    // Position 1's claim inserts the position's attempt row: with this one in a transaction
+    // that never commits, it waits to see how that transaction ends.
+    let mut blocker = sqlx::PgConnection::connect(&w.pg.url())
+        .await
+        .expect("connect the blocker");
+    for sql in [
+        "BEGIN",
+        "INSERT INTO trailmark.steps (run_id, seq, step) VALUES ('r-hops', 1, 'two')",
+    ] {
+        sqlx::query(sql).execute(&mut blocker).await.expect(sql);
+    }
+    let blocker_pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(&mut blocker)
+        .await
+        .unwrap();
+    w.env.start_run("hops", "r-hops", json!({})).await;
+    first.reached("position 0 of r-hops").await;
+    // The removal of position 0's outbox row (relaxed) made durable: a row back after the crash
+    // would be published again and bring position 0 back before its lease expires.
+    let removed = eventually("r-hops's row for position 0 removed", WAIT, || async {
+        let rows: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM trailmark.outbox WHERE published_at IS NULL
+                AND convert_from(body, 'UTF8')::jsonb ->> 'run_id' = 'r-hops'",
+        )
+        .fetch_one(&w.env.pool)
+        .await
+        .ok()?;
+        (rows == 0).then_some(())
+    })
     .await;
+    assert!(
+        removed.is_some(),
+        "r-hops's row for position 0 stayed in the outbox"
+    );
+    w.sync_commit().await;
+    first.open();
+    let waiting = eventually("position 1's claim waiting", WAIT, || async {
+        let waiting: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity WHERE $1 = ANY(pg_blocking_pids(pid))",
+        )
+        .bind(blocker_pid)
+        .fetch_one(&w.env.pool)
+        .await
+        .ok()?;
+        (waiting == 1).then_some(())
+    })
+    .await;
+    assert!(waiting.is_some(), "position 1's claim never waited");
     let run = store::runs::get(&w.env.pool, "r-hops")
         .await
         .unwrap()
         .unwrap();
-    let rows: i64 = sqlx::query_scalar(
-        "SELECT count(*) FROM trailmark.outbox WHERE published_at IS NULL
-            AND convert_from(body, 'UTF8')::jsonb ->> 'run_id' = 'r-hops'",
+    assert_eq!(
+        (run.step_seq, run.lease_owner),
+        (1, None),
+        "(position, lease) while position 1's claim waits: position 0's commit is not visible"
+    );
+    w.postgres_crash().await;
+    drop(blocker);
+
+    let run = store::runs::get(&w.env.pool, "r-hops")
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        (run.status, run.step_seq),
+        (RunStatus::Running, 0),
+        "position 0's commit, made without its flush, survived the crash"
+    );
+    let expires = run
+        .lease_expires_at
+        .expect("position 0's claim, a synchronous commit, lost its lease in the crash");
+    assert!(run.lease_owner.is_some());
+    assert_eq!(
+        (
+            w.env.steps_done("r-hops").await,
+            w.env.attempts("r-hops", 0).await,
+            w.env.attempts("r-hops", 1).await
+        ),
+        (0, 1, 0),
+        "(positions committed, claims of position 0, of position 1) after the crash"
+    );
+    a_run_started_after_the_crash_succeeds(&w).await;
+    hops_succeed(&w).await;
+    assert_eq!(
+        engine.stats.lease_recoveries.load(Ordering::Relaxed),
+        1,
+        "steps the supervisor re-queued for an expired lease"
+    );
+    assert_eq!(
+        engine.stats.stale.load(Ordering::Relaxed),
+        1,
+        "step messages dropped as stale: position 1's, ahead of the run after the crash"
+    );
+    let resumed: bool = sqlx::query_scalar(
+        "SELECT finished_at > $1 FROM trailmark.steps WHERE run_id = 'r-hops' AND seq = 0",
     )
+    .bind(expires)
     .fetch_one(&w.env.pool)
     .await
     .unwrap();
-    assert!(
-        done.is_some(),
-        "r-hops is stuck {MOVES_WITHIN:?} after the crash: {} at position {} ({}), lease {:?}, \
-         {rows} of its messages in the outbox, {} step messages queued",
-        run.status,
-        run.step_seq,
-        run.step.map(|s| s.to_string()).unwrap_or_default(),
-        run.lease_owner,
-        w.ready_step_messages().await
+    assert!(resumed, "position 0 ran again before its lease expired");
+    assert_eq!(
+        (
+            w.env.attempts("r-hops", 0).await,
+            w.env.attempts("r-hops", 1).await,
+            w.env.attempts("r-hops", 2).await
+        ),
+        (2, 1, 1),
+        "claims of positions 0, 1 and 2: position 0 runs again once, the claim of position 1 \
+         that waited through the crash was never committed"
     );
 }
