@@ -371,7 +371,7 @@ fn build(
         setup,
         fsync,
         workload,
-        figures: report::figures(reps, cfg.steps),
+        figures: report::figures(reps),
         breakdown: report::breakdown(report::of(reps, System::Trailmark)),
         ledger: report::ledger(reps, cfg.runs, cfg.steps),
         recovery_target: report::recovery_target(&recovery),
