@@ -35,7 +35,7 @@ use tokio_util::task::TaskTracker;
 use super::{Error, Result};
 use trailmark::broker::{self, Outgoing, Publisher};
 use trailmark::config::Settings;
-use trailmark::model::{ChatMessage, ChatRequest, ModelClient};
+use trailmark::model::ModelClient;
 
 const SCHEMA: &str = "
 CREATE SCHEMA b3;
@@ -110,13 +110,36 @@ impl Message {
     }
 }
 
-/// Where B3 gets its ~2 KB answer: the same stand-in model server as trailmark, or the same
-/// in-process stand-in answer.
+/// Where B3 (and the DBOS peer) get the ~2 KB answer: the same stand-in model server as
+/// trailmark, or the same in-process stand-in answer.
 pub enum Answers {
     /// Over HTTP, with trailmark's own model client.
     Http(ModelClient),
     /// In-process, padded to this many bytes.
     Local(usize),
+}
+
+impl Answers {
+    /// The answer to link `seq` of `run`: the request `chain` makes, answered the same way; the
+    /// error says which link's call failed.
+    pub async fn answer(
+        &self,
+        run: &str,
+        seq: i32,
+        steps: i32,
+    ) -> std::result::Result<String, String> {
+        let request = super::peer::request(run, seq, steps);
+        match self {
+            Self::Local(bytes) => Ok(trailmark_standin::model_server::standin_answer(
+                &request, *bytes,
+            )),
+            Self::Http(client) => client
+                .chat(&request)
+                .await
+                .map(|a| a.content)
+                .map_err(|e| format!("model call for {run}:{seq}: {e}")),
+        }
+    }
 }
 
 struct B3 {
@@ -293,7 +316,8 @@ async fn step(b3: &B3, body: &[u8]) -> Result<Option<(i64, Message)>> {
     let msg: Message =
         serde_json::from_slice(body).map_err(|e| Error::Failed(format!("B3 message: {e}")))?;
     let answer = if msg.seq >= 0 {
-        Some(answer(b3, &msg).await?)
+        let answer = b3.answers.answer(&msg.run, msg.seq, msg.steps).await;
+        Some(answer.map_err(|e| Error::Failed(format!("B3 {e}")))?)
     } else {
         None
     };
@@ -326,31 +350,6 @@ async fn step(b3: &B3, body: &[u8]) -> Result<Option<(i64, Message)>> {
         (true, Some(id), Some(next)) => Some((id, next)),
         _ => None,
     })
-}
-
-/// The same request `chain` makes, answered the same way.
-async fn answer(b3: &B3, msg: &Message) -> Result<String> {
-    let request = ChatRequest {
-        messages: vec![
-            ChatMessage::system("You are one link of a chain. Answer briefly."),
-            ChatMessage::user(format!(
-                "Link {} of {} in run {}.",
-                msg.seq, msg.steps, msg.run
-            )),
-        ],
-        max_tokens: Some(64),
-        temperature: Some(0.0),
-    };
-    match &b3.answers {
-        Answers::Local(bytes) => Ok(trailmark_standin::model_server::standin_answer(
-            &request, *bytes,
-        )),
-        Answers::Http(client) => client
-            .chat(&request)
-            .await
-            .map(|a| a.content)
-            .map_err(|e| Error::Failed(format!("B3 model call: {e}"))),
-    }
 }
 
 /// Deletes the rows whose eager publish was confirmed, gathered for 50 ms per statement, on a

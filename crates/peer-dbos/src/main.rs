@@ -30,6 +30,7 @@ use sqlx::postgres::PgPoolOptions;
 
 use trailmark::config::Settings;
 use trailmark::model::ModelClient;
+use trailmark_bench::baseline::Answers;
 use trailmark_bench::peer::{self, Enqueued, RunArgs};
 
 /// What the bench tells the peer; everything else comes from the children's environment.
@@ -46,14 +47,6 @@ struct Args {
     /// How often DBOS polls the bench queue for runs, in milliseconds.
     #[arg(long, default_value_t = peer::POLL_MS, value_parser = clap::value_parser!(u64).range(1..))]
     poll_ms: u64,
-}
-
-/// Where a step's answer comes from.
-enum Answers {
-    /// The stand-in model server (or any configured model) over HTTP, with trailmark's client.
-    Http(ModelClient),
-    /// In-process, this many bytes.
-    Local(usize),
 }
 
 /// What the workflow's steps use: the ledger's pool and the model.
@@ -74,17 +67,7 @@ fn failed(what: String) -> dbos::Error<StepFailed> {
 impl Work {
     /// The model's answer to link `seq` of `run`.
     async fn answer(&self, run: &str, seq: i32, steps: i32) -> dbos::Result<String, StepFailed> {
-        let request = peer::request(run, seq, steps);
-        match &self.answers {
-            Answers::Local(bytes) => Ok(trailmark_standin::model_server::standin_answer(
-                &request, *bytes,
-            )),
-            Answers::Http(client) => client
-                .chat(&request)
-                .await
-                .map(|a| a.content)
-                .map_err(|e| failed(format!("model call for {run}:{seq}: {e}"))),
-        }
+        self.answers.answer(run, seq, steps).await.map_err(failed)
     }
 
     /// Inserts the ledger row of link `seq` of `run`; false if it was already there.
