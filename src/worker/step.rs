@@ -100,21 +100,24 @@ async fn run_claimed(
     let run_timeout = engine.settings.guards.run_timeout_secs;
     let refused = ending::refuse_before_running(msg, claimed, limits, claim.age_secs, run_timeout)
         .or_else(|| ending::refuse_older_version(msg, workflow.version));
-    let verdict = match (refused, step) {
-        (Some(stop), _) => Verdict::Review(stop),
+    let (verdict, answers_flushed) = match (refused, step) {
+        (Some(stop), _) => (Verdict::Review(stop), true),
         (None, Some(step)) => {
             run_step(engine, msg, workflow, step, claim, (claimed, limits)).await?
         }
         // resolve gives no step only for a run of an older version, refused above.
-        (None, None) => Verdict::Review(StepError::Unknown(format!(
-            "workflow {} v{} has no step {}",
-            msg.workflow, workflow.version, msg.step
-        ))),
+        (None, None) => (
+            Verdict::Review(StepError::Unknown(format!(
+                "workflow {} v{} has no step {}",
+                msg.workflow, workflow.version, msg.step
+            ))),
+            true,
+        ),
     };
     // 4. Commit the ending, give the lease back for a retry, or drop the void work.
     let outcome = verdict.outcome();
     let disposition = match verdict {
-        Verdict::Commit(ending) => commit(engine, msg, claim, ending).await?,
+        Verdict::Commit(ending) => commit(engine, msg, claim, ending, answers_flushed).await?,
         Verdict::Review(failure) => {
             tracing::error!(error = %failure, class = failure.class(), "step failed; run needs review");
             let evidence = Evidence::gather(&engine.pool, msg).await?;
@@ -123,7 +126,7 @@ async fn run_claimed(
                 class: failure.class(),
                 note: handover::note(msg, claim.attempt, &failure, evidence),
             };
-            commit(engine, msg, claim, ending).await?
+            commit(engine, msg, claim, ending, false).await?
         }
         Verdict::Retry { delay, reason } => {
             metrics::step_retried("temporary");
@@ -151,7 +154,8 @@ async fn run_claimed(
     Ok((outcome, disposition))
 }
 
-/// The step's handler (or its freeze), and the verdict on what it returned.
+/// The step's handler (or its freeze), the verdict on what it returned, and whether every model
+/// answer the attempt journaled is flushed already (see `StepContext::answers_flushed`).
 async fn run_step(
     engine: &Arc<Engine>,
     msg: &StepMessage,
@@ -159,7 +163,8 @@ async fn run_step(
     step: &StepDef,
     claim: &runs::Claim,
     (claimed, limits): (Claimed<'_>, Limits),
-) -> store::Result<Verdict> {
+) -> store::Result<(Verdict, bool)> {
+    let mut answers_flushed = true;
     let verdict = if step.freeze_unless_clear
         && let Some(evidence) = doubt(engine, msg).await?
     {
@@ -179,6 +184,7 @@ async fn run_step(
             span.record("tokens", tokens);
             span.record("cost", cost);
         }
+        answers_flushed = ctx.answers_flushed();
         let (mut sent, parked) = ctx.take_pending();
         if claim.shadow {
             // Never queued; recorded only when the handler finished (a failed attempt's
@@ -190,7 +196,7 @@ async fn run_step(
         }
         ending::decide(workflow, msg, claimed, limits, result, (sent, parked))
     };
-    Ok(verdict)
+    Ok((verdict, answers_flushed))
 }
 
 /// Tells the people waiting on the run that a step runs again, and from where.
@@ -444,12 +450,14 @@ async fn execute(
 }
 
 /// Commits `ending` in one statement and returns what to publish eagerly; a repeat of a
-/// committed message is a duplicate, a stale fence makes the delivery stale.
+/// committed message is a duplicate, a stale fence makes the delivery stale. `answers_flushed`:
+/// nothing the ending rests on is waiting for its flush (see `StepTx::commit`).
 async fn commit(
     engine: &Engine,
     msg: &StepMessage,
     claim: &runs::Claim,
     ending: Ending,
+    answers_flushed: bool,
 ) -> store::Result<Disposition> {
     let (fence, status) = (claim.fence, claim.status);
     // Only a step that checkpointed its output counts as done in the drill's call log: a stop
@@ -463,7 +471,7 @@ async fn commit(
     let eager: Vec<OutgoingMessage> = published::to_publish_eagerly(engine, &step.outbox);
     let fp = &engine.failpoints;
     fp.hit("step.before_commit").map_err(infra)?;
-    match engine.step_tx.commit(step).await {
+    match engine.step_tx.commit(step, answers_flushed).await {
         Ok(true) => {}
         Ok(false) => {
             return Ok(Disposition::Duplicate(

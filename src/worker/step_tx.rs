@@ -97,10 +97,15 @@ impl StepTx {
     /// same WAL, and every effect of the step was made durable by its intent before the call.
     /// A Postgres crash in between loses the commit but not the step's lease (its claim was
     /// synchronous), so the step runs again from its journal and keys once the lease expires
-    /// (README, trade-offs; `tests/relaxed_crash.rs`). Commits that end a run or hand it to a
-    /// person are seen by people and upstream services at once, and stay synchronous.
-    pub async fn commit(&self, step: StepCommit) -> store::Result<bool> {
-        let (cell, pool) = if only_advances(&step) {
+    /// (README, trade-offs; `tests/relaxed_crash.rs`). Two kinds of advance stay synchronous,
+    /// because running the step again could end it differently or the world has seen it:
+    /// one whose ending may rest on a model answer not yet flushed (`answers_flushed` false:
+    /// asked again, the model may choose another next step), and one that sends messages of
+    /// its own (`ctx.send`: published at once, they must never go out on a commit that can be
+    /// lost). Commits that end a run or hand it to a person are seen by people and upstream
+    /// services at once, and stay synchronous.
+    pub async fn commit(&self, step: StepCommit, answers_flushed: bool) -> store::Result<bool> {
+        let (cell, pool) = if answers_flushed && only_advances(&step) {
             (&self.advances, &self.relaxed)
         } else {
             (&self.commits, &self.pool)
@@ -243,7 +248,8 @@ impl Records for StepTx {
     }
 }
 
-/// Whether a commit only moves a running or compensating run on to its next step.
+/// Whether a commit only moves a running or compensating run on to its next step: its one
+/// outbox row is the next step's message (no `ctx.send` messages, no run event).
 fn only_advances(step: &StepCommit) -> bool {
     use crate::domain::RunStatus::{Compensating, Running};
     let status = step.to.status;
@@ -251,6 +257,7 @@ fn only_advances(step: &StepCommit) -> bool {
         && matches!(status.to, Running | Compensating)
         && step.to.next_step.is_some()
         && step.finished
+        && step.outbox.len() == 1
 }
 
 /// Most progress lines in one statement.

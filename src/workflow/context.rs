@@ -68,6 +68,9 @@ pub(super) struct Inner {
     pub calls: AtomicI32,
     /// Tokens and cost of the answers this attempt paid for (replays cost nothing).
     pub paid: Mutex<(i64, f64)>,
+    /// Whether this attempt journaled a model answer that no synchronous commit of its own has
+    /// flushed since (a new effect intent flushes it): the step's ending may rest on it.
+    pub unflushed_answer: std::sync::atomic::AtomicBool,
     pub outgoing: Mutex<Vec<OutgoingMessage>>,
     pub parked: Mutex<Vec<Parked>>,
     pub tools: Arc<Tools>,
@@ -79,6 +82,7 @@ impl StepContext {
             pos,
             calls: AtomicI32::new(0),
             paid: Mutex::new((0, 0.0)),
+            unflushed_answer: std::sync::atomic::AtomicBool::new(false),
             outgoing: Mutex::new(Vec::new()),
             parked: Mutex::new(Vec::new()),
             tools,
@@ -86,6 +90,16 @@ impl StepContext {
         Self {
             inner: Arc::new(inner),
         }
+    }
+
+    /// Whether every model answer this attempt journaled was flushed by a later synchronous
+    /// commit of its own (a new effect intent): only then may its advance commit skip its own
+    /// flush, since a lost answer asked again could choose another ending.
+    pub(crate) fn answers_flushed(&self) -> bool {
+        !self
+            .inner
+            .unflushed_answer
+            .load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// The run.

@@ -259,7 +259,15 @@ impl StepContext {
             repeat_limit,
         };
         let used = match self.tools().records.begin_effect(intent).await? {
-            IntentOutcome::Recorded(known) => return Ok(known),
+            IntentOutcome::Recorded(known) => {
+                if matches!(known, EffectState::New) {
+                    // Inserted and committed synchronously: every answer before it is durable.
+                    self.inner
+                        .unflushed_answer
+                        .store(false, std::sync::atomic::Ordering::Relaxed);
+                }
+                return Ok(known);
+            }
             IntentOutcome::OverLimit(used) => used,
         };
         if max_calls > 0 && used.calls as u64 >= max_calls {

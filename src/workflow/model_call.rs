@@ -58,7 +58,12 @@ impl StepContext {
         // Committed now, not with the step commit (in one statement with other steps' records):
         // a crash later in the step keeps the paid answer. The commit does not wait for its WAL
         // flush; the effect intent or step commit that follows does, and flushes this entry with it.
-        if !records.journal(self.run_id(), entry.clone()).await? {
+        let journaled = records.journal(self.run_id(), entry.clone()).await?;
+        // Ours or another worker's, the entry may not be flushed yet.
+        self.inner
+            .unflushed_answer
+            .store(true, std::sync::atomic::Ordering::Relaxed);
+        if !journaled {
             // Another worker journaled this call first (it held the run before us): the step
             // goes on with the recorded answer, so the journal stays the one truth.
             let stored = records
