@@ -756,6 +756,46 @@ fn hops(first: Arc<Gate>, last: Arc<Gate>) -> Workflow {
         )
 }
 
+/// `asks`: a first step that stops at a gate, asks the model and moves the run on (a commit
+/// resting on an answer no synchronous commit of its own has flushed), then a step that ends it.
+fn asks(gate: Arc<Gate>) -> Workflow {
+    Workflow::new("asks", 1)
+        .step("ask", StepKind::Model, move |ctx| {
+            let gate = gate.clone();
+            async move {
+                gate.pass().await;
+                let request = trailmark::model::ChatRequest {
+                    messages: vec![trailmark::model::ChatMessage::user("Which way next?")],
+                    max_tokens: Some(16),
+                    temperature: Some(0.0),
+                };
+                ctx.model(&request).await?;
+                Ok(StepOutcome::next(json!({})))
+            }
+        })
+        .step("after", StepKind::Read, |_ctx| async {
+            Ok(StepOutcome::finish(json!({})))
+        })
+}
+
+/// `notes`: a first step that stops at a gate, sends a note (`ctx.send`) through the default
+/// exchange to `queue` and moves the run on, then a step that ends it.
+fn notes(gate: Arc<Gate>, queue: String) -> Workflow {
+    Workflow::new("notes", 1)
+        .step("note", StepKind::Message, move |ctx| {
+            let (gate, queue) = (gate.clone(), queue.clone());
+            async move {
+                gate.pass().await;
+                let key = trailmark::domain::IdempotencyKey::for_step(ctx.run_id(), "note", "1");
+                ctx.send("", &queue, &key, b"{\"note\":1}".to_vec());
+                Ok(StepOutcome::next(json!({})))
+            }
+        })
+        .step("after", StepKind::Read, |_ctx| async {
+            Ok(StepOutcome::finish(json!({})))
+        })
+}
+
 /// `hold`: one step that stops at a gate, then ends its run (a synchronous commit).
 fn hold(gate: Arc<Gate>) -> Workflow {
     Workflow::new("hold", 1).step("hold", StepKind::Read, move |_ctx| {
@@ -775,10 +815,12 @@ async fn engine(w: &World, workflows: Vec<Workflow>) -> (Arc<trailmark::engine::
     for workflow in workflows {
         registry.register(workflow);
     }
-    let engine =
-        trailmark::engine::Engine::new(w.env.settings.clone(), registry, Failpoints::default())
-            .await
-            .expect("engine");
+    // Model calls go to this world's model server.
+    let mut settings = w.env.settings.clone();
+    settings.model.base_url = w.model.base_url();
+    let engine = trailmark::engine::Engine::new(settings, registry, Failpoints::default())
+        .await
+        .expect("engine");
     let running = w.env.spawn_all(engine.clone());
     (engine, running)
 }
@@ -1065,4 +1107,174 @@ async fn an_acked_step_commit_lost_while_the_worker_lives_resumes_when_its_claim
         "claims of positions 0, 1 and 2: position 0 runs again once, the claim of position 1 \
          that waited through the crash was never committed"
     );
+}
+
+/// Runs `run` (of `workflow`, whose first step stops at `gate` and whose position 1 is `second`)
+/// up to its first step's commit with position 1's claim held waiting (behind a row of position
+/// 1 that a transaction of the test's inserts and never commits, as in the test above), crashes
+/// Postgres, and asserts that the first step's commit, which moved the run to position 1 and was
+/// acknowledged, survived: the run is at position 1, without a lease, position 0 committed once.
+async fn advance_survives_a_crash(
+    w: &mut World,
+    (workflow, run, second): (&str, &str, &str),
+    gate: &Gate,
+) {
+    let mut blocker = sqlx::PgConnection::connect(&w.pg.url())
+        .await
+        .expect("connect the blocker");
+    sqlx::query("BEGIN")
+        .execute(&mut blocker)
+        .await
+        .expect("BEGIN");
+    sqlx::query("INSERT INTO trailmark.steps (run_id, seq, step) VALUES ($1, 1, $2)")
+        .bind(run)
+        .bind(second)
+        .execute(&mut blocker)
+        .await
+        .expect("insert position 1's row");
+    let blocker_pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(&mut blocker)
+        .await
+        .unwrap();
+    w.env.start_run(workflow, run, json!({})).await;
+    gate.reached("position 0").await;
+    // Everything so far made durable: what the crash may lose is the first step's own work.
+    w.sync_commit().await;
+    gate.open();
+    let waiting = eventually("position 1's claim waiting", WAIT, || async {
+        let waiting: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity WHERE $1 = ANY(pg_blocking_pids(pid))",
+        )
+        .bind(blocker_pid)
+        .fetch_one(&w.env.pool)
+        .await
+        .ok()?;
+        (waiting == 1).then_some(())
+    })
+    .await;
+    assert!(waiting.is_some(), "position 1's claim never waited");
+    let before = store::runs::get(&w.env.pool, run).await.unwrap().unwrap();
+    assert_eq!(
+        (before.step_seq, before.lease_owner),
+        (1, None),
+        "(position, lease) while position 1's claim waits"
+    );
+    w.postgres_crash().await;
+    drop(blocker);
+
+    let after = store::runs::get(&w.env.pool, run).await.unwrap().unwrap();
+    assert_eq!(
+        (after.status, after.step_seq, after.lease_owner),
+        (RunStatus::Running, 1, None),
+        "position 0's commit, which had to wait for its flush, was lost in the crash"
+    );
+    assert_eq!(
+        (
+            w.env.steps_done(run).await,
+            w.env.attempts(run, 0).await,
+            w.env.attempts(run, 1).await
+        ),
+        (1, 1, 0),
+        "(positions committed, claims of position 0, of position 1) after the crash"
+    );
+}
+
+/// No kill, as in the test above, but the acknowledged step asked the model after its last
+/// synchronous commit: its advance rests on an answer nothing had flushed, and asked again the
+/// model might choose another next step, so the advance commits synchronously (flushing the
+/// answer) and survives the crash. The run goes on from position 1 and the model is not asked
+/// again; the test above is the control (an advance resting on nothing unflushed is lost).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_acked_advance_resting_on_a_fresh_model_answer_survives_a_postgres_crash() {
+    let mut w = World::with("asked", |s| s.worker.concurrency = 1).await;
+    let gate = Gate::armed();
+    let (engine, _running) = engine(&w, vec![asks(gate.clone())]).await;
+    let what = ("asks", "r-asks", "after");
+    advance_survives_a_crash(&mut w, what, &gate).await;
+    assert_eq!(w.model.answered(), 1, "answers given before the crash");
+    let journaled = w
+        .env
+        .scalar(
+            "SELECT count(*) FROM trailmark.journal WHERE run_id = $1",
+            "r-asks",
+        )
+        .await;
+    assert_eq!(journaled, 1, "the answer the advance rests on was lost");
+
+    w.env
+        .wait_status("r-asks", RunStatus::Succeeded, MOVES_WITHIN)
+        .await;
+    assert_eq!(
+        (
+            w.env.attempts("r-asks", 0).await,
+            w.env.attempts("r-asks", 1).await
+        ),
+        (1, 1),
+        "(claims of position 0, of position 1): position 0 ran again"
+    );
+    assert_eq!(w.model.answered(), 1, "the model was asked again");
+    a_run_started_after_the_crash_succeeds(&w).await;
+    assert_eq!(
+        engine.stats.lease_recoveries.load(Ordering::Relaxed),
+        0,
+        "steps the supervisor re-queued for an expired lease"
+    );
+}
+
+/// No kill, as above, but the acknowledged step sent a note (`ctx.send`): the note is published
+/// at once after the commit, so the commit must not be one a crash can lose (the world would
+/// have seen the note of a step that then runs again). The advance commits synchronously and
+/// survives the crash; the note went out before it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_acked_advance_that_sent_a_message_survives_a_postgres_crash() {
+    let mut w = World::with("sent", |s| s.worker.concurrency = 1).await;
+    // The notes' queue, the test's own (gone with its connection).
+    let conn = trailmark::broker::connect(&w.env.settings.broker, "test-notes")
+        .await
+        .expect("connect RabbitMQ");
+    let channel = conn.create_channel().await.expect("open a channel");
+    let exclusive = lapin::options::QueueDeclareOptions {
+        exclusive: true,
+        ..Default::default()
+    };
+    let declared = channel
+        .queue_declare("".into(), exclusive, Default::default())
+        .await
+        .expect("declare the notes' queue");
+    let queue = declared.name().as_str().to_owned();
+    let notes_queued = || async {
+        let passive = lapin::options::QueueDeclareOptions {
+            passive: true,
+            exclusive: true,
+            ..Default::default()
+        };
+        channel
+            .queue_declare(queue.as_str().into(), passive, Default::default())
+            .await
+            .expect("the notes' queue")
+            .message_count()
+    };
+    let gate = Gate::armed();
+    let (_engine, _running) = engine(&w, vec![notes(gate.clone(), queue.clone())]).await;
+    let what = ("notes", "r-notes", "after");
+    advance_survives_a_crash(&mut w, what, &gate).await;
+    let sent = eventually("the note queued", WAIT, || async {
+        (notes_queued().await >= 1).then_some(())
+    })
+    .await;
+    assert!(sent.is_some(), "the note never went out");
+
+    a_run_started_after_the_crash_succeeds(&w).await;
+    w.env
+        .wait_status("r-notes", RunStatus::Succeeded, MOVES_WITHIN)
+        .await;
+    assert_eq!(
+        (
+            w.env.attempts("r-notes", 0).await,
+            w.env.attempts("r-notes", 1).await
+        ),
+        (1, 1),
+        "(claims of position 0, of position 1): the step that sent the note ran again"
+    );
+    let _ = conn.close(200, "done".into()).await;
 }
