@@ -105,6 +105,9 @@ impl Browser {
     /// Starts chromedriver on a free port and a headless Chromium session.
     pub async fn open(base: &str, test: &str) -> Self {
         let port = common::closed_port();
+        // A workspace build (scripts/test) also links the DBOS peer, whose sqlx turns on rustls'
+        // ring beside aws-lc-rs; with both, fantoccini's rustls cannot pick a provider by itself.
+        let _ = rustls::crypto::aws_lc_rs::default_provider().install_default();
         let driver = Command::new("chromedriver")
             .arg(format!("--port={port}"))
             .stdout(Stdio::null())
