@@ -403,6 +403,18 @@ impl World {
         second
     }
 
+    /// Outbox rows of `run` not yet published (`None` while Postgres does not answer).
+    async fn unpublished_rows(&self, run: &str) -> Option<i64> {
+        sqlx::query_scalar(
+            "SELECT count(*) FROM trailmark.outbox WHERE published_at IS NULL
+                AND convert_from(body, 'UTF8')::jsonb ->> 'run_id' = $1",
+        )
+        .bind(run)
+        .fetch_one(&self.env.pool)
+        .await
+        .ok()
+    }
+
     /// Messages waiting in the steps queue (a passive declare answers the count).
     async fn ready_step_messages(&self) -> u32 {
         let conn = trailmark::broker::connect(&self.env.settings.broker, "test-queue-depth")
@@ -640,11 +652,25 @@ async fn a_removed_outbox_row_back_after_a_postgres_crash_is_republished_and_its
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_step_advance_lost_with_postgres_before_its_publish_runs_the_step_again() {
     let mut w = World::new("advance").await;
-    let first = w.serve(Some("step.after_commit=kill@3"));
+    advance_lost_then_replayed(&mut w, "step.after_commit=kill@3").await;
+}
+
+/// The worker kills itself at `failpoint` (the third step's advance committed, relaxed), Postgres
+/// crashes, and the run must lose exactly that commit; a fresh worker then finishes it, writing
+/// position 2 again under its key (the ledger says it existed) and replaying its answer.
+async fn advance_lost_then_replayed(w: &mut World, failpoint: &str) {
+    let first = w.serve(Some(failpoint));
     let answered = w.worker_then_postgres_crash(first, 0).await;
     assert_eq!(answered, 3, "answers given before the crash");
     w.lost_position_2_commit().await;
-
+    // 1 when position 2's delivery had been acknowledged, 2 when it comes back too; and
+    // position 2's outbox row when its removal was lost.
+    let ready = w.ready_step_messages().await;
+    let rows = w
+        .unpublished_rows(RUN)
+        .await
+        .expect("count the run's outbox rows");
+    eprintln!("after the crash: {ready} step messages queued, {rows} unpublished outbox rows");
     let _second = w.finish_and_check(1).await;
     let result = w.effect_result(2).await.expect("the result is recorded");
     assert_eq!(result["created"], json!(false));
@@ -665,30 +691,7 @@ async fn a_step_advance_lost_with_postgres_before_its_publish_runs_the_step_agai
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_step_advance_lost_with_postgres_after_its_ack_resumes_when_the_lease_expires() {
     let mut w = World::new("acked").await;
-    let first = w.serve(Some("worker.received=kill@4"));
-    let answered = w.worker_then_postgres_crash(first, 0).await;
-    assert_eq!(answered, 3, "answers given before the crash");
-    w.lost_position_2_commit().await;
-    // 1 when position 2's delivery had been acknowledged (the case this test is about), 2 when
-    // it comes back too; and position 2's outbox row when its removal was lost.
-    let ready = w.ready_step_messages().await;
-    let rows = w
-        .env
-        .scalar(
-            "SELECT count(*) FROM trailmark.outbox WHERE published_at IS NULL
-                AND convert_from(body, 'UTF8')::jsonb ->> 'run_id' = $1",
-            RUN,
-        )
-        .await;
-    eprintln!("after the crash: {ready} step messages queued, {rows} unpublished outbox rows");
-    let _second = w.finish_and_check(1).await;
-    let result = w.effect_result(2).await.expect("the result is recorded");
-    assert_eq!(result["created"], json!(false));
-    assert_eq!(
-        w.model.answered(),
-        STEPS as u64,
-        "the journaled answer was replayed"
-    );
+    advance_lost_then_replayed(&mut w, "worker.received=kill@4").await;
 }
 
 /// A spot a step handler stops at, once, until the test opens it.
@@ -841,13 +844,10 @@ async fn hops_succeed(w: &World) {
         .await
         .unwrap()
         .unwrap();
-    let rows: i64 = sqlx::query_scalar(
-        "SELECT count(*) FROM trailmark.outbox WHERE published_at IS NULL
-            AND convert_from(body, 'UTF8')::jsonb ->> 'run_id' = 'r-hops'",
-    )
-    .fetch_one(&w.env.pool)
-    .await
-    .unwrap();
+    let rows = w
+        .unpublished_rows("r-hops")
+        .await
+        .expect("count r-hops's outbox rows");
     assert!(
         done.is_some(),
         "r-hops is stuck {MOVES_WITHIN:?} after the crash: {} at position {} ({}), lease {:?}, \
@@ -920,13 +920,7 @@ async fn a_claim_keeps_the_acked_step_commit_before_it_and_the_run_finishes_afte
     // r-hops's message for position 1 waits behind r-hold's step; its outbox row goes once the
     // worker's removal (gathered for 50 ms) is done.
     let removed = eventually("r-hops's row for position 1 removed", WAIT, || async {
-        let rows: i64 = sqlx::query_scalar(
-            "SELECT count(*) FROM trailmark.outbox WHERE published_at IS NULL
-                AND convert_from(body, 'UTF8')::jsonb ->> 'run_id' = 'r-hops'",
-        )
-        .fetch_one(&w.env.pool)
-        .await
-        .ok()?;
+        let rows = w.unpublished_rows("r-hops").await?;
         let queued = w.ready_step_messages().await == 1;
         (rows == 0 && queued).then_some(())
     })
@@ -1015,13 +1009,7 @@ async fn an_acked_step_commit_lost_while_the_worker_lives_resumes_when_its_claim
     // The removal of position 0's outbox row (relaxed) made durable: a row back after the crash
     // would be published again and bring position 0 back before its lease expires.
     let removed = eventually("r-hops's row for position 0 removed", WAIT, || async {
-        let rows: i64 = sqlx::query_scalar(
-            "SELECT count(*) FROM trailmark.outbox WHERE published_at IS NULL
-                AND convert_from(body, 'UTF8')::jsonb ->> 'run_id' = 'r-hops'",
-        )
-        .fetch_one(&w.env.pool)
-        .await
-        .ok()?;
+        let rows = w.unpublished_rows("r-hops").await?;
         (rows == 0).then_some(())
     })
     .await;
