@@ -101,7 +101,8 @@ async fn run_claimed(
     let refused = ending::refuse_before_running(msg, claimed, limits, claim.age_secs, run_timeout)
         .or_else(|| ending::refuse_older_version(msg, workflow.version));
     let (verdict, answers_flushed) = match (refused, step) {
-        (Some(stop), _) => (Verdict::Review(stop), true),
+        // A review commit is never relaxed: no flush to vouch for.
+        (Some(stop), _) => (Verdict::Review(stop), false),
         (None, Some(step)) => {
             run_step(engine, msg, workflow, step, claim, (claimed, limits)).await?
         }
@@ -111,7 +112,7 @@ async fn run_claimed(
                 "workflow {} v{} has no step {}",
                 msg.workflow, workflow.version, msg.step
             ))),
-            true,
+            false,
         ),
     };
     // 4. Commit the ending, give the lease back for a retry, or drop the void work.
