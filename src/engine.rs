@@ -48,6 +48,8 @@ pub struct Stats {
     pub relayed: AtomicU64,
     /// Runs whose expired lease the supervisor re-queued.
     pub lease_recoveries: AtomicU64,
+    /// Steps started on a claim their previous step's commit made (no claim statement).
+    pub preclaims_used: AtomicU64,
 }
 
 impl Stats {

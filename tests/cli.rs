@@ -139,9 +139,13 @@ async fn sigterm_stops_serve_gracefully_with_exit_0_and_the_run_finishes_later()
         .await
         .unwrap()
         .unwrap();
+    // Including the next position's lease, if the last commit pre-claimed it: a stopping
+    // worker gives back the pre-claims no delivery took.
     assert!(
         run.lease_owner.is_none(),
-        "the in-flight step finished and released its lease"
+        "the in-flight step finished and released its lease: {:?} until {:?}",
+        run.lease_owner,
+        run.lease_expires_at
     );
     let _again = env.spawn_process(None);
     env.wait_status("r-term", RunStatus::Succeeded, Duration::from_secs(60))

@@ -114,10 +114,25 @@ async fn killed_after_a_commit_before_publishing_the_relay_delivers_the_next_ste
     env.wait_status("r-unpublished", RunStatus::Succeeded, WAIT)
         .await;
     assert_eq!(env.chain_ledger("r-unpublished").await, (100, 100));
+    // Step 51 was pre-claimed by step 50's commit for the worker that died; the claim that took
+    // that lease from a dead holder counted a second attempt (the holder might have started
+    // it). No step ran twice: every write is the first under its key.
     assert_eq!(
         attempts(&env, "r-unpublished").await,
-        (100, 0),
-        "no step ran twice"
+        (101, 1),
+        "(claims, positions claimed twice)"
+    );
+    assert_eq!(env.attempts("r-unpublished", 50).await, 2);
+    let repeated: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM trailmark.effects
+          WHERE run_id = 'r-unpublished' AND (result->>'created')::boolean IS NOT TRUE",
+    )
+    .fetch_one(&env.pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        repeated, 0,
+        "writes that found their ledger row already there"
     );
 }
 
@@ -163,11 +178,15 @@ async fn a_worker_frozen_past_its_lease_cannot_write_when_it_wakes() {
         json!({"steps": 3, "step_delay_ms": 2500}),
     )
     .await;
+    // Inside the step: its heartbeat (every second here) has stamped the lease with an expiry
+    // (a pre-claim's idle lease has none until then).
     env.wait_until("the first worker inside step 2", WAIT, || async {
         let run = trailmark::store::runs::get(&env.pool, "r-frozen")
             .await
             .unwrap();
-        run.is_some_and(|r| r.step_seq == 1 && r.lease_owner.is_some())
+        run.is_some_and(|r| {
+            r.step_seq == 1 && r.lease_owner.is_some() && r.lease_expires_at.is_some()
+        })
     })
     .await;
     frozen.signal(libc::SIGSTOP);
@@ -207,6 +226,10 @@ async fn a_killed_workers_lease_is_taken_over_at_once_by_a_live_worker() {
     // A long lease: recovery must not wait for it to expire.
     env.settings.worker.lease_secs = 60;
     env.settings.worker.heartbeat_secs = 5;
+    // Every lease a claim statement takes: a step started on a pre-claim holds an idle lease
+    // (no expiry) until its first heartbeat, which any claim takes whether its holder lives or
+    // not (tests/group_commit.rs); this test is about the lease a living worker keeps.
+    env.settings.worker.preclaim = false;
     let mut workers = [env.spawn_process(None), env.spawn_process(None)];
     env.start_run(
         "chain",

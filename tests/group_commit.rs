@@ -21,6 +21,7 @@ fn request(run_id: &RunId, owner: &str, message: MessageId) -> runs::ClaimReques
         lease_secs: 30.0,
         presence_pid: None,
         message: ("steps", message),
+        redelivered: false,
     }
 }
 
@@ -33,6 +34,12 @@ async fn claim(env: &TestEnv, run_id: &RunId, owner: &str, lease_secs: f64) -> F
         runs::ClaimOutcome::Claimed(c) => c.fence,
         other => panic!("{owner} could not claim {run_id}: {other:?}"),
     }
+}
+
+/// Each commit's outcome as "the step went in" (`true`) or "committed before" (`false`).
+fn committed(outcomes: Vec<store::Result<checkpoint::Committed>>) -> Vec<store::Result<bool>> {
+    let went_in = |c: checkpoint::Committed| c != checkpoint::Committed::Duplicate;
+    outcomes.into_iter().map(|o| o.map(went_in)).collect()
 }
 
 /// Sorted rows of `sql` (one text column).
@@ -69,7 +76,7 @@ async fn a_group_with_a_stale_step_commits_the_others_and_writes_nothing_for_it(
     let step_c = first_step_commit(&env, &c, fence_c, &["inv-c1", "inv-c2"], 2);
     let group = [step_a.clone(), step_b_stale, step_c.clone()];
 
-    let outcomes = checkpoint::commit_all(&env.pool, &group).await;
+    let outcomes = committed(checkpoint::commit_all(&env.pool, &group).await);
     assert!(matches!(outcomes[0], Ok(true)), "{:?}", outcomes[0]);
     assert!(
         matches!(&outcomes[1], Err(store::Error::FencedOut { run_id, .. }) if run_id == "r-b"),
@@ -109,7 +116,7 @@ async fn a_group_with_a_stale_step_commits_the_others_and_writes_nothing_for_it(
     // The same two messages again (redeliveries) with the current worker's step of r-b.
     let step_b = first_step_commit(&env, &b, current_b, &["inv-b"], 1);
     let again = [step_a.clone(), step_b.clone(), step_c.clone()];
-    let outcomes = checkpoint::commit_all(&env.pool, &again).await;
+    let outcomes = committed(checkpoint::commit_all(&env.pool, &again).await);
     assert!(
         matches!(
             (&outcomes[0], &outcomes[1], &outcomes[2]),
@@ -404,5 +411,166 @@ async fn a_refused_claim_says_why_as_the_run_stood() {
             ] if *s == trailmark::domain::RunStatus::NeedsReview
         ),
         "{outcomes:?}"
+    );
+}
+
+/// A step commit that pre-claims `run`'s next position for `owner`, whose presence backend is
+/// `pid`.
+fn preclaiming(
+    env: &TestEnv,
+    run: &RunId,
+    fence: Fence,
+    (owner, pid): (&str, i32),
+) -> checkpoint::StepCommit {
+    checkpoint::StepCommit {
+        preclaim: Some(checkpoint::PreClaim {
+            owner: owner.into(),
+            pid: Some(pid),
+        }),
+        ..first_step_commit(env, run, fence, &[], 1)
+    }
+}
+
+/// A claim at position 1, as the next step's delivery asks it.
+fn next_request(run: &RunId, owner: &str, redelivered: bool) -> runs::ClaimRequest {
+    runs::ClaimRequest {
+        seq: 1,
+        redelivered,
+        ..request(run, owner, MessageId::new())
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_commit_claims_the_next_position_idly_and_any_delivery_may_take_it() {
+    let env = TestEnv::new().await;
+    let (x, y) = (
+        env.insert_chain_run("r-x").await,
+        env.insert_chain_run("r-y").await,
+    );
+    let (fx, fy) = (
+        claim(&env, &x, "w-a", 30.0).await,
+        claim(&env, &y, "w-a", 30.0).await,
+    );
+    // The holder's presence: a backend of the test's pool, alive while the test runs.
+    let alive = store::backend_pid(&env.pool).await.unwrap();
+    // A fork's replay brings answers for positions not yet run: the pre-claim counts them.
+    let replayed = Record::Journal(
+        x.clone(),
+        JournalEntry {
+            seq: 1,
+            ..entry(0, "x1")
+        },
+    );
+    records::write_all(&env.pool, &[replayed]).await[0]
+        .as_ref()
+        .expect("journal entry at position 1");
+    let committed = checkpoint::commit(&env.pool, &preclaiming(&env, &x, fx, ("w-a/next", alive)))
+        .await
+        .unwrap();
+    let checkpoint::Committed::Done {
+        preclaimed: Some(next),
+    } = committed
+    else {
+        panic!("no pre-claim: {committed:?}");
+    };
+    assert_eq!(
+        (next.attempt, next.journaled),
+        (1, 1),
+        "(attempt, journal entries) at position 1"
+    );
+    let run = runs::get(&env.pool, "r-x").await.unwrap().unwrap();
+    assert_eq!(
+        (run.step_seq, run.fence, run.lease_owner.as_deref()),
+        (1, fx.0 + 1, Some("w-a/next")),
+        "the run moved on with its next position leased to the committer"
+    );
+    assert_eq!(run.lease_expires_at, None, "a pre-claim's lease is idle");
+    assert_eq!(env.attempts("r-x", 1).await, 1);
+    assert!(
+        runs::take_expired_leases(&env.pool, 10)
+            .await
+            .unwrap()
+            .is_empty(),
+        "the supervisor voided an idle lease"
+    );
+
+    // The delivery went to another worker: its claim takes the idle lease at once, as the same
+    // attempt and no takeover (the holder never got the message).
+    let taken = runs::claim(&env.pool, &next_request(&x, "w-b", false)).await;
+    assert!(
+        matches!(&taken, Ok(runs::ClaimOutcome::Claimed(c))
+            if (c.fence.0, c.attempt, c.journaled, c.took_over) == (fx.0 + 2, 1, 1, false)),
+        "{taken:?}"
+    );
+    assert_eq!(env.attempts("r-x", 1).await, 1, "the attempt counted twice");
+    // The pre-claim's holder, one fence behind, writes nothing any more.
+    let stale = EffectIntent {
+        seq: 1,
+        ..intent(&x, "r-x:link:1", "h", Fence(fx.0 + 1))
+    };
+    assert!(matches!(
+        effects::begin(&env.pool, &stale).await,
+        Err(store::Error::FencedOut { .. })
+    ));
+
+    // A redelivery may follow a holder that started the step and died: another attempt, and
+    // a takeover.
+    checkpoint::commit(&env.pool, &preclaiming(&env, &y, fy, ("w-a/next", alive)))
+        .await
+        .unwrap();
+    let again = runs::claim(&env.pool, &next_request(&y, "w-b", true)).await;
+    assert!(
+        matches!(&again, Ok(runs::ClaimOutcome::Claimed(c))
+            if (c.attempt, c.journaled, c.took_over) == (2, 0, true)),
+        "{again:?}"
+    );
+
+    // A first delivery once the holder is gone (the relay's copy of a row it had not removed)
+    // may follow a holder that started the step and died, too.
+    let z = env.insert_chain_run("r-z").await;
+    let fz = claim(&env, &z, "w-a", 30.0).await;
+    let gone = preclaiming(&env, &z, fz, ("w-a/next", i32::MAX));
+    checkpoint::commit(&env.pool, &gone).await.unwrap();
+    let copy = runs::claim(&env.pool, &next_request(&z, "w-b", false)).await;
+    assert!(
+        matches!(&copy, Ok(runs::ClaimOutcome::Claimed(c)) if (c.attempt, c.took_over) == (2, true)),
+        "{copy:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fence_writes_only_at_the_position_it_was_handed_out_for() {
+    // A pre-claim a Postgres crash forgot held fence f + 1 at position 1; a later claim at
+    // position 0 hands out f + 1 again. The forgotten holder must be refused.
+    let env = TestEnv::new().await;
+    let x = env.insert_chain_run("r-x").await;
+    let f = claim(&env, &x, "w-a", 30.0).await;
+    let elsewhere = EffectIntent {
+        seq: 1,
+        ..intent(&x, "r-x:link:1", "h", f)
+    };
+    assert!(matches!(
+        effects::begin(&env.pool, &elsewhere).await,
+        Err(store::Error::FencedOut { .. })
+    ));
+    assert!(
+        !runs::heartbeat(&env.pool, (&x, 1), f, 30.0, None)
+            .await
+            .unwrap(),
+        "a heartbeat at another position kept the lease"
+    );
+    runs::release(&env.pool, (&x, 1), f, 1.0, "gave up")
+        .await
+        .unwrap();
+    let run = runs::get(&env.pool, "r-x").await.unwrap().unwrap();
+    assert_eq!(
+        run.lease_owner.as_deref(),
+        Some("w-a"),
+        "a release at another position gave the lease back"
+    );
+    assert!(
+        runs::heartbeat(&env.pool, (&x, 0), f, 30.0, None)
+            .await
+            .unwrap()
     );
 }

@@ -38,6 +38,17 @@ async fn chain_run_succeeds_with_one_ledger_row_per_step() {
         25
     );
     assert_eq!(engine.stats.handler_runs.load(Ordering::Relaxed), 25);
+    // With one worker every next step's delivery came back to the worker whose commit claimed
+    // it: all but the first step started without a claim statement, each once.
+    assert_eq!(engine.stats.preclaims_used.load(Ordering::Relaxed), 24);
+    assert_eq!(
+        env.scalar(
+            "SELECT count(*) FROM trailmark.steps WHERE run_id = $1 AND attempts = 1",
+            "r-basic"
+        )
+        .await,
+        25
+    );
     // The worker published every next-step message itself and removed its outbox row, so the
     // relay (which keeps the rows it publishes, marked) had nothing to do.
     env.wait_until("eagerly published rows removed", WAIT, || async {
@@ -247,6 +258,7 @@ async fn claim(env: &TestEnv, run_id: &RunId, owner: &str, lease_secs: f64) -> r
         lease_secs,
         presence_pid: None,
         message: ("steps", MessageId::new()),
+        redelivered: false,
     };
     match runs::claim(&env.pool, &request).await.unwrap() {
         runs::ClaimOutcome::Claimed(c) => c,
@@ -287,7 +299,8 @@ async fn commit_first_step(
         inbox: ("steps", message),
         ..common::first_step_commit(env, run_id, fence, &["inv-1"], 1)
     };
-    checkpoint::commit(&env.pool, &step).await
+    let committed = checkpoint::commit(&env.pool, &step).await?;
+    Ok(committed != checkpoint::Committed::Duplicate)
 }
 
 /// Outbox and parked rows in the store.
@@ -347,7 +360,7 @@ async fn commit_with_an_older_fence_is_refused_and_changes_nothing() {
         0
     );
     assert!(
-        !runs::heartbeat(&env.pool, &run_id, a.fence, 30.0, None)
+        !runs::heartbeat(&env.pool, (&run_id, 0), a.fence, 30.0, None)
             .await
             .unwrap(),
         "stale heartbeat accepted"
@@ -499,6 +512,7 @@ async fn a_live_worker_keeps_its_lease_after_its_presence_connection_is_reopened
         lease_secs: 30.0,
         presence_pid: None,
         message: ("steps", MessageId::new()),
+        redelivered: false,
     };
     let outcome = runs::claim(&env.pool, &request).await.unwrap();
     assert!(

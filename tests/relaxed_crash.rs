@@ -11,7 +11,12 @@
 //! lost step commit leaves the run at that step's position under the lease of its claim, and the
 //! step runs again when its message comes back or, with no message, once the lease expires.
 //!
-//! Each test but the last two runs a real `trailmark serve` on a Postgres server of its own (a
+//! The tests run without pre-claims (`worker.preclaim`), so that every step is claimed by a
+//! claim statement and its advance commit is relaxed, except the last two, which are about
+//! pre-claims: a step started on one commits synchronously, and one lost with its relaxed commit
+//! must not let the step started on it write.
+//!
+//! Each test but the last six runs a real `trailmark serve` on a Postgres server of its own (a
 //! temporary cluster on a free port, so it runs beside the other tests and never touches the
 //! shared server), makes the worker SIGKILL itself right after one relaxed commit, stops that
 //! Postgres at once with `pg_ctl stop -m immediate` and starts it again (crash recovery). What was
@@ -19,7 +24,7 @@
 //! set up so that nothing but a synchronous commit writes WAL out of its buffers (see
 //! [`Postgres`]). A fresh `trailmark serve` must then finish the run with what users rely on:
 //! every ledger write once, every effect with its result, every position committed once, the
-//! journal holding each answer once, no message left unpublished in the outbox. The last two
+//! journal holding each answer once, no message left unpublished in the outbox. The last six
 //! tests have no kill: the worker (an engine in the test's process) lives on through the crash,
 //! which comes after a step without an outside write was committed and acknowledged.
 //!
@@ -207,7 +212,9 @@ impl World {
         Self::with(name, |_| {}).await
     }
 
-    /// [`World::new`] with settings changed before the environment is made.
+    /// [`World::new`] with settings changed before the environment is made. Pre-claims are
+    /// off unless `customize` turns them on: every step is then claimed by a claim statement,
+    /// the path whose advance commits are relaxed.
     async fn with(name: &str, customize: impl FnOnce(&mut Settings)) -> Self {
         let tag = uuid::Uuid::new_v4().simple().to_string()[..10].to_owned();
         let dir = TempDir::new(&format!("relaxed-{name}-{tag}"));
@@ -216,6 +223,7 @@ impl World {
         let env = TestEnv::with(|s| {
             s.database.url = url;
             s.database.max_connections = 6;
+            s.worker.preclaim = false;
             customize(s);
         })
         .await;
@@ -1265,4 +1273,167 @@ async fn an_acked_advance_that_sent_a_message_survives_a_postgres_crash() {
         "(claims of position 0, of position 1): the step that sent the note ran again"
     );
     let _ = conn.close(200, "done".into()).await;
+}
+
+/// `posts`: position 0 stops at a gate and moves on; position 1 stops at a gate, then writes
+/// one `chain_ledger` row under its key; position 2 ends the run.
+fn posts(first: Arc<Gate>, second: Arc<Gate>) -> Workflow {
+    Workflow::new("posts", 1)
+        .step("one", StepKind::Read, move |_ctx| {
+            let gate = first.clone();
+            async move {
+                gate.pass().await;
+                Ok(StepOutcome::next(json!({})))
+            }
+        })
+        .step("two", StepKind::Write, move |ctx| {
+            let gate = second.clone();
+            async move {
+                gate.pass().await;
+                let key = trailmark::domain::IdempotencyKey::for_step(ctx.run_id(), "two", "1");
+                let (pool, run) = (ctx.pool().clone(), ctx.run_id().to_string());
+                ctx.effect(&key, &json!({ "post": 1 }), |_key| async move {
+                    let entry = store::chain_ledger::Entry {
+                        reference: "r-posts:1",
+                        run_id: &run,
+                        step: 1,
+                        payload: "posted",
+                    };
+                    let created = store::chain_ledger::post(&pool, entry)
+                        .await
+                        .map_err(|e| trailmark::workflow::StepError::temporary(e.to_string()))?;
+                    Ok(json!({ "created": created }))
+                })
+                .await?;
+                Ok(StepOutcome::next(json!({})))
+            }
+        })
+        .step("three", StepKind::Read, |_ctx| async {
+            Ok(StepOutcome::finish(json!({})))
+        })
+}
+
+/// (rows, intents) of `r-posts` in the ledger and the effects table.
+async fn posted(w: &World) -> (i64, i64) {
+    let effects = "SELECT count(*) FROM trailmark.effects WHERE run_id = $1";
+    (
+        w.env.chain_ledger("r-posts").await.0,
+        w.env.scalar(effects, "r-posts").await,
+    )
+}
+
+/// A pre-claim rides on the relaxed commit of a step claimed by a claim statement, and a crash
+/// of Postgres can lose both while the worker lives on and starts the next step on it. Here, on
+/// a worker with one delivery slot: position 0 of `posts` commits (relaxed) with a pre-claim of
+/// position 1 (fence f + 1) and is acknowledged, position 1 starts on the pre-claim and stops at
+/// its gate, and Postgres crashes. The run is back at position 0 under its claim's lease
+/// (fence f). The step started on the forgotten pre-claim, let go now, must write nothing (its
+/// heartbeat or its effect intent finds the run elsewhere, even when position 0 was claimed
+/// again meanwhile with fence f + 1: the position tells them apart, see `tests/group_commit.rs`
+/// `a_fence_writes_only_at_the_position_it_was_handed_out_for`). Position 0 runs again (its
+/// message republished after the crash, whose pid check frees its claim's lease, or the
+/// supervisor once that lease expires) and the run finishes with its one ledger row, recorded
+/// under a fence handed out after the crash.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pre_claim_lost_with_postgres_lets_the_step_started_on_it_write_nothing() {
+    let mut w = World::with("preclaim-lost", |s| {
+        s.worker.preclaim = true;
+        s.worker.concurrency = 1;
+    })
+    .await;
+    let (first, second) = (Gate::armed(), Gate::armed());
+    let (engine, _running) = engine(&w, vec![posts(first.clone(), second.clone())]).await;
+    w.env.start_run("posts", "r-posts", json!({})).await;
+    first.reached("position 0 of r-posts").await;
+    let claimed = store::runs::get(&w.env.pool, "r-posts")
+        .await
+        .unwrap()
+        .unwrap();
+    first.open();
+    second
+        .reached("position 1 of r-posts, on its pre-claim")
+        .await;
+    assert_eq!(
+        engine.stats.preclaims_used.load(Ordering::Relaxed),
+        1,
+        "position 1 did not start on the pre-claim"
+    );
+    w.postgres_crash().await;
+
+    let run = store::runs::get(&w.env.pool, "r-posts")
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        (run.step_seq, w.env.steps_done("r-posts").await),
+        (0, 0),
+        "(position, positions committed): position 0's commit and its pre-claim, made without \
+         their flush, should be lost"
+    );
+    second.open();
+    w.env
+        .wait_status("r-posts", RunStatus::Succeeded, MOVES_WITHIN)
+        .await;
+    assert!(
+        engine.stats.stale.load(Ordering::Relaxed) >= 1,
+        "position 1's step on the lost pre-claim was not dropped"
+    );
+    assert_eq!(posted(&w).await, (1, 1), "(ledger rows, effect intents)");
+    let fence: i64 =
+        sqlx::query_scalar("SELECT fence FROM trailmark.effects WHERE run_id = 'r-posts'")
+            .fetch_one(&w.env.pool)
+            .await
+            .unwrap();
+    assert!(
+        fence > claimed.fence + 1,
+        "the write was recorded under fence {fence}, the lost pre-claim's (position 0 was \
+         claimed with {})",
+        claimed.fence
+    );
+    assert_eq!(w.env.steps_done("r-posts").await, 3, "positions committed");
+}
+
+/// A step started on a pre-claim commits synchronously: its lease is the idle one its pre-claim
+/// left, which never expires, so no lease would bring the run back if the commit were lost
+/// after the delivery's ack. Here `hops` runs on one worker, position 1 on a pre-claim; its
+/// commit (which moves the run on, pre-claiming position 2) is acknowledged, position 2 stops at
+/// its gate, and Postgres crashes. The run must be at position 2 with its lease, and finish as
+/// soon as the gate opens, with no lease expiry in between.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_acked_advance_made_on_a_pre_claim_survives_a_postgres_crash() {
+    // One delivery slot: after the crash the relay publishes again the rows whose removal was
+    // lost, and a repeat of position 2's message would otherwise take its idle lease at once.
+    let mut w = World::with("preclaim-kept", |s| {
+        s.worker.preclaim = true;
+        s.worker.concurrency = 1;
+    })
+    .await;
+    let last = Gate::armed();
+    let (engine, _running) = engine(&w, vec![hops(Arc::new(Gate::default()), last.clone())]).await;
+    w.env.start_run("hops", "r-hops", json!({})).await;
+    last.reached("position 2 of r-hops").await;
+    w.postgres_crash().await;
+
+    let run = store::runs::get(&w.env.pool, "r-hops")
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        (run.status, run.step_seq),
+        (RunStatus::Running, 2),
+        "position 1's commit, made on a pre-claim, was lost in the crash"
+    );
+    assert!(run.lease_owner.is_some(), "position 2's lease was lost");
+    assert_eq!(
+        engine.stats.preclaims_used.load(Ordering::Relaxed),
+        2,
+        "positions started on a pre-claim"
+    );
+    last.open();
+    hops_succeed(&w).await;
+    assert_eq!(
+        engine.stats.lease_recoveries.load(Ordering::Relaxed),
+        0,
+        "steps the supervisor re-queued for an expired lease"
+    );
 }

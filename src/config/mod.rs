@@ -135,6 +135,9 @@ pub struct WorkerSettings {
     pub retry_base_ms: u64,
     /// Soft timeout of one step execution.
     pub step_timeout_secs: u64,
+    /// A step commit that moves a running run on claims the next position for its worker, so
+    /// the next step starts without a claim statement (`checkpoint::PreClaim`).
+    pub preclaim: bool,
 }
 
 /// Limits that stop a run before it loops or spends without bound.

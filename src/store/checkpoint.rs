@@ -56,6 +56,50 @@ pub struct StepCommit {
     pub parked: Vec<(String, String)>,
     /// Messages to queue.
     pub outbox: Vec<OutgoingMessage>,
+    /// Takes the run's lease for its next position in the same statement (see [`PreClaim`]).
+    pub preclaim: Option<PreClaim>,
+}
+
+/// The committer's claim on the run's next position, made by the commit itself so that the
+/// next step's delivery, when it comes back to the same worker, needs no claim statement.
+///
+/// The lease it leaves is idle: it names the owner and its presence pid but no expiry, so the
+/// supervisor never voids it and any worker's claim may take it (a delivery that went to
+/// another worker is not kept waiting). Its holder starts the step on the fence it knows
+/// (the commit's + 1) without a statement; the first heartbeat turns the lease into an ordinary
+/// one. Fence + 1 and position + 1 move together, so a pre-claim that a Postgres crash forgot
+/// can never match the run again: every way on from the surviving state raises the fence
+/// without moving the position first (a claim, a voided lease, a decision).
+#[derive(Debug, Clone)]
+pub struct PreClaim {
+    /// Lease owner to record.
+    pub owner: String,
+    /// The owner's presence pid.
+    pub pid: Option<i32>,
+}
+
+/// What a pre-claim counted at the next position, as a claim reports it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct NextClaim {
+    /// Which attempt at the position the pre-claim is (1-based).
+    pub attempt: i32,
+    /// Journal entries already recorded at the position.
+    pub journaled: i32,
+    /// Seconds since the run was created, at the commit (database clock).
+    pub age_secs: f64,
+}
+
+/// What a commit did with its step.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Committed {
+    /// The step is committed, and with `preclaimed` the next position is claimed for its
+    /// committer.
+    Done {
+        /// The pre-claim's counts, when the commit made one.
+        preclaimed: Option<NextClaim>,
+    },
+    /// Another delivery of the same message committed first: nothing was written.
+    Duplicate,
 }
 
 /// The commit statement for any number of steps ("items", numbered from 1 in binding order);
@@ -80,9 +124,10 @@ fn commit_sql(with_parked: bool) -> String {
         "WITH item AS (
             SELECT * FROM UNNEST($1::text[], $2::int8[], $3::int4[], $4::text[], $5::text[], $6::jsonb[],
                                  $7::text[], $8::jsonb[], $9::jsonb[], $10::bool[], $11::text[], $12::uuid[], $13::text[],
-                                 $14::bool[], $15::bool[])
+                                 $14::bool[], $15::bool[], $27::text[], $28::int4[])
               WITH ORDINALITY AS i(run_id, fence, seq, next_step, status, output, error, handover,
-                                   step_output, finished, consumer, message_id, step, advances, ends, n)
+                                   step_output, finished, consumer, message_id, step, advances, ends,
+                                   preclaim, preclaim_pid, n)
         ), fresh AS (
             INSERT INTO trailmark.inbox (consumer, message_id) SELECT consumer, message_id FROM item
             ON CONFLICT DO NOTHING RETURNING consumer, message_id
@@ -91,12 +136,24 @@ fn commit_sql(with_parked: bool) -> String {
                SET step_seq = r.step_seq + CASE WHEN i.advances THEN 1 ELSE 0 END,
                    step = i.next_step, status = i.status, output = COALESCE(i.output, r.output),
                    error = i.error, handover = i.handover,
-                   lease_owner = NULL, lease_expires_at = NULL, updated_at = now(),
-                   finished_at = CASE WHEN i.ends THEN now() END
+                   -- A pre-claim (see `PreClaim`): an idle lease on the next position, fence + 1.
+                   lease_owner = i.preclaim, lease_expires_at = NULL, lease_pid = i.preclaim_pid,
+                   fence = r.fence + CASE WHEN i.preclaim IS NULL THEN 0 ELSE 1 END,
+                   updated_at = now(), finished_at = CASE WHEN i.ends THEN now() END
               FROM item i
              WHERE r.run_id = i.run_id AND r.fence = i.fence AND r.step_seq = i.seq
                AND (i.consumer, i.message_id) IN (SELECT consumer, message_id FROM fresh)
-            RETURNING i.n
+            RETURNING i.n, EXTRACT(EPOCH FROM now() - r.created_at)::float8 AS age_secs
+        ), pre AS (
+            -- The pre-claim's attempt, counted as a claim counts it.
+            INSERT INTO trailmark.steps (run_id, seq, step, attempts)
+            SELECT i.run_id, i.seq + 1, i.next_step, 1 FROM item i
+             WHERE i.preclaim IS NOT NULL AND i.n IN (SELECT n FROM adv)
+            ON CONFLICT (run_id, seq) DO UPDATE SET attempts = trailmark.steps.attempts + 1, retry_at = NULL
+            RETURNING run_id, attempts,
+                      -- As the claim counts them: a fork may carry answers for a replay.
+                      (SELECT count(*) FROM trailmark.journal j
+                        WHERE j.run_id = trailmark.steps.run_id AND j.seq = trailmark.steps.seq)::int4 AS journaled
         ), checkpoint AS (
             UPDATE trailmark.steps s SET output = i.step_output, finished_at = CASE WHEN i.finished THEN now() END
               FROM item i
@@ -108,8 +165,11 @@ fn commit_sql(with_parked: bool) -> String {
                          THEN trailmark.refuse_commit(i.run_id, i.fence)
                     WHEN EXISTS (SELECT 1 FROM trailmark.runs r WHERE r.run_id = i.run_id AND r.fence = i.fence)
                          THEN 'duplicate'
-                    ELSE 'fenced' END
-          FROM item i ORDER BY i.n",
+                    ELSE 'fenced' END,
+               p.attempts, p.journaled, a.age_secs
+          FROM item i LEFT JOIN adv a ON a.n = i.n
+               LEFT JOIN pre p ON p.run_id = i.run_id AND a.n IS NOT NULL
+         ORDER BY i.n",
         queue = outbox::insert_sql(19, Some(committed)),
     )
 }
@@ -117,10 +177,10 @@ fn commit_sql(with_parked: bool) -> String {
 static COMMIT: LazyLock<String> = LazyLock::new(|| commit_sql(false));
 static COMMIT_PARKED: LazyLock<String> = LazyLock::new(|| commit_sql(true));
 
-/// Commits one step; `Ok(false)` means another delivery of the same message committed first,
-/// [`Error::FencedOut`] that a newer worker holds the run (or it moved on). Nothing is written
-/// in either case.
-pub async fn commit(db: impl PgExecutor<'_>, c: &StepCommit) -> Result<bool> {
+/// Commits one step; [`Committed::Duplicate`] means another delivery of the same message
+/// committed first, [`Error::FencedOut`] that a newer worker holds the run (or it moved on).
+/// Nothing is written in either case.
+pub async fn commit(db: impl PgExecutor<'_>, c: &StepCommit) -> Result<Committed> {
     let verdicts = commit_batch(db, std::slice::from_ref(c))
         .await
         .map_err(|e| refused(e, c))?;
@@ -130,7 +190,7 @@ pub async fn commit(db: impl PgExecutor<'_>, c: &StepCommit) -> Result<bool> {
 /// Commits several steps, each with the outcome [`commit`] would give it: in one statement when
 /// none is refused, else one by one (a stale fence or a lock conflict between two processes'
 /// batches aborts the whole statement, and must not cost the other steps their commit).
-pub async fn commit_all<'a>(pool: &'a PgPool, steps: &'a [StepCommit]) -> Vec<Result<bool>> {
+pub async fn commit_all<'a>(pool: &'a PgPool, steps: &'a [StepCommit]) -> Vec<Result<Committed>> {
     let batch = |steps: &'a [StepCommit]| async move {
         let verdicts = commit_batch(pool, steps).await?;
         Ok(steps
@@ -145,7 +205,7 @@ pub async fn commit_all<'a>(pool: &'a PgPool, steps: &'a [StepCommit]) -> Vec<Re
 async fn commit_batch(
     db: impl PgExecutor<'_>,
     steps: &[StepCommit],
-) -> std::result::Result<Vec<String>, sqlx::Error> {
+) -> std::result::Result<Vec<(String, Option<NextClaim>)>, sqlx::Error> {
     let parked: Vec<(i64, &(String, String))> = numbered(steps, |c| c.parked.iter());
     let sql = if parked.is_empty() {
         &COMMIT
@@ -179,9 +239,34 @@ async fn commit_batch(
     let messages: Vec<&OutgoingMessage> = queued.iter().map(|q| q.1).collect();
     let rows = outbox::bind_rows(q, messages.iter().copied())
         .bind(queued.iter().map(|q| q.0).collect::<Vec<_>>())
+        .bind(col(|c| c.preclaim.as_ref().map(|p| p.owner.as_str())))
+        .bind(
+            steps
+                .iter()
+                .map(|c| c.preclaim.as_ref().and_then(|p| p.pid))
+                .collect::<Vec<_>>(),
+        )
         .fetch_all(db)
         .await?;
-    rows.iter().map(|r| sqlx::Row::try_get(r, 0)).collect()
+    rows.iter().map(verdict_row).collect()
+}
+
+/// One row of the commit's answer: the verdict, and the pre-claim's counts if it made one.
+fn verdict_row(
+    row: &sqlx::postgres::PgRow,
+) -> std::result::Result<(String, Option<NextClaim>), sqlx::Error> {
+    use sqlx::Row;
+    let (attempt, journaled, age): (Option<i32>, Option<i32>, Option<f64>) =
+        (row.try_get(1)?, row.try_get(2)?, row.try_get(3)?);
+    let next = match (attempt, journaled, age) {
+        (Some(attempt), Some(journaled), Some(age_secs)) => Some(NextClaim {
+            attempt,
+            journaled,
+            age_secs,
+        }),
+        _ => None,
+    };
+    Ok((row.try_get(0)?, next))
 }
 
 /// Flattens each step's `rows`, tagged with the step's item number (1-based, as `ORDINALITY`).
@@ -199,10 +284,12 @@ where
 /// One step's outcome. A delivery whose fence is stale is reported as fenced out even when the
 /// same message was also committed by the newer worker: that is what the operator needs to read
 /// in the log.
-fn verdict(v: &str, c: &StepCommit) -> Result<bool> {
-    match v {
-        "committed" => Ok(true),
-        "duplicate" => Ok(false),
+fn verdict((v, preclaimed): &(String, Option<NextClaim>), c: &StepCommit) -> Result<Committed> {
+    match v.as_str() {
+        "committed" => Ok(Committed::Done {
+            preclaimed: *preclaimed,
+        }),
+        "duplicate" => Ok(Committed::Duplicate),
         _ => Err(fenced_out(c)),
     }
 }

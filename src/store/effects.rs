@@ -54,7 +54,7 @@ const BEGIN: &str = "
     ), ins AS (
         INSERT INTO trailmark.effects (idempotency_key, run_id, seq, request_hash, fence, tool)
         SELECT r.key, r.run_id, r.seq, r.hash, r.fence, r.tool
-          FROM req r JOIN usage u ON u.n = r.n JOIN trailmark.runs x ON x.run_id = r.run_id AND x.fence = r.fence
+          FROM req r JOIN usage u ON u.n = r.n JOIN trailmark.runs x ON x.run_id = r.run_id AND x.fence = r.fence AND x.step_seq = r.seq
          WHERE r.n NOT IN (SELECT n FROM existing)
            AND (r.max_calls = 0 OR u.calls < r.max_calls) AND (r.repeat_limit = 0 OR u.repeats < r.repeat_limit)
         ON CONFLICT (idempotency_key) DO NOTHING
@@ -65,8 +65,8 @@ const BEGIN: &str = "
       FROM req r JOIN usage u ON u.n = r.n LEFT JOIN existing e ON e.n = r.n
      ORDER BY r.n";
 
-/// Records the intent for `i.key` (only while `i.fence` is the run's current fence and within
-/// the limits), or reports what an earlier attempt left, in one statement.
+/// Records the intent for `i.key` (only while `i.fence` and `i.seq` are where the run stands,
+/// and within the limits), or reports what an earlier attempt left, in one statement.
 /// A key already used with a different request hash is a [`Error::Conflict`].
 pub async fn begin(db: impl PgExecutor<'_>, i: &Intent) -> Result<IntentOutcome> {
     let row = begin_batch(db, std::slice::from_ref(i)).await?.remove(0);
@@ -238,7 +238,8 @@ pub async fn page(
     Ok(sqlx::query_as(
         "SELECT e.idempotency_key, e.tool, e.seq, e.request_hash,
                 CASE WHEN e.result IS NOT NULL THEN 'done'
-                     WHEN r.lease_owner IS NOT NULL AND r.lease_expires_at > now() AND r.step_seq = e.seq
+                     WHEN r.lease_owner IS NOT NULL AND r.step_seq = e.seq
+                          AND (r.lease_expires_at IS NULL OR r.lease_expires_at > now())
                           THEN 'intent'
                      ELSE 'unknown' END AS state
            FROM trailmark.effects e JOIN trailmark.runs r ON r.run_id = e.run_id

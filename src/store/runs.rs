@@ -132,6 +132,9 @@ pub struct Claim {
     pub took_over: bool,
     /// A shadow run: outside writes are recorded, never made.
     pub shadow: bool,
+    /// Made by the previous step's commit (a pre-claim), not by a claim statement: the step's
+    /// commit is synchronous (`StepTx::commit`).
+    pub preclaimed: bool,
 }
 
 /// A worker asking for a run's lease to execute one step delivery (owned, so a group-commit task
@@ -152,6 +155,8 @@ pub struct ClaimRequest {
     pub presence_pid: Option<i32>,
     /// The inbox consumer and the delivery's message id: a processed message is never claimed.
     pub message: (&'static str, MessageId),
+    /// RabbitMQ delivered the message before: a pre-claim's holder may have started it.
+    pub redelivered: bool,
 }
 
 /// What a claim found.
@@ -199,19 +204,26 @@ struct ClaimRow {
 
 /// The claim statement for any number of requests ("items", numbered from 1 in binding order).
 /// A lease is free when released, expired, the asker's own (a delivery retried in place after an
-/// infrastructure failure), or held by a process whose presence connection is gone (it died:
-/// kill -9 closes its sockets, so Postgres ends its backend). Two requests for the same run in
-/// one batch (two deliveries of its step) update the row once; the other is refused.
+/// infrastructure failure), held by a process whose presence connection is gone (it died:
+/// kill -9 closes its sockets, so Postgres ends its backend), or idle (a pre-claim, see
+/// `checkpoint::PreClaim`). A pre-claim counted the attempt already: a first delivery that takes
+/// it while its holder lives is that attempt (the holder never got the message) and no
+/// takeover; a redelivery, or any delivery once the holder is gone, may follow a holder that
+/// started the step and died, and counts as another. Two requests for the
+/// same run in one batch (two deliveries of its step) update the row once; the other is refused.
 const CLAIM: &str = "WITH req AS (
         SELECT * FROM UNNEST($1::text[], $2::int4[], $3::text[], $4::float8[], $5::int4[], $6::text[],
-                             $7::text[], $8::uuid[])
-          WITH ORDINALITY AS r(run_id, seq, owner, lease_secs, pid, step, consumer, message_id, n)
+                             $7::text[], $8::uuid[], $10::bool[])
+          WITH ORDINALITY AS r(run_id, seq, owner, lease_secs, pid, step, consumer, message_id,
+                               redelivered, n)
     ), seen AS (
         SELECT r.n FROM req r JOIN trailmark.inbox i ON i.consumer = r.consumer AND i.message_id = r.message_id
-    ), held AS (
+    ), lease AS (
         -- Who held the lease before this statement (its snapshot): a claim that takes a lease
-        -- held by another owner is a takeover.
-        SELECT r.n FROM req r JOIN trailmark.runs u ON u.run_id = r.run_id
+        -- held by another owner is a takeover, unless it is a first delivery taking a pre-claim.
+        SELECT r.n, u.lease_expires_at IS NULL AND NOT r.redelivered
+                    AND NOT trailmark.process_gone(u.lease_pid) AS first_on_preclaim
+          FROM req r JOIN trailmark.runs u ON u.run_id = r.run_id
          WHERE u.lease_owner IS NOT NULL AND u.lease_owner <> r.owner
     ), claimed AS (
         UPDATE trailmark.runs u
@@ -223,16 +235,20 @@ const CLAIM: &str = "WITH req AS (
            -- young would otherwise read every running run through it on each claim.
            AND CASE WHEN u.status = ANY($9::text[]) THEN true ELSE false END
            AND r.n NOT IN (SELECT n FROM seen)
-           AND (u.lease_owner IS NULL OR u.lease_expires_at < now() OR u.lease_owner = r.owner
-                OR trailmark.process_gone(u.lease_pid))
+           AND (u.lease_owner IS NULL OR u.lease_expires_at IS NULL OR u.lease_expires_at < now()
+                OR u.lease_owner = r.owner OR trailmark.process_gone(u.lease_pid))
         RETURNING r.n, r.run_id, r.seq, r.step, u.fence, u.status, u.input,
                   EXTRACT(EPOCH FROM now() - u.created_at)::float8 AS age_secs, u.undo, u.shadow
     ), attempt AS (
-        INSERT INTO trailmark.steps (run_id, seq, step, attempts) SELECT run_id, seq, step, 1 FROM claimed
-        ON CONFLICT (run_id, seq) DO UPDATE SET attempts = trailmark.steps.attempts + 1, retry_at = NULL
+        INSERT INTO trailmark.steps (run_id, seq, step, attempts)
+        SELECT c.run_id, c.seq, c.step,
+               CASE WHEN c.n IN (SELECT n FROM lease WHERE first_on_preclaim) THEN 0 ELSE 1 END
+          FROM claimed c
+        ON CONFLICT (run_id, seq) DO UPDATE SET attempts = trailmark.steps.attempts + EXCLUDED.attempts, retry_at = NULL
         RETURNING run_id, seq, attempts
     )
-    SELECT r.n IN (SELECT n FROM seen) AS seen, r.n IN (SELECT n FROM held) AS took_over,
+    SELECT r.n IN (SELECT n FROM seen) AS seen,
+           r.n IN (SELECT n FROM lease WHERE NOT first_on_preclaim) AS took_over,
            c.fence, c.status, c.input, c.age_secs, c.undo, c.shadow, a.attempts,
            (SELECT count(*) FROM trailmark.journal j WHERE j.run_id = r.run_id AND j.seq = r.seq)::int4 AS journaled,
            o.status AS run_status, o.step_seq AS run_seq
@@ -275,6 +291,7 @@ async fn claim_batch(db: impl PgExecutor<'_>, reqs: &[ClaimRequest]) -> Result<V
         .bind(text(|r| r.message.0))
         .bind(reqs.iter().map(|r| r.message.1.0).collect::<Vec<_>>())
         .bind(&RunStatus::EXECUTING[..])
+        .bind(reqs.iter().map(|r| r.redelivered).collect::<Vec<_>>())
         .fetch_all(db)
         .await?;
     Ok(rows
@@ -303,6 +320,7 @@ fn outcome(row: ClaimRow, asked_seq: i32) -> ClaimOutcome {
         journaled: row.journaled,
         took_over: row.took_over,
         shadow: row.shadow.unwrap_or(false),
+        preclaimed: false,
     })
 }
 
@@ -321,22 +339,26 @@ fn refusal(status: Option<RunStatus>, seq: Option<i32>, asked_seq: i32) -> Refus
 
 /// Extends a held lease and re-stamps the holder's presence pid (the presence connection may
 /// have been re-opened since the claim, and a lease naming a gone backend is free to take);
-/// `false` means the fence moved on (the caller must stop).
+/// `false` means the fence moved on (the caller must stop). The first beat on a pre-claim turns
+/// its idle lease into an ordinary one. Position and fence together name the holder: a fence
+/// alone could be one that a Postgres crash forgot and a later claim at an earlier position
+/// handed out again (see `checkpoint::PreClaim`).
 pub async fn heartbeat(
     db: impl PgExecutor<'_>,
-    run_id: &RunId,
+    (run_id, seq): (&RunId, i32),
     fence: Fence,
     lease_secs: f64,
     presence_pid: Option<i32>,
 ) -> Result<bool> {
     let done = sqlx::query(
         "UPDATE trailmark.runs SET lease_expires_at = now() + make_interval(secs => $3), lease_pid = $4
-          WHERE run_id = $1 AND fence = $2 AND lease_owner IS NOT NULL",
+          WHERE run_id = $1 AND fence = $2 AND step_seq = $5 AND lease_owner IS NOT NULL",
     )
     .bind(run_id.as_str())
     .bind(fence.0)
     .bind(lease_secs)
     .bind(presence_pid)
+    .bind(seq)
     .execute(db)
     .await?;
     Ok(done.rows_affected() == 1)
@@ -353,10 +375,11 @@ pub async fn set_undo_plan(db: impl PgExecutor<'_>, run_id: &str, plan: &UndoPla
 }
 
 /// Gives a lease back without advancing the run (its step is retried after `delay_secs` from a
-/// delay queue), and notes on the step when it runs again and why it failed.
+/// delay queue), and notes on the step when it runs again and why it failed. Checked by position
+/// and fence, as [`heartbeat`].
 pub async fn release(
     db: impl PgExecutor<'_>,
-    run_id: &RunId,
+    (run_id, seq): (&RunId, i32),
     fence: Fence,
     delay_secs: f64,
     error: &str,
@@ -364,7 +387,7 @@ pub async fn release(
     sqlx::query(
         "WITH released AS (
             UPDATE trailmark.runs SET lease_owner = NULL, lease_expires_at = NULL, updated_at = now()
-             WHERE run_id = $1 AND fence = $2
+             WHERE run_id = $1 AND fence = $2 AND step_seq = $5
             RETURNING run_id, step_seq
          )
          UPDATE trailmark.steps s SET retry_at = now() + make_interval(secs => $3), last_error = $4
@@ -374,9 +397,39 @@ pub async fn release(
     .bind(fence.0)
     .bind(delay_secs)
     .bind(error)
+    .bind(seq)
     .execute(db)
     .await?;
     Ok(())
+}
+
+/// Gives back pre-claims whose steps never started (`checkpoint::PreClaim`; a stopping worker's,
+/// so that the next worker's claim counts the attempt as the first): each idle lease still held
+/// under its fence at its position is freed, and the attempt the pre-claim counted is taken back.
+pub async fn release_preclaims(
+    db: impl PgExecutor<'_>,
+    held: &[(RunId, Fence, i32)],
+) -> Result<u64> {
+    if held.is_empty() {
+        return Ok(0);
+    }
+    let done = sqlx::query(
+        "WITH freed AS (
+            UPDATE trailmark.runs r SET lease_owner = NULL, lease_pid = NULL, updated_at = now()
+              FROM UNNEST($1::text[], $2::int8[], $3::int4[]) AS h(run_id, fence, seq)
+             WHERE r.run_id = h.run_id AND r.fence = h.fence AND r.step_seq = h.seq
+               AND r.lease_owner IS NOT NULL AND r.lease_expires_at IS NULL
+            RETURNING r.run_id, r.step_seq
+         )
+         UPDATE trailmark.steps s SET attempts = s.attempts - 1
+           FROM freed f WHERE s.run_id = f.run_id AND s.seq = f.step_seq AND s.attempts > 0",
+    )
+    .bind(held.iter().map(|h| h.0.as_str()).collect::<Vec<_>>())
+    .bind(held.iter().map(|h| h.1.0).collect::<Vec<_>>())
+    .bind(held.iter().map(|h| h.2).collect::<Vec<_>>())
+    .execute(db)
+    .await?;
+    Ok(done.rows_affected())
 }
 
 /// A run whose lease expired without progress, taken back by [`take_expired_leases`].

@@ -305,6 +305,7 @@ pub(super) fn to_commit(
         inbox: (STEP_CONSUMER, msg.message_id),
         parked,
         outbox,
+        preclaim: None,
     })
 }
 

@@ -16,8 +16,8 @@ pub(super) struct Heartbeat {
 }
 
 impl Heartbeat {
-    /// Starts beating for the lease held under `fence`.
-    pub fn start(engine: &Arc<Engine>, run_id: RunId, fence: Fence) -> Self {
+    /// Starts beating for the lease held under `fence` at position `seq`.
+    pub fn start(engine: &Arc<Engine>, (run_id, seq): (RunId, i32), fence: Fence) -> Self {
         let lost = CancellationToken::new();
         let (engine, signal) = (engine.clone(), lost.clone());
         let task = tokio::spawn(async move {
@@ -28,7 +28,7 @@ impl Heartbeat {
                 ticker.tick().await;
                 match runs::heartbeat(
                     &engine.pool,
-                    &run_id,
+                    (&run_id, seq),
                     fence,
                     lease,
                     super::presence::pid(&engine),

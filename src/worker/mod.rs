@@ -10,6 +10,7 @@ mod ending;
 mod handover;
 mod lease;
 mod outcome;
+mod preclaim;
 mod presence;
 mod published;
 mod run_start;
@@ -171,9 +172,24 @@ async fn session(
         tracker.close();
         let grace = engine.settings.worker.lease();
         let _ = tokio::time::timeout(grace, tracker.wait()).await;
+        release_preclaims(engine).await;
         let _ = conn.close(200, "shutdown".into()).await;
     }
     outcome
+}
+
+/// Gives back the pre-claims no delivery took, while this worker still holds their prefetched
+/// messages (they return to the queue when the channel closes): the next worker's claim then
+/// counts its attempt as the first. A pre-claim left behind costs only that count (one attempt
+/// more than ran), as after a crash.
+async fn release_preclaims(engine: &Engine) {
+    let held = engine.step_tx.preclaims.drain();
+    match crate::store::runs::release_preclaims(&engine.pool, &held).await {
+        Ok(n) => tracing::debug!(released = n, "shutdown: unused pre-claims given back"),
+        Err(e) => {
+            tracing::warn!(error = %crate::error::Report(&e), pre_claims = held.len(), "shutdown: could not give back unused pre-claims; their next claims count one attempt more")
+        }
+    }
 }
 
 /// What a delivery carries, decoded once (its retries in place reuse it).
@@ -238,6 +254,17 @@ fn record_ids(work: &Work) {
     }
 }
 
+/// Whether RabbitMQ delivered this message before: the redelivered flag, or a quorum queue's
+/// count of earlier deliveries.
+fn delivered_before(delivery: &Delivery) -> bool {
+    let headers = delivery.properties.headers().as_ref();
+    let count = broker::header_str(headers, "x-delivery-count");
+    delivery.redelivered
+        || count
+            .and_then(|c| c.parse::<u64>().ok())
+            .is_some_and(|c| c > 0)
+}
+
 /// Processes one decoded delivery to its disposition, retrying infrastructure failures in place
 /// (the message stays unacknowledged, so nothing is lost if we die meanwhile).
 async fn handle_work(
@@ -249,10 +276,17 @@ async fn handle_work(
     shutdown: &CancellationToken,
 ) {
     let mut backoff = Duration::from_millis(100);
-    let owner = format!("{}/{}", engine.worker_id, uuid::Uuid::new_v4().simple());
+    // A delivery whose step this process pre-claimed goes on under the owner the pre-claim
+    // recorded, so that a retry in place finds the lease its own.
+    let owner = match &work {
+        Work::Step(msg) => engine.step_tx.preclaims.owner(msg.message_id),
+        Work::Start(_) => None,
+    }
+    .unwrap_or_else(|| format!("{}/{}", engine.worker_id, uuid::Uuid::new_v4().simple()));
+    let redelivered = delivered_before(delivery);
     loop {
         let result = match &work {
-            Work::Step(msg) => step::process(engine, msg, &owner).await,
+            Work::Step(msg) => step::process(engine, msg, (&owner, redelivered)).await,
             Work::Start(event) => run_start::process(engine, delivery, event).await,
         };
         match result {

@@ -17,11 +17,15 @@ use super::handover::{self, Evidence};
 use super::lease::Heartbeat;
 use super::outcome::{Disposition, dead};
 use super::published;
-use crate::domain::{OutgoingMessage, RunStatus, ShadowWrite, StepMessage, Transition, UndoPlan};
+use super::{preclaim, step_tx};
+use crate::domain::{
+    MessageId, OutgoingMessage, RunStatus, ShadowWrite, StepMessage, Transition, UndoPlan,
+};
 use crate::engine::{Engine, Stats};
 use crate::failpoint::Injected;
 use crate::guard::Budget;
 use crate::metrics;
+use crate::store::checkpoint::{Committed, PreClaim, StepCommit};
 use crate::store::{self, decisions, runs, shadow, steps};
 use crate::workflow::{
     IDEMPOTENCY_KEY_HEADER, Position, Records, StepContext, StepDef, StepError, StepOutcome,
@@ -33,7 +37,7 @@ use crate::workflow::{
 pub(super) async fn process(
     engine: &Arc<Engine>,
     msg: &StepMessage,
-    owner: &str,
+    (owner, redelivered): (&str, bool),
 ) -> store::Result<Disposition> {
     engine.failpoints.hit("worker.received").map_err(infra)?;
     // 1. The workflow and step it names, deployed in this worker.
@@ -41,8 +45,9 @@ pub(super) async fn process(
         Ok(found) => found,
         Err(poison) => return Ok(poison),
     };
-    // 2. Claim: inbox check, lease, fence + 1 and attempt, committed before anything runs.
-    let claim = match claim(engine, msg, owner).await? {
+    // 2. Claim: inbox check, lease, fence + 1 and attempt, committed before anything runs (or
+    //    made by the previous step's commit: a pre-claim).
+    let claim = match claim(engine, msg, owner, redelivered).await? {
         Ok(claim) => claim,
         Err(not_claimed) => return Ok(not_claimed),
     };
@@ -143,7 +148,7 @@ async fn run_claimed(
             engine.step_tx.progress(&msg.run_id, msg.seq, line);
             engine
                 .step_tx
-                .release(&msg.run_id, claim.fence, delay, &reason)
+                .release((&msg.run_id, msg.seq), claim.fence, delay, &reason)
                 .await?;
             Disposition::Delay(delay)
         }
@@ -283,12 +288,21 @@ fn resolve(
 const BUSY_RECHECKS_MS: [u64; 3] = [10, 40, 150];
 
 /// Claims the run for this delivery, re-checking a busy lease a few times within about 0.2 s;
-/// `Err` is what becomes of a delivery that was not claimed.
+/// `Err` is what becomes of a delivery that was not claimed. A first delivery for which the
+/// previous step's commit claimed the position here starts on that claim (`preclaim.rs`).
 async fn claim(
     engine: &Engine,
     msg: &StepMessage,
     owner: &str,
+    redelivered: bool,
 ) -> store::Result<Result<runs::Claim, Disposition>> {
+    let lease = Duration::from_secs(engine.settings.worker.lease_secs);
+    let at = (&msg.run_id, msg.seq);
+    let preclaimed = engine.step_tx.preclaims.take(msg.message_id, at, lease);
+    if let Some(claim) = preclaimed.filter(|_| !redelivered) {
+        Stats::bump(&engine.stats.preclaims_used);
+        return Ok(Ok(claim));
+    }
     let request = runs::ClaimRequest {
         run_id: msg.run_id.clone(),
         seq: msg.seq,
@@ -297,6 +311,7 @@ async fn claim(
         lease_secs: engine.settings.worker.lease_secs as f64,
         presence_pid: super::presence::pid(engine),
         message: (STEP_CONSUMER, msg.message_id),
+        redelivered,
     };
     let mut pauses = BUSY_RECHECKS_MS.iter();
     loop {
@@ -435,7 +450,7 @@ async fn execute(
     step: &StepDef,
     ctx: StepContext,
 ) -> Result<StepOutcome, StepError> {
-    let heartbeat = Heartbeat::start(engine, ctx.run_id().clone(), ctx.fence());
+    let heartbeat = Heartbeat::start(engine, (ctx.run_id().clone(), ctx.seq()), ctx.fence());
     let timeout = Duration::from_secs(engine.settings.worker.step_timeout_secs);
     let run = AssertUnwindSafe((step.handler)(ctx)).catch_unwind();
     let result = tokio::select! {
@@ -470,11 +485,23 @@ async fn commit(
     published::hold_for_eager_publish(engine, &mut step.outbox);
     // Copied only when the worker publishes them itself; the originals go into the commit.
     let eager: Vec<OutgoingMessage> = published::to_publish_eagerly(engine, &step.outbox);
+    let next = preclaim(engine, claim, &mut step, !eager.is_empty());
     let fp = &engine.failpoints;
     fp.hit("step.before_commit").map_err(infra)?;
-    match engine.step_tx.commit(step, answers_flushed).await {
-        Ok(true) => {}
-        Ok(false) => {
+    match engine
+        .step_tx
+        .commit(step, (answers_flushed, claim.preclaimed))
+        .await
+    {
+        Ok(Committed::Done { preclaimed }) => {
+            if let (Some((message, owner)), Some(counted)) = (next, preclaimed) {
+                let next_claim = preclaim::next_claim(claim, counted);
+                let at = (msg.run_id.clone(), msg.seq + 1);
+                let lease = Duration::from_secs(engine.settings.worker.lease_secs);
+                (engine.step_tx.preclaims).keep(message, at, owner, next_claim, lease);
+            }
+        }
+        Ok(Committed::Duplicate) => {
             return Ok(Disposition::Duplicate(
                 "another delivery committed the step first",
             ));
@@ -494,6 +521,28 @@ async fn commit(
     Stats::bump(&engine.stats.steps_committed);
     log_lifecycle(to);
     Ok(Disposition::Committed(eager))
+}
+
+/// Asks the commit to claim the run's next position for this worker when it may
+/// (`step_tx::preclaimable`; not while an undo plan is in force); the next message's id and the
+/// owner recorded, for [`preclaim::PreClaims::keep`].
+fn preclaim(
+    engine: &Engine,
+    claim: &runs::Claim,
+    step: &mut StepCommit,
+    eager: bool,
+) -> Option<(MessageId, String)> {
+    let wanted = engine.settings.worker.preclaim && claim.undo.is_none();
+    if !wanted || !step_tx::preclaimable(step, eager) {
+        return None;
+    }
+    let message = step.outbox[0].message_id;
+    let owner = preclaim::owner(&engine.worker_id, message);
+    step.preclaim = Some(PreClaim {
+        owner: owner.clone(),
+        pid: super::presence::pid(engine),
+    });
+    Some((message, owner))
 }
 
 /// A committed step at INFO only when it changes where the run stands (it ended, or a person

@@ -19,7 +19,7 @@ use crate::domain::{
     EffectIntent, Event, Fence, IdempotencyKey, IntentOutcome, JournalEntry, RunId, ShadowWrite,
     Spent,
 };
-use crate::store::checkpoint::{self, StepCommit};
+use crate::store::checkpoint::{self, Committed, StepCommit};
 use crate::store::records::{self, Record};
 use crate::store::runs::{self, ClaimOutcome, ClaimRequest};
 use crate::store::{self, effects, journal, outbox, progress, shadow, steps};
@@ -38,10 +38,12 @@ pub(crate) struct StepTx {
     records: OnceLock<Batcher<Record, bool>>,
     /// Effect intents go through the strict pool: an intent is durable before its call.
     intents: OnceLock<Batcher<EffectIntent, IntentOutcome>>,
-    commits: OnceLock<Batcher<StepCommit, bool>>,
+    commits: OnceLock<Batcher<StepCommit, Committed>>,
     /// Commits that only move a running run to its next step, on the relaxed pool (see
     /// [`StepTx::commit`]).
-    advances: OnceLock<Batcher<StepCommit, bool>>,
+    advances: OnceLock<Batcher<StepCommit, Committed>>,
+    /// Next positions this process's commits claimed, waiting for their deliveries.
+    pub preclaims: super::preclaim::PreClaims,
     /// Progress lines, written in batches by a task of their own.
     progress: OnceLock<tokio::sync::mpsc::UnboundedSender<progress::NewLine>>,
 }
@@ -65,6 +67,7 @@ impl StepTx {
             intents: OnceLock::new(),
             commits: OnceLock::new(),
             advances: OnceLock::new(),
+            preclaims: Default::default(),
             progress: OnceLock::new(),
         }
     }
@@ -90,22 +93,29 @@ impl StepTx {
     }
 
     /// Commits a step (inbox row, fenced run advance, checkpoint, parked items, outbox rows),
-    /// with the other steps' commits of the moment; `false`: the message was committed before.
+    /// with the other steps' commits of the moment.
     ///
     /// A commit that only moves a running (or compensating) run on to its next step does not
-    /// wait for its WAL flush: the next step's claim is a synchronous commit after it in the
-    /// same WAL, and every effect of the step was made durable by its intent before the call.
-    /// A Postgres crash in between loses the commit but not the step's lease (its claim was
-    /// synchronous), so the step runs again from its journal and keys once the lease expires
-    /// (README, trade-offs; `tests/relaxed_crash.rs`). Two kinds of advance stay synchronous,
-    /// because running the step again could end it differently or the world has seen it:
-    /// one whose ending may rest on a model answer not yet flushed (`answers_flushed` false:
-    /// asked again, the model may choose another next step), and one that sends messages of
-    /// its own (`ctx.send`: published at once, they must never go out on a commit that can be
-    /// lost). Commits that end a run or hand it to a person are seen by people and upstream
-    /// services at once, and stay synchronous.
-    pub async fn commit(&self, step: StepCommit, answers_flushed: bool) -> store::Result<bool> {
-        let (cell, pool) = if answers_flushed && only_advances(&step) {
+    /// wait for its WAL flush when the step was claimed by a claim statement: every effect of
+    /// the step was made durable by its intent before the call, and a Postgres crash that loses
+    /// the commit leaves the run at the step under the lease of that synchronous claim, so the
+    /// step runs again from its journal and keys once the lease expires (README, trade-offs;
+    /// `tests/relaxed_crash.rs`). The other advances stay synchronous:
+    /// - a step started on a pre-claim (`preclaimed`): its lease is the previous commit's idle
+    ///   one, which never expires, so a lost commit after an acknowledged delivery would leave
+    ///   the run with nothing to bring it back;
+    /// - one whose ending may rest on a model answer not yet flushed (`answers_flushed` false:
+    ///   asked again, the model may choose another next step);
+    /// - one that sends messages of its own (`ctx.send`: published at once, they must never go
+    ///   out on a commit that can be lost).
+    /// Commits that end a run or hand it to a person are seen by people and upstream services
+    /// at once, and stay synchronous.
+    pub async fn commit(
+        &self,
+        step: StepCommit,
+        (answers_flushed, preclaimed): (bool, bool),
+    ) -> store::Result<Committed> {
+        let (cell, pool) = if answers_flushed && !preclaimed && only_advances(&step) {
             (&self.advances, &self.relaxed)
         } else {
             (&self.commits, &self.pool)
@@ -120,12 +130,12 @@ impl StepTx {
     /// `delay`; `error` is why).
     pub async fn release(
         &self,
-        run_id: &RunId,
+        at: (&RunId, i32),
         fence: Fence,
         delay: std::time::Duration,
         error: &str,
     ) -> store::Result<()> {
-        runs::release(&self.pool, run_id, fence, delay.as_secs_f64(), error).await
+        runs::release(&self.pool, at, fence, delay.as_secs_f64(), error).await
     }
 
     async fn record(&self, record: Record) -> store::Result<bool> {
@@ -250,6 +260,15 @@ impl Records for StepTx {
 
 /// Whether a commit only moves a running or compensating run on to its next step: its one
 /// outbox row is the next step's message (no `ctx.send` messages, no run event).
+/// Whether a commit may claim the run's next position for its committer
+/// (`checkpoint::PreClaim`): a running run moved on to its next step, whose one message this
+/// worker publishes itself, so the delivery is likely to come back here soon.
+pub(super) fn preclaimable(step: &StepCommit, eager: bool) -> bool {
+    use crate::domain::RunStatus::Running;
+    let status = step.to.status;
+    eager && only_advances(step) && status.from == Running && status.to == Running
+}
+
 fn only_advances(step: &StepCommit) -> bool {
     use crate::domain::RunStatus::{Compensating, Running};
     let status = step.to.status;

@@ -359,6 +359,10 @@ impl TestEnv {
                 "TRAILMARK__WORKER__HEARTBEAT_SECS",
                 self.settings.worker.heartbeat_secs.to_string(),
             )
+            .env(
+                "TRAILMARK__WORKER__PRECLAIM",
+                self.settings.worker.preclaim.to_string(),
+            )
             .env("TRAILMARK__RELAY__POLL_INTERVAL_MS", "200")
             .env("TRAILMARK__API__LISTEN", &self.settings.api.listen)
             .env(
@@ -539,5 +543,6 @@ pub fn first_step_commit(
             .map(|i| (i.to_string(), "unreadable".to_owned()))
             .collect(),
         outbox: (0..queued).map(message).collect(),
+        preclaim: None,
     }
 }

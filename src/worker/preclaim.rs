@@ -1,0 +1,119 @@
+//! Claims a process's commits made on their runs' next positions (`checkpoint::PreClaim`),
+//! kept until the next step's delivery comes back to this process, so that it starts without
+//! a claim statement.
+//!
+//! Only a first delivery uses one: a redelivered message may have been started by another
+//! worker meanwhile (its claim took the idle lease), and goes through the claim statement. An
+//! entry that no delivery took (the message went to another worker) is dropped after a lease
+//! length; the lease it names was idle, and that worker's claim took it.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use crate::domain::{Fence, MessageId, RunId};
+use crate::store::checkpoint::NextClaim;
+use crate::store::runs::Claim;
+
+/// Above this many entries, inserting one first drops those older than a lease length.
+const PRUNE_ABOVE: usize = 4096;
+
+/// The pre-claims of one process, by the message id of the step they wait for.
+#[derive(Default)]
+pub(crate) struct PreClaims {
+    held: Mutex<HashMap<MessageId, Held>>,
+}
+
+struct Held {
+    run_id: RunId,
+    seq: i32,
+    /// The lease owner the commit recorded, which the delivery then uses for its claims.
+    owner: String,
+    claim: Claim,
+    since: Instant,
+}
+
+impl PreClaims {
+    /// Empties the table: (run, fence, position) of every pre-claim no delivery took.
+    pub fn drain(&self) -> Vec<(RunId, Fence, i32)> {
+        let mut held = self.held.lock().expect("pre-claims lock");
+        held.drain()
+            .map(|(_, h)| (h.run_id, h.claim.fence, h.seq))
+            .collect()
+    }
+}
+
+/// A pre-claim's lease owner, for the delivery of `message`.
+pub(crate) fn owner(worker_id: &str, message: MessageId) -> String {
+    format!("{worker_id}/{}", message.0.simple())
+}
+
+impl PreClaims {
+    /// Keeps `claim` (at position `seq` of `run_id`) for the delivery of `message`.
+    pub fn keep(
+        &self,
+        message: MessageId,
+        (run_id, seq): (RunId, i32),
+        owner: String,
+        claim: Claim,
+        lease: Duration,
+    ) {
+        let mut held = self.held.lock().expect("pre-claims lock");
+        if held.len() >= PRUNE_ABOVE {
+            held.retain(|_, h| h.since.elapsed() < lease);
+        }
+        let since = Instant::now();
+        held.insert(
+            message,
+            Held {
+                run_id,
+                seq,
+                owner,
+                claim,
+                since,
+            },
+        );
+    }
+
+    /// The lease owner a pre-claim for `message` recorded, if this process holds one.
+    pub fn owner(&self, message: MessageId) -> Option<String> {
+        let held = self.held.lock().expect("pre-claims lock");
+        held.get(&message).map(|h| h.owner.clone())
+    }
+
+    /// Takes the pre-claim for a first delivery of `message` at `seq` of `run_id`, with the
+    /// run's age brought up to now; `None` when there is none (or it is older than `lease`).
+    pub fn take(
+        &self,
+        message: MessageId,
+        (run_id, seq): (&RunId, i32),
+        lease: Duration,
+    ) -> Option<Claim> {
+        let held = self
+            .held
+            .lock()
+            .expect("pre-claims lock")
+            .remove(&message)?;
+        let age = held.since.elapsed();
+        if held.run_id != *run_id || held.seq != seq || age >= lease {
+            return None;
+        }
+        let mut claim = held.claim;
+        claim.age_secs += age.as_secs_f64();
+        Some(claim)
+    }
+}
+
+/// The claim a commit that pre-claimed the next position hands its holder: the committer's
+/// claim one fence and one position on, with what the commit counted there.
+pub(crate) fn next_claim(current: &Claim, next: NextClaim) -> Claim {
+    Claim {
+        fence: Fence(current.fence.0 + 1),
+        attempt: next.attempt,
+        journaled: next.journaled,
+        age_secs: next.age_secs,
+        took_over: false,
+        preclaimed: true,
+        ..current.clone()
+    }
+}
