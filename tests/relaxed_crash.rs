@@ -1109,7 +1109,9 @@ async fn an_acked_step_commit_lost_while_the_worker_lives_resumes_when_its_claim
 /// up to its first step's commit with position 1's claim held waiting (behind a row of position
 /// 1 that a transaction of the test's inserts and never commits, as in the test above), crashes
 /// Postgres, and asserts that the first step's commit, which moved the run to position 1 and was
-/// acknowledged, survived: the run is at position 1, without a lease, position 0 committed once.
+/// acknowledged, survived: the run is at position 1 or beyond (the living worker retries its
+/// claim of position 1 once Postgres is back, and may be through before the test looks), and
+/// position 0 was committed once and never claimed again.
 async fn advance_survives_a_crash(
     w: &mut World,
     (workflow, run, second): (&str, &str, &str),
@@ -1159,19 +1161,17 @@ async fn advance_survives_a_crash(
     drop(blocker);
 
     let after = store::runs::get(&w.env.pool, run).await.unwrap().unwrap();
-    assert_eq!(
-        (after.status, after.step_seq, after.lease_owner),
-        (RunStatus::Running, 1, None),
-        "position 0's commit, which had to wait for its flush, was lost in the crash"
+    assert!(
+        after.step_seq >= 1,
+        "position 0's commit, which had to wait for its flush, was lost in the crash: the run \
+         is {} at position {}",
+        after.status,
+        after.step_seq
     );
     assert_eq!(
-        (
-            w.env.steps_done(run).await,
-            w.env.attempts(run, 0).await,
-            w.env.attempts(run, 1).await
-        ),
-        (1, 1, 0),
-        "(positions committed, claims of position 0, of position 1) after the crash"
+        w.env.attempts(run, 0).await,
+        1,
+        "claims of position 0: it ran again after the crash"
     );
 }
 

@@ -81,7 +81,16 @@ pub(super) async fn process(
         None => msg.step.to_string(),
     };
     metrics::step_finished(&msg.workflow, &label, outcome, started.elapsed());
-    ended.map(|(_, disposition)| disposition)
+    let disposition = ended.map(|(_, disposition)| disposition)?;
+    if claim.preclaimed && matches!(disposition, Disposition::Stale(_)) {
+        // Nothing checks a pre-claim before its step starts. Fenced out, it may have been taken
+        // by a worker that has since given the lease back and left the step to this very
+        // message (a temporary failure's delay-queue copy): dropping it would strand the run.
+        // The claim statement decides instead (duplicate, run moved on, busy, or ours).
+        tracing::info!("the step's pre-claim was no longer the run's; claiming the step");
+        return Box::pin(process(engine, msg, (owner, redelivered))).await;
+    }
+    Ok(disposition)
 }
 
 /// Steps 3 and 4 for a claimed step: guards and handler, then its ending; with the outcome's

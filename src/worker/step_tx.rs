@@ -108,6 +108,7 @@ impl StepTx {
     ///   asked again, the model may choose another next step);
     /// - one that sends messages of its own (`ctx.send`: published at once, they must never go
     ///   out on a commit that can be lost).
+    ///
     /// Commits that end a run or hand it to a person are seen by people and upstream services
     /// at once, and stay synchronous.
     pub async fn commit(

@@ -1,7 +1,9 @@
 //! Where an unloaded trailmark step spends its time, read from the timestamps the engine already
 //! writes (each is the start of the statement that wrote it): commit of the previous step, claim,
 //! effect intent, ledger row, commit. Each segment therefore
-//! also holds the commit (fsync) of the write that opens it.
+//! also holds the commit (fsync) of the write that opens it. A step the previous commit
+//! pre-claimed has its claim time in that commit (`worker.preclaim`): its first segment is 0 and
+//! the second holds the publish and the delivery.
 
 use serde::Serialize;
 
@@ -10,8 +12,8 @@ use super::env::BenchEnv;
 
 /// Segment labels, in step order; the values come back in the same order.
 pub const SEGMENTS: [&str; 4] = [
-    "commit -> next claim (commit; eager publish + confirm, delivery; claim = inbox check + lease + attempt)",
-    "claim -> effect intent (claim commit, model call over HTTP, journal commit)",
+    "commit -> next claim (commit; eager publish + confirm, delivery; claim = inbox check + lease + attempt; 0 when pre-claimed)",
+    "claim -> effect intent (claim commit, model call over HTTP, journal commit; pre-claimed: also the publish and the delivery)",
     "effect intent -> ledger row (intent commit)",
     "ledger row -> step commit (ledger commit, effect result commit)",
 ];
