@@ -283,14 +283,19 @@ impl World {
             .expect("connect after the crash");
     }
 
+    /// Run `id` as it stands (it must exist: a synchronous commit made it).
+    async fn run(&self, id: &str) -> store::runs::RunRow {
+        store::runs::get(&self.env.pool, id)
+            .await
+            .expect("read the run")
+            .unwrap_or_else(|| panic!("run {id} is gone"))
+    }
+
     /// Asserts where the crash left the run: running at `seq` under the lease of that position's
     /// claim (a synchronous commit, so it outlives the crash; the killed worker holds it), the
     /// positions before it committed; returns how often `seq` was claimed.
     async fn stopped_at(&self, seq: i32) -> i64 {
-        let run = store::runs::get(&self.env.pool, RUN)
-            .await
-            .unwrap()
-            .expect("the run survived the crash");
+        let run = self.run(RUN).await;
         assert_eq!(
             (run.status, run.step_seq),
             (RunStatus::Running, seq),
@@ -848,10 +853,7 @@ async fn hops_succeed(w: &World) {
         },
     )
     .await;
-    let run = store::runs::get(&w.env.pool, "r-hops")
-        .await
-        .unwrap()
-        .unwrap();
+    let run = w.run("r-hops").await;
     let rows = w
         .unpublished_rows("r-hops")
         .await
@@ -944,10 +946,7 @@ async fn a_claim_keeps_the_acked_step_commit_before_it_and_the_run_finishes_afte
         .await;
     w.postgres_crash().await;
 
-    let run = store::runs::get(&w.env.pool, "r-hops")
-        .await
-        .unwrap()
-        .unwrap();
+    let run = w.run("r-hops").await;
     assert_eq!(
         (run.status, run.step_seq),
         (RunStatus::Running, 2),
@@ -1039,10 +1038,7 @@ async fn an_acked_step_commit_lost_while_the_worker_lives_resumes_when_its_claim
     })
     .await;
     assert!(waiting.is_some(), "position 1's claim never waited");
-    let run = store::runs::get(&w.env.pool, "r-hops")
-        .await
-        .unwrap()
-        .unwrap();
+    let run = w.run("r-hops").await;
     assert_eq!(
         (run.step_seq, run.lease_owner),
         (1, None),
@@ -1051,10 +1047,7 @@ async fn an_acked_step_commit_lost_while_the_worker_lives_resumes_when_its_claim
     w.postgres_crash().await;
     drop(blocker);
 
-    let run = store::runs::get(&w.env.pool, "r-hops")
-        .await
-        .unwrap()
-        .unwrap();
+    let run = w.run("r-hops").await;
     assert_eq!(
         (run.status, run.step_seq),
         (RunStatus::Running, 0),
@@ -1151,7 +1144,7 @@ async fn advance_survives_a_crash(
     })
     .await;
     assert!(waiting.is_some(), "position 1's claim never waited");
-    let before = store::runs::get(&w.env.pool, run).await.unwrap().unwrap();
+    let before = w.run(run).await;
     assert_eq!(
         (before.step_seq, before.lease_owner),
         (1, None),
@@ -1160,7 +1153,7 @@ async fn advance_survives_a_crash(
     w.postgres_crash().await;
     drop(blocker);
 
-    let after = store::runs::get(&w.env.pool, run).await.unwrap().unwrap();
+    let after = w.run(run).await;
     assert!(
         after.step_seq >= 1,
         "position 0's commit, which had to wait for its flush, was lost in the crash: the run \
@@ -1345,10 +1338,7 @@ async fn a_pre_claim_lost_with_postgres_lets_the_step_started_on_it_write_nothin
     let (engine, _running) = engine(&w, vec![posts(first.clone(), second.clone())]).await;
     w.env.start_run("posts", "r-posts", json!({})).await;
     first.reached("position 0 of r-posts").await;
-    let claimed = store::runs::get(&w.env.pool, "r-posts")
-        .await
-        .unwrap()
-        .unwrap();
+    let claimed = w.run("r-posts").await;
     first.open();
     second
         .reached("position 1 of r-posts, on its pre-claim")
@@ -1360,10 +1350,7 @@ async fn a_pre_claim_lost_with_postgres_lets_the_step_started_on_it_write_nothin
     );
     w.postgres_crash().await;
 
-    let run = store::runs::get(&w.env.pool, "r-posts")
-        .await
-        .unwrap()
-        .unwrap();
+    let run = w.run("r-posts").await;
     assert_eq!(
         (run.step_seq, w.env.steps_done("r-posts").await),
         (0, 0),
@@ -1414,10 +1401,7 @@ async fn an_acked_advance_made_on_a_pre_claim_survives_a_postgres_crash() {
     last.reached("position 2 of r-hops").await;
     w.postgres_crash().await;
 
-    let run = store::runs::get(&w.env.pool, "r-hops")
-        .await
-        .unwrap()
-        .unwrap();
+    let run = w.run("r-hops").await;
     assert_eq!(
         (run.status, run.step_seq),
         (RunStatus::Running, 2),

@@ -257,12 +257,7 @@ fn record_ids(work: &Work) {
 /// Whether RabbitMQ delivered this message before: the redelivered flag, or a quorum queue's
 /// count of earlier deliveries.
 fn delivered_before(delivery: &Delivery) -> bool {
-    let headers = delivery.properties.headers().as_ref();
-    let count = broker::header_str(headers, "x-delivery-count");
-    delivery.redelivered
-        || count
-            .and_then(|c| c.parse::<u64>().ok())
-            .is_some_and(|c| c > 0)
+    delivery.redelivered || outcome::earlier_deliveries(delivery) > 0
 }
 
 /// Processes one decoded delivery to its disposition, retrying infrastructure failures in place

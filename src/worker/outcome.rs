@@ -180,6 +180,14 @@ fn delayed(engine: &Engine, delivery: &Delivery, delay: Duration) -> Outgoing {
     }
 }
 
+/// Earlier deliveries of this message, as a quorum queue counts them (`x-delivery-count`).
+pub(super) fn earlier_deliveries(delivery: &Delivery) -> u64 {
+    let headers = delivery.properties.headers().as_ref();
+    header_str(headers, "x-delivery-count")
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0)
+}
+
 fn dead_letter(
     engine: &Engine,
     delivery: &Delivery,
@@ -190,10 +198,8 @@ fn dead_letter(
     let headers = delivery.properties.headers().as_ref();
     let mut map: BTreeMap<String, String> = headers_to_map(headers);
     map.extend(evidence.iter().map(|(k, v)| (k.clone(), v.clone())));
-    // Quorum queues count earlier deliveries in x-delivery-count; this one adds one.
-    let earlier: u64 = header_str(headers, "x-delivery-count")
-        .and_then(|c| c.parse().ok())
-        .unwrap_or(0);
+    // This delivery adds one to the earlier ones.
+    let earlier = earlier_deliveries(delivery);
     // A requeued message comes through the default exchange, keyed by its queue's name.
     let key = delivery.routing_key.as_str();
     let queue = if key == crate::domain::RUN_START_ROUTING_KEY

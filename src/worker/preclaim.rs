@@ -15,13 +15,21 @@ use crate::domain::{Fence, MessageId, RunId};
 use crate::store::checkpoint::NextClaim;
 use crate::store::runs::Claim;
 
-/// Above this many entries, inserting one first drops those older than a lease length.
+/// Above this many entries, an insert drops those older than a lease length, at most once per
+/// lease: with several workers about half the entries are never taken (their messages went
+/// elsewhere), and a scan on every insert would put the whole table on each commit's path.
 const PRUNE_ABOVE: usize = 4096;
 
 /// The pre-claims of one process, by the message id of the step they wait for.
 #[derive(Default)]
 pub(crate) struct PreClaims {
-    held: Mutex<HashMap<MessageId, Held>>,
+    table: Mutex<Table>,
+}
+
+#[derive(Default)]
+struct Table {
+    by_message: HashMap<MessageId, Held>,
+    pruned: Option<Instant>,
 }
 
 struct Held {
@@ -33,22 +41,16 @@ struct Held {
     since: Instant,
 }
 
-impl PreClaims {
-    /// Empties the table: (run, fence, position) of every pre-claim no delivery took.
-    pub fn drain(&self) -> Vec<(RunId, Fence, i32)> {
-        let mut held = self.held.lock().expect("pre-claims lock");
-        held.drain()
-            .map(|(_, h)| (h.run_id, h.claim.fence, h.seq))
-            .collect()
-    }
-}
-
 /// A pre-claim's lease owner, for the delivery of `message`.
 pub(crate) fn owner(worker_id: &str, message: MessageId) -> String {
     format!("{worker_id}/{}", message.0.simple())
 }
 
 impl PreClaims {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Table> {
+        self.table.lock().expect("pre-claims lock")
+    }
+
     /// Keeps `claim` (at position `seq` of `run_id`) for the delivery of `message`.
     pub fn keep(
         &self,
@@ -58,12 +60,16 @@ impl PreClaims {
         claim: Claim,
         lease: Duration,
     ) {
-        let mut held = self.held.lock().expect("pre-claims lock");
-        if held.len() >= PRUNE_ABOVE {
-            held.retain(|_, h| h.since.elapsed() < lease);
-        }
+        let mut table = self.lock();
         let since = Instant::now();
-        held.insert(
+        let due = table
+            .pruned
+            .is_none_or(|at| since.duration_since(at) >= lease);
+        if table.by_message.len() >= PRUNE_ABOVE && due {
+            table.by_message.retain(|_, h| h.since.elapsed() < lease);
+            table.pruned = Some(since);
+        }
+        table.by_message.insert(
             message,
             Held {
                 run_id,
@@ -77,8 +83,8 @@ impl PreClaims {
 
     /// The lease owner a pre-claim for `message` recorded, if this process holds one.
     pub fn owner(&self, message: MessageId) -> Option<String> {
-        let held = self.held.lock().expect("pre-claims lock");
-        held.get(&message).map(|h| h.owner.clone())
+        let table = self.lock();
+        table.by_message.get(&message).map(|h| h.owner.clone())
     }
 
     /// Takes the pre-claim for a first delivery of `message` at `seq` of `run_id`, with the
@@ -89,11 +95,7 @@ impl PreClaims {
         (run_id, seq): (&RunId, i32),
         lease: Duration,
     ) -> Option<Claim> {
-        let held = self
-            .held
-            .lock()
-            .expect("pre-claims lock")
-            .remove(&message)?;
+        let held = self.lock().by_message.remove(&message)?;
         let age = held.since.elapsed();
         if held.run_id != *run_id || held.seq != seq || age >= lease {
             return None;
@@ -101,6 +103,14 @@ impl PreClaims {
         let mut claim = held.claim;
         claim.age_secs += age.as_secs_f64();
         Some(claim)
+    }
+
+    /// Empties the table: (run, fence, position) of every pre-claim no delivery took.
+    pub fn drain(&self) -> Vec<(RunId, Fence, i32)> {
+        let mut table = self.lock();
+        (table.by_message.drain())
+            .map(|(_, h)| (h.run_id, h.claim.fence, h.seq))
+            .collect()
     }
 }
 
