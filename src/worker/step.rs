@@ -305,7 +305,7 @@ async fn claim(
     owner: &str,
     redelivered: bool,
 ) -> store::Result<Result<runs::Claim, Disposition>> {
-    let lease = Duration::from_secs(engine.settings.worker.lease_secs);
+    let lease = engine.settings.worker.lease();
     let at = (&msg.run_id, msg.seq);
     let preclaimed = engine.step_tx.preclaims.take(msg.message_id, at, lease);
     if let Some(claim) = preclaimed.filter(|_| !redelivered) {
@@ -506,7 +506,7 @@ async fn commit(
             if let (Some((message, owner)), Some(counted)) = (next, preclaimed) {
                 let next_claim = preclaim::next_claim(claim, counted);
                 let at = (msg.run_id.clone(), msg.seq + 1);
-                let lease = Duration::from_secs(engine.settings.worker.lease_secs);
+                let lease = engine.settings.worker.lease();
                 (engine.step_tx.preclaims).keep(message, at, owner, next_claim, lease);
             }
         }
