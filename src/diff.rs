@@ -200,9 +200,14 @@ async fn load(pool: &PgPool, run_id: &str) -> Result<Loaded, Error> {
         .collect();
     let recorded = shadow::list(pool, run_id).await?;
     let mut writes: BTreeMap<i32, BTreeMap<(String, String), Write>> = BTreeMap::new();
-    // A live run's writes are in `effects` (request hashes); a shadow run's in `shadow_writes`.
+    // A live run's writes are its effects and local writes (request hashes); a shadow run's
+    // are in `shadow_writes`.
     for e in effects::page(pool, run_id, -1, i64::MAX).await? {
         let key = replace_id(&e.idempotency_key, run_id, "{run}");
+        let kind = match e.tool.as_str() {
+            effects::LOCAL_WRITE => effects::LOCAL_WRITE,
+            _ => "effect",
+        };
         let w = Write {
             hash: Some(e.request_hash),
             request: None,
@@ -210,7 +215,7 @@ async fn load(pool: &PgPool, run_id: &str) -> Result<Loaded, Error> {
         writes
             .entry(e.seq)
             .or_default()
-            .insert(("effect".into(), key), w);
+            .insert((kind.into(), key), w);
     }
     for w in &recorded {
         let key = replace_id(&w.key, run_id, "{run}");

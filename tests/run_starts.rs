@@ -164,7 +164,7 @@ async fn run_start_checks_input_size_and_existing_runs_before_publishing() {
                 "--input",
                 r#"{"stpes":3}"#,
             ],
-            "unknown field `stpes`, expected `steps` or `step_delay_ms`",
+            "unknown field `stpes`, expected one of `steps`, `step_delay_ms`, `ledger`",
         ),
         (
             &[

@@ -1,8 +1,12 @@
 //! `chain`: N steps, each one journaled model call and one keyed write into `chain_ledger`.
 //!
-//! Input: `{"steps": N, "step_delay_ms": D}` (defaults 10 and 0). The ledger's primary key on
-//! `reference = run_id:step` is what makes a repeated write harmless; a reused reference with a
-//! different payload is reported as a conflict, never skipped.
+//! Input: `{"steps": N, "step_delay_ms": D, "ledger": "effect" | "local"}` (defaults 10, 0 and
+//! `effect`). The ledger's primary key on `reference = run_id:step` is what makes a repeated
+//! write harmless; a reused reference with a different payload is reported as a conflict, never
+//! skipped. With `"ledger": "effect"` each row is an outside write (`ctx.effect`: intent before,
+//! result after, as for any other system's store); with `"local"` it is a local write
+//! (`ctx.local_write`), inserted by the step's commit statement itself, as a workflow does with
+//! a table of trailmark's own database.
 
 use std::time::Duration;
 
@@ -31,6 +35,20 @@ pub struct ChainInput {
     /// A pause inside each link, standing in for a slow model (default 0).
     #[serde(default)]
     pub step_delay_ms: u64,
+    /// How each link writes its ledger row (default `effect`).
+    #[serde(default)]
+    pub ledger: Ledger,
+}
+
+/// How a `chain` link writes its ledger row.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Ledger {
+    /// As an outside write: `ctx.effect`, its intent recorded before and its result after.
+    #[default]
+    Effect,
+    /// As a local write: `ctx.local_write`, in the step's commit statement.
+    Local,
 }
 
 fn ten() -> i64 {
@@ -68,12 +86,14 @@ pub fn workflow() -> Workflow {
 /// The reversal `unlink` would write for the link at the compensated position.
 async fn unlink_preview(p: PreviewContext) -> Result<Vec<Reversal>, StepError> {
     let seq = p.target().seq;
+    let row = format!("undo:{}", reference(p.run_id(), seq));
+    let key = match params(p.input())?.ledger {
+        Ledger::Effect => link_key(p.run_id(), seq).undo_of().to_string(),
+        Ledger::Local => format!("{}:{row}", chain_ledger::TABLE.name()),
+    };
     Ok(vec![Reversal {
-        key: link_key(p.run_id(), seq).undo_of().to_string(),
-        what: format!(
-            "chain_ledger: reversal row undo:{}",
-            reference(p.run_id(), seq)
-        ),
+        key,
+        what: format!("chain_ledger: reversal row {row}"),
     }])
 }
 
@@ -87,13 +107,18 @@ async fn unlink(ctx: StepContext) -> Result<StepOutcome, StepError> {
     let reversed = reference(ctx.run_id(), target.seq);
     let reference = format!("undo:{reversed}");
     let payload = format!("reversal of {reversed}");
-    let write = json!({ "reference": reference, "payload": payload });
-    let (pool, run_id) = (ctx.pool().clone(), ctx.run_id().clone());
-    let result = ctx
-        .effect(&original.undo_of(), &write, |_key| async move {
+    let result = if params(ctx.input())?.ledger == Ledger::Local {
+        let row = json!({ "reference": reference, "run_id": ctx.run_id(), "step": target.seq, "payload": payload });
+        ctx.local_write(&chain_ledger::TABLE, row)?;
+        json!({ "reference": reference, "with_commit": true })
+    } else {
+        let write = json!({ "reference": reference, "payload": payload });
+        let (pool, run_id) = (ctx.pool().clone(), ctx.run_id().clone());
+        ctx.effect(&original.undo_of(), &write, |_key| async move {
             post(&pool, &run_id, target.seq, &reference, &payload).await
         })
-        .await?;
+        .await?
+    };
     ctx.failpoint("chain.after_reversal")?;
     Ok(StepOutcome::next(
         json!({ "reversed": target.seq, "ledger": result }),
@@ -103,6 +128,7 @@ async fn unlink(ctx: StepContext) -> Result<StepOutcome, StepError> {
 struct Params {
     steps: i32,
     delay: Duration,
+    ledger: Ledger,
 }
 
 /// The run's input, checked when the run was started (a run started before inputs were checked
@@ -116,6 +142,7 @@ fn params(input: &Value) -> Result<Params, StepError> {
     Ok(Params {
         steps: parsed.steps as i32,
         delay: Duration::from_millis(parsed.step_delay_ms),
+        ledger: parsed.ledger,
     })
 }
 
@@ -139,14 +166,19 @@ async fn link(ctx: StepContext) -> Result<StepOutcome, StepError> {
     // The checkpoint names the answer by its hash: the journal already holds it word for word,
     // and storing it twice would double the bytes a step writes.
     let output = json!({ "link": i, "answer_sha256": payload });
-    let key = link_key(ctx.run_id(), i);
-    let write = json!({ "reference": reference, "payload": payload });
-    let pool = ctx.pool().clone();
-    let (run_id, step) = (ctx.run_id().clone(), i);
-    ctx.effect(&key, &write, |_key| async move {
-        post(&pool, &run_id, step, &reference, &payload).await
-    })
-    .await?;
+    if p.ledger == Ledger::Local {
+        let row = json!({ "reference": reference, "run_id": ctx.run_id(), "step": i, "payload": payload });
+        ctx.local_write(&chain_ledger::TABLE, row)?;
+    } else {
+        let key = link_key(ctx.run_id(), i);
+        let write = json!({ "reference": reference, "payload": payload });
+        let pool = ctx.pool().clone();
+        let (run_id, step) = (ctx.run_id().clone(), i);
+        ctx.effect(&key, &write, |_key| async move {
+            post(&pool, &run_id, step, &reference, &payload).await
+        })
+        .await?;
+    }
     ctx.failpoint("chain.after_write")?;
     if i + 1 >= p.steps {
         Ok(StepOutcome::finish(output))

@@ -1,10 +1,11 @@
 //! The vocabulary of the engine as types, with no I/O: ids, run status and its allowed moves,
-//! step addresses and undo plans, journal entries and effect records, and the messages that
-//! travel through RabbitMQ.
+//! step addresses and undo plans, journal entries, effect records and local writes, and the
+//! messages that travel through RabbitMQ.
 
 mod envelope;
 mod event;
 mod ids;
+mod local_write;
 mod record;
 mod status;
 mod step;
@@ -15,6 +16,7 @@ pub use envelope::{
 };
 pub use event::{EVENT_HEADER, EVENT_STATUSES, Event};
 pub use ids::{Fence, IdError, IdempotencyKey, MessageId, RunId};
+pub use local_write::{BadLocalWrite, LocalTable, LocalWrite};
 pub use record::{
     EffectIntent, EffectState, IntentOutcome, JournalEntry, ShadowWrite, Spent, ToolUsage,
     request_hash,

@@ -4,6 +4,15 @@
 use sqlx::PgExecutor;
 
 use super::Result;
+use crate::domain::LocalTable;
+
+/// The ledger as a local table, for `chain` runs that write their rows with the step's commit
+/// (`"ledger": "local"`) instead of through an effect.
+pub static TABLE: LocalTable = LocalTable::new(
+    "trailmark.chain_ledger",
+    "reference",
+    &["reference", "run_id", "step", "payload"],
+);
 
 /// One ledger row to post.
 #[derive(Debug, Clone, Copy)]

@@ -1,22 +1,24 @@
 //! The step commit as one statement: inbox row, fenced run advance,
-//! checkpoint, parked items and outbox rows, all or nothing, for one step or for several steps
-//! that reached their commit at the same moment (group commit).
+//! checkpoint, parked items, local writes and outbox rows, all or nothing, for one step or for
+//! several steps that reached their commit at the same moment (group commit).
 //!
 //! One statement instead of a transaction of six: a step's cost is dominated by round trips and
 //! per-statement set-up, and a single statement is atomic by itself. The one case that needs a
 //! rollback (an inbox row went in but its fence check failed) is handled inside the statement by
 //! `trailmark.refuse_commit`, which aborts it; a refused batch is then committed step by step, so
-//! one stale worker's step never takes the others down with it.
+//! one stale worker's step never takes the others down with it. A local write whose key holds
+//! other values aborts it the same way (`trailmark.refuse_local_write`).
 
-use std::sync::LazyLock;
+use std::collections::HashMap;
+use std::sync::{Arc, LazyLock, Mutex};
 
 use serde_json::Value;
 use sqlx::{PgExecutor, PgPool};
 
 use super::outbox;
 use super::{Error, Result};
-use crate::domain::OutgoingMessage;
-use crate::domain::{Fence, MessageId, RunId, StepAddress, Transition};
+use crate::domain::{Fence, LocalTable, LocalWrite, MessageId, OutgoingMessage, RunId};
+use crate::domain::{StepAddress, Transition};
 
 /// Where a committed step leaves the run.
 #[derive(Debug, Clone)]
@@ -56,6 +58,8 @@ pub struct StepCommit {
     pub parked: Vec<(String, String)>,
     /// Messages to queue.
     pub outbox: Vec<OutgoingMessage>,
+    /// Rows written into tables of trailmark's database (`ctx.local_write`).
+    pub local_writes: Vec<LocalWrite>,
     /// Takes the run's lease for its next position in the same statement (see [`PreClaim`]).
     pub preclaim: Option<PreClaim>,
 }
@@ -103,9 +107,10 @@ pub enum Committed {
 }
 
 /// The commit statement for any number of steps ("items", numbered from 1 in binding order);
-/// the parked-items part only when a step parked something, because every data-changing part
-/// costs its executor set-up on each step even when it writes nothing.
-fn commit_sql(with_parked: bool) -> String {
+/// the parked-items part only when a step parked something, and one local-write part per table
+/// written, because every data-changing part costs its executor set-up on each step even when
+/// it writes nothing.
+fn commit_sql(with_parked: bool, tables: &[&LocalTable]) -> String {
     let committed = "item IN (SELECT n FROM adv)";
     let park = if with_parked {
         ", park AS (
@@ -120,6 +125,24 @@ fn commit_sql(with_parked: bool) -> String {
         // Keeps the parameter numbering: $16 to $18 are bound either way.
         ", park AS (SELECT $16::int8[], $17::text[], $18::text[])"
     };
+    // $29 and $30 (what the step rows keep of their local writes) are bound either way too.
+    let (labels, set_labels, join_labels) = if tables.is_empty() {
+        (", labels AS (SELECT $29::int8[], $30::jsonb[])", "", "")
+    } else {
+        (
+            ", labels AS (
+                SELECT n, jsonb_agg(label ORDER BY o) AS labels
+                  FROM UNNEST($29::int8[], $30::jsonb[]) WITH ORDINALITY AS l(n, label, o) GROUP BY n
+            )",
+            ", local_writes = l.labels",
+            " LEFT JOIN labels l ON l.n = i.n",
+        )
+    };
+    let writes: String = tables
+        .iter()
+        .enumerate()
+        .map(|(t, table)| local_write_sql(table, 31 + 2 * t))
+        .collect();
     format!(
         "WITH item AS (
             SELECT * FROM UNNEST($1::text[], $2::int8[], $3::int4[], $4::text[], $5::text[], $6::jsonb[],
@@ -154,12 +177,12 @@ fn commit_sql(with_parked: bool) -> String {
                       -- As the claim counts them: a fork may carry answers for a replay.
                       (SELECT count(*) FROM trailmark.journal j
                         WHERE j.run_id = trailmark.steps.run_id AND j.seq = trailmark.steps.seq)::int4 AS journaled
-        ), checkpoint AS (
-            UPDATE trailmark.steps s SET output = i.step_output, finished_at = CASE WHEN i.finished THEN now() END
-              FROM item i
+        ){labels}, checkpoint AS (
+            UPDATE trailmark.steps s SET output = i.step_output, finished_at = CASE WHEN i.finished THEN now() END{set_labels}
+              FROM item i{join_labels}
              WHERE s.run_id = i.run_id AND s.seq = i.seq AND i.step_output IS NOT NULL
                AND i.n IN (SELECT n FROM adv)
-        ){park}, queue AS ({queue})
+        ){park}{writes}, queue AS ({queue})
         SELECT CASE WHEN i.n IN (SELECT n FROM adv) THEN 'committed'
                     WHEN (i.consumer, i.message_id) IN (SELECT consumer, message_id FROM fresh)
                          THEN trailmark.refuse_commit(i.run_id, i.fence)
@@ -174,8 +197,73 @@ fn commit_sql(with_parked: bool) -> String {
     )
 }
 
-static COMMIT: LazyLock<String> = LazyLock::new(|| commit_sql(false));
-static COMMIT_PARKED: LazyLock<String> = LazyLock::new(|| commit_sql(true));
+/// The part of the commit statement that writes the committed steps' rows of one local table
+/// (item numbers in `$first`, rows as JSON objects in the next parameter). A key already
+/// holding a row is left alone when the compared columns agree, and aborts the statement when
+/// they differ: `DO UPDATE` sees the newest committed row under the key, even one the
+/// statement's snapshot cannot, so a concurrent writer's row is compared too.
+fn local_write_sql(table: &LocalTable, first: usize) -> String {
+    let (name, quoted, key) = (table.name(), table.quoted(), format!("\"{}\"", table.key()));
+    let columns = |prefix: &str, of: &mut dyn Iterator<Item = &'static str>| {
+        of.map(|c| format!("{prefix}\"{c}\""))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    let compared: Vec<&str> = table.compared().collect();
+    let on_conflict = if compared.is_empty() {
+        format!("ON CONFLICT ({key}) DO NOTHING")
+    } else {
+        format!(
+            "ON CONFLICT ({key}) DO UPDATE SET {key} = EXCLUDED.{key}
+             WHERE ({}) IS DISTINCT FROM ({})
+               AND trailmark.refuse_local_write('{name}', EXCLUDED.{key}::text)",
+            columns("t.", &mut compared.iter().copied()),
+            columns("EXCLUDED.", &mut compared.iter().copied()),
+        )
+    };
+    format!(
+        ", write_{first} AS (
+            INSERT INTO {quoted} AS t ({})
+            SELECT {} FROM UNNEST(${first}::int8[], ${}::jsonb[]) AS w(n, row)
+                 CROSS JOIN LATERAL jsonb_populate_record(NULL::{quoted}, w.row) AS r
+             WHERE w.n IN (SELECT n FROM adv)
+            {on_conflict}
+        )",
+        columns("", &mut table.columns()),
+        columns("r.", &mut table.columns()),
+        first + 1,
+    )
+}
+
+/// The statement for a batch: parked items or not, and the local tables written (by identity,
+/// in the order their parameters are bound), built once per combination.
+fn statement(with_parked: bool, tables: &[&'static LocalTable]) -> Arc<str> {
+    type Key = (bool, Vec<usize>);
+    static BUILT: LazyLock<Mutex<HashMap<Key, Arc<str>>>> = LazyLock::new(Default::default);
+    let key = (
+        with_parked,
+        tables
+            .iter()
+            .map(|t| *t as *const LocalTable as usize)
+            .collect(),
+    );
+    let mut built = BUILT.lock().expect("commit statements lock");
+    built
+        .entry(key)
+        .or_insert_with(|| commit_sql(with_parked, tables).into())
+        .clone()
+}
+
+/// The distinct local tables the batch writes to, in first-use order.
+fn tables_of(steps: &[StepCommit]) -> Vec<&'static LocalTable> {
+    let mut tables: Vec<&'static LocalTable> = Vec::new();
+    for w in steps.iter().flat_map(|c| &c.local_writes) {
+        if !tables.iter().any(|t| std::ptr::eq(*t, w.table)) {
+            tables.push(w.table);
+        }
+    }
+    tables
+}
 
 /// Commits one step; [`Committed::Duplicate`] means another delivery of the same message
 /// committed first, [`Error::FencedOut`] that a newer worker holds the run (or it moved on).
@@ -207,17 +295,15 @@ async fn commit_batch(
     steps: &[StepCommit],
 ) -> std::result::Result<Vec<(String, Option<NextClaim>)>, sqlx::Error> {
     let parked: Vec<(i64, &(String, String))> = numbered(steps, |c| c.parked.iter());
-    let sql = if parked.is_empty() {
-        &COMMIT
-    } else {
-        &COMMIT_PARKED
-    };
+    let tables = tables_of(steps);
+    let sql = statement(!parked.is_empty(), &tables);
+    let writes: Vec<(i64, &LocalWrite)> = numbered(steps, |c| c.local_writes.iter());
     let queued: Vec<(i64, &OutgoingMessage)> = numbered(steps, |c| c.outbox.iter());
     let col = |f: fn(&StepCommit) -> Option<&str>| steps.iter().map(f).collect::<Vec<_>>();
     let json = |f: fn(&StepCommit) -> Option<&Value>| steps.iter().map(f).collect::<Vec<_>>();
     let flag =
         |f: fn(&Transition) -> bool| steps.iter().map(|c| f(&c.to.status)).collect::<Vec<_>>();
-    let q = sqlx::query(sql.as_str())
+    let q = sqlx::query(sqlx::AssertSqlSafe(&*sql))
         .bind(col(|c| Some(c.run_id.as_str())))
         .bind(steps.iter().map(|c| c.fence.0).collect::<Vec<_>>())
         .bind(steps.iter().map(|c| c.to.seq).collect::<Vec<_>>())
@@ -246,6 +332,16 @@ async fn commit_batch(
                 .map(|c| c.preclaim.as_ref().and_then(|p| p.pid))
                 .collect::<Vec<_>>(),
         )
+        .bind(writes.iter().map(|w| w.0).collect::<Vec<_>>())
+        .bind(writes.iter().map(|w| w.1.record()).collect::<Vec<_>>());
+    let rows = tables
+        .iter()
+        .fold(rows, |q, table| {
+            let mine = writes.iter().filter(|w| std::ptr::eq(w.1.table, *table));
+            let (items, rows): (Vec<i64>, Vec<Value>) =
+                mine.map(|w| (w.0, Value::Object(w.1.row.clone()))).unzip();
+            q.bind(items).bind(rows)
+        })
         .fetch_all(db)
         .await?;
     rows.iter().map(verdict_row).collect()
@@ -296,10 +392,38 @@ fn verdict((v, preclaimed): &(String, Option<NextClaim>), c: &StepCommit) -> Res
 
 fn refused(e: sqlx::Error, c: &StepCommit) -> Error {
     let code = e.as_database_error().and_then(|d| d.code());
-    if code.as_deref() == Some("TMF01") {
-        return fenced_out(c);
+    match code.as_deref() {
+        Some("TMF01") => fenced_out(c),
+        Some(code) if !c.local_writes.is_empty() && refuses_the_row(code) => Error::LocalWrite {
+            run_id: c.run_id.to_string(),
+            seq: c.to.seq,
+            what: local_write_refusal(&e, c),
+        },
+        _ => e.into(),
     }
-    e.into()
+}
+
+/// SQLSTATEs a row can earn: the key holding other values (TMF02), data that does not fit its
+/// column (class 22), a constraint (class 23), a table or column that is not there (42P01,
+/// 42703) or a value of the wrong type (42804).
+fn refuses_the_row(code: &str) -> bool {
+    code == "TMF02"
+        || code.starts_with("22")
+        || code.starts_with("23")
+        || ["42P01", "42703", "42804"].contains(&code)
+}
+
+/// Which local writes the refused commit carried, and what Postgres said.
+fn local_write_refusal(e: &sqlx::Error, c: &StepCommit) -> String {
+    let said = e
+        .as_database_error()
+        .map(|d| d.message().to_owned())
+        .unwrap_or_else(|| e.to_string());
+    let labels: Vec<String> = c.local_writes.iter().map(LocalWrite::label).collect();
+    format!(
+        "its local write ({}) was refused: {said}",
+        labels.join(", ")
+    )
 }
 
 fn fenced_out(c: &StepCommit) -> Error {

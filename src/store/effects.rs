@@ -156,15 +156,32 @@ fn begun(row: BeginRow, i: &Intent) -> Result<IntentOutcome> {
     }
 }
 
-/// Counts (all, completed) effects of a run, for `run show`.
+/// Counts (all, completed) writes of a run, for `run show`: its effects and local writes (a
+/// local write is always complete: it exists only with its step's commit).
 pub async fn totals(db: impl PgExecutor<'_>, run_id: &str) -> Result<(i64, i64)> {
-    Ok(
-        sqlx::query_as("SELECT count(*), count(result) FROM trailmark.effects WHERE run_id = $1")
-            .bind(run_id)
-            .fetch_one(db)
-            .await?,
+    Ok(sqlx::query_as(
+        "SELECT e.n + l.n, e.done + l.n
+           FROM (SELECT count(*) AS n, count(result) AS done FROM trailmark.effects WHERE run_id = $1) AS e,
+                (SELECT COALESCE(sum(jsonb_array_length(local_writes)), 0)::int8 AS n
+                   FROM trailmark.steps WHERE run_id = $1 AND local_writes IS NOT NULL) AS l",
     )
+    .bind(run_id)
+    .fetch_one(db)
+    .await?)
 }
+
+/// The tool name listings give a local write (`ctx.local_write`); its key there is
+/// `table:key`.
+pub const LOCAL_WRITE: &str = "local_write";
+
+/// A run's local writes as effect rows: key `table:key`, tool [`LOCAL_WRITE`], its step's
+/// position, its request hash, and when its step committed (`at`), for the listings below.
+const LOCAL_WRITES: &str =
+    "SELECT (w->>0) || ':' || (w->>1) AS idempotency_key, 'local_write' AS tool, s.seq,
+            w->>2 AS request_hash, true AS completed, COALESCE(s.finished_at, s.started_at) AS at,
+            s.finished_at IS NULL AS unfinished, s.step
+       FROM trailmark.steps s CROSS JOIN LATERAL jsonb_array_elements(s.local_writes) AS w
+      WHERE s.run_id = $1 AND s.local_writes IS NOT NULL";
 
 /// One effect of a run, for the handover note.
 #[derive(Debug, Clone, Serialize, sqlx::FromRow)]
@@ -179,15 +196,20 @@ pub struct EffectSummary {
     pub completed: bool,
 }
 
-/// Every effect of a run, oldest first.
+/// Every effect and local write of a run, oldest first.
 pub async fn list(db: impl PgExecutor<'_>, run_id: &str) -> Result<Vec<EffectSummary>> {
-    Ok(sqlx::query_as(
-        "SELECT idempotency_key, tool, seq, result IS NOT NULL AS completed FROM trailmark.effects
-          WHERE run_id = $1 ORDER BY created_at, idempotency_key",
-    )
-    .bind(run_id)
-    .fetch_all(db)
-    .await?)
+    let sql = format!(
+        "SELECT idempotency_key, tool, seq, completed FROM (
+            SELECT idempotency_key, tool, seq, result IS NOT NULL AS completed, created_at AS at
+              FROM trailmark.effects WHERE run_id = $1
+            UNION ALL
+            SELECT idempotency_key, tool, seq, completed, at FROM ({LOCAL_WRITES}) AS l
+         ) AS written ORDER BY at, idempotency_key"
+    );
+    Ok(sqlx::query_as(sqlx::AssertSqlSafe(sql))
+        .bind(run_id)
+        .fetch_all(db)
+        .await?)
 }
 
 /// Effects recorded by forward steps that never finished (a step that stopped halfway), oldest
@@ -198,17 +220,23 @@ pub async fn of_unfinished_steps(
     db: impl PgExecutor<'_>,
     run_id: &str,
 ) -> Result<Vec<EffectSummary>> {
-    Ok(sqlx::query_as(
-        "SELECT e.idempotency_key, e.tool, e.seq, e.result IS NOT NULL AS completed
-           FROM trailmark.effects e
-           JOIN trailmark.steps s ON s.run_id = e.run_id AND s.seq = e.seq
-          WHERE e.run_id = $1 AND s.finished_at IS NULL AND s.step NOT LIKE $2
-          ORDER BY e.created_at, e.idempotency_key",
-    )
-    .bind(run_id)
-    .bind(StepAddress::UNDO_LIKE)
-    .fetch_all(db)
-    .await?)
+    // A local write of an unfinished step comes from a human step that wrote before asking.
+    let sql = format!(
+        "SELECT idempotency_key, tool, seq, completed FROM (
+            SELECT e.idempotency_key, e.tool, e.seq, e.result IS NOT NULL AS completed, e.created_at AS at
+              FROM trailmark.effects e
+              JOIN trailmark.steps s ON s.run_id = e.run_id AND s.seq = e.seq
+             WHERE e.run_id = $1 AND s.finished_at IS NULL AND s.step NOT LIKE $2
+            UNION ALL
+            SELECT idempotency_key, tool, seq, completed, at FROM ({LOCAL_WRITES}) AS l
+             WHERE unfinished AND step NOT LIKE $2
+         ) AS written ORDER BY at, idempotency_key"
+    );
+    Ok(sqlx::query_as(sqlx::AssertSqlSafe(sql))
+        .bind(run_id)
+        .bind(StepAddress::UNDO_LIKE)
+        .fetch_all(db)
+        .await?)
 }
 
 /// An effect as a listing shows it, with its state: `done` (result recorded), `intent` (the
@@ -235,20 +263,26 @@ pub async fn page(
     after: i32,
     limit: i64,
 ) -> Result<Vec<EffectView>> {
-    Ok(sqlx::query_as(
-        "SELECT e.idempotency_key, e.tool, e.seq, e.request_hash,
-                CASE WHEN e.result IS NOT NULL THEN 'done'
-                     WHEN r.lease_owner IS NOT NULL AND r.step_seq = e.seq
-                          AND (r.lease_expires_at IS NULL OR r.lease_expires_at > now())
-                          THEN 'intent'
-                     ELSE 'unknown' END AS state
-           FROM trailmark.effects e JOIN trailmark.runs r ON r.run_id = e.run_id
-          WHERE e.run_id = $1 AND e.seq > $2
-          ORDER BY e.seq, e.created_at, e.idempotency_key LIMIT $3",
-    )
-    .bind(run_id)
-    .bind(after)
-    .bind(limit)
-    .fetch_all(db)
-    .await?)
+    let sql = format!(
+        "SELECT idempotency_key, tool, seq, request_hash, state FROM (
+            SELECT e.idempotency_key, e.tool, e.seq, e.request_hash,
+                   CASE WHEN e.result IS NOT NULL THEN 'done'
+                        WHEN r.lease_owner IS NOT NULL AND r.step_seq = e.seq
+                             AND (r.lease_expires_at IS NULL OR r.lease_expires_at > now())
+                             THEN 'intent'
+                        ELSE 'unknown' END AS state,
+                   e.created_at AS at
+              FROM trailmark.effects e JOIN trailmark.runs r ON r.run_id = e.run_id
+             WHERE e.run_id = $1 AND e.seq > $2
+            UNION ALL
+            SELECT idempotency_key, tool, seq, request_hash, 'done', at FROM ({LOCAL_WRITES}) AS l
+             WHERE seq > $2
+         ) AS written ORDER BY seq, at, idempotency_key LIMIT $3"
+    );
+    Ok(sqlx::query_as(sqlx::AssertSqlSafe(sql))
+        .bind(run_id)
+        .bind(after)
+        .bind(limit)
+        .fetch_all(db)
+        .await?)
 }

@@ -76,6 +76,20 @@ pub enum Error {
         /// Hash of the new request.
         new: String,
     },
+    /// A step's local write (`ctx.local_write`) was refused: a row already standing under its
+    /// key holds other values, or the row does not fit its table. Nothing of the step was
+    /// committed.
+    #[error(
+        "run {run_id} step at position {seq}: {what}; nothing of the step was committed: fix the row or the workflow, then resume"
+    )]
+    LocalWrite {
+        /// The run.
+        run_id: String,
+        /// The step's position.
+        seq: i32,
+        /// Which write, and what Postgres said.
+        what: String,
+    },
 }
 
 impl Error {
@@ -100,7 +114,9 @@ impl Error {
         match self {
             Self::Unavailable { .. } => Reaction::Retry,
             Self::Misconfigured { .. } => Reaction::Fix,
-            Self::FencedOut { .. } | Self::Conflict { .. } => Reaction::Refused,
+            Self::FencedOut { .. } | Self::Conflict { .. } | Self::LocalWrite { .. } => {
+                Reaction::Refused
+            }
         }
     }
 

@@ -10,10 +10,11 @@ use serde_json::{Value, json};
 use super::STEP_CONSUMER;
 use crate::broker::Topology;
 use crate::domain::{
-    Event, Fence, IllegalMove, OutgoingMessage, RunStatus, StepAddress, StepMessage, UndoPlan,
+    Event, Fence, IllegalMove, LocalWrite, OutgoingMessage, RunStatus, StepAddress, StepMessage,
+    UndoPlan,
 };
 use crate::store::checkpoint::{Advance, StepCommit};
-use crate::workflow::{Next, Parked, StepError, StepOutcome, Workflow};
+use crate::workflow::{Next, Parked, Pending, StepError, StepOutcome, Workflow};
 
 /// What the claim found about the step, as far as its ending depends on it.
 #[derive(Debug, Clone, Copy)]
@@ -46,6 +47,8 @@ pub(super) enum Ending {
         sent: Vec<OutgoingMessage>,
         /// Items the step parked.
         parked: Vec<Parked>,
+        /// Rows the step writes with its commit (`ctx.local_write`).
+        writes: Vec<LocalWrite>,
     },
     /// Wait for a person (a human step's question, or a frozen step's evidence).
     Wait {
@@ -55,6 +58,8 @@ pub(super) enum Ending {
         sent: Vec<OutgoingMessage>,
         /// Items it parked.
         parked: Vec<Parked>,
+        /// Rows a human step wrote before asking.
+        writes: Vec<LocalWrite>,
     },
     /// Stop the run for a person; the step is not advanced.
     Review {
@@ -141,23 +146,33 @@ pub(super) fn refuse_older_version(msg: &StepMessage, deployed: i32) -> Option<S
 }
 
 /// How the step ends, given what its handler returned and what it queued (`pending`: outside
-/// messages and parked items, committed only with an ending that keeps the step's work).
+/// messages, parked items and local writes, committed only with an ending that keeps the
+/// step's work).
 pub(super) fn decide(
     workflow: &Workflow,
     msg: &StepMessage,
     claimed: Claimed<'_>,
     limits: Limits,
     result: Result<StepOutcome, StepError>,
-    pending: (Vec<OutgoingMessage>, Vec<Parked>),
+    pending: Pending,
 ) -> Verdict {
-    let (sent, parked) = pending;
+    let Pending {
+        sent,
+        parked,
+        writes,
+    } = pending;
     let failure = match result {
         Ok(StepOutcome {
             output,
             next: Next::Wait,
         }) => {
             let note = json!({ "waiting_for": "decision", "step": msg.step, "seq": msg.seq, "question": output });
-            return Verdict::Commit(Ending::Wait { note, sent, parked });
+            return Verdict::Commit(Ending::Wait {
+                note,
+                sent,
+                parked,
+                writes,
+            });
         }
         Ok(outcome) => match next_step(workflow, msg, claimed.plan, &outcome.next) {
             Ok(next) => {
@@ -166,6 +181,7 @@ pub(super) fn decide(
                     next,
                     sent,
                     parked,
+                    writes,
                 });
             }
             Err(e) => e,
@@ -234,12 +250,13 @@ pub(super) fn to_commit(
         })
     };
     let mut review_class = None;
-    let (to, step_output, finished, outbox, parked) = match ending {
+    let (to, step_output, finished, outbox, parked, local_writes) = match ending {
         Ending::Advance {
             output,
             next,
             mut sent,
             parked,
+            writes,
         } => {
             let ends = next.is_none();
             if let Some(next) = &next {
@@ -266,11 +283,16 @@ pub(super) fn to_commit(
                 error: None,
                 handover: None,
             };
-            (to, Some(output), true, sent, parked_rows(&parked))
+            (to, Some(output), true, sent, parked_rows(&parked), writes)
         }
-        Ending::Wait { note, sent, parked } => {
+        Ending::Wait {
+            note,
+            sent,
+            parked,
+            writes,
+        } => {
             let to = stay(RunStatus::Waiting, Some(note.clone()))?;
-            (to, Some(note), false, sent, parked_rows(&parked))
+            (to, Some(note), false, sent, parked_rows(&parked), writes)
         }
         Ending::Review { error, class, note } => {
             review_class = Some(class);
@@ -283,7 +305,7 @@ pub(super) fn to_commit(
                 error: Some(error),
                 ..stay(RunStatus::NeedsReview, Some(note))?
             };
-            (to, None, false, events, Vec::new())
+            (to, None, false, events, Vec::new(), Vec::new())
         }
     };
     let mut outbox = outbox;
@@ -305,6 +327,7 @@ pub(super) fn to_commit(
         inbox: (STEP_CONSUMER, msg.message_id),
         parked,
         outbox,
+        local_writes,
         preclaim: None,
     })
 }
@@ -353,15 +376,25 @@ mod tests {
         }
     }
 
-    fn none() -> (Vec<OutgoingMessage>, Vec<Parked>) {
-        (Vec::new(), Vec::new())
+    fn none() -> Pending {
+        Pending::default()
     }
+
+    static LEDGER: crate::domain::LocalTable =
+        crate::domain::LocalTable::new("app.ledger", "reference", &["reference", "amount"]);
 
     #[test]
     fn a_step_that_continues_commits_and_queues_the_next_declared_step() {
         let msg = message(StepAddress::step("a"), 4);
         let out = Ok(StepOutcome::next(json!({"x": 1})));
-        let Verdict::Commit(ending) = decide(&workflow(), &msg, running(1), LIMITS, out, none())
+        let row = LEDGER
+            .row(json!({"reference": "r1:4", "amount": 5}))
+            .unwrap();
+        let pending = Pending {
+            writes: vec![row.clone()],
+            ..Pending::default()
+        };
+        let Verdict::Commit(ending) = decide(&workflow(), &msg, running(1), LIMITS, out, pending)
         else {
             panic!("not committed");
         };
@@ -375,6 +408,11 @@ mod tests {
         let next = StepMessage::decode(&commit.outbox[0].body, 1 << 20).unwrap();
         assert_eq!((next.step.as_str(), next.seq), ("b", 5));
         assert_eq!(commit.step_output, Some(json!({"x": 1})));
+        assert_eq!(
+            commit.local_writes,
+            [row],
+            "the local write goes with the commit"
+        );
         assert_eq!(
             commit.to.output, None,
             "the run's output is set only when it ends"
@@ -485,14 +523,17 @@ mod tests {
             reason: "unreadable".into(),
         }];
         let unknown = Err(StepError::Unknown("boom".into()));
-        let verdict = decide(
-            &workflow(),
-            &msg,
-            running(1),
-            LIMITS,
-            unknown,
-            (vec![], parked),
-        );
+        let writes = vec![
+            LEDGER
+                .row(json!({"reference": "r1:3", "amount": 5}))
+                .unwrap(),
+        ];
+        let pending = Pending {
+            parked,
+            writes,
+            ..Pending::default()
+        };
+        let verdict = decide(&workflow(), &msg, running(1), LIMITS, unknown, pending);
         let Verdict::Review(failure) = verdict else {
             panic!("not reviewed");
         };
@@ -519,6 +560,10 @@ mod tests {
         assert!(!commit.to.status.advances());
         assert_eq!(commit.to.next_step, Some(StepAddress::step("b")));
         assert!(commit.parked.is_empty());
+        assert!(
+            commit.local_writes.is_empty(),
+            "a review writes no local row"
+        );
         let events: Vec<Event> = commit
             .outbox
             .iter()

@@ -19,7 +19,8 @@ use super::outcome::{Disposition, dead};
 use super::published;
 use super::{preclaim, step_tx};
 use crate::domain::{
-    MessageId, OutgoingMessage, RunStatus, ShadowWrite, StepMessage, Transition, UndoPlan,
+    LocalWrite, MessageId, OutgoingMessage, RunStatus, ShadowWrite, StepMessage, Transition,
+    UndoPlan,
 };
 use crate::engine::{Engine, Stats};
 use crate::failpoint::Injected;
@@ -130,19 +131,20 @@ async fn run_claimed(
         ),
     };
     // 4. Commit the ending, give the lease back for a retry, or drop the void work.
-    let outcome = verdict.outcome();
+    let mut outcome = verdict.outcome();
     let disposition = match verdict {
-        Verdict::Commit(ending) => commit(engine, msg, claim, ending, answers_flushed).await?,
-        Verdict::Review(failure) => {
-            tracing::error!(error = %failure, class = failure.class(), "step failed; run needs review");
-            let evidence = Evidence::gather(&engine.pool, msg).await?;
-            let ending = Ending::Review {
-                error: ending::review_line(msg, claim.attempt, &failure),
-                class: failure.class(),
-                note: handover::note(msg, claim.attempt, &failure, evidence),
-            };
-            commit(engine, msg, claim, ending, false).await?
+        Verdict::Commit(ending) => {
+            match commit(engine, msg, claim, ending, answers_flushed).await {
+                // The row a local write brought was refused, and with it the whole commit: the
+                // run stops at the step, which wrote nothing.
+                Err(refused @ store::Error::LocalWrite { .. }) => {
+                    outcome = "review";
+                    review(engine, msg, claim, StepError::Conflict(refused.to_string())).await?
+                }
+                committed => committed?,
+            }
         }
+        Verdict::Review(failure) => review(engine, msg, claim, failure).await?,
         Verdict::Retry { delay, reason } => {
             metrics::step_retried("temporary");
             tracing::warn!(reason = %reason, delay_ms = delay.as_millis() as u64, "step failed temporarily; retrying later");
@@ -169,6 +171,24 @@ async fn run_claimed(
     Ok((outcome, disposition))
 }
 
+/// Stops the run at the step for a person: the handover note (with the run's effects), then the
+/// review commit.
+async fn review(
+    engine: &Engine,
+    msg: &StepMessage,
+    claim: &runs::Claim,
+    failure: StepError,
+) -> store::Result<Disposition> {
+    tracing::error!(error = %failure, class = failure.class(), "step failed; run needs review");
+    let evidence = Evidence::gather(&engine.pool, msg).await?;
+    let ending = Ending::Review {
+        error: ending::review_line(msg, claim.attempt, &failure),
+        class: failure.class(),
+        note: handover::note(msg, claim.attempt, &failure, evidence),
+    };
+    commit(engine, msg, claim, ending, false).await
+}
+
 /// The step's handler (or its freeze), the verdict on what it returned, and whether every model
 /// answer the attempt journaled is flushed already (see `StepContext::answers_flushed`).
 async fn run_step(
@@ -188,6 +208,7 @@ async fn run_step(
             note: evidence,
             sent: Vec::new(),
             parked: Vec::new(),
+            writes: Vec::new(),
         })
     } else {
         let ctx = context(engine, workflow, msg, claim).await?;
@@ -200,16 +221,17 @@ async fn run_step(
             span.record("cost", cost);
         }
         answers_flushed = ctx.answers_flushed();
-        let (mut sent, parked) = ctx.take_pending();
+        let mut pending = ctx.take_pending();
         if claim.shadow {
-            // Never queued; recorded only when the handler finished (a failed attempt's
-            // messages would not have left a live run either).
-            let would_send = std::mem::take(&mut sent);
+            // Never queued nor written; recorded only when the handler finished (a failed
+            // attempt's messages and rows would not have left a live run either).
+            let would_send = std::mem::take(&mut pending.sent);
+            let would_write = std::mem::take(&mut pending.writes);
             if result.is_ok() {
-                shadow_sends(engine, msg, would_send).await?;
+                shadow_writes(engine, msg, would_send, would_write).await?;
             }
         }
-        ending::decide(workflow, msg, claimed, limits, result, (sent, parked))
+        ending::decide(workflow, msg, claimed, limits, result, pending)
     };
     Ok((verdict, answers_flushed))
 }
@@ -404,13 +426,23 @@ async fn context(
     Ok(StepContext::new(engine.tools.clone(), pos))
 }
 
-/// A shadow run's outside messages: recorded with their keys and bodies, never sent. Recorded
-/// before the step commits; a replay records the same keys again, which changes nothing.
-async fn shadow_sends(
+/// A shadow run's outside messages and local writes: recorded with their keys and bodies or
+/// rows, never sent nor written. Recorded before the step commits; a replay records the same
+/// keys again, which changes nothing.
+async fn shadow_writes(
     engine: &Engine,
     msg: &StepMessage,
     sent: Vec<OutgoingMessage>,
+    rows: Vec<LocalWrite>,
 ) -> store::Result<()> {
+    // Named as a live run's listings name a local write, so a fork's diff pairs the two.
+    let rows = rows.into_iter().map(|w| ShadowWrite {
+        seq: msg.seq,
+        kind: store::effects::LOCAL_WRITE.into(),
+        key: w.label(),
+        target: w.table.name().to_owned(),
+        request: Value::Object(w.row),
+    });
     let writes: Vec<ShadowWrite> = sent
         .into_iter()
         .map(|m| ShadowWrite {
@@ -425,6 +457,7 @@ async fn shadow_sends(
             request: serde_json::from_slice(&m.body)
                 .unwrap_or_else(|_| Value::String(String::from_utf8_lossy(&m.body).into_owned())),
         })
+        .chain(rows)
         .collect();
     shadow::record(&engine.pool, msg.run_id.as_str(), &writes).await
 }

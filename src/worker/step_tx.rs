@@ -107,7 +107,9 @@ impl StepTx {
     /// - one whose ending may rest on a model answer not yet flushed (`answers_flushed` false:
     ///   asked again, the model may choose another next step);
     /// - one that sends messages of its own (`ctx.send`: published at once, they must never go
-    ///   out on a commit that can be lost).
+    ///   out on a commit that can be lost);
+    /// - one that carries local writes (`ctx.local_write`): their rows are seen by other
+    ///   readers at once, and a lost commit asked again could write other values.
     ///
     /// Commits that end a run or hand it to a person are seen by people and upstream services
     /// at once, and stay synchronous.
@@ -116,7 +118,8 @@ impl StepTx {
         step: StepCommit,
         (answers_flushed, preclaimed): (bool, bool),
     ) -> store::Result<Committed> {
-        let (cell, pool) = if answers_flushed && !preclaimed && only_advances(&step) {
+        let relaxed = answers_flushed && !preclaimed && step.local_writes.is_empty();
+        let (cell, pool) = if relaxed && only_advances(&step) {
             (&self.advances, &self.relaxed)
         } else {
             (&self.commits, &self.pool)
@@ -309,7 +312,9 @@ impl From<store::Error> for StepError {
     fn from(e: store::Error) -> Self {
         match e {
             store::Error::FencedOut { .. } => Self::FencedOut,
-            store::Error::Conflict { .. } => Self::Conflict(e.to_string()),
+            store::Error::Conflict { .. } | store::Error::LocalWrite { .. } => {
+                Self::Conflict(e.to_string())
+            }
             e => Self::Infrastructure(crate::error::Report(&e).to_string()),
         }
     }

@@ -1,6 +1,7 @@
 //! What a step handler can do: read earlier outputs, ask the model (journaled, see
-//! `model_call.rs`), make keyed outside writes (effects, see `effect.rs`), queue outside
-//! messages, and park items — each recorded so that a replayed step repeats nothing.
+//! `model_call.rs`), make keyed outside writes (effects, see `effect.rs`), write rows of
+//! trailmark's own database with the step's commit (local writes), queue outside messages, and
+//! park items — each recorded so that a replayed step repeats nothing.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::AtomicI32;
@@ -11,7 +12,9 @@ use sqlx::PgPool;
 
 use super::StepError;
 use super::host::Tools;
-use crate::domain::{Fence, IdempotencyKey, MessageId, OutgoingMessage, RunId, StepAddress};
+use crate::domain::{
+    Fence, IdempotencyKey, LocalTable, LocalWrite, MessageId, OutgoingMessage, RunId, StepAddress,
+};
 use crate::guard::Budget;
 
 /// The header that carries an outside message's idempotency key (see [`StepContext::send`]), for
@@ -73,7 +76,19 @@ pub(super) struct Inner {
     pub unflushed_answer: std::sync::atomic::AtomicBool,
     pub outgoing: Mutex<Vec<OutgoingMessage>>,
     pub parked: Mutex<Vec<Parked>>,
+    pub local_writes: Mutex<Vec<LocalWrite>>,
     pub tools: Arc<Tools>,
+}
+
+/// What a step queued for its commit: outside messages, parked items and local writes.
+#[derive(Debug, Default)]
+pub(crate) struct Pending {
+    /// Messages queued with [`StepContext::send`].
+    pub sent: Vec<OutgoingMessage>,
+    /// Items set aside with [`StepContext::park`].
+    pub parked: Vec<Parked>,
+    /// Rows staged with [`StepContext::local_write`].
+    pub writes: Vec<LocalWrite>,
 }
 
 impl StepContext {
@@ -85,6 +100,7 @@ impl StepContext {
             unflushed_answer: std::sync::atomic::AtomicBool::new(false),
             outgoing: Mutex::new(Vec::new()),
             parked: Mutex::new(Vec::new()),
+            local_writes: Mutex::new(Vec::new()),
             tools,
         };
         Self {
@@ -243,15 +259,60 @@ impl StepContext {
         self.inner.outgoing.lock().expect("outgoing lock").push(msg);
     }
 
-    /// What the step queued with [`StepContext::send`] and [`StepContext::park`], for its commit.
+    /// Writes `row` into `table`, a table of trailmark's own database, with this step's commit:
+    /// in the same statement as the checkpoint, so the row exists if and only if the step
+    /// committed, once. The table's key column is the idempotency key: a row already standing
+    /// under the key with the same values is left as it is (a repeat), one with other values is
+    /// a conflict that stops the run for review naming the key. Nothing is written before the
+    /// handler returns, so the write has no result to read back; in a shadow run it is recorded,
+    /// never made. For a store of another system, use [`StepContext::effect`].
+    ///
+    /// A row that does not fit the declaration (a missing or undeclared column, a null key) is
+    /// refused at once with what is wrong.
+    ///
+    /// ```no_run
+    /// # use serde_json::json;
+    /// # use trailmark::domain::LocalTable;
+    /// # use trailmark::workflow::{StepContext, StepError, StepOutcome};
+    /// static INVOICES: LocalTable =
+    ///     LocalTable::new("app.invoices", "invoice_no", &["invoice_no", "amount", "run_id"]);
+    ///
+    /// async fn book(ctx: StepContext) -> Result<StepOutcome, StepError> {
+    ///     let row = json!({ "invoice_no": "INV-7", "amount": 120, "run_id": ctx.run_id() });
+    ///     ctx.local_write(&INVOICES, row)?;
+    ///     Ok(StepOutcome::finish(json!({ "booked": "INV-7" })))
+    /// }
+    /// ```
+    pub fn local_write(&self, table: &'static LocalTable, row: Value) -> Result<(), StepError> {
+        let write = table.row(row).map_err(|e| {
+            StepError::Unknown(format!(
+                "run {} step {} (position {}): {e}",
+                self.run_id(),
+                self.step(),
+                self.seq()
+            ))
+        })?;
+        let mut writes = self.inner.local_writes.lock().expect("local writes lock");
+        writes.push(write);
+        Ok(())
+    }
+
     /// Tokens and cost of the model answers this attempt paid for.
     pub(crate) fn paid(&self) -> (i64, f64) {
         *self.inner.paid.lock().expect("paid lock")
     }
 
-    pub(crate) fn take_pending(&self) -> (Vec<OutgoingMessage>, Vec<Parked>) {
-        let sent = std::mem::take(&mut *self.inner.outgoing.lock().expect("outgoing lock"));
-        let parked = std::mem::take(&mut *self.inner.parked.lock().expect("parked lock"));
-        (sent, parked)
+    /// What the step queued for its commit with [`StepContext::send`], [`StepContext::park`]
+    /// and [`StepContext::local_write`].
+    pub(crate) fn take_pending(&self) -> Pending {
+        Pending {
+            sent: take(&self.inner.outgoing),
+            parked: take(&self.inner.parked),
+            writes: take(&self.inner.local_writes),
+        }
     }
+}
+
+fn take<T>(queued: &Mutex<Vec<T>>) -> Vec<T> {
+    std::mem::take(&mut *queued.lock().expect("pending lock"))
 }

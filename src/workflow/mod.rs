@@ -107,6 +107,7 @@ use std::sync::Arc;
 
 use serde_json::Value;
 
+pub(crate) use context::Pending;
 pub(crate) use context::Position;
 pub use context::UndoTarget;
 pub use context::{IDEMPOTENCY_KEY_HEADER, Parked, StepContext};

@@ -543,6 +543,7 @@ pub fn first_step_commit(
             .map(|i| (i.to_string(), "unreadable".to_owned()))
             .collect(),
         outbox: (0..queued).map(message).collect(),
+        local_writes: Vec::new(),
         preclaim: None,
     }
 }
