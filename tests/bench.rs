@@ -1,5 +1,6 @@
 //! `trailmark bench --quick --json --peer dbos` against the real servers: every figure is
-//! reported for every system (trailmark, B3, B3 with in-process answers, the DBOS peer), each
+//! reported for every system (trailmark with its ledger rows as local writes and as effects, B3,
+//! B3 with in-process answers, the DBOS peer), each
 //! ledger holds exactly one row per step, recovery keeps the ledger exact, and the bench removes
 //! its own database and queues. No timing assertions: absolute figures depend on the machine
 //! (targets are printed, never asserted). The DBOS peer's binary is built by scripts/test
@@ -17,7 +18,7 @@ use trailmark::broker::{self, Topology};
 use trailmark::config::Settings;
 
 /// Every column of the report's figures, by its JSON key.
-const SYSTEMS: [&str; 4] = ["trailmark", "b3", "b3_local", "dbos"];
+const SYSTEMS: [&str; 5] = ["trailmark", "trailmark_effect", "b3", "b3_local", "dbos"];
 
 /// Figures that are positive for any system that did any work.
 const ALWAYS_POSITIVE: [&str; 7] = [
@@ -117,7 +118,13 @@ async fn quick_bench_reports_every_figure_for_every_system_and_cleans_up() {
     let runs = report["workload"]["runs"].as_i64().unwrap();
     let steps = report["workload"]["steps"].as_i64().unwrap();
     let ledger = report["ledger"].as_array().expect("ledger");
-    for system in ["trailmark", "B3", "B3 in-process", "DBOS"] {
+    for system in [
+        "trailmark",
+        "trailmark effect",
+        "B3",
+        "B3 in-process",
+        "DBOS",
+    ] {
         let l = ledger
             .iter()
             .find(|l| l["system"] == system)
@@ -125,6 +132,18 @@ async fn quick_bench_reports_every_figure_for_every_system_and_cleans_up() {
         assert_eq!(l["expected"].as_i64(), Some(runs * steps), "{l}");
         assert_eq!(l["rows"].as_i64(), Some(runs * steps), "{l}");
         assert_eq!(l["distinct"].as_i64(), Some(runs * steps), "{l}");
+    }
+
+    // Both step shapes are broken down: the local write's (3 segments), the effect's (4).
+    for (key, segments) in [("breakdown", 3), ("breakdown_effect", 4)] {
+        let parts = report[key].as_array().expect(key);
+        assert_eq!(parts.len(), segments, "{key}: {parts:?}");
+        assert!(
+            parts
+                .iter()
+                .all(|p| p["p50_ms"]["median"].as_f64().is_some()),
+            "{key}: {parts:?}"
+        );
     }
 
     let recovery = report["recovery"].as_array().expect("recovery");

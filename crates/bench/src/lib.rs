@@ -182,7 +182,7 @@ impl Config {
     /// only when B3's answers come over HTTP (with the built-in model they are in-process
     /// already), the peer only when asked for.
     pub fn systems(&self) -> Vec<System> {
-        let mut systems = vec![System::Trailmark, System::B3];
+        let mut systems = vec![System::Trailmark, System::TrailmarkEffect, System::B3];
         if matches!(self.model, ModelMode::Http { .. }) {
             systems.push(System::B3Local);
         }
@@ -372,7 +372,11 @@ fn build(
         fsync,
         workload,
         figures: report::figures(reps),
-        breakdown: report::breakdown(report::of(reps, System::Trailmark)),
+        breakdown: report::breakdown(report::of(reps, System::Trailmark), &breakdown::SEGMENTS),
+        breakdown_effect: report::breakdown(
+            report::of(reps, System::TrailmarkEffect),
+            &breakdown::SEGMENTS_EFFECT,
+        ),
         ledger: report::ledger(reps, cfg.runs, cfg.steps),
         recovery_target: report::recovery_target(&recovery),
         recovery,

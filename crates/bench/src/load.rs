@@ -122,7 +122,8 @@ async fn unloaded_figures(
     let prefix = format!("u{rep}-");
     let (idle_gap_p50_ms, idle_gap_p99_ms) = system.step_gaps(env, &prefix).await?;
     let breakdown = match system {
-        System::Trailmark => Some(breakdown::trailmark(env, &prefix).await?),
+        System::Trailmark => Some(breakdown::local(env, &prefix).await?),
+        System::TrailmarkEffect => Some(breakdown::effect(env, &prefix).await?),
         System::B3 | System::B3Local | System::Dbos => None,
     };
     Ok(RepFigures {

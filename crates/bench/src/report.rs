@@ -7,7 +7,6 @@ use std::fmt::Write;
 
 use serde::Serialize;
 
-use super::breakdown::SEGMENTS;
 use super::load::RepFigures;
 use super::measure::{FsyncProbe, Spread};
 use super::recovery::Recovery;
@@ -29,6 +28,8 @@ pub struct Report {
     pub ledger: Vec<LedgerCheck>,
     /// Where an unloaded trailmark step spends its time.
     pub breakdown: Vec<Segment>,
+    /// The same for a step whose ledger row is an outside write.
+    pub breakdown_effect: Vec<Segment>,
     /// Recovery scenarios (trailmark only).
     pub recovery: Vec<Recovery>,
     /// The recovery target, judged on the scenario with a second worker alive.
@@ -98,6 +99,8 @@ pub struct Figure {
     pub label: &'static str,
     /// trailmark, over the repetitions.
     pub trailmark: Spread,
+    /// trailmark with each ledger row an outside write (`ctx.effect`), over the repetitions.
+    pub trailmark_effect: Option<Spread>,
     /// B3 (model answers over HTTP), over the repetitions.
     pub b3: Spread,
     /// B3 with in-process answers of the same size (none with `--builtin-model`).
@@ -160,9 +163,9 @@ pub struct Segment {
     pub p50_ms: Spread,
 }
 
-/// The segments of an unloaded step, from the trailmark repetitions.
-pub fn breakdown(trailmark: &[RepFigures]) -> Vec<Segment> {
-    SEGMENTS
+/// The segments of an unloaded step (labels `segments`), from the repetitions of one system.
+pub fn breakdown(trailmark: &[RepFigures], segments: &[&'static str]) -> Vec<Segment> {
+    segments
         .iter()
         .enumerate()
         .map(|(i, label)| {
@@ -251,6 +254,8 @@ pub fn figures(reps: &[(System, Vec<RepFigures>)]) -> Vec<Figure> {
                 key,
                 label,
                 trailmark: t,
+                trailmark_effect: ran(System::TrailmarkEffect)
+                    .then(|| spread(System::TrailmarkEffect)),
                 b3: b,
                 b3_local: ran(System::B3Local).then(|| spread(System::B3Local)),
                 dbos,
@@ -356,9 +361,14 @@ pub fn render(r: &Report) -> String {
 
 /// The figures: one column per system that ran, then the ratios and the targets.
 fn table(o: &mut String, r: &Report) {
+    let effect = r.figures.iter().any(|f| f.trailmark_effect.is_some());
     let local = r.figures.iter().any(|f| f.b3_local.is_some());
     let dbos = r.figures.iter().any(|f| f.dbos.is_some());
-    let mut head = format!("\n{:<36}{:<24}{:<24}", "figure", "trailmark", "B3");
+    let mut head = format!("\n{:<36}{:<24}", "figure", "trailmark");
+    if effect {
+        head += &format!("{:<24}", "trailmark effect");
+    }
+    head += &format!("{:<24}", "B3");
     if local {
         head += &format!("{:<24}", "B3 in-process");
     }
@@ -372,12 +382,11 @@ fn table(o: &mut String, r: &Report) {
     let _ = writeln!(o, "{head}target");
     let cell = |s: &Option<Spread>| s.as_ref().map_or("-".to_owned(), spread);
     for f in &r.figures {
-        let mut line = format!(
-            "{:<36}{:<24}{:<24}",
-            f.label,
-            spread(&f.trailmark),
-            spread(&f.b3)
-        );
+        let mut line = format!("{:<36}{:<24}", f.label, spread(&f.trailmark));
+        if effect {
+            line += &format!("{:<24}", cell(&f.trailmark_effect));
+        }
+        line += &format!("{:<24}", spread(&f.b3));
         if local {
             line += &format!("{:<24}", cell(&f.b3_local));
         }
@@ -481,14 +490,19 @@ fn header(o: &mut String, r: &Report) {
 }
 
 fn segments(o: &mut String, r: &Report) {
-    if r.breakdown.is_empty() {
+    segment_block(o, "trailmark", &r.breakdown);
+    segment_block(o, "trailmark effect", &r.breakdown_effect);
+}
+
+fn segment_block(o: &mut String, system: &str, breakdown: &[Segment]) {
+    if breakdown.is_empty() {
         return;
     }
     let _ = writeln!(
         o,
-        "\nwhere an unloaded trailmark step spends its time (p50 of each segment, median [min–max] over repetitions)"
+        "\nwhere an unloaded {system} step spends its time (p50 of each segment, median [min–max] over repetitions)"
     );
-    for s in &r.breakdown {
+    for s in breakdown {
         let _ = writeln!(
             o,
             "  {:>24}  {}",

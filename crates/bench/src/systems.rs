@@ -9,13 +9,20 @@ use serde_json::json;
 use super::env::{BenchEnv, Proc};
 use super::{Error, Result, baseline, peer};
 use trailmark::broker::Outgoing;
+use trailmark::builtin::chain::Ledger;
 use trailmark::domain::{RunId, RunStartEvent};
 
 /// Which system a figure belongs to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 pub enum System {
-    /// `chain` runs on `trailmark serve` processes, every guarantee on.
+    /// `chain` runs on `trailmark serve` processes, every guarantee on, each link's ledger row
+    /// written with its step's commit (`ctx.local_write`: the ledger is a table of trailmark's
+    /// own database, as B3's is of its own).
     Trailmark,
+    /// The same `chain` with each ledger row an outside write (`ctx.effect`: intent recorded
+    /// before the call, the ledger's own insert, result recorded after), what a write to
+    /// another system's store costs.
+    TrailmarkEffect,
     /// The bare loop of [`baseline`], its model answers over HTTP like trailmark's.
     B3,
     /// The same bare loop with its answers made in-process (same size, no HTTP): what B3 costs
@@ -44,6 +51,7 @@ impl System {
     pub fn name(self) -> &'static str {
         match self {
             Self::Trailmark => "trailmark",
+            Self::TrailmarkEffect => "trailmark effect",
             Self::B3 => "B3",
             Self::B3Local => "B3 in-process",
             Self::Dbos => "DBOS",
@@ -54,7 +62,7 @@ impl System {
     pub async fn reset(self, env: &BenchEnv) -> Result<()> {
         let sql = match self {
             // Every per-run table is named: they have no foreign key to runs for CASCADE to follow.
-            Self::Trailmark => {
+            Self::Trailmark | Self::TrailmarkEffect => {
                 "TRUNCATE trailmark.runs, trailmark.steps, trailmark.journal, trailmark.effects,
                           trailmark.parked, trailmark.decisions, trailmark.inbox, trailmark.outbox,
                           trailmark.chain_ledger"
@@ -80,7 +88,9 @@ impl System {
         let poll = peer::POLL_MS.to_string();
         (0..workers)
             .map(|i| match self {
-                Self::Trailmark => env.spawn(&format!("{tag}-serve-{i}"), &["serve"]),
+                Self::Trailmark | Self::TrailmarkEffect => {
+                    env.spawn(&format!("{tag}-serve-{i}"), &["serve"])
+                }
                 Self::B3 => env.spawn(
                     &format!("{tag}-b3-{i}"),
                     &["bench", "--b3-worker", "--answer-bytes", &bytes],
@@ -115,7 +125,7 @@ impl System {
     ) -> Result<()> {
         let workers = procs.len();
         let queue = match self {
-            Self::Trailmark => env.topology().steps_queue(),
+            Self::Trailmark | Self::TrailmarkEffect => env.topology().steps_queue(),
             Self::B3 | Self::B3Local => baseline::queue(&env.prefix),
             Self::Dbos => return peer_ready(env, procs, within).await,
         };
@@ -136,7 +146,8 @@ impl System {
         let msgs = ids
             .iter()
             .map(|id| match self {
-                Self::Trailmark => trailmark_start(env, id, steps),
+                Self::Trailmark => trailmark_start(env, id, steps, Ledger::Local),
+                Self::TrailmarkEffect => trailmark_start(env, id, steps, Ledger::Effect),
                 Self::B3 | Self::B3Local => Ok(baseline::Message::start(&env.prefix, id, steps)),
                 Self::Dbos => unreachable!("DBOS runs are enqueued above"),
             })
@@ -147,7 +158,7 @@ impl System {
     /// Progress of the runs whose id starts with `prefix`.
     pub async fn progress(self, env: &BenchEnv, prefix: &str) -> Result<Progress> {
         let sql = match self {
-            Self::Trailmark => {
+            Self::Trailmark | Self::TrailmarkEffect => {
                 "SELECT count(*) FILTER (WHERE status = 'succeeded'), COALESCE(sum(step_seq), 0)::bigint,
                         min(run_id || ' is ' || status || ': ' || COALESCE(error, '')) FILTER (WHERE status NOT IN ('running', 'succeeded'))
                    FROM trailmark.runs WHERE run_id LIKE $1"
@@ -175,7 +186,7 @@ impl System {
     /// second of its two DBOS steps); either way the gap is one full step cycle.
     pub async fn step_gaps(self, env: &BenchEnv, prefix: &str) -> Result<(f64, f64)> {
         let sql = match self {
-            Self::Trailmark => {
+            Self::Trailmark | Self::TrailmarkEffect => {
                 "WITH g AS (SELECT finished_at - lag(finished_at) OVER (PARTITION BY run_id ORDER BY seq) AS gap
                               FROM trailmark.steps WHERE run_id LIKE $1)
                  SELECT percentile_cont(0.5) WITHIN GROUP (ORDER BY EXTRACT(EPOCH FROM gap))::float8 * 1000,
@@ -210,7 +221,7 @@ impl System {
             return Ok(());
         }
         let table = match self {
-            Self::Trailmark => "trailmark.runs",
+            Self::Trailmark | Self::TrailmarkEffect => "trailmark.runs",
             Self::B3 | Self::B3Local => "b3.checkpoints",
             Self::Dbos => unreachable!("handled above"),
         };
@@ -229,7 +240,7 @@ impl System {
             .execute(&env.pool)
             .await?;
         let trigger = match self {
-            Self::Trailmark => "CREATE TRIGGER bench_done AFTER UPDATE ON trailmark.runs FOR EACH ROW
+            Self::Trailmark | Self::TrailmarkEffect => "CREATE TRIGGER bench_done AFTER UPDATE ON trailmark.runs FOR EACH ROW
                  WHEN (NEW.finished_at IS NOT NULL AND OLD.finished_at IS NULL) EXECUTE FUNCTION public.bench_done()",
             Self::B3 | Self::B3Local => "CREATE TRIGGER bench_done AFTER INSERT ON b3.checkpoints FOR EACH ROW
                  WHEN (NEW.done) EXECUTE FUNCTION public.bench_done()",
@@ -243,7 +254,7 @@ impl System {
     /// one per step when every step's write happened once.
     pub async fn ledger(self, env: &BenchEnv, prefix: &str) -> Result<(i64, i64)> {
         let sql = match self {
-            Self::Trailmark => {
+            Self::Trailmark | Self::TrailmarkEffect => {
                 "SELECT count(*), count(DISTINCT reference) FROM trailmark.chain_ledger WHERE run_id LIKE $1"
             }
             Self::B3 | Self::B3Local => {
@@ -290,13 +301,17 @@ async fn peer_ready(env: &BenchEnv, procs: &mut [Proc], within: Duration) -> Res
     }
 }
 
-fn trailmark_start(env: &BenchEnv, id: &str, steps: i32) -> Result<Outgoing> {
+fn trailmark_start(env: &BenchEnv, id: &str, steps: i32, ledger: Ledger) -> Result<Outgoing> {
     let run_id =
         RunId::parse(id).map_err(|e| Error::Failed(format!("bench run id {id:?}: {e}")))?;
+    let ledger = match ledger {
+        Ledger::Local => "local",
+        Ledger::Effect => "effect",
+    };
     let event = RunStartEvent::new(
         run_id,
         trailmark::builtin::chain::NAME,
-        json!({ "steps": steps }),
+        json!({ "steps": steps, "ledger": ledger }),
     );
     Ok(env.topology().run_start(&event))
 }
