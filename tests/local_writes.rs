@@ -207,7 +207,7 @@ async fn the_same_values_under_a_key_are_a_repeat_other_values_a_refusal_even_in
         commit_with_note(&env, "n-5", ("k1", 5)).await,
         commit_with_note(&env, "n-6", ("k3", 6)).await,
     ];
-    let outcomes = checkpoint::commit_all(&mut env.pool.acquire().await.unwrap(), &group).await;
+    let outcomes = checkpoint::commit_all(&env.pool, &group).await;
     assert!(outcomes[0].is_ok() && outcomes[2].is_ok(), "{outcomes:?}");
     assert!(
         matches!(&outcomes[1], Err(store::Error::LocalWrite { run_id, .. }) if run_id == "n-5"),

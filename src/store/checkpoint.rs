@@ -13,7 +13,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, LazyLock, Mutex};
 
 use serde_json::Value;
-use sqlx::{PgConnection, PgExecutor};
+use sqlx::{PgExecutor, PgPool};
 
 use super::outbox;
 use super::{Error, Result};
@@ -278,17 +278,16 @@ pub async fn commit(db: impl PgExecutor<'_>, c: &StepCommit) -> Result<Committed
 /// Commits several steps, each with the outcome [`commit`] would give it: in one statement when
 /// none is refused, else one by one (a stale fence or a lock conflict between two processes'
 /// batches aborts the whole statement, and must not cost the other steps their commit).
-pub async fn commit_all(conn: &mut PgConnection, steps: &[StepCommit]) -> Vec<Result<Committed>> {
-    let batch = async |conn: &mut PgConnection, steps: &[StepCommit]| {
-        let verdicts = commit_batch(conn, steps).await?;
+pub async fn commit_all<'a>(pool: &'a PgPool, steps: &'a [StepCommit]) -> Vec<Result<Committed>> {
+    let batch = |steps: &'a [StepCommit]| async move {
+        let verdicts = commit_batch(pool, steps).await?;
         Ok(steps
             .iter()
             .zip(&verdicts)
             .map(|(c, v)| verdict(v, c))
             .collect())
     };
-    let one = async |conn: &mut PgConnection, c: &StepCommit| commit(conn, c).await;
-    super::batch_or_each("commit", conn, steps, true, batch, one).await
+    super::batch_or_each("commit", steps, true, batch, |c| commit(pool, c)).await
 }
 
 async fn commit_batch(

@@ -2,7 +2,7 @@
 
 use serde::Serialize;
 use serde_json::Value;
-use sqlx::{FromRow, PgConnection, PgExecutor};
+use sqlx::{FromRow, PgExecutor, PgPool};
 
 use super::{Error, Result};
 use crate::domain::{EffectIntent as Intent, EffectState, IntentOutcome, StepAddress, ToolUsage};
@@ -76,17 +76,19 @@ pub async fn begin(db: impl PgExecutor<'_>, i: &Intent) -> Result<IntentOutcome>
 /// Records several intents, each with the outcome [`begin`] would give it: in one statement,
 /// unless two are for the same key (the statement could not tell which one went in) or the
 /// statement fails; then one by one.
-pub async fn begin_all(conn: &mut PgConnection, intents: &[Intent]) -> Vec<Result<IntentOutcome>> {
-    let batch = async |conn: &mut PgConnection, intents: &[Intent]| {
-        let rows = begin_batch(conn, intents).await?;
+pub async fn begin_all<'a>(pool: &'a PgPool, intents: &'a [Intent]) -> Vec<Result<IntentOutcome>> {
+    let batch = |intents: &'a [Intent]| async move {
+        let rows = begin_batch(pool, intents).await?;
         Ok(rows
             .into_iter()
             .zip(intents)
             .map(|(r, i)| begun(r, i))
             .collect())
     };
-    let one = async |conn: &mut PgConnection, i: &Intent| begin(conn, i).await;
-    super::batch_or_each("intent", conn, intents, batchable(intents), batch, one).await
+    super::batch_or_each("intent", intents, batchable(intents), batch, |i| {
+        begin(pool, i)
+    })
+    .await
 }
 
 /// Whether one statement can give each intent its own outcome: not when two share a key (it

@@ -639,18 +639,20 @@ pub async fn backend_pid(db: impl sqlx::PgExecutor<'_>) -> Result<i32> {
 /// deadlock, a value is out of range) the items run one by one through `one`. When Postgres
 /// itself failed, every item gets that failure at once: running them one by one would make each
 /// wait out the connection timeout, holding up every step behind the batch. The group-commit
-/// functions of this module all go through here, on the one connection their group-commit
-/// queue holds.
-pub(crate) async fn batch_or_each<T, R>(
+/// functions of this module all go through here.
+pub(crate) async fn batch_or_each<'a, T, R, BF, OF>(
     what: &str,
-    conn: &mut sqlx::PgConnection,
-    items: &[T],
+    items: &'a [T],
     batchable: bool,
-    batch: impl AsyncFnOnce(&mut sqlx::PgConnection, &[T]) -> Result<Vec<Result<R>>>,
-    one: impl AsyncFn(&mut sqlx::PgConnection, &T) -> Result<R>,
-) -> Vec<Result<R>> {
+    batch: impl FnOnce(&'a [T]) -> BF,
+    one: impl Fn(&'a T) -> OF,
+) -> Vec<Result<R>>
+where
+    BF: std::future::Future<Output = Result<Vec<Result<R>>>>,
+    OF: std::future::Future<Output = Result<R>>,
+{
     if items.len() > 1 && batchable {
-        match batch(&mut *conn, items).await {
+        match batch(items).await {
             Ok(each) => return each,
             Err(e) if !caused_by_one_item(&e) => {
                 let failure = crate::error::Report(&e).to_string();
@@ -671,22 +673,14 @@ pub(crate) async fn batch_or_each<T, R>(
     }
     let mut each = Vec::with_capacity(items.len());
     for item in items {
-        each.push(one(&mut *conn, item).await);
+        each.push(one(item).await);
     }
     each
 }
 
 /// Whether a failed batch statement may have failed because of one of its items, rather than
 /// because Postgres is unreachable: any error Postgres answered with (a refused fence, a
-/// deadlock, bad data), as opposed to I/O, pool and protocol failures, and to the errors that
-/// say the server itself is going away or cannot take writes (class 57: an administrator or a
-/// crash ended the connection; class 08: the connection failed; 25006: a standby after a
-/// failover).
+/// deadlock, bad data), as opposed to I/O, pool and protocol failures.
 fn caused_by_one_item(e: &Error) -> bool {
-    let Some(sqlx::Error::Database(db)) = e.sqlx_cause() else {
-        return false;
-    };
-    let code = db.code();
-    let code = code.as_deref().unwrap_or("");
-    !(code.starts_with("57") || code.starts_with("08") || code == "25006")
+    matches!(e.sqlx_cause(), Some(sqlx::Error::Database(_)))
 }

@@ -3,7 +3,7 @@
 //! statement (group commit, see `crate::batch`), on the relaxed pool (see [`super::relaxed_pool`]).
 
 use serde_json::Value;
-use sqlx::PgConnection;
+use sqlx::PgPool;
 
 use super::Result;
 use crate::domain::{IdempotencyKey, JournalEntry, RunId};
@@ -40,16 +40,14 @@ const WRITE: &str = "WITH entry AS (
 /// writer recorded that call first), for an effect result always `true`. One statement, unless
 /// two entries are for the same call: the statement could not tell which one went in, so then
 /// the batch's records are written one at a time.
-pub async fn write_all(conn: &mut PgConnection, records: &[Record]) -> Vec<Result<bool>> {
-    let batch = async |conn: &mut PgConnection, records: &[Record]| {
-        let answers = write(conn, records).await?;
+pub async fn write_all<'a>(pool: &'a PgPool, records: &'a [Record]) -> Vec<Result<bool>> {
+    let batch = |records: &'a [Record]| async move {
+        let answers = write(pool, records).await?;
         Ok(answers.into_iter().map(Ok).collect())
     };
-    let one = async |conn: &mut PgConnection, r: &Record| {
-        Ok(write(conn, std::slice::from_ref(r)).await?[0])
-    };
+    let one = |r: &'a Record| async move { Ok(write(pool, std::slice::from_ref(r)).await?[0]) };
     let batchable = !same_call_twice(records);
-    super::batch_or_each("record write", conn, records, batchable, batch, one).await
+    super::batch_or_each("record write", records, batchable, batch, one).await
 }
 
 fn same_call_twice(records: &[Record]) -> bool {
@@ -70,7 +68,7 @@ fn entries(records: &[Record]) -> impl Iterator<Item = (&RunId, &JournalEntry)> 
 }
 
 /// One statement for all `records`; the answers follow their order.
-async fn write(conn: &mut PgConnection, records: &[Record]) -> Result<Vec<bool>> {
+async fn write(pool: &PgPool, records: &[Record]) -> Result<Vec<bool>> {
     let journal: Vec<(&RunId, &JournalEntry)> = entries(records).collect();
     let results: Vec<(&str, &Value)> = records
         .iter()
@@ -92,7 +90,7 @@ async fn write(conn: &mut PgConnection, records: &[Record]) -> Result<Vec<bool>>
         .bind(journal.iter().map(|j| j.1.latency_ms).collect::<Vec<_>>())
         .bind(results.iter().map(|r| r.0).collect::<Vec<_>>())
         .bind(results.iter().map(|r| r.1).collect::<Vec<_>>())
-        .fetch_all(conn)
+        .fetch_all(pool)
         .await?;
     let mut inserted = inserted.into_iter();
     Ok(records

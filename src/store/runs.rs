@@ -4,7 +4,7 @@
 use chrono::{DateTime, Utc};
 use serde::Serialize;
 use serde_json::Value;
-use sqlx::{PgConnection, PgExecutor};
+use sqlx::{PgExecutor, PgPool};
 
 use super::Result;
 use crate::domain::{Fence, MessageId, RunId, RunStatus, StepAddress, Transition, UndoPlan};
@@ -268,13 +268,15 @@ pub async fn claim(db: impl PgExecutor<'_>, r: &ClaimRequest) -> Result<ClaimOut
 /// Claims for several deliveries, each with the outcome [`claim`] would give it: in one statement,
 /// or one by one when that fails (two processes' batches that lock the same runs in opposite
 /// orders deadlock, and one of them is aborted).
-pub async fn claim_all(conn: &mut PgConnection, reqs: &[ClaimRequest]) -> Vec<Result<ClaimOutcome>> {
-    let batch = async |conn: &mut PgConnection, reqs: &[ClaimRequest]| {
-        let outcomes = claim_batch(conn, reqs).await?;
+pub async fn claim_all<'a>(
+    pool: &'a PgPool,
+    reqs: &'a [ClaimRequest],
+) -> Vec<Result<ClaimOutcome>> {
+    let batch = |reqs: &'a [ClaimRequest]| async move {
+        let outcomes = claim_batch(pool, reqs).await?;
         Ok(outcomes.into_iter().map(Ok).collect())
     };
-    let one = async |conn: &mut PgConnection, r: &ClaimRequest| claim(conn, r).await;
-    super::batch_or_each("claim", conn, reqs, true, batch, one).await
+    super::batch_or_each("claim", reqs, true, batch, |r| claim(pool, r)).await
 }
 
 async fn claim_batch(db: impl PgExecutor<'_>, reqs: &[ClaimRequest]) -> Result<Vec<ClaimOutcome>> {

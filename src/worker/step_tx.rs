@@ -7,12 +7,13 @@
 //! The workflow API reaches the records through the [`Records`] port only; this is the one
 //! place where they meet the store.
 
+use std::future::Future;
 use std::sync::OnceLock;
 
 use serde_json::Value;
 use sqlx::PgPool;
 
-use super::batch::{BatchFuture, Batcher};
+use super::batch::Batcher;
 use crate::broker::Topology;
 use crate::domain::{
     EffectIntent, Event, Fence, IdempotencyKey, IntentOutcome, JournalEntry, RunId, ShadowWrite,
@@ -85,8 +86,8 @@ impl StepTx {
     /// one holds it (a run with no lease and no message; `tests/relaxed_crash.rs`). The lease a
     /// synchronous claim leaves is what brings a step back after its relaxed commit is lost.
     pub async fn claim(&self, request: ClaimRequest) -> store::Result<ClaimOutcome> {
-        let batcher = self.batcher(&self.claims, &self.pool, |conn, batch| {
-            Box::pin(async move { runs::claim_all(conn, &batch).await })
+        let batcher = self.batcher(&self.claims, &self.pool, |pool, batch| async move {
+            runs::claim_all(&pool, &batch).await
         });
         batcher.call(request).await
     }
@@ -123,8 +124,8 @@ impl StepTx {
         } else {
             (&self.commits, &self.pool)
         };
-        let batcher = self.batcher(cell, pool, |conn, batch| {
-            Box::pin(async move { checkpoint::commit_all(conn, &batch).await })
+        let batcher = self.batcher(cell, pool, |pool, batch| async move {
+            checkpoint::commit_all(&pool, &batch).await
         });
         batcher.call(step).await
     }
@@ -142,22 +143,21 @@ impl StepTx {
     }
 
     async fn record(&self, record: Record) -> store::Result<bool> {
-        let batcher = self.batcher(&self.records, &self.relaxed, |conn, batch| {
-            Box::pin(async move { records::write_all(conn, &batch).await })
+        let batcher = self.batcher(&self.records, &self.relaxed, |pool, batch| async move {
+            records::write_all(&pool, &batch).await
         });
         batcher.call(record).await
     }
 
     async fn intend(&self, intent: EffectIntent) -> store::Result<IntentOutcome> {
-        let batcher = self.batcher(&self.intents, &self.pool, |conn, batch| {
-            Box::pin(async move { effects::begin_all(conn, &batch).await })
+        let batcher = self.batcher(&self.intents, &self.pool, |pool, batch| async move {
+            effects::begin_all(&pool, &batch).await
         });
         batcher.call(intent).await
     }
 
-    /// The batcher in `cell`, started on first use (inside the runtime that runs the steps), on
-    /// a connection of `pool`.
-    fn batcher<'a, Req, T, F>(
+    /// The batcher in `cell`, started on first use (inside the runtime that runs the steps).
+    fn batcher<'a, Req, T, F, Fut>(
         &self,
         cell: &'a OnceLock<Batcher<Req, T>>,
         pool: &PgPool,
@@ -166,12 +166,13 @@ impl StepTx {
     where
         Req: Send + 'static,
         T: Send + 'static,
-        F: for<'c> Fn(&'c mut sqlx::PgConnection, Vec<Req>) -> BatchFuture<'c, T>
-            + Send
-            + Sync
-            + 'static,
+        F: Fn(PgPool, Vec<Req>) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Vec<store::Result<T>>> + Send + 'static,
     {
-        cell.get_or_init(|| Batcher::start(self.max_batch, pool.clone(), run))
+        cell.get_or_init(|| {
+            let pool = pool.clone();
+            Batcher::start(self.max_batch, move |batch| run(pool.clone(), batch))
+        })
     }
 }
 
