@@ -464,15 +464,24 @@ async fn a_commit_claims_the_next_position_idly_and_any_delivery_may_take_it() {
     records::write_all(&env.pool, &[replayed]).await[0]
         .as_ref()
         .expect("journal entry at position 1");
-    let committed = checkpoint::commit(&env.pool, &preclaiming(&env, &x, fx, ("w-a/next", alive)))
-        .await
-        .unwrap();
+    let step = preclaiming(&env, &x, fx, ("w-a/next", alive));
+    let committed = checkpoint::commit(&env.pool, &step).await.unwrap();
     let checkpoint::Committed::Done {
         preclaimed: Some(next),
+        rows,
     } = committed
     else {
         panic!("no pre-claim: {committed:?}");
     };
+    // The commit hands back the outbox row of its message, for the worker to remove once the
+    // broker confirms it.
+    let stored: Vec<i64> =
+        sqlx::query_scalar("SELECT id FROM trailmark.outbox WHERE message_id = $1")
+            .bind(step.outbox[0].message_id.0)
+            .fetch_all(&env.pool)
+            .await
+            .unwrap();
+    assert_eq!(rows, stored);
     assert_eq!(
         (next.attempt, next.journaled),
         (1, 1),

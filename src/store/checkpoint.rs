@@ -94,13 +94,15 @@ pub struct NextClaim {
 }
 
 /// What a commit did with its step.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub enum Committed {
     /// The step is committed, and with `preclaimed` the next position is claimed for its
     /// committer.
     Done {
         /// The pre-claim's counts, when the commit made one.
         preclaimed: Option<NextClaim>,
+        /// The outbox row ids of the step's messages, in their order.
+        rows: Vec<i64>,
     },
     /// Another delivery of the same message committed first: nothing was written.
     Duplicate,
@@ -182,18 +184,19 @@ fn commit_sql(with_parked: bool, tables: &[&LocalTable]) -> String {
               FROM item i{join_labels}
              WHERE s.run_id = i.run_id AND s.seq = i.seq AND i.step_output IS NOT NULL
                AND i.n IN (SELECT n FROM adv)
-        ){park}{writes}, queue AS ({queue})
+        ){park}{writes}, {queue}
         SELECT CASE WHEN i.n IN (SELECT n FROM adv) THEN 'committed'
                     WHEN (i.consumer, i.message_id) IN (SELECT consumer, message_id FROM fresh)
                          THEN trailmark.refuse_commit(i.run_id, i.fence)
                     WHEN EXISTS (SELECT 1 FROM trailmark.runs r WHERE r.run_id = i.run_id AND r.fence = i.fence)
                          THEN 'duplicate'
                     ELSE 'fenced' END,
-               p.attempts, p.journaled, a.age_secs
+               p.attempts, p.journaled, a.age_secs,
+               ARRAY(SELECT q.id FROM queued_ids q WHERE q.item = i.n ORDER BY q.o) AS outbox_ids
           FROM item i LEFT JOIN adv a ON a.n = i.n
                LEFT JOIN pre p ON p.run_id = i.run_id AND a.n IS NOT NULL
          ORDER BY i.n",
-        queue = outbox::insert_sql(19, Some(committed)),
+        queue = outbox::insert_items_sql(19, committed),
     )
 }
 
@@ -290,10 +293,14 @@ pub async fn commit_all<'a>(pool: &'a PgPool, steps: &'a [StepCommit]) -> Vec<Re
     super::batch_or_each("commit", steps, true, batch, |c| commit(pool, c)).await
 }
 
+/// One step's answer in a commit statement: its verdict, the pre-claim's counts if it made one,
+/// and its outbox row ids.
+type Verdict = (String, Option<NextClaim>, Vec<i64>);
+
 async fn commit_batch(
     db: impl PgExecutor<'_>,
     steps: &[StepCommit],
-) -> std::result::Result<Vec<(String, Option<NextClaim>)>, sqlx::Error> {
+) -> std::result::Result<Vec<Verdict>, sqlx::Error> {
     let parked: Vec<(i64, &(String, String))> = numbered(steps, |c| c.parked.iter());
     let tables = tables_of(steps);
     let sql = statement(!parked.is_empty(), &tables);
@@ -347,10 +354,8 @@ async fn commit_batch(
     rows.iter().map(verdict_row).collect()
 }
 
-/// One row of the commit's answer: the verdict, and the pre-claim's counts if it made one.
-fn verdict_row(
-    row: &sqlx::postgres::PgRow,
-) -> std::result::Result<(String, Option<NextClaim>), sqlx::Error> {
+/// One row of the commit's answer.
+fn verdict_row(row: &sqlx::postgres::PgRow) -> std::result::Result<Verdict, sqlx::Error> {
     use sqlx::Row;
     let (attempt, journaled, age): (Option<i32>, Option<i32>, Option<f64>) =
         (row.try_get(1)?, row.try_get(2)?, row.try_get(3)?);
@@ -362,7 +367,7 @@ fn verdict_row(
         }),
         _ => None,
     };
-    Ok((row.try_get(0)?, next))
+    Ok((row.try_get(0)?, next, row.try_get(4)?))
 }
 
 /// Flattens each step's `rows`, tagged with the step's item number (1-based, as `ORDINALITY`).
@@ -380,10 +385,11 @@ where
 /// One step's outcome. A delivery whose fence is stale is reported as fenced out even when the
 /// same message was also committed by the newer worker: that is what the operator needs to read
 /// in the log.
-fn verdict((v, preclaimed): &(String, Option<NextClaim>), c: &StepCommit) -> Result<Committed> {
+fn verdict((v, preclaimed, rows): &Verdict, c: &StepCommit) -> Result<Committed> {
     match v.as_str() {
         "committed" => Ok(Committed::Done {
             preclaimed: *preclaimed,
+            rows: rows.clone(),
         }),
         "duplicate" => Ok(Committed::Duplicate),
         _ => Err(fenced_out(c)),

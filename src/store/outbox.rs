@@ -2,7 +2,7 @@
 
 use std::sync::LazyLock;
 
-use sqlx::PgExecutor;
+use sqlx::{PgExecutor, Row};
 
 use super::{PgQuery, Result};
 use crate::domain::OutgoingMessage;
@@ -24,22 +24,38 @@ pub struct OutboxRow {
     pub body: Vec<u8>,
 }
 
-/// The `INSERT` of outbox rows bound by [`bind_rows`] from parameter `$first` on. With
-/// `only_items`, each row also carries the number of the step commit it belongs to (an eighth
-/// array, bound after the seven), and only rows whose `item` satisfies the condition go in.
-pub(crate) fn insert_sql(first: usize, only_items: Option<&str>) -> String {
-    let p: Vec<String> = (first..first + 8).map(|i| format!("${i}")).collect();
-    let (item, filter) = match only_items {
-        Some(condition) => (format!(", {}::int8[]", p[7]), format!("WHERE {condition}")),
-        None => (String::new(), String::new()),
-    };
-    let item_col = if only_items.is_some() { ", item" } else { "" };
+/// The `INSERT` of outbox rows bound by [`bind_rows`] from parameter `$first` on, returning
+/// each row's id and message id.
+pub(crate) fn insert_sql(first: usize) -> String {
+    let p: Vec<String> = (first..first + 7).map(|i| format!("${i}")).collect();
     format!(
         "INSERT INTO trailmark.outbox (message_id, exchange, routing_key, headers, body, available_at, holder_pid)
          SELECT m, x, k, h, b, now() + make_interval(secs => d), pid
-           FROM UNNEST({}::uuid[], {}::text[], {}::text[], {}::jsonb[], {}::bytea[], {}::float8[], {}::int4[]{item})
-             AS u(m, x, k, h, b, d, pid{item_col}) {filter}",
+           FROM UNNEST({}::uuid[], {}::text[], {}::text[], {}::jsonb[], {}::bytea[], {}::float8[], {}::int4[])
+             AS u(m, x, k, h, b, d, pid)
+         RETURNING id, message_id",
         p[0], p[1], p[2], p[3], p[4], p[5], p[6]
+    )
+}
+
+/// Two parts of a statement (`queued_ids` and `queue`) that insert the outbox rows bound by
+/// [`bind_rows`] from parameter `$first` on, each tagged with the number of the step commit it
+/// belongs to (an eighth array), only for items satisfying `condition`. The row ids are drawn
+/// first, so the statement can hand each item its rows' ids (`queued_ids`: `item`, `o` the
+/// message's place in its item, `id`) without a unique index on message ids.
+pub(crate) fn insert_items_sql(first: usize, condition: &str) -> String {
+    let p: Vec<String> = (first..first + 8).map(|i| format!("${i}")).collect();
+    format!(
+        "queued_ids AS (
+            SELECT nextval('trailmark.outbox_id_seq') AS id, u.*
+              FROM UNNEST({}::uuid[], {}::text[], {}::text[], {}::jsonb[], {}::bytea[], {}::float8[], {}::int4[], {}::int8[])
+                   WITH ORDINALITY AS u(m, x, k, h, b, d, pid, item, o)
+             WHERE {condition}
+        ), queue AS (
+            INSERT INTO trailmark.outbox (id, message_id, exchange, routing_key, headers, body, available_at, holder_pid)
+            SELECT id, m, x, k, h, b, now() + make_interval(secs => d), pid FROM queued_ids
+        )",
+        p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7]
     )
 }
 
@@ -82,17 +98,27 @@ pub(crate) fn bind_rows<'q, 'm: 'q>(
         .bind(messages.iter().map(|m| m.holder_pid).collect::<Vec<_>>())
 }
 
-static INSERT: LazyLock<String> = LazyLock::new(|| insert_sql(1, None));
+static INSERT: LazyLock<String> = LazyLock::new(|| insert_sql(1));
 
-/// Queues messages in the caller's transaction.
-pub async fn insert(db: impl PgExecutor<'_>, messages: &[OutgoingMessage]) -> Result<()> {
+/// Queues messages in the caller's transaction; returns each message's row id, in order.
+pub async fn insert(db: impl PgExecutor<'_>, messages: &[OutgoingMessage]) -> Result<Vec<i64>> {
     if messages.is_empty() {
-        return Ok(());
+        return Ok(Vec::new());
     }
-    bind_rows(sqlx::query(INSERT.as_str()), messages)
-        .execute(db)
-        .await?;
-    Ok(())
+    let rows: Vec<(i64, uuid::Uuid)> = bind_rows(sqlx::query(INSERT.as_str()), messages)
+        .fetch_all(db)
+        .await?
+        .iter()
+        .map(|r| Ok((r.try_get(0)?, r.try_get(1)?)))
+        .collect::<std::result::Result<_, sqlx::Error>>()?;
+    Ok(messages
+        .iter()
+        .map(|m| {
+            rows.iter()
+                .find(|(_, id)| *id == m.message_id.0)
+                .map_or(0, |r| r.0)
+        })
+        .collect())
 }
 
 /// Locks up to `limit` unpublished rows that no other relay holds, oldest first: rows that are
@@ -118,18 +144,19 @@ pub async fn mark_published(db: impl PgExecutor<'_>, ids: &[i64]) -> Result<()> 
     Ok(())
 }
 
-/// Deletes rows the worker that committed them has published itself (eager publish, confirm
-/// received): nothing is left for the relay to do, and only the pruner would ever read them.
+/// Deletes rows (by row id) the worker that committed them has published itself (eager
+/// publish, confirm received): nothing is left for the relay to do, and only the pruner would
+/// ever read them.
 ///
 /// Meant for [`super::relaxed_pool`]: the delete need not wait for its fsync. If Postgres crashes
 /// before it reaches disk, the only cost is that the relay publishes those rows once more, and
 /// consumers drop the repeats by message id.
-pub async fn forget_published(db: impl PgExecutor<'_>, message_ids: &[uuid::Uuid]) -> Result<()> {
-    if message_ids.is_empty() {
+pub async fn forget_published(db: impl PgExecutor<'_>, ids: &[i64]) -> Result<()> {
+    if ids.is_empty() {
         return Ok(());
     }
-    sqlx::query("DELETE FROM trailmark.outbox WHERE message_id = ANY($1) AND published_at IS NULL")
-        .bind(message_ids)
+    sqlx::query("DELETE FROM trailmark.outbox WHERE id = ANY($1) AND published_at IS NULL")
+        .bind(ids)
         .execute(db)
         .await?;
     Ok(())

@@ -36,6 +36,7 @@ use crate::health::Loop;
 use published::PublishedRows;
 
 pub use outcome::{Disposition, dead_letter_headers};
+pub use published::Eager;
 pub(crate) use step_tx::StepTx;
 
 /// How often an idle worker's loop comes round anyway.

@@ -10,7 +10,6 @@ use lapin::options::BasicAckOptions;
 
 use super::published::PublishedRows;
 use crate::broker::{Outgoing, Publisher, header_str, headers_to_map, map_to_headers};
-use crate::domain::OutgoingMessage;
 use crate::engine::{Engine, Stats};
 
 /// Header names trailmark adds to dead letters.
@@ -44,7 +43,7 @@ pub mod dead_letter_headers {
 pub enum Disposition {
     /// Work committed with these outbox messages: publish them now (the relay is the safety net
     /// if this fails or we die first), then acknowledge.
-    Committed(Vec<OutgoingMessage>),
+    Committed(Vec<super::published::Eager>),
     /// Already processed: acknowledge, count and log (at DEBUG) why.
     Duplicate(&'static str),
     /// The run moved on, is not executable, or we were fenced out: acknowledge, count and log
@@ -141,12 +140,15 @@ async fn acknowledge(engine: &Engine, delivery: &Delivery) {
 async fn publish_committed(
     publisher: &Publisher,
     published: &PublishedRows,
-    messages: &[OutgoingMessage],
+    messages: &[super::published::Eager],
 ) {
     if messages.is_empty() {
         return;
     }
-    let outgoing: Vec<Outgoing> = messages.iter().map(crate::relay::to_outgoing).collect();
+    let outgoing: Vec<Outgoing> = messages
+        .iter()
+        .map(|e| crate::relay::to_outgoing(&e.message))
+        .collect();
     let results = publisher.publish_all(&outgoing).await;
     if let Some(Err(e)) = results.iter().find(|r| r.is_err()) {
         tracing::warn!(error = %crate::error::Report(e), "eager publish failed; the relay will publish after the grace period");
@@ -156,7 +158,7 @@ async fn publish_committed(
             .iter()
             .zip(&results)
             .filter(|(_, r)| r.is_ok())
-            .map(|(m, _)| m.message_id.0),
+            .map(|(e, _)| e.row),
     );
 }
 

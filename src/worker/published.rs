@@ -23,10 +23,20 @@ const MAX_BATCH: usize = 1000;
 /// How long the first id of a batch waits for others.
 const GATHER: Duration = Duration::from_millis(50);
 
-/// Hands confirmed message ids to the removing task.
+/// A committed message the worker publishes itself, with its outbox row (removed once the
+/// broker confirms it).
+#[derive(Debug, Clone)]
+pub struct Eager {
+    /// The message.
+    pub message: OutgoingMessage,
+    /// Its outbox row id.
+    pub row: i64,
+}
+
+/// Hands the row ids of confirmed messages to the removing task.
 #[derive(Clone)]
 pub(super) struct PublishedRows {
-    ids: mpsc::UnboundedSender<uuid::Uuid>,
+    ids: mpsc::UnboundedSender<i64>,
 }
 
 impl PublishedRows {
@@ -36,8 +46,8 @@ impl PublishedRows {
         (Self { ids }, tokio::spawn(mark_batches(engine, rx)))
     }
 
-    /// Queues confirmed rows for removal.
-    pub fn forget(&self, ids: impl IntoIterator<Item = uuid::Uuid>) {
+    /// Queues confirmed rows (by row id) for removal.
+    pub fn forget(&self, ids: impl IntoIterator<Item = i64>) {
         for id in ids {
             // Closed only after shutdown; an unmarked row is published once more by the relay.
             let _ = self.ids.send(id);
@@ -45,7 +55,7 @@ impl PublishedRows {
     }
 }
 
-async fn mark_batches(engine: Arc<Engine>, mut rx: mpsc::UnboundedReceiver<uuid::Uuid>) {
+async fn mark_batches(engine: Arc<Engine>, mut rx: mpsc::UnboundedReceiver<i64>) {
     let mut batch = Vec::new();
     while rx.recv_many(&mut batch, MAX_BATCH).await > 0 {
         gather(&mut rx, &mut batch).await;
@@ -62,7 +72,7 @@ async fn mark_batches(engine: Arc<Engine>, mut rx: mpsc::UnboundedReceiver<uuid:
 
 /// Adds the ids that arrive within [`GATHER`]; returns early when the batch is full or the
 /// channel closed (shutdown: the last batch is written at once).
-async fn gather(rx: &mut mpsc::UnboundedReceiver<uuid::Uuid>, batch: &mut Vec<uuid::Uuid>) {
+async fn gather(rx: &mut mpsc::UnboundedReceiver<i64>, batch: &mut Vec<i64>) {
     let deadline = tokio::time::Instant::now() + GATHER;
     while batch.len() < MAX_BATCH {
         let more = rx.recv_many(batch, MAX_BATCH - batch.len());
@@ -84,15 +94,25 @@ pub(super) fn hold_for_eager_publish(engine: &Engine, messages: &mut [OutgoingMe
     }
 }
 
-/// What the worker publishes itself once `messages` are committed: all of them, or none when
-/// eager publishing is off.
+/// Whether the worker publishes the messages it commits itself (`relay.eager_grace_ms` > 0);
+/// else the relay publishes them at once.
+pub(super) fn publishes_eagerly(engine: &Engine) -> bool {
+    engine.settings.relay.eager_grace_ms > 0
+}
+
+/// What the worker publishes itself once `messages` are committed in outbox rows `rows` (in
+/// order): all of them, or none when eager publishing is off.
 pub(super) fn to_publish_eagerly(
     engine: &Engine,
-    messages: &[OutgoingMessage],
-) -> Vec<OutgoingMessage> {
-    if engine.settings.relay.eager_grace_ms > 0 {
-        messages.to_vec()
-    } else {
-        Vec::new()
+    messages: Vec<OutgoingMessage>,
+    rows: &[i64],
+) -> Vec<Eager> {
+    if !publishes_eagerly(engine) {
+        return Vec::new();
     }
+    messages
+        .into_iter()
+        .zip(rows)
+        .map(|(message, row)| Eager { message, row: *row })
+        .collect()
 }

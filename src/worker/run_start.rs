@@ -98,11 +98,11 @@ pub(super) async fn process(
             .topology
             .step_message(&event.run_id, &workflow.name, workflow.version, &first, 0);
     super::published::hold_for_eager_publish(engine, std::slice::from_mut(&mut first_message));
-    outbox::insert(&mut *tx, std::slice::from_ref(&first_message)).await?;
+    let rows = outbox::insert(&mut *tx, std::slice::from_ref(&first_message)).await?;
     tx.commit().await?;
     Stats::bump(&engine.stats.runs_started);
     tracing::info!("run started");
-    let eager = super::published::to_publish_eagerly(engine, std::slice::from_ref(&first_message));
+    let eager = super::published::to_publish_eagerly(engine, vec![first_message], &rows);
     Ok(Disposition::Committed(eager))
 }
 

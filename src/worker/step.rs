@@ -525,23 +525,29 @@ async fn commit(
         .map_err(|e| store::Error::unavailable("the step's ending is not a legal move", e))?;
     let to = step.to.status;
     published::hold_for_eager_publish(engine, &mut step.outbox);
+    let eagerly = published::publishes_eagerly(engine);
     // Copied only when the worker publishes them itself; the originals go into the commit.
-    let eager: Vec<OutgoingMessage> = published::to_publish_eagerly(engine, &step.outbox);
-    let next = preclaim(engine, claim, &mut step, !eager.is_empty());
+    let messages = if eagerly {
+        step.outbox.clone()
+    } else {
+        Vec::new()
+    };
+    let next = preclaim(engine, claim, &mut step, eagerly && !messages.is_empty());
     let fp = &engine.failpoints;
     fp.hit("step.before_commit").map_err(infra)?;
-    match engine
+    let eager = match engine
         .step_tx
         .commit(step, (answers_flushed, claim.preclaimed))
         .await
     {
-        Ok(Committed::Done { preclaimed }) => {
+        Ok(Committed::Done { preclaimed, rows }) => {
             if let (Some((message, owner)), Some(counted)) = (next, preclaimed) {
                 let next_claim = preclaim::next_claim(claim, counted);
                 let at = (msg.run_id.clone(), msg.seq + 1);
                 let lease = engine.settings.worker.lease();
                 (engine.step_tx.preclaims).keep(message, at, owner, next_claim, lease);
             }
+            published::to_publish_eagerly(engine, messages, &rows)
         }
         Ok(Committed::Duplicate) => {
             return Ok(Disposition::Duplicate(
@@ -552,7 +558,7 @@ async fn commit(
             return Ok(Disposition::Stale("fenced out at commit".into()));
         }
         Err(e) => return Err(e),
-    }
+    };
     if let Some(seams) = fp.seams().filter(|_| checkpointed) {
         seams.log(format_args!(
             "commit {} {} {}",
