@@ -583,3 +583,32 @@ async fn a_fence_writes_only_at_the_position_it_was_handed_out_for() {
             .unwrap()
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pre_claim_meeting_a_row_at_the_next_position_counts_its_attempt_on_that_row() {
+    let env = TestEnv::new().await;
+    let run = env.insert_chain_run("r-row").await;
+    let fence = claim(&env, &run, "w-a", 30.0).await;
+    // The next position already has a row (an earlier attempt's): the pre-claim's plain
+    // insert meets its key, and the commit takes the merging form.
+    sqlx::query(
+        "INSERT INTO trailmark.steps (run_id, seq, step, attempts) VALUES ($1, 1, 'link', 1)",
+    )
+    .bind(run.as_str())
+    .execute(&env.pool)
+    .await
+    .unwrap();
+    let step = preclaiming(&env, &run, fence, ("w-a/next", 1));
+    let committed = checkpoint::commit(&env.pool, &step).await.unwrap();
+    let checkpoint::Committed::Done {
+        preclaimed: Some(next),
+        ..
+    } = committed
+    else {
+        panic!("no pre-claim: {committed:?}");
+    };
+    assert_eq!(next.attempt, 2, "the earlier attempt and this pre-claim");
+    assert_eq!(env.attempts("r-row", 1).await, 2);
+    let run = runs::get(&env.pool, "r-row").await.unwrap().unwrap();
+    assert_eq!(run.step_seq, 1);
+}

@@ -112,7 +112,20 @@ pub enum Committed {
 /// the parked-items part only when a step parked something, and one local-write part per table
 /// written, because every data-changing part costs its executor set-up on each step even when
 /// it writes nothing.
-fn commit_sql(with_parked: bool, tables: &[&LocalTable]) -> String {
+fn commit_sql(shape: Shape, tables: &[&LocalTable]) -> String {
+    let Shape {
+        parked: with_parked,
+        merge_next,
+    } = shape;
+    // The next position has no row yet (positions are only ever claimed after the run reached
+    // them), so its row is inserted; a speculative insert would cost one more WAL record per
+    // step. Should it exist after all, the statement fails on the key and [`commit`] runs the
+    // merging form.
+    let merge = if merge_next {
+        "ON CONFLICT (run_id, seq) DO UPDATE SET attempts = trailmark.steps.attempts + 1, retry_at = NULL"
+    } else {
+        ""
+    };
     let committed = "item IN (SELECT n FROM adv)";
     let park = if with_parked {
         ", park AS (
@@ -154,8 +167,9 @@ fn commit_sql(with_parked: bool, tables: &[&LocalTable]) -> String {
                                    step_output, finished, consumer, message_id, step, advances, ends,
                                    preclaim, preclaim_pid, n)
         ), fresh AS (
+            -- Not merged: a repeated message makes the statement fail on the key (see `commit`),
+            -- which costs less than a speculative insert on every step.
             INSERT INTO trailmark.inbox (consumer, message_id) SELECT consumer, message_id FROM item
-            ON CONFLICT DO NOTHING RETURNING consumer, message_id
         ), adv AS (
             UPDATE trailmark.runs r
                SET step_seq = r.step_seq + CASE WHEN i.advances THEN 1 ELSE 0 END,
@@ -167,14 +181,13 @@ fn commit_sql(with_parked: bool, tables: &[&LocalTable]) -> String {
                    updated_at = now(), finished_at = CASE WHEN i.ends THEN now() END
               FROM item i
              WHERE r.run_id = i.run_id AND r.fence = i.fence AND r.step_seq = i.seq
-               AND (i.consumer, i.message_id) IN (SELECT consumer, message_id FROM fresh)
             RETURNING i.n, EXTRACT(EPOCH FROM now() - r.created_at)::float8 AS age_secs
         ), pre AS (
             -- The pre-claim's attempt, counted as a claim counts it.
             INSERT INTO trailmark.steps (run_id, seq, step, attempts)
             SELECT i.run_id, i.seq + 1, i.next_step, 1 FROM item i
              WHERE i.preclaim IS NOT NULL AND i.n IN (SELECT n FROM adv)
-            ON CONFLICT (run_id, seq) DO UPDATE SET attempts = trailmark.steps.attempts + 1, retry_at = NULL
+            {merge}
             RETURNING run_id, attempts,
                       -- As the claim counts them: a fork may carry answers for a replay.
                       (SELECT count(*) FROM trailmark.journal j
@@ -186,11 +199,7 @@ fn commit_sql(with_parked: bool, tables: &[&LocalTable]) -> String {
                AND i.n IN (SELECT n FROM adv)
         ){park}{writes}, {queue}
         SELECT CASE WHEN i.n IN (SELECT n FROM adv) THEN 'committed'
-                    WHEN (i.consumer, i.message_id) IN (SELECT consumer, message_id FROM fresh)
-                         THEN trailmark.refuse_commit(i.run_id, i.fence)
-                    WHEN EXISTS (SELECT 1 FROM trailmark.runs r WHERE r.run_id = i.run_id AND r.fence = i.fence)
-                         THEN 'duplicate'
-                    ELSE 'fenced' END,
+                    ELSE trailmark.refuse_commit(i.run_id, i.fence) END,
                p.attempts, p.journaled, a.age_secs,
                ARRAY(SELECT q.id FROM queued_ids q WHERE q.item = i.n ORDER BY q.o) AS outbox_ids
           FROM item i LEFT JOIN adv a ON a.n = i.n
@@ -238,13 +247,22 @@ fn local_write_sql(table: &LocalTable, first: usize) -> String {
     )
 }
 
-/// The statement for a batch: parked items or not, and the local tables written (by identity,
-/// in the order their parameters are bound), built once per combination.
-fn statement(with_parked: bool, tables: &[&'static LocalTable]) -> Arc<str> {
-    type Key = (bool, Vec<usize>);
+/// Which form of the commit statement a batch needs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+struct Shape {
+    /// A step parked items.
+    parked: bool,
+    /// A pre-claim's next position may already have a row (the plain form failed on its key).
+    merge_next: bool,
+}
+
+/// The statement for a batch of `shape` writing the local tables `tables` (by identity, in
+/// the order their parameters are bound), built once per combination.
+fn statement(shape: Shape, tables: &[&'static LocalTable]) -> Arc<str> {
+    type Key = (Shape, Vec<usize>);
     static BUILT: LazyLock<Mutex<HashMap<Key, Arc<str>>>> = LazyLock::new(Default::default);
     let key = (
-        with_parked,
+        shape,
         tables
             .iter()
             .map(|t| *t as *const LocalTable as usize)
@@ -253,7 +271,7 @@ fn statement(with_parked: bool, tables: &[&'static LocalTable]) -> Arc<str> {
     let mut built = BUILT.lock().expect("commit statements lock");
     built
         .entry(key)
-        .or_insert_with(|| commit_sql(with_parked, tables).into())
+        .or_insert_with(|| commit_sql(shape, tables).into())
         .clone()
 }
 
@@ -271,11 +289,53 @@ fn tables_of(steps: &[StepCommit]) -> Vec<&'static LocalTable> {
 /// Commits one step; [`Committed::Duplicate`] means another delivery of the same message
 /// committed first, [`Error::FencedOut`] that a newer worker holds the run (or it moved on).
 /// Nothing is written in either case.
-pub async fn commit(db: impl PgExecutor<'_>, c: &StepCommit) -> Result<Committed> {
-    let verdicts = commit_batch(db, std::slice::from_ref(c))
-        .await
-        .map_err(|e| refused(e, c))?;
-    verdict(&verdicts[0], c)
+pub async fn commit(db: &PgPool, c: &StepCommit) -> Result<Committed> {
+    let one = std::slice::from_ref(c);
+    let mut done = commit_batch(db, one, false).await;
+    if done.as_ref().is_err_and(next_row_exists) {
+        done = commit_batch(db, one, true).await;
+    }
+    match done {
+        Ok(verdicts) => verdict(&verdicts[0], c),
+        Err(e) if not_advanced(&e) => repeat(db, c).await,
+        Err(e) => Err(refused(e, c)),
+    }
+}
+
+/// Whether the pre-claim's insert of the next position's row met a row already there.
+fn next_row_exists(e: &sqlx::Error) -> bool {
+    e.as_database_error()
+        .is_some_and(|d| d.constraint() == Some("steps_pkey"))
+}
+
+/// Whether the commit was refused because the run did not move (a stale fence, or a position
+/// already passed) or because its message's inbox row exists.
+fn not_advanced(e: &sqlx::Error) -> bool {
+    e.as_database_error().is_some_and(|d| {
+        d.code().as_deref() == Some("TMF01") || d.constraint() == Some("inbox_pkey")
+    })
+}
+
+/// Why a commit was refused: a duplicate when another delivery of the same message committed
+/// first while the committer's fence is still the run's, else fenced out (a stale fence is
+/// reported as such even when the newer worker committed the message: that is what the
+/// operator needs to read in the log).
+async fn repeat(db: &PgPool, c: &StepCommit) -> Result<Committed> {
+    let duplicate: bool = sqlx::query_scalar(
+        "SELECT EXISTS (SELECT 1 FROM trailmark.runs WHERE run_id = $1 AND fence = $2)
+            AND EXISTS (SELECT 1 FROM trailmark.inbox WHERE consumer = $3 AND message_id = $4)",
+    )
+    .bind(c.run_id.as_str())
+    .bind(c.fence.0)
+    .bind(c.inbox.0)
+    .bind(c.inbox.1.0)
+    .fetch_one(db)
+    .await?;
+    if duplicate {
+        Ok(Committed::Duplicate)
+    } else {
+        Err(fenced_out(c))
+    }
 }
 
 /// Commits several steps, each with the outcome [`commit`] would give it: in one statement when
@@ -283,7 +343,7 @@ pub async fn commit(db: impl PgExecutor<'_>, c: &StepCommit) -> Result<Committed
 /// batches aborts the whole statement, and must not cost the other steps their commit).
 pub async fn commit_all<'a>(pool: &'a PgPool, steps: &'a [StepCommit]) -> Vec<Result<Committed>> {
     let batch = |steps: &'a [StepCommit]| async move {
-        let verdicts = commit_batch(pool, steps).await?;
+        let verdicts = commit_batch(pool, steps, false).await?;
         Ok(steps
             .iter()
             .zip(&verdicts)
@@ -300,10 +360,15 @@ type Verdict = (String, Option<NextClaim>, Vec<i64>);
 async fn commit_batch(
     db: impl PgExecutor<'_>,
     steps: &[StepCommit],
+    merge_next: bool,
 ) -> std::result::Result<Vec<Verdict>, sqlx::Error> {
     let parked: Vec<(i64, &(String, String))> = numbered(steps, |c| c.parked.iter());
     let tables = tables_of(steps);
-    let sql = statement(!parked.is_empty(), &tables);
+    let shape = Shape {
+        parked: !parked.is_empty(),
+        merge_next,
+    };
+    let sql = statement(shape, &tables);
     let writes: Vec<(i64, &LocalWrite)> = numbered(steps, |c| c.local_writes.iter());
     let queued: Vec<(i64, &OutgoingMessage)> = numbered(steps, |c| c.outbox.iter());
     let col = |f: fn(&StepCommit) -> Option<&str>| steps.iter().map(f).collect::<Vec<_>>();
@@ -391,7 +456,6 @@ fn verdict((v, preclaimed, rows): &Verdict, c: &StepCommit) -> Result<Committed>
             preclaimed: *preclaimed,
             rows: rows.clone(),
         }),
-        "duplicate" => Ok(Committed::Duplicate),
         _ => Err(fenced_out(c)),
     }
 }

@@ -17,35 +17,44 @@ pub enum Record {
     EffectResult(IdempotencyKey, Value),
 }
 
-/// Journal entries from `$1` to `$9`, effect results in `$10` and `$11`; returns, per journal
-/// entry in binding order, whether it went in.
-const WRITE: &str = "WITH entry AS (
+/// The journal entries of `$1` to `$9` (inserted, not merged: a second writer of the same call
+/// makes the statement fail on the key, and [`write_all`] then writes one record at a time and
+/// reports that entry as not inserted). A speculative `ON CONFLICT` insert would cost one more
+/// WAL record per entry for a case that happens only when a stale worker overlaps a new one.
+const JOURNAL: &str = "INSERT INTO trailmark.journal (run_id, seq, call_no, kind, request_hash, response, tokens, cost, latency_ms)
+    SELECT * FROM UNNEST($1::text[], $2::int4[], $3::int4[], $4::text[], $5::text[], $6::jsonb[],
+                         $7::int8[], $8::float8[], $9::int8[])";
+
+/// The effect results of `$1` (keys) and `$2` (results).
+const RESULTS: &str = "UPDATE trailmark.effects f SET result = u.result, completed_at = now()
+      FROM UNNEST($1::text[], $2::jsonb[]) AS u(key, result)
+     WHERE f.idempotency_key = u.key";
+
+/// Journal entries from `$1` to `$9` and effect results in `$10` and `$11`, in one statement.
+const BOTH: &str = "WITH ins AS (
+        INSERT INTO trailmark.journal (run_id, seq, call_no, kind, request_hash, response, tokens, cost, latency_ms)
         SELECT * FROM UNNEST($1::text[], $2::int4[], $3::int4[], $4::text[], $5::text[], $6::jsonb[],
                              $7::int8[], $8::float8[], $9::int8[])
-          WITH ORDINALITY AS e(run_id, seq, call_no, kind, request_hash, response, tokens, cost, latency_ms, n)
-    ), ins AS (
-        INSERT INTO trailmark.journal (run_id, seq, call_no, kind, request_hash, response, tokens, cost, latency_ms)
-        SELECT run_id, seq, call_no, kind, request_hash, response, tokens, cost, latency_ms FROM entry
-        ON CONFLICT DO NOTHING
-        RETURNING run_id, seq, call_no
-    ), result AS (
-        UPDATE trailmark.effects f SET result = u.result, completed_at = now()
-          FROM UNNEST($10::text[], $11::jsonb[]) AS u(key, result)
-         WHERE f.idempotency_key = u.key
     )
-    SELECT (e.run_id, e.seq, e.call_no) IN (SELECT run_id, seq, call_no FROM ins)
-      FROM entry e ORDER BY e.n";
+    UPDATE trailmark.effects f SET result = u.result, completed_at = now()
+      FROM UNNEST($10::text[], $11::jsonb[]) AS u(key, result)
+     WHERE f.idempotency_key = u.key";
 
 /// Writes `records`, answering each: for a journal entry whether it went in (`false`: another
 /// writer recorded that call first), for an effect result always `true`. One statement, unless
-/// two entries are for the same call: the statement could not tell which one went in, so then
-/// the batch's records are written one at a time.
+/// an entry's call was journaled already (the statement fails on the key, and the records are
+/// then written one at a time) or two entries are for the same call.
 pub async fn write_all<'a>(pool: &'a PgPool, records: &'a [Record]) -> Vec<Result<bool>> {
     let batch = |records: &'a [Record]| async move {
         let answers = write(pool, records).await?;
         Ok(answers.into_iter().map(Ok).collect())
     };
-    let one = |r: &'a Record| async move { Ok(write(pool, std::slice::from_ref(r)).await?[0]) };
+    let one = |r: &'a Record| async move {
+        match write(pool, std::slice::from_ref(r)).await {
+            Err(e) if another_writer_first(&e) => Ok(false),
+            written => Ok(written?[0]),
+        }
+    };
     let batchable = !same_call_twice(records);
     super::batch_or_each("record write", records, batchable, batch, one).await
 }
@@ -67,8 +76,20 @@ fn entries(records: &[Record]) -> impl Iterator<Item = (&RunId, &JournalEntry)> 
     })
 }
 
-/// One statement for all `records`; the answers follow their order.
+/// Whether a journal insert failed because another writer recorded the same call first.
+fn another_writer_first(e: &super::Error) -> bool {
+    let Some(sqlx::Error::Database(db)) = e.sqlx_cause() else {
+        return false;
+    };
+    db.constraint() == Some("journal_pkey")
+}
+
+/// One statement for all `records` (journal entries, effect results or both); every record
+/// went in when it succeeds.
 async fn write(pool: &PgPool, records: &[Record]) -> Result<Vec<bool>> {
+    if records.is_empty() {
+        return Ok(Vec::new());
+    }
     let journal: Vec<(&RunId, &JournalEntry)> = entries(records).collect();
     let results: Vec<(&str, &Value)> = records
         .iter()
@@ -77,27 +98,30 @@ async fn write(pool: &PgPool, records: &[Record]) -> Result<Vec<bool>> {
             Record::Journal(..) => None,
         })
         .collect();
-    let col = |f: fn(&JournalEntry) -> &str| journal.iter().map(|j| f(j.1)).collect::<Vec<_>>();
-    let inserted: Vec<bool> = sqlx::query_scalar(WRITE)
-        .bind(journal.iter().map(|j| j.0.as_str()).collect::<Vec<_>>())
-        .bind(journal.iter().map(|j| j.1.seq).collect::<Vec<_>>())
-        .bind(journal.iter().map(|j| j.1.call_no).collect::<Vec<_>>())
-        .bind(col(|e| e.kind.as_str()))
-        .bind(col(|e| e.request_hash.as_str()))
-        .bind(journal.iter().map(|j| &j.1.response).collect::<Vec<_>>())
-        .bind(journal.iter().map(|j| j.1.tokens).collect::<Vec<_>>())
-        .bind(journal.iter().map(|j| j.1.cost).collect::<Vec<_>>())
-        .bind(journal.iter().map(|j| j.1.latency_ms).collect::<Vec<_>>())
-        .bind(results.iter().map(|r| r.0).collect::<Vec<_>>())
-        .bind(results.iter().map(|r| r.1).collect::<Vec<_>>())
-        .fetch_all(pool)
-        .await?;
-    let mut inserted = inserted.into_iter();
-    Ok(records
-        .iter()
-        .map(|r| match r {
-            Record::Journal(..) => inserted.next().unwrap_or(false),
-            Record::EffectResult(..) => true,
-        })
-        .collect())
+    let sql = match (journal.is_empty(), results.is_empty()) {
+        (false, true) => JOURNAL,
+        (true, _) => RESULTS,
+        (false, false) => BOTH,
+    };
+    let mut q = sqlx::query(sql);
+    if !journal.is_empty() {
+        let col = |f: fn(&JournalEntry) -> &str| journal.iter().map(|j| f(j.1)).collect::<Vec<_>>();
+        q = q
+            .bind(journal.iter().map(|j| j.0.as_str()).collect::<Vec<_>>())
+            .bind(journal.iter().map(|j| j.1.seq).collect::<Vec<_>>())
+            .bind(journal.iter().map(|j| j.1.call_no).collect::<Vec<_>>())
+            .bind(col(|e| e.kind.as_str()))
+            .bind(col(|e| e.request_hash.as_str()))
+            .bind(journal.iter().map(|j| &j.1.response).collect::<Vec<_>>())
+            .bind(journal.iter().map(|j| j.1.tokens).collect::<Vec<_>>())
+            .bind(journal.iter().map(|j| j.1.cost).collect::<Vec<_>>())
+            .bind(journal.iter().map(|j| j.1.latency_ms).collect::<Vec<_>>());
+    }
+    if !results.is_empty() {
+        q = q
+            .bind(results.iter().map(|r| r.0).collect::<Vec<_>>())
+            .bind(results.iter().map(|r| r.1).collect::<Vec<_>>());
+    }
+    q.execute(pool).await?;
+    Ok(vec![true; records.len()])
 }
