@@ -4,19 +4,21 @@
 //! effect intent), effect results and a step commit that only moves a running run on to its next
 //! step (both by the next step's claim; a step that ends its run commits synchronously), and the
 //! removal of eagerly published outbox rows (by whichever synchronous commit comes next).
-//! Synchronous are the run's start, every claim, effect intents, outside writes, and the commits
-//! that end a run or hand it to a person: a crash loses nothing committed before one of them. The promise: losing a relaxed commit to a Postgres crash
-//! costs a repeat (a model answer paid twice, a write sent again under its key, a message
-//! published again, a step run again), never a wrong result and never a run that stops moving: a
-//! lost step commit leaves the run at that step's position under the lease of its claim, and the
-//! step runs again when its message comes back or, with no message, once the lease expires.
+//! Synchronous are the run's start, every claim, effect intents, outside writes, advances that
+//! carry local writes or sent messages, and the commits that end a run or hand it to a person:
+//! a crash loses nothing committed before one of them. The promise: losing a relaxed commit to a
+//! Postgres crash costs a repeat (a model answer paid twice, a write sent again under its key, a
+//! message published again, a step run again), never a wrong result and never a run that stops
+//! moving: a lost step commit leaves the run at that step's position under the lease of its
+//! claim, and the step runs again when its message comes back or, with no message, once the
+//! lease expires.
 //!
 //! The tests run without pre-claims (`worker.preclaim`), so that every step is claimed by a
 //! claim statement and its advance commit is relaxed, except the last two, which are about
 //! pre-claims: a step started on one commits synchronously, and one lost with its relaxed commit
 //! must not let the step started on it write.
 //!
-//! Each test but the last six runs a real `trailmark serve` on a Postgres server of its own (a
+//! Each test but the last seven runs a real `trailmark serve` on a Postgres server of its own (a
 //! temporary cluster on a free port, so it runs beside the other tests and never touches the
 //! shared server), makes the worker SIGKILL itself right after one relaxed commit, stops that
 //! Postgres at once with `pg_ctl stop -m immediate` and starts it again (crash recovery). What was
@@ -24,7 +26,7 @@
 //! set up so that nothing but a synchronous commit writes WAL out of its buffers (see
 //! [`Postgres`]). A fresh `trailmark serve` must then finish the run with what users rely on:
 //! every ledger write once, every effect with its result, every position committed once, the
-//! journal holding each answer once, no message left unpublished in the outbox. The last six
+//! journal holding each answer once, no message left unpublished in the outbox. The last seven
 //! tests have no kill: the worker (an engine in the test's process) lives on through the crash,
 //! which comes after a step without an outside write was committed and acknowledged.
 //!
@@ -1266,6 +1268,65 @@ async fn an_acked_advance_that_sent_a_message_survives_a_postgres_crash() {
         "(claims of position 0, of position 1): the step that sent the note ran again"
     );
     let _ = conn.close(200, "done".into()).await;
+}
+
+/// No kill, as above, but the acknowledged step wrote a ledger row with its commit
+/// (`ctx.local_write`): other readers see the row at once, so the commit must not be one a crash
+/// can lose (a step run again could write other values). The advance commits synchronously and
+/// survives the crash with its one row; the run goes on from position 1.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_acked_advance_carrying_a_local_write_survives_a_postgres_crash() {
+    let mut w = World::with("booked", |s| s.worker.concurrency = 1).await;
+    let gate = Gate::armed();
+    let (_engine, _running) = engine(&w, vec![books(gate.clone())]).await;
+    let what = ("books", "r-books", "after");
+    advance_survives_a_crash(&mut w, what, &gate).await;
+    assert_eq!(
+        w.env.chain_ledger("r-books").await,
+        (1, 1),
+        "(ledger rows, distinct keys) of the step whose commit the crash came after"
+    );
+
+    w.env
+        .wait_status("r-books", RunStatus::Succeeded, MOVES_WITHIN)
+        .await;
+    assert_eq!(
+        (
+            w.env.attempts("r-books", 0).await,
+            w.env.attempts("r-books", 1).await
+        ),
+        (1, 1),
+        "(claims of position 0, of position 1): the step that wrote the row ran again"
+    );
+    assert_eq!(
+        w.env.chain_ledger("r-books").await,
+        (1, 1),
+        "ledger at the end"
+    );
+    a_run_started_after_the_crash_succeeds(&w).await;
+}
+
+/// `books`: a first step that stops at a gate, writes one `chain_ledger` row with its commit
+/// (`ctx.local_write`) and moves the run on, then a step that ends it.
+fn books(gate: Arc<Gate>) -> Workflow {
+    Workflow::new("books", 1)
+        .step("book", StepKind::Write, move |ctx| {
+            let gate = gate.clone();
+            async move {
+                gate.pass().await;
+                let row = json!({
+                    "reference": "r-books:0",
+                    "run_id": ctx.run_id(),
+                    "step": 0,
+                    "payload": "booked",
+                });
+                ctx.local_write(&store::chain_ledger::TABLE, row)?;
+                Ok(StepOutcome::next(json!({})))
+            }
+        })
+        .step("after", StepKind::Read, |_ctx| async {
+            Ok(StepOutcome::finish(json!({})))
+        })
 }
 
 /// `posts`: position 0 stops at a gate and moves on; position 1 stops at a gate, then writes
