@@ -1170,6 +1170,20 @@ async fn advance_survives_a_crash(
     );
 }
 
+/// Waits for `run` (of a workflow of two positions) to succeed and asserts that each position
+/// was claimed once: the step before the crash did not run again.
+async fn finishes_claiming_each_position_once(w: &World, run: &str, what: &str) {
+    w.env
+        .wait_status(run, RunStatus::Succeeded, MOVES_WITHIN)
+        .await;
+    let claims = (w.env.attempts(run, 0).await, w.env.attempts(run, 1).await);
+    assert_eq!(
+        claims,
+        (1, 1),
+        "(claims of position 0, of position 1) of {run}: {what}"
+    );
+}
+
 /// No kill, as in the test above, but the acknowledged step asked the model after its last
 /// synchronous commit: its advance rests on an answer nothing had flushed, and asked again the
 /// model might choose another next step, so the advance commits synchronously (flushing the
@@ -1192,17 +1206,7 @@ async fn an_acked_advance_resting_on_a_fresh_model_answer_survives_a_postgres_cr
         .await;
     assert_eq!(journaled, 1, "the answer the advance rests on was lost");
 
-    w.env
-        .wait_status("r-asks", RunStatus::Succeeded, MOVES_WITHIN)
-        .await;
-    assert_eq!(
-        (
-            w.env.attempts("r-asks", 0).await,
-            w.env.attempts("r-asks", 1).await
-        ),
-        (1, 1),
-        "(claims of position 0, of position 1): position 0 ran again"
-    );
+    finishes_claiming_each_position_once(&w, "r-asks", "position 0 ran again").await;
     assert_eq!(w.model.answered(), 1, "the model was asked again");
     a_run_started_after_the_crash_succeeds(&w).await;
     assert_eq!(
@@ -1256,17 +1260,8 @@ async fn an_acked_advance_that_sent_a_message_survives_a_postgres_crash() {
     assert!(sent.is_some(), "the note never went out");
 
     a_run_started_after_the_crash_succeeds(&w).await;
-    w.env
-        .wait_status("r-notes", RunStatus::Succeeded, MOVES_WITHIN)
+    finishes_claiming_each_position_once(&w, "r-notes", "the step that sent the note ran again")
         .await;
-    assert_eq!(
-        (
-            w.env.attempts("r-notes", 0).await,
-            w.env.attempts("r-notes", 1).await
-        ),
-        (1, 1),
-        "(claims of position 0, of position 1): the step that sent the note ran again"
-    );
     let _ = conn.close(200, "done".into()).await;
 }
 
@@ -1287,17 +1282,8 @@ async fn an_acked_advance_carrying_a_local_write_survives_a_postgres_crash() {
         "(ledger rows, distinct keys) of the step whose commit the crash came after"
     );
 
-    w.env
-        .wait_status("r-books", RunStatus::Succeeded, MOVES_WITHIN)
+    finishes_claiming_each_position_once(&w, "r-books", "the step that wrote the row ran again")
         .await;
-    assert_eq!(
-        (
-            w.env.attempts("r-books", 0).await,
-            w.env.attempts("r-books", 1).await
-        ),
-        (1, 1),
-        "(claims of position 0, of position 1): the step that wrote the row ran again"
-    );
     assert_eq!(
         w.env.chain_ledger("r-books").await,
         (1, 1),
