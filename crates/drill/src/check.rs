@@ -7,7 +7,7 @@ use std::path::Path;
 use sqlx::PgPool;
 
 use super::report::{DeadLetters, Effects, Fencing, Invariant, ModelCalls, Report, Runs};
-use super::{Error, RUN_PREFIX, Result};
+use super::{Error, Result};
 use trailmark::config::BrokerSettings;
 use trailmark::dlq::{self, Dlq};
 
@@ -58,16 +58,22 @@ pub async fn runs(pool: &PgPool, ids: &[String], steps_per_run: i64) -> Result<R
     Ok(r)
 }
 
-/// Where the drive stands, in one statement per round: steps committed by the drill's runs,
-/// and of `ids` the runs neither terminal nor in review (still moving).
-pub async fn standing(pool: &PgPool, ids: &[String]) -> Result<(i64, i64)> {
+/// Where the drive stands, in one statement per round: the work done by `ids` in steps, and
+/// how many of them are neither terminal nor in review (still moving). A settled run counts as
+/// `per_run` steps however many it committed: one stopped in review early has done its share of
+/// the drive, so the faults planned at shares of the expected steps still come while the others
+/// move.
+pub async fn standing(pool: &PgPool, ids: &[String], per_run: i64) -> Result<(i64, i64)> {
     let (done, settled): (i64, i64) = sqlx::query_as(
-        "SELECT (SELECT count(*) FROM trailmark.steps WHERE finished_at IS NOT NULL AND run_id LIKE $2),
-                (SELECT count(*) FROM trailmark.runs WHERE run_id = ANY($1)
-                    AND status IN ('succeeded', 'needs_review', 'failed', 'cancelled', 'compensated', 'shadowed'))",
+        "SELECT coalesce(sum(CASE WHEN r.settled THEN $2 ELSE coalesce(s.n, 0) END), 0)::bigint,
+                count(*) FILTER (WHERE r.settled)
+         FROM (SELECT run_id, status IN ('succeeded', 'needs_review', 'failed', 'cancelled', 'compensated', 'shadowed') AS settled
+               FROM trailmark.runs WHERE run_id = ANY($1)) r
+         LEFT JOIN (SELECT run_id, count(*) AS n FROM trailmark.steps
+                    WHERE run_id = ANY($1) AND finished_at IS NOT NULL GROUP BY run_id) s USING (run_id)",
     )
     .bind(ids)
-    .bind(format!("{RUN_PREFIX}%"))
+    .bind(per_run)
     .fetch_one(pool)
     .await
     .map_err(trailmark::store::Error::from)?;

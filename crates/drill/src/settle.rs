@@ -313,7 +313,8 @@ impl Drill<'_> {
     }
 
     /// Drives `ids` until every one has settled (or nothing moved for `quiet_secs`), injecting
-    /// each planned fault once `total` steps times its share have committed.
+    /// each planned fault once `total` steps times its share are done (`check::standing`: a
+    /// settled run counts its whole share).
     async fn wait(&mut self, ids: &[String], mut plan: Vec<Planned>, total: f64) -> Result<()> {
         let mut last = (-1i64, Instant::now());
         let mut moving = ids.len() as i64;
@@ -324,7 +325,8 @@ impl Drill<'_> {
                 self.moments.push(("kill at seam".into(), Utc::now()));
             }
             self.resume_forced_reviews().await;
-            let (done, unsettled) = match check::standing(&self.env.pool, ids).await {
+            let per_run = (total / ids.len() as f64).ceil() as i64;
+            let (done, unsettled) = match check::standing(&self.env.pool, ids, per_run).await {
                 Ok(standing) => standing,
                 // Postgres is down (a fault of ours): keep driving with what was last read; the
                 // next round reads again.
@@ -343,7 +345,7 @@ impl Drill<'_> {
                 last.1 = Instant::now();
             }
             if unsettled == 0 {
-                return self.inject_the_rest(plan, done, total).await;
+                return Ok(());
             }
             if last.1.elapsed() > Duration::from_secs(self.cfg.quiet_secs) {
                 say(
@@ -361,7 +363,7 @@ impl Drill<'_> {
                 say(
                     self.cfg,
                     &format!(
-                        "{done} steps committed, {unsettled} of {} runs moving, {injected} faults injected, {} to come",
+                        "{done} steps done, {unsettled} of {} runs moving, {injected} faults injected, {} to come",
                         ids.len(),
                         plan.len()
                     ),
@@ -369,28 +371,6 @@ impl Drill<'_> {
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
-    }
-
-    /// Injects the faults whose share the work never reached: runs that end in review (a step
-    /// claimed `worker.max_attempts` times under the faults) commit fewer steps than expected,
-    /// and every run can settle below a fault's share. The plan is still carried out, on the
-    /// settled runs, so the report's faults are the ones asked for and poison still has to
-    /// reach the DLQ.
-    async fn inject_the_rest(&mut self, plan: Vec<Planned>, done: i64, total: f64) -> Result<()> {
-        if plan.is_empty() {
-            return Ok(());
-        }
-        say(
-            self.cfg,
-            &format!(
-                "every run settled at {done} of {total} expected steps; the {} faults planned beyond that are injected now",
-                plan.len()
-            ),
-        );
-        for p in plan {
-            self.inject(p.fault).await?;
-        }
-        Ok(())
     }
 
     /// Waits, with the processes still running, until the outbox holds no unpublished row or
