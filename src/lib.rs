@@ -22,6 +22,7 @@
 //! | [`startup`] | what a process checks before it says it started: servers reachable, logins accepted, schema current |
 //! | [`operator`] | operator decisions: resume, resume after fix, undo, cancel, approve, reject, fork |
 //! | [`timeline`] | a run as an operator reads it (what `trailmark run show` prints) |
+//! | [`inspect`] | reads over many runs for the project's tools and operators: statuses, progress, commit times, leases |
 //! | [`dlq`] | the dead-letter queue for operators: list, show, requeue, purge |
 //! | [`guard`] | budgets, repeated-action detection, circuit breakers |
 //! | [`health`] | what `/livez` and `/readyz` answer: loops coming round, servers answering, not draining |
@@ -60,6 +61,7 @@ pub mod error;
 pub mod failpoint;
 pub mod guard;
 pub mod health;
+pub mod inspect;
 pub mod metrics;
 pub mod model;
 pub mod operator;

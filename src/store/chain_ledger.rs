@@ -51,3 +51,49 @@ pub async fn payload(db: impl PgExecutor<'_>, reference: &str) -> Result<Option<
             .await?,
     )
 }
+
+// Reads for the project's own tools (bench, drill), faced by `crate::inspect::chain`: they move
+// with the ledger when `chain` leaves the engine.
+
+/// Empties the ledger, so a benchmark repetition starts alike.
+pub(crate) async fn erase(db: impl PgExecutor<'_>) -> Result<()> {
+    sqlx::raw_sql("TRUNCATE trailmark.chain_ledger")
+        .execute(db)
+        .await?;
+    Ok(())
+}
+
+/// Rows and distinct references of the runs matching the `LIKE` pattern `pattern`.
+pub(crate) async fn counts_matching(db: impl PgExecutor<'_>, pattern: &str) -> Result<(i64, i64)> {
+    Ok(sqlx::query_as(
+        "SELECT count(*), count(DISTINCT reference) FROM trailmark.chain_ledger WHERE run_id LIKE $1",
+    )
+    .bind(pattern)
+    .fetch_one(db)
+    .await?)
+}
+
+/// Rows and distinct references of `runs`, reversals (`undo:` references) left out.
+pub(crate) async fn forward_counts(db: impl PgExecutor<'_>, runs: &[String]) -> Result<(i64, i64)> {
+    Ok(sqlx::query_as(
+        "SELECT count(*), count(DISTINCT reference) FROM trailmark.chain_ledger
+          WHERE run_id = ANY($1) AND reference NOT LIKE 'undo:%'",
+    )
+    .bind(runs)
+    .fetch_one(db)
+    .await?)
+}
+
+/// (run, position, insert time) of every row of the runs matching the `LIKE` pattern `pattern`.
+pub(crate) async fn row_times(
+    db: impl PgExecutor<'_>,
+    pattern: &str,
+) -> Result<Vec<(String, i32, chrono::DateTime<chrono::Utc>)>> {
+    Ok(sqlx::query_as(
+        "SELECT run_id, step, created_at FROM trailmark.chain_ledger WHERE run_id LIKE $1
+          ORDER BY run_id, step",
+    )
+    .bind(pattern)
+    .fetch_all(db)
+    .await?)
+}

@@ -11,6 +11,7 @@ mod failover;
 pub mod forks;
 pub mod idempotency;
 pub mod inbox;
+pub(crate) mod inspect;
 pub mod journal;
 pub mod outbox;
 pub mod parked;

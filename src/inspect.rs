@@ -1,0 +1,361 @@
+//! What the project's own tools (the bench, the drill) and operators read about many runs at
+//! once: statuses, progress, commit times, leases, outbox and effect counts. They read the
+//! engine through these functions, never through its tables, so that a schema change is made
+//! and compiled in one crate (the SQL is in `store::inspect`).
+//!
+//! Runs are chosen by an id list or by an id prefix; a prefix matches ids that start with it and
+//! nothing else (a `_` or `%` in it is no wildcard). Every function takes an executor: a pool, a
+//! connection or a transaction.
+//!
+//! Two functions change state, for the bench only: [`erase_runs`] and
+//! [`notify_run_finishes`]. The `chain` workflow's ledger has its own section, [`chain`].
+
+use chrono::{DateTime, Utc};
+use sqlx::PgExecutor;
+
+use crate::domain::RunStatus;
+use crate::store::{Result, inspect as sql};
+
+/// The NOTIFY channel on which [`notify_run_finishes`] announces finished runs (payload: the
+/// run id).
+pub const RUN_FINISHED_CHANNEL: &str = "trailmark_run_finished";
+
+/// How far the runs with one id prefix are.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Progress {
+    /// Runs succeeded.
+    pub succeeded: i64,
+    /// Positions committed, summed over the runs.
+    pub steps_committed: i64,
+    /// The first run (by id) that stopped without succeeding (any status but running and
+    /// succeeded), if one did.
+    pub stopped: Option<StoppedRun>,
+}
+
+/// A run that stopped without succeeding.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StoppedRun {
+    /// The run.
+    pub run_id: String,
+    /// Where it stands.
+    pub status: RunStatus,
+    /// Its error or handover reason.
+    pub error: Option<String>,
+}
+
+/// Percentiles of the time between the commits of consecutive positions of one run.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct GapPercentiles {
+    /// Median (ms); `None` when no run committed two positions.
+    pub p50_ms: Option<f64>,
+    /// 99th percentile (ms); `None` when no run committed two positions.
+    pub p99_ms: Option<f64>,
+}
+
+/// The timestamps the engine wrote for one position of a run (each the start time of the
+/// transaction that wrote it).
+#[derive(Debug, Clone, PartialEq)]
+pub struct StepTimes {
+    /// The run.
+    pub run_id: String,
+    /// The position.
+    pub seq: i32,
+    /// When the previous position committed (`None` for the first position).
+    pub previous_commit: Option<DateTime<Utc>>,
+    /// When the position was first claimed.
+    pub claimed: DateTime<Utc>,
+    /// The first model answer journaled at this position, if any.
+    pub first_journal_entry: Option<DateTime<Utc>>,
+    /// The first outside write's intent recorded at this position, if any.
+    pub first_effect_intent: Option<DateTime<Utc>>,
+    /// When the position committed (`None` while it has not).
+    pub committed: Option<DateTime<Utc>>,
+}
+
+/// A run's lease and who holds it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LeaseHolder {
+    /// The run.
+    pub run_id: String,
+    /// The lease owner (see [`crate::engine::lease_owner_pid`]).
+    pub owner: String,
+}
+
+/// A run and a commit time of one of its positions.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RunCommit {
+    /// The run.
+    pub run_id: String,
+    /// The commit's time.
+    pub at: DateTime<Utc>,
+}
+
+/// Where a run stands, as the drill's verdict reads it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RunState {
+    /// The run.
+    pub run_id: String,
+    /// Its status.
+    pub status: RunStatus,
+    /// Whether a handover note is written.
+    pub has_note: bool,
+    /// Its error or handover reason.
+    pub error: Option<String>,
+}
+
+/// A run's status and how many positions it committed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RunCommitted {
+    /// The run.
+    pub run_id: String,
+    /// Its status.
+    pub status: RunStatus,
+    /// Positions committed.
+    pub steps: i64,
+}
+
+/// What one run did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RunWork {
+    /// Positions committed.
+    pub steps: i64,
+    /// Outside writes (effects) completed.
+    pub effects: i64,
+}
+
+/// Empties every per-run table (runs, steps, journal, effects, parked, decisions, inbox,
+/// outbox) so that a benchmark repetition starts alike; the `chain` ledger is
+/// [`chain::erase_ledger`]. Never on a database whose runs matter.
+pub async fn erase_runs(db: impl PgExecutor<'_>) -> Result<()> {
+    sql::erase_runs(db).await
+}
+
+/// How far the runs whose id starts with `prefix` are: succeeded, positions committed, the
+/// first that stopped.
+pub async fn progress(db: impl PgExecutor<'_>, prefix: &str) -> Result<Progress> {
+    let (succeeded, steps_committed, run_id, status, error) =
+        sql::progress(db, &sql::like_prefix(prefix)).await?;
+    let stopped = match (run_id, status) {
+        (Some(run_id), Some(status)) => Some(StoppedRun {
+            run_id,
+            status,
+            error,
+        }),
+        _ => None,
+    };
+    Ok(Progress {
+        succeeded,
+        steps_committed,
+        stopped,
+    })
+}
+
+/// p50 and p99 of the commit-to-commit gaps between consecutive positions of one run, over the
+/// runs whose id starts with `prefix` (computed in the database: it serves 100,000 runs).
+pub async fn step_gap_percentiles(db: impl PgExecutor<'_>, prefix: &str) -> Result<GapPercentiles> {
+    let (p50_ms, p99_ms) = sql::step_gaps(db, &sql::like_prefix(prefix)).await?;
+    Ok(GapPercentiles { p50_ms, p99_ms })
+}
+
+/// Every position of the runs whose id starts with `prefix`, with its claim, first journal
+/// entry, first effect intent and commit times, by run and position: where a step's time goes.
+pub async fn step_times(db: impl PgExecutor<'_>, prefix: &str) -> Result<Vec<StepTimes>> {
+    let rows = sql::step_times(db, &sql::like_prefix(prefix)).await?;
+    Ok(rows
+        .into_iter()
+        .map(
+            |(run_id, seq, previous_commit, claimed, journal, intent, committed)| StepTimes {
+                run_id,
+                seq,
+                previous_commit,
+                claimed,
+                first_journal_entry: journal,
+                first_effect_intent: intent,
+                committed,
+            },
+        )
+        .collect())
+}
+
+/// Makes every run that finishes from now on NOTIFY [`RUN_FINISHED_CHANNEL`] with its id,
+/// delivered when its final commit is: the bench times a run to the moment its end is visible
+/// to a client, as it does the systems it compares with (a poll would add its period, and
+/// `finished_at` is the start of the final transaction, before its commit). A trigger on the
+/// runs table, so for a benchmark's database only; undone by [`stop_notifying_run_finishes`].
+pub async fn notify_run_finishes(db: impl PgExecutor<'_> + Copy) -> Result<()> {
+    sql::notify_run_finishes(db).await
+}
+
+/// Removes what [`notify_run_finishes`] installed; nothing when it is not installed.
+pub async fn stop_notifying_run_finishes(db: impl PgExecutor<'_> + Copy) -> Result<()> {
+    sql::stop_notifying_run_finishes(db).await
+}
+
+/// The current lease holders of the runs whose id starts with `prefix` (runs without a lease
+/// left out).
+pub async fn lease_owners(db: impl PgExecutor<'_>, prefix: &str) -> Result<Vec<LeaseHolder>> {
+    let rows = sql::lease_owners(db, &sql::like_prefix(prefix)).await?;
+    Ok(rows
+        .into_iter()
+        .map(|(run_id, owner)| LeaseHolder { run_id, owner })
+        .collect())
+}
+
+/// The earliest position commit after `at` among the runs whose id starts with `prefix`, or
+/// among all runs when `prefix` is `None`: how long progress stopped after a fault.
+pub async fn first_commit_after(
+    db: impl PgExecutor<'_>,
+    prefix: Option<&str>,
+    at: DateTime<Utc>,
+) -> Result<Option<DateTime<Utc>>> {
+    let pattern = prefix.map(sql::like_prefix);
+    sql::first_commit_after(db, pattern.as_deref(), at).await
+}
+
+/// For each of `runs` that committed a position after `at`, its earliest such commit (runs
+/// that did not are left out): when each run held up by a fault moved again.
+pub async fn first_commit_of_each_after(
+    db: impl PgExecutor<'_>,
+    runs: &[String],
+    at: DateTime<Utc>,
+) -> Result<Vec<RunCommit>> {
+    let rows = sql::first_commit_of_each_after(db, runs, at).await?;
+    Ok(rows
+        .into_iter()
+        .map(|(run_id, at)| RunCommit { run_id, at })
+        .collect())
+}
+
+/// Every position commit of any run in `(after, until]`, in time order: where progress stalled.
+pub async fn commit_times_between(
+    db: impl PgExecutor<'_>,
+    after: DateTime<Utc>,
+    until: DateTime<Utc>,
+) -> Result<Vec<DateTime<Utc>>> {
+    sql::commit_times_between(db, after, until).await
+}
+
+/// Status, note and error of each of `ids` that exists (ids never created are left out).
+pub async fn run_states(db: impl PgExecutor<'_>, ids: &[String]) -> Result<Vec<RunState>> {
+    let rows = sql::statuses(db, ids).await?;
+    Ok(rows
+        .into_iter()
+        .map(|(run_id, status, has_note, error)| RunState {
+            run_id,
+            status,
+            has_note,
+            error,
+        })
+        .collect())
+}
+
+/// Status and committed positions of each of `ids` that exists: how far a drive is.
+pub async fn committed_steps(db: impl PgExecutor<'_>, ids: &[String]) -> Result<Vec<RunCommitted>> {
+    let rows = sql::committed_positions(db, ids).await?;
+    Ok(rows
+        .into_iter()
+        .map(|(run_id, status, steps)| RunCommitted {
+            run_id,
+            status,
+            steps,
+        })
+        .collect())
+}
+
+/// (run, position) of every checkpoint row of `ids`, claimed or committed: which positions
+/// the runs reached.
+pub async fn positions_reached(
+    db: impl PgExecutor<'_>,
+    ids: &[String],
+) -> Result<Vec<(String, i32)>> {
+    sql::positions(db, ids).await
+}
+
+/// Positions committed and outside writes completed by one run.
+pub async fn work_of_run(db: impl PgExecutor<'_>, run: &str) -> Result<RunWork> {
+    let (steps, effects) = sql::work_of_run(db, run).await?;
+    Ok(RunWork { steps, effects })
+}
+
+/// Those of `ids` that succeeded.
+pub async fn succeeded_runs(db: impl PgExecutor<'_>, ids: &[String]) -> Result<Vec<String>> {
+    sql::succeeded(db, ids).await
+}
+
+/// Outside writes (effects) completed by `runs`, one per key and run.
+pub async fn completed_effects(db: impl PgExecutor<'_>, runs: &[String]) -> Result<i64> {
+    sql::completed_effects(db, runs).await
+}
+
+/// Outbox rows no worker or relay has published yet (every run's).
+pub async fn unpublished_outbox_rows(db: impl PgExecutor<'_>) -> Result<i64> {
+    sql::unpublished_outbox_rows(db).await
+}
+
+/// The runs in review whose error or handover note contains `text` (literally), by id.
+pub async fn runs_in_review_mentioning(db: impl PgExecutor<'_>, text: &str) -> Result<Vec<String>> {
+    sql::in_review_mentioning(db, text).await
+}
+
+/// The ledger of the built-in `chain` workflow (`trailmark.chain_ledger`), the outside store of
+/// the bench's and drill's runs. Kept together so that it leaves the engine with `chain`.
+pub mod chain {
+    use chrono::{DateTime, Utc};
+    use sqlx::PgExecutor;
+
+    use crate::store::{Result, chain_ledger, inspect::like_prefix};
+
+    /// Ledger rows and distinct references: equal when every write happened once.
+    #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+    pub struct LedgerCounts {
+        /// Rows.
+        pub rows: i64,
+        /// Distinct references among them.
+        pub distinct: i64,
+    }
+
+    /// One ledger row's position and insert time.
+    #[derive(Debug, Clone, PartialEq, Eq)]
+    pub struct LedgerRowTime {
+        /// The run that posted it.
+        pub run_id: String,
+        /// The position that posted it.
+        pub step: i32,
+        /// When it was inserted (start of the inserting transaction).
+        pub at: DateTime<Utc>,
+    }
+
+    /// Empties the ledger, so that a benchmark repetition starts alike.
+    pub async fn erase_ledger(db: impl PgExecutor<'_>) -> Result<()> {
+        chain_ledger::erase(db).await
+    }
+
+    /// Ledger rows and distinct references of the runs whose id starts with `prefix`.
+    pub async fn ledger_counts(db: impl PgExecutor<'_>, prefix: &str) -> Result<LedgerCounts> {
+        let (rows, distinct) = chain_ledger::counts_matching(db, &like_prefix(prefix)).await?;
+        Ok(LedgerCounts { rows, distinct })
+    }
+
+    /// Ledger rows and distinct references of `runs`, their reversals (`undo:` references)
+    /// left out: the forward writes the runs made.
+    pub async fn forward_ledger_counts(
+        db: impl PgExecutor<'_>,
+        runs: &[String],
+    ) -> Result<LedgerCounts> {
+        let (rows, distinct) = chain_ledger::forward_counts(db, runs).await?;
+        Ok(LedgerCounts { rows, distinct })
+    }
+
+    /// Insert times of the ledger rows of the runs whose id starts with `prefix`, by run and
+    /// position: where an outside write falls within its step.
+    pub async fn ledger_row_times(
+        db: impl PgExecutor<'_>,
+        prefix: &str,
+    ) -> Result<Vec<LedgerRowTime>> {
+        let rows = chain_ledger::row_times(db, &like_prefix(prefix)).await?;
+        Ok(rows
+            .into_iter()
+            .map(|(run_id, step, at)| LedgerRowTime { run_id, step, at })
+            .collect())
+    }
+}

@@ -1,0 +1,312 @@
+//! The SQL behind [`crate::inspect`]: read-only questions the project's own tools (bench, drill)
+//! and operators ask about many runs at once, plus the two set-up statements a benchmark needs
+//! (emptying the run tables, and a NOTIFY when a run finishes). Kept here so that a schema change
+//! is made, and checked, in one crate; the typed face is [`crate::inspect`].
+//!
+//! Runs are chosen either by id list (`= ANY($1)`) or by id prefix: a prefix is bound as a
+//! `LIKE` pattern that [`like_prefix`] escaped, so a `_` or `%` in it matches only itself.
+
+use chrono::{DateTime, Utc};
+use sqlx::PgExecutor;
+
+use super::Result;
+use crate::domain::RunStatus;
+
+/// The `LIKE` pattern matching every id that starts with `prefix` and nothing else (`\`, `%`
+/// and `_` in it escaped with the default escape character `\`).
+pub(crate) fn like_prefix(prefix: &str) -> String {
+    let mut pattern = String::with_capacity(prefix.len() + 1);
+    for c in prefix.chars() {
+        if matches!(c, '\\' | '%' | '_') {
+            pattern.push('\\');
+        }
+        pattern.push(c);
+    }
+    pattern.push('%');
+    pattern
+}
+
+/// Empties every per-run table of the engine; they have no foreign key to `runs` for CASCADE
+/// to follow, so each is named.
+pub(crate) async fn erase_runs(db: impl PgExecutor<'_>) -> Result<()> {
+    sqlx::raw_sql(
+        "TRUNCATE trailmark.runs, trailmark.steps, trailmark.journal, trailmark.effects,
+                  trailmark.parked, trailmark.decisions, trailmark.inbox, trailmark.outbox",
+    )
+    .execute(db)
+    .await?;
+    Ok(())
+}
+
+/// Runs succeeded, positions committed (`sum(step_seq)`), and the first run (by id) that stopped
+/// without succeeding, with its status and error, of the runs matching `pattern`.
+#[allow(clippy::type_complexity)]
+pub(crate) async fn progress(
+    db: impl PgExecutor<'_>,
+    pattern: &str,
+) -> Result<(i64, i64, Option<String>, Option<RunStatus>, Option<String>)> {
+    Ok(sqlx::query_as(
+        "SELECT count(*) FILTER (WHERE status = 'succeeded'), COALESCE(sum(step_seq), 0)::bigint,
+                (array_agg(run_id ORDER BY run_id) FILTER (WHERE status NOT IN ('running', 'succeeded')))[1],
+                (array_agg(status ORDER BY run_id) FILTER (WHERE status NOT IN ('running', 'succeeded')))[1],
+                (array_agg(error ORDER BY run_id) FILTER (WHERE status NOT IN ('running', 'succeeded')))[1]
+           FROM trailmark.runs WHERE run_id LIKE $1",
+    )
+    .bind(pattern)
+    .fetch_one(db)
+    .await?)
+}
+
+/// p50 and p99 (ms) of the time between the commits of consecutive positions of one run, over
+/// the runs matching `pattern`; `None` when no run has two committed positions.
+pub(crate) async fn step_gaps(
+    db: impl PgExecutor<'_>,
+    pattern: &str,
+) -> Result<(Option<f64>, Option<f64>)> {
+    Ok(sqlx::query_as(
+        "WITH g AS (SELECT finished_at - lag(finished_at) OVER (PARTITION BY run_id ORDER BY seq) AS gap
+                      FROM trailmark.steps WHERE run_id LIKE $1)
+         SELECT percentile_cont(0.5) WITHIN GROUP (ORDER BY EXTRACT(EPOCH FROM gap))::float8 * 1000,
+                percentile_cont(0.99) WITHIN GROUP (ORDER BY EXTRACT(EPOCH FROM gap))::float8 * 1000
+           FROM g WHERE gap IS NOT NULL",
+    )
+    .bind(pattern)
+    .fetch_one(db)
+    .await?)
+}
+
+/// One row of [`step_times`]: run, position, previous position's commit, claim, first journal
+/// entry, first effect intent, commit.
+pub(crate) type StepTimesRow = (
+    String,
+    i32,
+    Option<DateTime<Utc>>,
+    DateTime<Utc>,
+    Option<DateTime<Utc>>,
+    Option<DateTime<Utc>>,
+    Option<DateTime<Utc>>,
+);
+
+/// Every position of the runs matching `pattern` with the timestamps the engine wrote for it,
+/// ordered by run and position.
+pub(crate) async fn step_times(
+    db: impl PgExecutor<'_>,
+    pattern: &str,
+) -> Result<Vec<StepTimesRow>> {
+    Ok(sqlx::query_as(
+        "WITH s AS (SELECT run_id, seq, started_at, finished_at,
+                           lag(finished_at) OVER (PARTITION BY run_id ORDER BY seq) AS prev_commit
+                      FROM trailmark.steps WHERE run_id LIKE $1),
+              j AS (SELECT run_id, seq, min(created_at) AS answer FROM trailmark.journal
+                     WHERE run_id LIKE $1 GROUP BY 1, 2),
+              e AS (SELECT run_id, seq, min(created_at) AS intent FROM trailmark.effects
+                     WHERE run_id LIKE $1 GROUP BY 1, 2)
+         SELECT s.run_id, s.seq, s.prev_commit, s.started_at, j.answer, e.intent, s.finished_at
+           FROM s LEFT JOIN j USING (run_id, seq) LEFT JOIN e USING (run_id, seq)
+          ORDER BY s.run_id, s.seq",
+    )
+    .bind(pattern)
+    .fetch_all(db)
+    .await?)
+}
+
+/// The trigger function behind [`notify_run_finishes`]: NOTIFY `trailmark_run_finished` with
+/// the run id.
+const FINISH_FUNCTION: &str = "CREATE OR REPLACE FUNCTION trailmark.inspect_run_finished() RETURNS trigger
+    LANGUAGE plpgsql AS $$ BEGIN PERFORM pg_notify('trailmark_run_finished', NEW.run_id); RETURN NULL; END $$";
+
+/// Installs (replacing any earlier one) a trigger that NOTIFYs `trailmark_run_finished` with
+/// the run id in the transaction that sets a run's `finished_at`, delivered at its commit.
+pub(crate) async fn notify_run_finishes(db: impl PgExecutor<'_> + Copy) -> Result<()> {
+    stop_notifying_run_finishes(db).await?;
+    sqlx::raw_sql(FINISH_FUNCTION).execute(db).await?;
+    sqlx::raw_sql(
+        "CREATE TRIGGER inspect_run_finished AFTER UPDATE ON trailmark.runs FOR EACH ROW
+         WHEN (NEW.finished_at IS NOT NULL AND OLD.finished_at IS NULL)
+         EXECUTE FUNCTION trailmark.inspect_run_finished()",
+    )
+    .execute(db)
+    .await?;
+    Ok(())
+}
+
+/// Removes what [`notify_run_finishes`] installed (nothing when it is not there).
+pub(crate) async fn stop_notifying_run_finishes(db: impl PgExecutor<'_> + Copy) -> Result<()> {
+    sqlx::raw_sql(
+        "DROP TRIGGER IF EXISTS inspect_run_finished ON trailmark.runs;
+         DROP FUNCTION IF EXISTS trailmark.inspect_run_finished()",
+    )
+    .execute(db)
+    .await?;
+    Ok(())
+}
+
+/// (run, lease owner) of every run matching `pattern` whose lease is held.
+pub(crate) async fn lease_owners(
+    db: impl PgExecutor<'_>,
+    pattern: &str,
+) -> Result<Vec<(String, String)>> {
+    Ok(sqlx::query_as(
+        "SELECT run_id, lease_owner FROM trailmark.runs WHERE run_id LIKE $1 AND lease_owner IS NOT NULL",
+    )
+    .bind(pattern)
+    .fetch_all(db)
+    .await?)
+}
+
+/// The earliest position commit after `at` of the runs matching `pattern` (every run when
+/// `None`).
+pub(crate) async fn first_commit_after(
+    db: impl PgExecutor<'_>,
+    pattern: Option<&str>,
+    at: DateTime<Utc>,
+) -> Result<Option<DateTime<Utc>>> {
+    Ok(sqlx::query_scalar(
+        "SELECT min(finished_at) FROM trailmark.steps
+          WHERE ($1::text IS NULL OR run_id LIKE $1) AND finished_at > $2",
+    )
+    .bind(pattern)
+    .bind(at)
+    .fetch_one(db)
+    .await?)
+}
+
+/// For each of `runs` that committed a position after `at`: its earliest such commit.
+pub(crate) async fn first_commit_of_each_after(
+    db: impl PgExecutor<'_>,
+    runs: &[String],
+    at: DateTime<Utc>,
+) -> Result<Vec<(String, DateTime<Utc>)>> {
+    Ok(sqlx::query_as(
+        "SELECT run_id, min(finished_at) FROM trailmark.steps
+          WHERE run_id = ANY($1) AND finished_at > $2 GROUP BY run_id",
+    )
+    .bind(runs)
+    .bind(at)
+    .fetch_all(db)
+    .await?)
+}
+
+/// Every position commit (of any run) in `(after, until]`, in time order.
+pub(crate) async fn commit_times_between(
+    db: impl PgExecutor<'_>,
+    after: DateTime<Utc>,
+    until: DateTime<Utc>,
+) -> Result<Vec<DateTime<Utc>>> {
+    Ok(sqlx::query_scalar(
+        "SELECT finished_at FROM trailmark.steps WHERE finished_at > $1 AND finished_at <= $2
+          ORDER BY finished_at",
+    )
+    .bind(after)
+    .bind(until)
+    .fetch_all(db)
+    .await?)
+}
+
+/// (run, status, whether a handover note is written, error) of each of `ids` that exists.
+pub(crate) async fn statuses(
+    db: impl PgExecutor<'_>,
+    ids: &[String],
+) -> Result<Vec<(String, RunStatus, bool, Option<String>)>> {
+    Ok(sqlx::query_as(
+        "SELECT run_id, status, handover IS NOT NULL, error FROM trailmark.runs WHERE run_id = ANY($1)",
+    )
+    .bind(ids)
+    .fetch_all(db)
+    .await?)
+}
+
+/// (run, status, positions committed) of each of `ids` that exists.
+pub(crate) async fn committed_positions(
+    db: impl PgExecutor<'_>,
+    ids: &[String],
+) -> Result<Vec<(String, RunStatus, i64)>> {
+    Ok(sqlx::query_as(
+        "SELECT r.run_id, r.status, coalesce(s.n, 0)::bigint
+           FROM trailmark.runs r
+           LEFT JOIN (SELECT run_id, count(*) AS n FROM trailmark.steps
+                       WHERE run_id = ANY($1) AND finished_at IS NOT NULL GROUP BY run_id) s USING (run_id)
+          WHERE r.run_id = ANY($1)",
+    )
+    .bind(ids)
+    .fetch_all(db)
+    .await?)
+}
+
+/// (run, position) of every checkpoint row (claimed or committed) of `ids`.
+pub(crate) async fn positions(
+    db: impl PgExecutor<'_>,
+    ids: &[String],
+) -> Result<Vec<(String, i32)>> {
+    Ok(
+        sqlx::query_as("SELECT run_id, seq FROM trailmark.steps WHERE run_id = ANY($1)")
+            .bind(ids)
+            .fetch_all(db)
+            .await?,
+    )
+}
+
+/// Positions committed and effects completed by one run.
+pub(crate) async fn work_of_run(db: impl PgExecutor<'_>, run: &str) -> Result<(i64, i64)> {
+    Ok(sqlx::query_as(
+        "SELECT (SELECT count(*) FROM trailmark.steps WHERE run_id = $1 AND finished_at IS NOT NULL),
+                (SELECT count(*) FROM trailmark.effects WHERE run_id = $1 AND completed_at IS NOT NULL)",
+    )
+    .bind(run)
+    .fetch_one(db)
+    .await?)
+}
+
+/// Those of `ids` that succeeded.
+pub(crate) async fn succeeded(db: impl PgExecutor<'_>, ids: &[String]) -> Result<Vec<String>> {
+    Ok(sqlx::query_scalar(
+        "SELECT run_id FROM trailmark.runs WHERE run_id = ANY($1) AND status = 'succeeded'",
+    )
+    .bind(ids)
+    .fetch_all(db)
+    .await?)
+}
+
+/// Effects (one per key and run) completed by `runs`.
+pub(crate) async fn completed_effects(db: impl PgExecutor<'_>, runs: &[String]) -> Result<i64> {
+    Ok(sqlx::query_scalar(
+        "SELECT count(*) FROM trailmark.effects WHERE run_id = ANY($1) AND completed_at IS NOT NULL",
+    )
+    .bind(runs)
+    .fetch_one(db)
+    .await?)
+}
+
+/// Outbox rows no relay or worker has published yet.
+pub(crate) async fn unpublished_outbox_rows(db: impl PgExecutor<'_>) -> Result<i64> {
+    Ok(
+        sqlx::query_scalar("SELECT count(*) FROM trailmark.outbox WHERE published_at IS NULL")
+            .fetch_one(db)
+            .await?,
+    )
+}
+
+/// Runs in review whose error or handover note contains `text` (as is: no wildcard).
+pub(crate) async fn in_review_mentioning(
+    db: impl PgExecutor<'_>,
+    text: &str,
+) -> Result<Vec<String>> {
+    Ok(sqlx::query_scalar(
+        "SELECT run_id FROM trailmark.runs WHERE status = 'needs_review'
+            AND (strpos(error, $1) > 0 OR strpos(handover::text, $1) > 0) ORDER BY run_id",
+    )
+    .bind(text)
+    .fetch_all(db)
+    .await?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::like_prefix;
+
+    #[test]
+    fn a_prefix_pattern_escapes_the_wildcards_it_contains() {
+        assert_eq!(like_prefix("l0-"), "l0-%");
+        assert_eq!(like_prefix("a_b%c\\"), "a\\_b\\%c\\\\%");
+    }
+}
