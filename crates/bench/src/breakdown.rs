@@ -1,11 +1,16 @@
 //! Where an unloaded trailmark step spends its time, read from the timestamps the engine already
-//! writes (each is the start of the statement that wrote it): commit of the previous step, claim,
+//! writes (each is the start of the statement that wrote it; read through
+//! [`trailmark::inspect::step_times`] and the ledger's [`trailmark::inspect::chain::ledger_row_times`]): commit of the previous step, claim,
 //! journal entry or effect intent, ledger row, commit. Each segment therefore also holds the
 //! commit (fsync) of the write that opens it. A step the previous commit pre-claimed has its
 //! claim time in that commit (`worker.preclaim`): its first segment is 0 and the second holds
 //! the publish and the delivery.
 
+use std::collections::HashMap;
+
+use chrono::{DateTime, TimeDelta, Utc};
 use serde::Serialize;
+use trailmark::inspect::{self, chain};
 
 use super::Result;
 use super::env::BenchEnv;
@@ -33,50 +38,104 @@ pub struct Breakdown {
     pub p50_ms: Vec<f64>,
 }
 
-/// The steps with the time their previous position committed.
-const STEPS: &str = "s AS (
-    SELECT run_id, seq, started_at, finished_at,
-           lag(finished_at) OVER (PARTITION BY run_id ORDER BY seq) AS prev_commit
-      FROM trailmark.steps WHERE run_id LIKE $1)";
-
-/// The p50 of each segment in `parts` over the rows of `t`.
-const PERCENTILES: &str = "
-SELECT i::int, (percentile_cont(0.5) WITHIN GROUP (ORDER BY EXTRACT(EPOCH FROM parts[i])) * 1000)::float8
-  FROM t, generate_series(1, array_length(parts, 1)) AS i GROUP BY i ORDER BY i";
-
-/// The breakdown of the local-write steps of runs whose ids start with `prefix`.
+/// The breakdown of the local-write steps of runs whose ids start with `prefix`: per step with
+/// a previous commit and a journal entry, previous commit -> claim -> first journal entry ->
+/// commit.
 pub async fn local(env: &BenchEnv, prefix: &str) -> Result<Breakdown> {
-    let sql = format!(
-        "WITH {STEPS},
-         j AS (SELECT run_id, seq, min(created_at) AS answer FROM trailmark.journal WHERE run_id LIKE $1 GROUP BY 1, 2),
-         t AS (SELECT ARRAY[s.started_at - s.prev_commit, j.answer - s.started_at, s.finished_at - j.answer] AS parts
-                 FROM s JOIN j USING (run_id, seq) WHERE s.prev_commit IS NOT NULL)
-         {PERCENTILES}"
-    );
-    of(env, &sql, prefix).await
+    let steps = inspect::step_times(&env.pool, prefix).await?;
+    let rows = steps
+        .iter()
+        .filter_map(|s| {
+            let prev = s.previous_commit?;
+            let answer = s.first_journal_entry?;
+            Some(vec![
+                Some(s.claimed - prev),
+                Some(answer - s.claimed),
+                s.committed.map(|c| c - answer),
+            ])
+        })
+        .collect::<Vec<_>>();
+    Ok(medians(&rows))
 }
 
-/// The breakdown of the effect steps of runs whose ids start with `prefix`.
+/// The breakdown of the effect steps of runs whose ids start with `prefix`: per step with a
+/// previous commit, an effect intent and a ledger row, previous commit -> claim -> first intent
+/// -> ledger row -> commit (a position with several ledger rows counts once per row).
 pub async fn effect(env: &BenchEnv, prefix: &str) -> Result<Breakdown> {
-    let sql = format!(
-        "WITH {STEPS},
-         e AS (SELECT run_id, seq, min(created_at) AS intent FROM trailmark.effects WHERE run_id LIKE $1 GROUP BY 1, 2),
-         l AS (SELECT run_id, step AS seq, created_at AS at FROM trailmark.chain_ledger WHERE run_id LIKE $1),
-         t AS (SELECT ARRAY[s.started_at - s.prev_commit, e.intent - s.started_at, l.at - e.intent,
-                            s.finished_at - l.at] AS parts
-                 FROM s JOIN e USING (run_id, seq) JOIN l USING (run_id, seq)
-                WHERE s.prev_commit IS NOT NULL)
-         {PERCENTILES}"
-    );
-    of(env, &sql, prefix).await
+    let steps = inspect::step_times(&env.pool, prefix).await?;
+    let mut ledger: HashMap<(String, i32), Vec<DateTime<Utc>>> = HashMap::new();
+    for row in chain::ledger_row_times(&env.pool, prefix).await? {
+        ledger
+            .entry((row.run_id, row.step))
+            .or_default()
+            .push(row.at);
+    }
+    let mut rows = Vec::new();
+    for s in &steps {
+        let (Some(prev), Some(intent)) = (s.previous_commit, s.first_effect_intent) else {
+            continue;
+        };
+        for &at in ledger
+            .get(&(s.run_id.clone(), s.seq))
+            .map_or(&[][..], Vec::as_slice)
+        {
+            rows.push(vec![
+                Some(s.claimed - prev),
+                Some(intent - s.claimed),
+                Some(at - intent),
+                s.committed.map(|c| c - at),
+            ]);
+        }
+    }
+    Ok(medians(&rows))
 }
 
-async fn of(env: &BenchEnv, sql: &str, prefix: &str) -> Result<Breakdown> {
-    let rows: Vec<(i32, f64)> = sqlx::query_as(sqlx::AssertSqlSafe(sql.to_owned()))
-        .bind(format!("{prefix}%"))
-        .fetch_all(&env.pool)
-        .await?;
-    Ok(Breakdown {
-        p50_ms: rows.into_iter().map(|(_, ms)| ms).collect(),
-    })
+/// The p50 of each segment over `rows` (all of one length), as Postgres's `percentile_cont(0.5)`
+/// computed it when this was SQL: missing values left out, linear interpolation between the
+/// two middle values. No rows, no segments.
+fn medians(rows: &[Vec<Option<TimeDelta>>]) -> Breakdown {
+    let width = rows.first().map_or(0, Vec::len);
+    let p50_ms = (0..width)
+        .map(|i| {
+            let mut ms: Vec<f64> = rows
+                .iter()
+                .filter_map(|r| r[i])
+                .map(|d| d.num_microseconds().unwrap_or(i64::MAX) as f64 / 1000.0)
+                .collect();
+            ms.sort_by(f64::total_cmp);
+            percentile_cont(&ms, 0.5)
+        })
+        .collect();
+    Breakdown { p50_ms }
+}
+
+/// Postgres's `percentile_cont(q)` over sorted values: the value at rank `q * (n - 1)`,
+/// interpolated linearly between its neighbours; 0 for no values.
+fn percentile_cont(sorted: &[f64], q: f64) -> f64 {
+    let Some(last) = sorted.len().checked_sub(1) else {
+        return 0.0;
+    };
+    let rank = q * last as f64;
+    let (lo, hi) = (rank.floor() as usize, rank.ceil() as usize);
+    sorted[lo] + (sorted[hi] - sorted[lo]) * (rank - lo as f64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn medians_interpolate_as_postgres_does_and_skip_missing_values() {
+        assert_eq!(percentile_cont(&[1.0, 2.0, 4.0, 8.0], 0.5), 3.0);
+        assert_eq!(percentile_cont(&[1.0, 2.0, 4.0], 0.5), 2.0);
+        assert_eq!(percentile_cont(&[], 0.5), 0.0);
+        let ms = TimeDelta::milliseconds;
+        let rows = vec![
+            vec![Some(ms(1)), Some(ms(10))],
+            vec![Some(ms(3)), None],
+            vec![Some(ms(2)), Some(ms(20))],
+        ];
+        assert_eq!(medians(&rows).p50_ms, vec![2.0, 15.0]);
+        assert!(medians(&[]).p50_ms.is_empty());
+    }
 }

@@ -9,7 +9,7 @@ use sqlx::postgres::PgListener;
 
 use super::breakdown::{self, Breakdown};
 use super::env::{BenchEnv, Proc};
-use super::systems::{DONE_CHANNEL, System};
+use super::systems::System;
 use super::window::measured;
 use super::{Config, Error, Result, measure, progress};
 
@@ -230,7 +230,7 @@ const STALL: Duration = Duration::from_secs(120);
 async fn unloaded(env: &BenchEnv, system: System, cfg: &Config, rep: usize) -> Result<Vec<f64>> {
     system.watch_done(env, true).await?;
     let mut listener = PgListener::connect_with(&env.pool).await?;
-    listener.listen(DONE_CHANNEL).await?;
+    listener.listen(system.done_channel()).await?;
     let mut latencies = Vec::with_capacity(cfg.unloaded_runs);
     for id in ids(&format!("u{rep}"), cfg.unloaded_runs) {
         let started = Instant::now();

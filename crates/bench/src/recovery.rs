@@ -15,6 +15,7 @@ use super::load::{ids, wait_all};
 use super::systems::System;
 use super::{Config, Error, Result, progress};
 use trailmark::engine::lease_owner_pid;
+use trailmark::inspect;
 
 /// The figures of one recovery scenario.
 #[derive(Debug, Clone, Serialize)]
@@ -230,12 +231,11 @@ async fn freeze_holding_leases(
 /// Every lease on the scenario's runs, as (run, owner): one read for all workers, while they
 /// are frozen.
 async fn leases(env: &BenchEnv, prefix: &str) -> Result<Vec<(String, String)>> {
-    Ok(sqlx::query_as(
-        "SELECT run_id, lease_owner FROM trailmark.runs WHERE run_id LIKE $1 AND lease_owner IS NOT NULL",
-    )
-    .bind(format!("{prefix}%"))
-    .fetch_all(&env.pool)
-    .await?)
+    Ok(inspect::lease_owners(&env.pool, prefix)
+        .await?
+        .into_iter()
+        .map(|l| (l.run_id, l.owner))
+        .collect())
 }
 
 /// The runs among `leases` that the process `pid` holds.
@@ -247,16 +247,14 @@ fn held_by(leases: &[(String, String)], pid: u32) -> Vec<String> {
         .collect()
 }
 
+/// Milliseconds from `from` to `to`.
+fn ms_between(from: DateTime<Utc>, to: DateTime<Utc>) -> f64 {
+    (to - from).num_microseconds().unwrap_or(i64::MAX) as f64 / 1000.0
+}
+
 async fn first_commit_after(env: &BenchEnv, prefix: &str, at: DateTime<Utc>) -> Result<f64> {
-    let ms: Option<f64> = sqlx::query_scalar(
-        "SELECT (EXTRACT(EPOCH FROM min(finished_at) - $2) * 1000)::float8 FROM trailmark.steps
-          WHERE run_id LIKE $1 AND finished_at > $2",
-    )
-    .bind(format!("{prefix}%"))
-    .bind(at)
-    .fetch_one(&env.pool)
-    .await?;
-    ms.ok_or_else(|| {
+    let next = inspect::first_commit_after(&env.pool, Some(prefix), at).await?;
+    next.map(|t| ms_between(at, t)).ok_or_else(|| {
         Error::Failed(format!(
             "recovery: no step of the runs {prefix}* committed after the kill; \
              see the workers' logs"
@@ -266,19 +264,16 @@ async fn first_commit_after(env: &BenchEnv, prefix: &str, at: DateTime<Utc>) -> 
 
 /// For each stranded run, kill to its first commit after the kill (ms), sorted.
 async fn resumed_after(env: &BenchEnv, runs: &[String], at: DateTime<Utc>) -> Result<Vec<f64>> {
-    Ok(sqlx::query_scalar(
-        "SELECT (EXTRACT(EPOCH FROM min(finished_at) - $2) * 1000)::float8 AS ms FROM trailmark.steps
-          WHERE run_id = ANY($1) AND finished_at > $2 GROUP BY run_id ORDER BY ms",
-    )
-    .bind(runs)
-    .bind(at)
-    .fetch_all(&env.pool)
-    .await?)
+    let mut ms: Vec<f64> = inspect::first_commit_of_each_after(&env.pool, runs, at)
+        .await?
+        .into_iter()
+        .map(|c| ms_between(at, c.at))
+        .collect();
+    ms.sort_by(f64::total_cmp);
+    Ok(ms)
 }
 
 async fn ledger(env: &BenchEnv, prefix: &str) -> Result<(i64, i64)> {
-    Ok(sqlx::query_as("SELECT count(*), count(DISTINCT reference) FROM trailmark.chain_ledger WHERE run_id LIKE $1")
-        .bind(format!("{prefix}%"))
-        .fetch_one(&env.pool)
-        .await?)
+    let c = inspect::chain::ledger_counts(&env.pool, prefix).await?;
+    Ok((c.rows, c.distinct))
 }

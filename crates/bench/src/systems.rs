@@ -11,6 +11,7 @@ use super::{Error, Result, baseline, peer};
 use trailmark::broker::Outgoing;
 use trailmark::builtin::chain::Ledger;
 use trailmark::domain::{RunId, RunStartEvent};
+use trailmark::inspect;
 
 /// Which system a figure belongs to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -43,7 +44,8 @@ pub struct Progress {
     pub stopped: Option<String>,
 }
 
-/// NOTIFY channel of finished runs, used by the unloaded phase only.
+/// NOTIFY channel of the baseline's and the peer's finished runs, used by the unloaded phase
+/// only (trailmark's is the engine's [`inspect::RUN_FINISHED_CHANNEL`]).
 pub const DONE_CHANNEL: &str = "bench_done";
 
 impl System {
@@ -61,11 +63,10 @@ impl System {
     /// Empties the system's tables, so every repetition starts alike.
     pub async fn reset(self, env: &BenchEnv) -> Result<()> {
         let sql = match self {
-            // Every per-run table is named: they have no foreign key to runs for CASCADE to follow.
             Self::Trailmark | Self::TrailmarkEffect => {
-                "TRUNCATE trailmark.runs, trailmark.steps, trailmark.journal, trailmark.effects,
-                          trailmark.parked, trailmark.decisions, trailmark.inbox, trailmark.outbox,
-                          trailmark.chain_ledger"
+                inspect::erase_runs(&env.pool).await?;
+                inspect::chain::erase_ledger(&env.pool).await?;
+                return Ok(());
             }
             Self::B3 | Self::B3Local => "TRUNCATE b3.inbox, b3.checkpoints, b3.ledger, b3.outbox",
             Self::Dbos => peer::RESET,
@@ -159,9 +160,19 @@ impl System {
     pub async fn progress(self, env: &BenchEnv, prefix: &str) -> Result<Progress> {
         let sql = match self {
             Self::Trailmark | Self::TrailmarkEffect => {
-                "SELECT count(*) FILTER (WHERE status = 'succeeded'), COALESCE(sum(step_seq), 0)::bigint,
-                        min(run_id || ' is ' || status || ': ' || COALESCE(error, '')) FILTER (WHERE status NOT IN ('running', 'succeeded'))
-                   FROM trailmark.runs WHERE run_id LIKE $1"
+                let p = inspect::progress(&env.pool, prefix).await?;
+                return Ok(Progress {
+                    runs_done: p.succeeded,
+                    steps_done: p.steps_committed,
+                    stopped: p.stopped.map(|r| {
+                        format!(
+                            "{} is {}: {}",
+                            r.run_id,
+                            r.status,
+                            r.error.unwrap_or_default()
+                        )
+                    }),
+                });
             }
             Self::B3 | Self::B3Local => {
                 "SELECT count(*) FILTER (WHERE done), count(*) FILTER (WHERE seq >= 0), NULL::text
@@ -187,11 +198,8 @@ impl System {
     pub async fn step_gaps(self, env: &BenchEnv, prefix: &str) -> Result<(f64, f64)> {
         let sql = match self {
             Self::Trailmark | Self::TrailmarkEffect => {
-                "WITH g AS (SELECT finished_at - lag(finished_at) OVER (PARTITION BY run_id ORDER BY seq) AS gap
-                              FROM trailmark.steps WHERE run_id LIKE $1)
-                 SELECT percentile_cont(0.5) WITHIN GROUP (ORDER BY EXTRACT(EPOCH FROM gap))::float8 * 1000,
-                        percentile_cont(0.99) WITHIN GROUP (ORDER BY EXTRACT(EPOCH FROM gap))::float8 * 1000
-                   FROM g WHERE gap IS NOT NULL"
+                let g = inspect::step_gap_percentiles(&env.pool, prefix).await?;
+                return Ok((g.p50_ms.unwrap_or(0.0), g.p99_ms.unwrap_or(0.0)));
             }
             Self::Dbos => peer::STEP_GAPS,
             Self::B3 | Self::B3Local => {
@@ -209,9 +217,27 @@ impl System {
         Ok((p50.unwrap_or(0.0), p99.unwrap_or(0.0)))
     }
 
-    /// Installs (or removes) a trigger that NOTIFYs [`DONE_CHANNEL`] with the run id when a run
-    /// finishes, so the unloaded phase sees the final commit without polling.
+    /// The NOTIFY channel [`System::watch_done`] makes finished runs announce themselves on.
+    pub fn done_channel(self) -> &'static str {
+        match self {
+            Self::Trailmark | Self::TrailmarkEffect => inspect::RUN_FINISHED_CHANNEL,
+            Self::B3 | Self::B3Local | Self::Dbos => DONE_CHANNEL,
+        }
+    }
+
+    /// Makes (or stops making) every run that finishes NOTIFY [`System::done_channel`] with its
+    /// id at its final commit, so the unloaded phase sees that commit without polling: the
+    /// engine's own [`inspect::notify_run_finishes`] for trailmark, a trigger on the baseline's
+    /// or the peer's own tables for the others.
     pub async fn watch_done(self, env: &BenchEnv, on: bool) -> Result<()> {
+        if matches!(self, Self::Trailmark | Self::TrailmarkEffect) {
+            if on {
+                inspect::notify_run_finishes(&env.pool).await?;
+            } else {
+                inspect::stop_notifying_run_finishes(&env.pool).await?;
+            }
+            return Ok(());
+        }
         if self == Self::Dbos {
             sqlx::query(peer::UNWATCH).execute(&env.pool).await?;
             if on {
@@ -220,13 +246,7 @@ impl System {
             }
             return Ok(());
         }
-        let table = match self {
-            Self::Trailmark | Self::TrailmarkEffect => "trailmark.runs",
-            Self::B3 | Self::B3Local => "b3.checkpoints",
-            Self::Dbos => unreachable!("handled above"),
-        };
-        let drop = format!("DROP TRIGGER IF EXISTS bench_done ON {table}");
-        sqlx::query(sqlx::AssertSqlSafe(drop))
+        sqlx::query("DROP TRIGGER IF EXISTS bench_done ON b3.checkpoints")
             .execute(&env.pool)
             .await?;
         if !on {
@@ -239,14 +259,12 @@ impl System {
         sqlx::query(sqlx::AssertSqlSafe(function))
             .execute(&env.pool)
             .await?;
-        let trigger = match self {
-            Self::Trailmark | Self::TrailmarkEffect => "CREATE TRIGGER bench_done AFTER UPDATE ON trailmark.runs FOR EACH ROW
-                 WHEN (NEW.finished_at IS NOT NULL AND OLD.finished_at IS NULL) EXECUTE FUNCTION public.bench_done()",
-            Self::B3 | Self::B3Local => "CREATE TRIGGER bench_done AFTER INSERT ON b3.checkpoints FOR EACH ROW
-                 WHEN (NEW.done) EXECUTE FUNCTION public.bench_done()",
-            Self::Dbos => unreachable!("handled above"),
-        };
-        sqlx::query(trigger).execute(&env.pool).await?;
+        sqlx::query(
+            "CREATE TRIGGER bench_done AFTER INSERT ON b3.checkpoints FOR EACH ROW
+             WHEN (NEW.done) EXECUTE FUNCTION public.bench_done()",
+        )
+        .execute(&env.pool)
+        .await?;
         Ok(())
     }
 
@@ -255,7 +273,8 @@ impl System {
     pub async fn ledger(self, env: &BenchEnv, prefix: &str) -> Result<(i64, i64)> {
         let sql = match self {
             Self::Trailmark | Self::TrailmarkEffect => {
-                "SELECT count(*), count(DISTINCT reference) FROM trailmark.chain_ledger WHERE run_id LIKE $1"
+                let c = inspect::chain::ledger_counts(&env.pool, prefix).await?;
+                return Ok((c.rows, c.distinct));
             }
             Self::B3 | Self::B3Local => {
                 "SELECT count(*), count(DISTINCT reference) FROM b3.ledger WHERE run_id LIKE $1"

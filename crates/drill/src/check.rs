@@ -10,36 +10,43 @@ use super::report::{DeadLetters, Effects, Fencing, Invariant, ModelCalls, Report
 use super::{Error, Result};
 use trailmark::config::BrokerSettings;
 use trailmark::dlq::{self, Dlq};
+use trailmark::domain::RunStatus;
+use trailmark::inspect::{self, RunState};
 
 /// Terminal statuses other than success.
-const OTHER_TERMINAL: [&str; 4] = ["failed", "cancelled", "compensated", "shadowed"];
+const OTHER_TERMINAL: [RunStatus; 4] = [
+    RunStatus::Failed,
+    RunStatus::Cancelled,
+    RunStatus::Compensated,
+    RunStatus::Shadowed,
+];
 
 /// Where the drill's runs ended (the control run excluded).
 pub async fn runs(pool: &PgPool, ids: &[String], steps_per_run: i64) -> Result<Runs> {
-    let rows: Vec<(String, String, bool, Option<String>)> = sqlx::query_as(
-        "SELECT run_id, status, handover IS NOT NULL, error FROM trailmark.runs WHERE run_id = ANY($1)",
-    )
-    .bind(ids)
-    .fetch_all(pool)
-    .await
-    .map_err(trailmark::store::Error::from)?;
+    let rows = inspect::run_states(pool, ids).await?;
     let mut r = Runs {
         started: ids.len() as i64,
         steps_per_run,
         ..Runs::default()
     };
     let mut seen = HashSet::new();
-    for (id, status, note, error) in rows {
+    for RunState {
+        run_id: id,
+        status,
+        has_note: note,
+        error,
+    } in rows
+    {
         seen.insert(id.clone());
-        match status.as_str() {
-            "succeeded" => r.succeeded += 1,
-            "needs_review" if note => {
+        match status {
+            RunStatus::Succeeded => r.succeeded += 1,
+            RunStatus::NeedsReview if note => {
                 r.in_review += 1;
                 if r.review_examples.len() < 5 {
                     r.review_examples.push(error.unwrap_or_default());
                 }
             }
-            "needs_review" => r.in_review_without_note += 1,
+            RunStatus::NeedsReview => r.in_review_without_note += 1,
             s if OTHER_TERMINAL.contains(&s) => r.other_terminal += 1,
             s => {
                 r.lost += 1;
@@ -58,84 +65,55 @@ pub async fn runs(pool: &PgPool, ids: &[String], steps_per_run: i64) -> Result<R
     Ok(r)
 }
 
-/// Where the drive stands, in one statement per round: the work done by `ids` in steps, and
-/// how many of them are neither terminal nor in review (still moving). A settled run counts as
-/// `per_run` steps however many it committed: one stopped in review early has done its share of
-/// the drive, so the faults planned at shares of the expected steps still come while the others
+/// Where the drive stands, in one read per round: the work done by `ids` in steps, and how many
+/// of them are neither terminal nor in review (still moving). A settled run counts as `per_run`
+/// steps however many it committed: one stopped in review early has done its share of the
+/// drive, so the faults planned at shares of the expected steps still come while the others
 /// move.
 pub async fn standing(pool: &PgPool, ids: &[String], per_run: i64) -> Result<(i64, i64)> {
-    let (done, settled): (i64, i64) = sqlx::query_as(
-        "SELECT coalesce(sum(CASE WHEN r.settled THEN $2 ELSE coalesce(s.n, 0) END), 0)::bigint,
-                count(*) FILTER (WHERE r.settled)
-         FROM (SELECT run_id, status IN ('succeeded', 'needs_review', 'failed', 'cancelled', 'compensated', 'shadowed') AS settled
-               FROM trailmark.runs WHERE run_id = ANY($1)) r
-         LEFT JOIN (SELECT run_id, count(*) AS n FROM trailmark.steps
-                    WHERE run_id = ANY($1) AND finished_at IS NOT NULL GROUP BY run_id) s USING (run_id)",
-    )
-    .bind(ids)
-    .bind(per_run)
-    .fetch_one(pool)
-    .await
-    .map_err(trailmark::store::Error::from)?;
+    let (mut done, mut settled) = (0, 0);
+    for run in inspect::committed_steps(pool, ids).await? {
+        if settles(run.status) {
+            done += per_run;
+            settled += 1;
+        } else {
+            done += run.steps;
+        }
+    }
     Ok((done, ids.len() as i64 - settled))
 }
 
-/// Every position the runs `ids` committed.
+/// Whether a run in `status` has stopped moving for the drive: terminal, or in review.
+fn settles(status: RunStatus) -> bool {
+    status == RunStatus::Succeeded
+        || status == RunStatus::NeedsReview
+        || OTHER_TERMINAL.contains(&status)
+}
+
+/// Every position the runs `ids` reached (claimed or committed).
 pub async fn positions(pool: &PgPool, ids: &[String]) -> Result<Vec<(String, i32)>> {
-    let positions: Vec<(String, i32)> =
-        sqlx::query_as("SELECT run_id, seq FROM trailmark.steps WHERE run_id = ANY($1)")
-            .bind(ids)
-            .fetch_all(pool)
-            .await
-            .map_err(trailmark::store::Error::from)?;
-    Ok(positions)
+    Ok(inspect::positions_reached(pool, ids).await?)
 }
 
 /// What one run did: steps, distinct effect keys done.
 pub async fn one_run(pool: &PgPool, run: &str) -> Result<(i64, i64)> {
-    let figures: (i64, i64) = sqlx::query_as(
-        "SELECT (SELECT count(*) FROM trailmark.steps WHERE run_id = $1 AND finished_at IS NOT NULL),
-                (SELECT count(*) FROM trailmark.effects WHERE run_id = $1 AND completed_at IS NOT NULL)",
-    )
-    .bind(run)
-    .fetch_one(pool)
-    .await
-    .map_err(trailmark::store::Error::from)?;
-    Ok(figures)
+    let work = inspect::work_of_run(pool, run).await?;
+    Ok((work.steps, work.effects))
 }
 
 /// The drill's runs that succeeded.
 pub async fn succeeded(pool: &PgPool, ids: &[String]) -> Result<Vec<String>> {
-    let ids: Vec<String> = sqlx::query_scalar(
-        "SELECT run_id FROM trailmark.runs WHERE run_id = ANY($1) AND status = 'succeeded'",
-    )
-    .bind(ids)
-    .fetch_all(pool)
-    .await
-    .map_err(trailmark::store::Error::from)?;
-    Ok(ids)
+    Ok(inspect::succeeded_runs(pool, ids).await?)
 }
 
 /// Distinct effect keys done for `runs`.
 pub async fn keys(pool: &PgPool, runs: &[String]) -> Result<i64> {
-    let n: i64 = sqlx::query_scalar(
-        "SELECT count(*) FROM trailmark.effects WHERE run_id = ANY($1) AND completed_at IS NOT NULL",
-    )
-    .bind(runs)
-    .fetch_one(pool)
-    .await
-    .map_err(trailmark::store::Error::from)?;
-    Ok(n)
+    Ok(inspect::completed_effects(pool, runs).await?)
 }
 
 /// Rows left in the outbox that no relay published.
 pub async fn unpublished(pool: &PgPool) -> Result<i64> {
-    let n: i64 =
-        sqlx::query_scalar("SELECT count(*) FROM trailmark.outbox WHERE published_at IS NULL")
-            .fetch_one(pool)
-            .await
-            .map_err(trailmark::store::Error::from)?;
-    Ok(n)
+    Ok(inspect::unpublished_outbox_rows(pool).await?)
 }
 
 /// Steps committed by each process the drill started (its call log is named by its pid).

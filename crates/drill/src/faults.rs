@@ -13,6 +13,7 @@ use super::{Error, Result};
 use trailmark::broker::{self, Outgoing, Publisher, Topology};
 use trailmark::config::BrokerSettings;
 use trailmark::domain::{RUN_START_ROUTING_KEY, STEP_ROUTING_KEY};
+use trailmark::inspect;
 use trailmark_bench::env::BenchEnv;
 
 /// How a broker fault is made.
@@ -223,21 +224,10 @@ pub const STALL_WINDOW_SECS: f64 = 20.0;
 /// moving then, i.e. a commit came after it).
 pub async fn longest_stall(pool: &PgPool, since: DateTime<Utc>) -> Result<Option<f64>> {
     let end = since + chrono::Duration::milliseconds((STALL_WINDOW_SECS * 1000.0) as i64);
-    let times: Vec<DateTime<Utc>> = sqlx::query_scalar(
-        "SELECT finished_at FROM trailmark.steps WHERE finished_at > $1 AND finished_at <= $2
-         ORDER BY finished_at",
-    )
-    .bind(since)
-    .bind(end)
-    .fetch_all(pool)
-    .await
-    .map_err(trailmark::store::Error::from)?;
-    let later: bool =
-        sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM trailmark.steps WHERE finished_at > $1)")
-            .bind(end)
-            .fetch_one(pool)
-            .await
-            .map_err(trailmark::store::Error::from)?;
+    let times = inspect::commit_times_between(pool, since, end).await?;
+    let later = inspect::first_commit_after(pool, None, end)
+        .await?
+        .is_some();
     let mut marks = vec![since];
     marks.extend(times);
     if later {
@@ -254,11 +244,6 @@ pub async fn longest_stall(pool: &PgPool, since: DateTime<Utc>) -> Result<Option
 
 /// The time from `since` to the first step committed after it (`None`: none was).
 pub async fn next_commit(pool: &PgPool, since: DateTime<Utc>) -> Result<Option<f64>> {
-    let next: Option<DateTime<Utc>> =
-        sqlx::query_scalar("SELECT min(finished_at) FROM trailmark.steps WHERE finished_at > $1")
-            .bind(since)
-            .fetch_one(pool)
-            .await
-            .map_err(trailmark::store::Error::from)?;
+    let next = inspect::first_commit_after(pool, None, since).await?;
     Ok(next.map(|at| (at - since).num_microseconds().unwrap_or(0) as f64 / 1000.0))
 }

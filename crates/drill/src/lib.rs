@@ -125,15 +125,8 @@ impl Receiver for ChainLedger {
         runs: &'a [String],
     ) -> BoxFuture<'a, Result<(i64, i64)>> {
         Box::pin(async move {
-            let counts: (i64, i64) = sqlx::query_as(
-                "SELECT count(*), count(DISTINCT reference) FROM trailmark.chain_ledger
-                  WHERE run_id = ANY($1) AND reference NOT LIKE 'undo:%'",
-            )
-            .bind(runs)
-            .fetch_one(pool)
-            .await
-            .map_err(trailmark::store::Error::from)?;
-            Ok(counts)
+            let c = trailmark::inspect::chain::forward_ledger_counts(pool, runs).await?;
+            Ok((c.rows, c.distinct))
         })
     }
 }

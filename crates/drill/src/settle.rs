@@ -18,6 +18,7 @@ use trailmark::config::Settings;
 use trailmark::domain::{RunId, RunStartEvent};
 use trailmark::engine::Engine;
 use trailmark::failpoint::Failpoints;
+use trailmark::inspect;
 use trailmark::operator::{self, Decider, Resume};
 use trailmark::seams::{self, Seam};
 use trailmark::workflow::Registry;
@@ -388,14 +389,9 @@ impl Drill<'_> {
 
     /// Resumes, as a person would after approving, every run the review seam stopped.
     async fn resume_forced_reviews(&mut self) {
-        let marker = format!("%{}%", Seam::Review.marker());
-        let stopped: Vec<String> = sqlx::query_scalar(
-            "SELECT run_id FROM trailmark.runs WHERE status = 'needs_review' AND (error LIKE $1 OR handover::text LIKE $1)",
-        )
-        .bind(&marker)
-        .fetch_all(&self.env.pool)
-        .await
-        .unwrap_or_default();
+        let stopped = inspect::runs_in_review_mentioning(&self.env.pool, &Seam::Review.marker())
+            .await
+            .unwrap_or_default();
         let who = Decider::cli(
             "drill",
             "forced into review by the drill's review seam; approved and resumed",
