@@ -437,6 +437,23 @@ pub fn relaxed_pool(pool: &PgPool, settings: &DatabaseSettings) -> PgPool {
         .acquire_timeout(strict.get_acquire_timeout())
         .connect_lazy_with(options);
     failover::follow(relaxed.clone(), settings.clone(), moved);
+    // Its first connection now, beside the strict pool's, rather than inside the first step that
+    // needs one: there a connect that outlasts the acquire timeout (a name lookup that waits out
+    // the resolver's 5 s timeout, seen in a compose network under load) fails the step, each
+    // redelivery counts an attempt, and worker.max_attempts of them stop the run for review.
+    // Retried for about two minutes, until it succeeds or the pool is closed (a step that comes
+    // first opens one itself, as before).
+    let first = relaxed.clone();
+    tokio::spawn(async move {
+        let mut wait = Duration::from_millis(100);
+        for _ in 0..30 {
+            if first.is_closed() || first.acquire().await.is_ok() {
+                return;
+            }
+            tokio::time::sleep(wait).await;
+            wait = (wait * 2).min(Duration::from_secs(5));
+        }
+    });
     relaxed
 }
 
