@@ -7,8 +7,10 @@
 //! drain, podman-compose accepts it with the local override, and the whole project, with the
 //! server images `deploy/image/build-servers` makes, comes up, runs a run and drains.
 //!
-//! Needs podman (.ci/run installs it, with debootstrap for the server images). Where podman is
-//! missing, the tests that need it say so on stdout and pass without checking anything.
+//! Needs podman, buildah and runc, and for the compose test debootstrap and python3-venv
+//! (scripts/test installs them all). Under CI (`CI=true`) a test whose tool is missing fails,
+//! naming the tool and its install command; elsewhere it is skipped with a line on stderr that
+//! says the same ([`tools_present`]).
 
 mod common;
 
@@ -52,19 +54,64 @@ fn run_ok(cmd: &mut Command, what: &str) -> Output {
     out
 }
 
-/// True (after saying why on stdout) when podman is not installed here.
-fn podman_missing() -> bool {
-    let found = Command::new("podman")
-        .arg("--version")
-        .output()
-        .is_ok_and(|o| o.status.success());
-    if !found {
-        println!(
-            "SKIPPED: podman is not installed, so no image can be built or run on this machine; \
-             .ci/run installs it (Debian: apt-get install podman buildah runc)"
+/// A program a test needs from this machine: how to see that it works, and how to install it.
+struct Tool {
+    name: &'static str,
+    probe: &'static [&'static str],
+    install: &'static str,
+}
+
+const PODMAN: Tool = Tool {
+    name: "podman",
+    probe: &["podman", "--version"],
+    install: "apt-get install podman buildah runc",
+};
+/// deploy/image/build-servers makes the compose test's server images' base with it.
+const DEBOOTSTRAP: Tool = Tool {
+    name: "debootstrap",
+    probe: &["debootstrap", "--version"],
+    install: "apt-get install debootstrap",
+};
+/// deploy/image/compose installs podman-compose into a virtualenv.
+const PYTHON_VENV: Tool = Tool {
+    name: "python3-venv",
+    probe: &["python3", "-c", "import ensurepip, venv"],
+    install: "apt-get install python3-venv",
+};
+
+/// Whether `test` can run here: true when every one of `tools` works. When one is missing, a test
+/// under CI (`CI` set to anything but `false` or `0`) fails, naming the tool and its install
+/// command; elsewhere the test is skipped (false) after saying the same on stderr, so that a
+/// passing run without the tools does not pass for a checked one. scripts/test installs them all.
+fn tools_present(test: &str, tools: &[&Tool]) -> bool {
+    let missing: Vec<&Tool> = tools
+        .iter()
+        .copied()
+        .filter(|tool| {
+            !Command::new(tool.probe[0])
+                .args(&tool.probe[1..])
+                .output()
+                .is_ok_and(|o| o.status.success())
+        })
+        .collect();
+    if missing.is_empty() {
+        return true;
+    }
+    let said = missing
+        .iter()
+        .map(|t| format!("{} is not installed (Debian: {})", t.name, t.install))
+        .collect::<Vec<_>>()
+        .join("; ");
+    let ci = std::env::var("CI").is_ok_and(|v| !v.is_empty() && v != "false" && v != "0");
+    if ci {
+        panic!(
+            "{test}: {said}. Under CI every test runs: install it, or run scripts/test, which does"
         );
     }
-    !found
+    eprintln!(
+        "SKIPPED {test}: {said}; nothing was checked. scripts/test installs it (under CI=true this test fails)"
+    );
+    false
 }
 
 /// Builds the image with `deploy/image/build`, which rebuilds nothing when the image already holds
@@ -91,6 +138,56 @@ fn build_image() -> u64 {
         .expect("podman prints the image size in bytes");
     println!("image {IMAGE}: {:.1} MB", size as f64 / 1e6);
     size
+}
+
+/// Like [`run_ok`] for a command that could hang (a compose command, `podman wait`): killed after
+/// `within`, and the test fails with what it printed until then.
+fn run_within(cmd: &mut Command, what: &str, within: Duration) -> Output {
+    let tag = uuid::Uuid::new_v4().simple().to_string();
+    let files = ["out", "err"].map(|s| std::env::temp_dir().join(format!("tm-image-{tag}.{s}")));
+    let create = |path: &PathBuf| {
+        std::fs::File::create(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+    };
+    let mut child = cmd
+        .stdout(create(&files[0]))
+        .stderr(create(&files[1]))
+        .spawn()
+        .unwrap_or_else(|e| panic!("{what}: could not start it: {e}"));
+    let deadline = Instant::now() + within;
+    let status = loop {
+        match child.try_wait() {
+            Ok(Some(status)) => break Some(status),
+            Ok(None) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(100)),
+            _ => {
+                let _ = child.kill();
+                let _ = child.wait();
+                break None;
+            }
+        }
+    };
+    let [stdout, stderr] = files.map(|path| {
+        let text = std::fs::read(&path).unwrap_or_default();
+        let _ = std::fs::remove_file(&path);
+        text
+    });
+    let out = Output {
+        status: status.unwrap_or_else(|| {
+            panic!(
+                "{what} did not end within {within:?}; it printed:\n--- stdout\n{}\n--- stderr\n{}",
+                String::from_utf8_lossy(&stdout),
+                String::from_utf8_lossy(&stderr)
+            )
+        }),
+        stdout,
+        stderr,
+    };
+    let (so, se) = common::text(&out);
+    assert!(
+        out.status.success(),
+        "{what} failed ({}):\n--- stdout\n{so}\n--- stderr\n{se}",
+        out.status
+    );
+    out
 }
 
 /// A container of the test's own: removed when dropped, its log printed first if the test failed.
@@ -149,7 +246,10 @@ fn run_once(env: &TestEnv, args: &[&str]) -> Output {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_image_migrates_serves_a_chain_run_and_stops_on_sigterm_with_exit_0() {
-    if podman_missing() {
+    if !tools_present(
+        "the_image_migrates_serves_a_chain_run_and_stops_on_sigterm_with_exit_0",
+        &[&PODMAN],
+    ) {
         return;
     }
     let size = build_image();
@@ -284,7 +384,10 @@ async fn the_image_migrates_serves_a_chain_run_and_stops_on_sigterm_with_exit_0(
 /// installed before the startup checks.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_container_still_waiting_for_its_servers_stops_on_sigterm_with_exit_0() {
-    if podman_missing() {
+    if !tools_present(
+        "a_container_still_waiting_for_its_servers_stops_on_sigterm_with_exit_0",
+        &[&PODMAN],
+    ) {
         return;
     }
     build_image();
@@ -503,7 +606,10 @@ fn the_compose_file_starts_real_commands_and_gives_a_stopping_worker_its_drain()
 /// compose files, and the override changes only the server images.
 #[test]
 fn podman_compose_reads_the_compose_file_with_the_local_override() {
-    if podman_missing() {
+    if !tools_present(
+        "podman_compose_reads_the_compose_file_with_the_local_override",
+        &[&PODMAN, &PYTHON_VENV],
+    ) {
         return;
     }
     let out = run_ok(
@@ -619,9 +725,11 @@ impl Drop for Project {
 /// /readyz turns 200, a `chain` run started through the API container succeeds, and `compose
 /// stop` ends every trailmark process with exit 0 within its grace period.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "fails under .ci/run (4 of 4 on 2026-12-01: the compose worker's relaxed pool never connects), passes when run by hand (4 of 4); run it with --run-ignored all until the cause is found"]
 async fn compose_up_runs_a_chain_run_and_compose_stop_drains_every_process() {
-    if podman_missing() {
+    if !tools_present(
+        "compose_up_runs_a_chain_run_and_compose_stop_drains_every_process",
+        &[&PODMAN, &DEBOOTSTRAP, &PYTHON_VENV],
+    ) {
         return;
     }
     build_image();
@@ -646,9 +754,10 @@ async fn compose_up_runs_a_chain_run_and_compose_stop_drains_every_process() {
     // The servers first. Podman 4.3 runs no healthchecks without systemd, so podman-compose
     // cannot wait for "healthy" there: the test asks the servers itself, with the same commands
     // the compose file's healthchecks run, before it starts what depends on them.
-    run_ok(
+    run_within(
         &mut project.compose(&["up", "--detach", "postgres", "rabbitmq"]),
         "podman-compose up postgres rabbitmq",
+        Duration::from_secs(180),
     );
     let healthy = common::eventually(
         "Postgres and RabbitMQ of the compose project",
@@ -677,19 +786,24 @@ async fn compose_up_runs_a_chain_run_and_compose_stop_drains_every_process() {
 
     // Then the migration, alone, to its end; then the rest. `--no-deps`, as the compose file
     // says: podman 4.3 cannot start a container whose dependency has dependencies of its own.
-    run_ok(
+    run_within(
         &mut project.compose(&["up", "--detach", "--no-deps", "migrate"]),
         "podman-compose up migrate",
+        Duration::from_secs(120),
     );
     let migrate = project.containers("migrate");
     assert_eq!(migrate.len(), 1, "{migrate:?}");
-    let code = run_ok(&mut podman(&["wait", &migrate[0]]), "podman wait (migrate)");
+    let code = run_within(
+        &mut podman(&["wait", &migrate[0]]),
+        "podman wait (migrate)",
+        Duration::from_secs(180),
+    );
     assert_eq!(
         String::from_utf8_lossy(&code.stdout).trim(),
         "0",
         "migrate in the compose project failed"
     );
-    run_ok(
+    run_within(
         &mut project.compose(&[
             "up",
             "--detach",
@@ -700,6 +814,7 @@ async fn compose_up_runs_a_chain_run_and_compose_stop_drains_every_process() {
             "api",
         ]),
         "podman-compose up worker relay supervisor api",
+        Duration::from_secs(180),
     );
     let readyz = format!("http://127.0.0.1:{}/readyz", project.api_port);
     let http = reqwest::Client::new();
@@ -776,9 +891,10 @@ async fn compose_up_runs_a_chain_run_and_compose_stop_drains_every_process() {
     // servers stay up meanwhile: podman-compose stops the services it is given all at once, and
     // a drain without Postgres would prove nothing about the image.
     let stopping = Instant::now();
-    run_ok(
+    run_within(
         &mut project.compose(&["stop", "worker", "relay", "supervisor", "api"]),
         "podman-compose stop",
+        Duration::from_secs(180),
     );
     let stopped_in = stopping.elapsed();
     for service in ["migrate", "worker", "relay", "supervisor", "api"] {
