@@ -88,7 +88,12 @@ pub struct Engine {
 
 impl Engine {
     /// Connects to Postgres (RabbitMQ is connected by each component, so it can reconnect).
-    pub async fn new(
+    pub async fn new(settings: Settings, registry: Registry) -> Result<Arc<Self>, Error> {
+        Self::with_failpoints(settings, registry, Failpoints::default()).await
+    }
+
+    /// Like [`Engine::new`], with failpoints and drill seams armed (crash tests and drills).
+    pub async fn with_failpoints(
         settings: Settings,
         registry: Registry,
         failpoints: Failpoints,

@@ -42,9 +42,7 @@ fn own_reaction(e: &(dyn std::error::Error + 'static)) -> Option<Reaction> {
     if let Some(e) = e.downcast_ref::<crate::broker::Error>() {
         return Some(e.reaction());
     }
-    if e.downcast_ref::<crate::config::Error>().is_some()
-        || e.downcast_ref::<crate::api::Error>().is_some()
-    {
+    if e.downcast_ref::<crate::config::Error>().is_some() {
         return Some(Reaction::Fix);
     }
     None

@@ -38,7 +38,9 @@ pub struct Failpoints {
 }
 
 impl Failpoints {
-    /// Reads `TRAILMARK_FAILPOINTS` and the drill seams (`TRAILMARK_DRILL`).
+    /// Reads `TRAILMARK_FAILPOINTS` and the drill seams (`TRAILMARK_DRILL`); only the project's
+    /// own tools read them, so an embedder's environment cannot arm a crash.
+    #[cfg(feature = "testkit")]
     pub fn from_env() -> Result<Self, String> {
         let mut fp = match std::env::var("TRAILMARK_FAILPOINTS") {
             Ok(spec) => Self::parse(&spec)?,

@@ -37,7 +37,7 @@ impl Components {
 pub enum Error {
     /// The HTTP surface could not start (`api.listen` taken, `api.tokens` malformed).
     #[error("the API did not start")]
-    Api(#[source] crate::api::Error),
+    Api(#[source] crate::config::Error),
     /// The worker gave up (it reconnects by itself; this is a bug or a fatal refusal).
     #[error("the worker stopped")]
     Worker(#[source] crate::broker::Error),
@@ -72,22 +72,7 @@ pub async fn run(
     shutdown: CancellationToken,
 ) -> Result<(), Error> {
     crate::metrics::install();
-    let http = match crate::api::bind(&engine.settings.api)
-        .await
-        .map_err(Error::Api)?
-    {
-        Some(listener) => {
-            let router = crate::api::router(engine.clone()).map_err(Error::Api)?;
-            let stop = CancellationToken::new();
-            let task = tokio::spawn(crate::api::serve(router, listener, stop.clone()));
-            let gauges = tokio::spawn(crate::metrics::refresh_gauges(
-                engine.pool.clone(),
-                stop.clone(),
-            ));
-            Some((stop, task, gauges))
-        }
-        None => None,
-    };
+    let http = start_http(&engine).await?;
     let work = CancellationToken::new();
     tokio::spawn(drain(engine.clone(), shutdown, work.clone()));
     let mut tasks = tokio::task::JoinSet::new();
@@ -116,15 +101,54 @@ pub async fn run(
     }
     // Only the HTTP surface left (a process that serves nothing else waits for the signal).
     work.cancelled().await;
-    if let Some((stop, task, gauges)) = http {
-        stop.cancel();
-        let _ = gauges.await;
-        task.await
-            .map_err(|e| Error::Panicked(e.to_string()))?
-            .map_err(Error::Http)?;
+    if let Some(http) = http {
+        http.stop().await?;
     }
     tracing::info!("trailmark stopped");
     ended
+}
+
+/// The HTTP surface while it serves: its stop token, the server task and the gauges' refresher.
+struct Http {
+    stop: CancellationToken,
+    task: tokio::task::JoinHandle<std::io::Result<()>>,
+    gauges: tokio::task::JoinHandle<()>,
+}
+
+impl Http {
+    async fn stop(self) -> Result<(), Error> {
+        self.stop.cancel();
+        let _ = self.gauges.await;
+        self.task
+            .await
+            .map_err(|e| Error::Panicked(e.to_string()))?
+            .map_err(Error::Http)
+    }
+}
+
+/// Serves the ops API and console on `api.listen` (unless it is empty).
+#[cfg(feature = "ops-http")]
+async fn start_http(engine: &Arc<Engine>) -> Result<Option<Http>, Error> {
+    let Some(listener) = crate::api::bind(&engine.settings.api)
+        .await
+        .map_err(Error::Api)?
+    else {
+        return Ok(None);
+    };
+    let router = crate::api::router(engine.clone()).map_err(Error::Api)?;
+    let stop = CancellationToken::new();
+    let task = tokio::spawn(crate::api::serve(router, listener, stop.clone()));
+    let gauges = tokio::spawn(crate::metrics::refresh_gauges(
+        engine.pool.clone(),
+        stop.clone(),
+    ));
+    Ok(Some(Http { stop, task, gauges }))
+}
+
+/// Built without `ops-http`: no HTTP surface, whatever `api.listen` says.
+#[cfg(not(feature = "ops-http"))]
+async fn start_http(_engine: &Arc<Engine>) -> Result<Option<Http>, Error> {
+    Ok(None)
 }
 
 /// On `shutdown`: not ready any more, then after `process.drain_delay_ms` the work stops.

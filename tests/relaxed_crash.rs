@@ -49,7 +49,6 @@ use sqlx::Connection;
 use tokio::sync::Notify;
 use trailmark::config::Settings;
 use trailmark::domain::RunStatus;
-use trailmark::failpoint::Failpoints;
 use trailmark::store;
 use trailmark::workflow::{StepKind, StepOutcome, Workflow};
 use trailmark_standin::model_server::{ModelServer, ModelServerOptions};
@@ -836,7 +835,7 @@ async fn engine(w: &World, workflows: Vec<Workflow>) -> (Arc<trailmark::engine::
     // Model calls go to this world's model server.
     let mut settings = w.env.settings.clone();
     settings.model.base_url = w.model.base_url();
-    let engine = trailmark::engine::Engine::new(settings, registry, Failpoints::default())
+    let engine = trailmark::engine::Engine::new(settings, registry)
         .await
         .expect("engine");
     let running = w.env.spawn_all(engine.clone());

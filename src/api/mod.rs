@@ -53,27 +53,12 @@ pub(crate) struct AppState {
     tokens: Arc<Vec<Token>>,
 }
 
-/// Why the API cannot be served.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum Error {
-    /// `api.tokens` holds an entry that is not `name:role:sha256`.
-    #[error("{0}")]
-    Tokens(String),
-    /// `api.listen` cannot be bound (taken, or not an address).
-    #[error("cannot listen on {listen} (api.listen): {source}; choose another address or port")]
-    Listen {
-        /// The address.
-        listen: String,
-        /// Why.
-        #[source]
-        source: std::io::Error,
-    },
-}
+/// Why the API cannot be served: its settings (`api.tokens`, `api.listen`) cannot be used.
+pub type Error = crate::config::Error;
 
 /// The whole HTTP surface, for `engine`.
 pub fn router(engine: Arc<Engine>) -> Result<Router, Error> {
-    let tokens = parse_tokens(&engine.settings.api.tokens).map_err(Error::Tokens)?;
+    let tokens = parse_tokens(&engine.settings.api.tokens).map_err(Error::new)?;
     let settings = engine.settings.api.clone();
     let state = AppState {
         engine,
@@ -143,9 +128,11 @@ pub async fn bind(settings: &ApiSettings) -> Result<Option<TcpListener>, Error> 
     TcpListener::bind(settings.listen.trim())
         .await
         .map(Some)
-        .map_err(|source| Error::Listen {
-            listen: settings.listen.clone(),
-            source,
+        .map_err(|e| {
+            Error::new(format!(
+                "cannot listen on {} (api.listen): {e}; choose another address or port",
+                settings.listen
+            ))
         })
 }
 

@@ -155,7 +155,7 @@ pub(super) fn ranges(s: &Settings) -> Result<(), Error> {
             w.heartbeat_secs, w.lease_secs
         )));
     }
-    crate::api::parse_tokens(&s.api.tokens).map_err(Error)?;
+    super::tokens::parse_tokens(&s.api.tokens).map_err(Error)?;
     database_hosts(&s.database.hosts)?;
     let g = &s.guards;
     if g.max_cost < 0.0 || !g.max_cost.is_finite() {

@@ -5,13 +5,14 @@
 
 mod check;
 pub mod tls;
+pub mod tokens;
 
 use std::fmt;
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use crate::model::ModelSettings;
+pub use crate::model::ModelSettings;
 
 const DEFAULTS: &str = include_str!("../../config/default.toml");
 
@@ -19,6 +20,13 @@ const DEFAULTS: &str = include_str!("../../config/default.toml");
 #[derive(Debug, thiserror::Error)]
 #[error("invalid configuration: {0}")]
 pub struct Error(String);
+
+impl Error {
+    /// An error saying which setting is wrong and what to do about it.
+    pub(crate) fn new(what: impl Into<String>) -> Self {
+        Self(what.into())
+    }
+}
 
 /// All of trailmark's settings.
 #[derive(Debug, Clone, Serialize, Deserialize)]

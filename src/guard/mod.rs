@@ -7,8 +7,13 @@ pub use breaker::{Breakers, Decision};
 
 use crate::config::GuardSettings;
 use crate::domain::{RunId, Spent};
-use crate::workflow::StepError;
 use serde::Serialize;
+
+/// A guard's refusal: the run must stop for a person (the step error class `guard`). Its words
+/// say what was exceeded and what to do.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct Stop(pub String);
 
 /// Per-run limits; 0 means unlimited. Replayed calls are not counted twice, because only calls
 /// that reach the outside world leave a new journal entry or effect record.
@@ -39,14 +44,14 @@ impl Budget {
 }
 
 /// The error for an exhausted budget.
-pub fn budget_exhausted(what: String) -> StepError {
-    StepError::Guard(format!(
+pub fn budget_exhausted(what: String) -> Stop {
+    Stop(format!(
         "budget exhausted: {what}; the step was checkpointed as far as it got and nothing was truncated. Raise the budget and resume, or undo"
     ))
 }
 
 /// Refuses a new model call when the run has used its token or cost budget.
-pub fn check_model_budget(spent: Spent, run_id: &RunId, budget: &Budget) -> Result<(), StepError> {
+pub fn check_model_budget(spent: Spent, run_id: &RunId, budget: &Budget) -> Result<(), Stop> {
     let Spent { tokens, cost, .. } = spent;
     if budget.max_model_tokens > 0 && tokens as u64 >= budget.max_model_tokens {
         return Err(budget_exhausted(format!(
@@ -70,9 +75,9 @@ pub fn repeated_action(
     tool: &str,
     seen: i64,
     request: &serde_json::Value,
-) -> StepError {
+) -> Stop {
     let shown: String = request.to_string().chars().take(300).collect();
-    StepError::Guard(format!(
+    Stop(format!(
         "repeated action: tool {tool} was already called {seen} times in run {run_id} with the same request {shown}; the run looks stuck in a loop. Inspect the journal, then resume after a fix or undo"
     ))
 }

@@ -66,7 +66,7 @@ pub struct Decider {
     pub reason: String,
     /// Their role (`operator`, `admin` through the API; `cli` at the terminal).
     pub role: String,
-    /// `api` or `cli`.
+    /// `api`, `cli`, or `embedded` (a program's own call through [`crate::Trailmark`]).
     pub via: &'static str,
     /// The HTTP request's id, for a decision made through the API.
     pub request_id: Option<String>,
@@ -80,6 +80,17 @@ impl Decider {
             reason: reason.into(),
             role: "cli".into(),
             via: "cli",
+            request_id: None,
+        }
+    }
+
+    /// The program that embeds the engine, deciding through [`crate::Trailmark`].
+    pub fn embedded(actor: impl Into<String>, reason: impl Into<String>) -> Self {
+        Self {
+            actor: actor.into(),
+            reason: reason.into(),
+            role: "embedder".into(),
+            via: "embedded",
             request_id: None,
         }
     }

@@ -161,10 +161,11 @@ pub(super) fn decide(
         parked,
         writes,
     } = pending;
-    let failure = match result {
+    let failure = match result.and_then(StepOutcome::checked) {
         Ok(StepOutcome {
             output,
             next: Next::Wait,
+            ..
         }) => {
             let note = json!({ "waiting_for": "decision", "step": msg.step, "seq": msg.seq, "question": output });
             return Verdict::Commit(Ending::Wait {

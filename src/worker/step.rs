@@ -492,7 +492,7 @@ async fn execute(
     step: &StepDef,
     ctx: StepContext,
 ) -> Result<StepOutcome, StepError> {
-    let heartbeat = Heartbeat::start(engine, (ctx.run_id().clone(), ctx.seq()), ctx.fence());
+    let heartbeat = Heartbeat::start(engine, (ctx.run_id().clone(), ctx.seq()), ctx.lease_fence());
     let timeout = Duration::from_secs(engine.settings.worker.step_timeout_secs);
     let run = AssertUnwindSafe((step.handler)(ctx)).catch_unwind();
     let result = tokio::select! {

@@ -7,6 +7,7 @@ use std::collections::BTreeMap;
 use std::sync::atomic::AtomicI32;
 use std::sync::{Arc, Mutex};
 
+use serde::de::DeserializeOwned;
 use serde_json::Value;
 use sqlx::PgPool;
 
@@ -138,13 +139,50 @@ impl StepContext {
     pub fn attempt(&self) -> i32 {
         self.inner.pos.attempt
     }
-    /// The lease's fencing token; pass it to stores that refuse stale writers.
+    /// The lease's fencing token, for the project's own stand-in stores that refuse stale
+    /// writers; a workflow's outside writes rest on their idempotency keys instead.
+    #[cfg(feature = "testkit")]
     pub fn fence(&self) -> Fence {
+        self.lease_fence()
+    }
+
+    /// The fence this attempt holds, for the engine's own fenced writes.
+    pub(crate) fn lease_fence(&self) -> Fence {
         self.inner.pos.fence
     }
-    /// The run's input.
+    /// The run's input as JSON.
     pub fn input(&self) -> &Value {
         &self.inner.pos.input
+    }
+
+    /// The run's input as the workflow's own type (declare it with [`Workflow::input`] so a
+    /// start with another shape is refused before the run exists). An input that does not read
+    /// as `T` stops the run for review, naming the type and what did not fit.
+    ///
+    /// [`Workflow::input`]: super::Workflow::input
+    pub fn input_as<T: DeserializeOwned>(&self) -> Result<T, StepError> {
+        self.read_as("the run's input", self.input().clone())
+    }
+
+    /// The newest checkpointed output of `step` earlier in this run, as the type that step
+    /// returned; `None` when it has none.
+    pub async fn output_as<T: DeserializeOwned>(&self, step: &str) -> Result<Option<T>, StepError> {
+        match self.output_of(step).await? {
+            Some(output) => self.read_as(&format!("the output of step {step}"), output).map(Some),
+            None => Ok(None),
+        }
+    }
+
+    fn read_as<T: DeserializeOwned>(&self, what: &str, value: Value) -> Result<T, StepError> {
+        serde_json::from_value(value).map_err(|e| {
+            StepError::Unknown(format!(
+                "run {} step {} (position {}): {what} does not read as {}: {e}; fix the workflow's types and resume after the fix",
+                self.run_id(),
+                self.step(),
+                self.seq(),
+                std::any::type_name::<T>()
+            ))
+        })
     }
     /// For a compensation: the step being undone and the undo's scope.
     pub fn undo(&self) -> Option<&UndoTarget> {
@@ -155,7 +193,9 @@ impl StepContext {
     pub fn is_shadow(&self) -> bool {
         self.inner.pos.shadow
     }
-    /// Trailmark's database, for handlers of built-in workflows.
+    /// Trailmark's database, for the project's own workflows and tests; a workflow writes its
+    /// rows with the step's commit through [`StepContext::local_write`].
+    #[cfg(feature = "testkit")]
     pub fn pool(&self) -> &PgPool {
         &self.inner.tools.pool
     }
@@ -172,7 +212,13 @@ impl StepContext {
     }
 
     /// Triggers the named failpoint (tests and drills; a no-op unless configured).
+    #[cfg(feature = "testkit")]
     pub fn failpoint(&self, name: &str) -> Result<(), StepError> {
+        self.fire_failpoint(name)
+    }
+
+    /// The engine's own failpoints (after an answer, after a call): free unless configured.
+    pub(super) fn fire_failpoint(&self, name: &str) -> Result<(), StepError> {
         self.tools()
             .failpoints
             .hit(name)

@@ -185,13 +185,13 @@ impl StepContext {
                 "call {} {} {key} {} {}",
                 self.run_id(),
                 self.seq(),
-                self.fence().0,
+                self.lease_fence().0,
                 unix_nanos()
             )
         });
         let result = self.call_with_retries(tool, key, retries, call).await?;
         // A crash here is the "unknown outcome" case: the call happened, its result is not known.
-        self.failpoint("effect.after_call")?;
+        self.fire_failpoint("effect.after_call")?;
         self.drill_seam(crate::seams::Seam::LateTool)?;
         // Recorded at once, not with the step commit: a step that dies later keeps what it has
         // done, and its replay (and the handover note) knows this call happened. Only a crash of
@@ -202,7 +202,7 @@ impl StepContext {
             .finish_effect(key.clone(), result.clone())
             .await?;
         // Kill spot of tests/relaxed_crash.rs: a Postgres crash now can lose the unflushed result.
-        self.failpoint("effect_result.after_commit")?;
+        self.fire_failpoint("effect_result.after_commit")?;
         Ok(result)
     }
 
@@ -254,7 +254,7 @@ impl StepContext {
             run_id: self.run_id().clone(),
             seq: self.seq(),
             request_hash: hash.to_owned(),
-            fence: self.fence(),
+            fence: self.lease_fence(),
             max_calls,
             repeat_limit,
         };
@@ -276,14 +276,10 @@ impl StepContext {
                 self.run_id(),
                 used.calls,
                 max_calls
-            )));
+            ))
+            .into());
         }
-        Err(guard::repeated_action(
-            self.run_id(),
-            &tool.name,
-            used.repeats,
-            request,
-        ))
+        Err(guard::repeated_action(self.run_id(), &tool.name, used.repeats, request).into())
     }
 
     async fn call_with_retries<F, Fut>(

@@ -4,6 +4,7 @@ use std::time::Duration;
 
 /// How a step failed; the class decides what the engine does next.
 #[derive(Debug, Clone, thiserror::Error)]
+#[non_exhaustive]
 pub enum StepError {
     /// Timeout, 429, 5xx, reset: retried with backoff under the same keys.
     #[error("temporary failure: {reason}")]
@@ -53,6 +54,12 @@ impl StepError {
             reason: reason.into(),
             retry_after: None,
         }
+    }
+}
+
+impl From<crate::guard::Stop> for StepError {
+    fn from(stop: crate::guard::Stop) -> Self {
+        Self::Guard(stop.0)
     }
 }
 

@@ -105,6 +105,7 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 
+use serde::Serialize;
 use serde_json::Value;
 
 pub(crate) use context::Pending;
@@ -120,6 +121,7 @@ pub use reversal::{ListFuture, Lister, PreviewContext, Reversal};
 /// What a step does to the outside world; recovery rules follow from it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
 #[serde(rename_all = "snake_case")]
+#[non_exhaustive]
 pub enum StepKind {
     /// Reads only: safe to redo.
     Read,
@@ -135,6 +137,7 @@ pub enum StepKind {
 
 /// Which step runs after this one.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Next {
     /// The next step in declaration order; the run succeeds after the last one.
     Continue,
@@ -146,42 +149,58 @@ pub enum Next {
     Wait,
 }
 
-/// A handler's result: the checkpointed output and the next step.
+/// A handler's result: the checkpointed output and the next step. The output is any serde type
+/// of the workflow's own (a `serde_json::Value` too), stored word for word as JSON.
 #[derive(Debug, Clone)]
 pub struct StepOutcome {
     /// Stored word for word as the step's checkpoint.
     pub output: Value,
     /// Where the run goes next.
     pub next: Next,
+    /// Why the output could not be made JSON (a map with non-string keys, a failing
+    /// `Serialize`): the step then stops for review instead of committing something else.
+    unserializable: Option<String>,
 }
 
 impl StepOutcome {
-    /// Output, then the next declared step.
-    pub fn next(output: Value) -> Self {
-        Self {
-            output,
-            next: Next::Continue,
+    fn new(output: impl Serialize, next: Next) -> Self {
+        match serde_json::to_value(output) {
+            Ok(output) => Self {
+                output,
+                next,
+                unserializable: None,
+            },
+            Err(e) => Self {
+                output: Value::Null,
+                next,
+                unserializable: Some(e.to_string()),
+            },
         }
+    }
+    /// Output, then the next declared step.
+    pub fn next(output: impl Serialize) -> Self {
+        Self::new(output, Next::Continue)
     }
     /// Output, then the named step.
-    pub fn goto(output: Value, step: impl Into<String>) -> Self {
-        Self {
-            output,
-            next: Next::Goto(step.into()),
-        }
+    pub fn goto(output: impl Serialize, step: impl Into<String>) -> Self {
+        Self::new(output, Next::Goto(step.into()))
     }
     /// Output, and the run is done.
-    pub fn finish(output: Value) -> Self {
-        Self {
-            output,
-            next: Next::Finish,
-        }
+    pub fn finish(output: impl Serialize) -> Self {
+        Self::new(output, Next::Finish)
     }
     /// A human step's question: the run waits in `waiting` until approved or rejected.
-    pub fn wait(question: Value) -> Self {
-        Self {
-            output: question,
-            next: Next::Wait,
+    pub fn wait(question: impl Serialize) -> Self {
+        Self::new(question, Next::Wait)
+    }
+
+    /// The outcome, or the step error its unserializable output is.
+    pub(crate) fn checked(self) -> Result<Self, StepError> {
+        match self.unserializable {
+            None => Ok(self),
+            Some(why) => Err(StepError::Unknown(format!(
+                "the step's output cannot be stored as JSON: {why}; fix the output type and resume after the fix"
+            ))),
         }
     }
 }

@@ -44,7 +44,7 @@ impl StepContext {
         let answer = self.call_model(request).await?;
         self.drill_log(|| format!("model {} {} {call_no}", self.run_id(), self.seq()));
         // A crash here loses a paid answer before it is journaled: the replay asks again.
-        self.failpoint("model.after_answer")?;
+        self.fire_failpoint("model.after_answer")?;
         let entry = JournalEntry {
             seq: self.seq(),
             call_no,
@@ -79,7 +79,7 @@ impl StepContext {
             return replayed(stored, &entry.request_hash, self);
         }
         // Kill spot of tests/relaxed_crash.rs: a Postgres crash now can lose the unflushed entry.
-        self.failpoint("journal.after_commit")?;
+        self.fire_failpoint("journal.after_commit")?;
         {
             let mut paid = self.inner.paid.lock().expect("paid lock");
             paid.0 += entry.tokens;

@@ -5,7 +5,6 @@ use serde_json::Value;
 
 use trailmark::config::Settings;
 use trailmark::engine::Engine;
-use trailmark::failpoint::Failpoints;
 use trailmark::operator::{self, Decider, Outcome, UndoOptions};
 use trailmark::workflow::{Registry, contract};
 
@@ -57,7 +56,7 @@ pub async fn decide(
     if who.reason.trim().is_empty() {
         bail!("--reason must say why (it is recorded with the decision)");
     }
-    let engine = Engine::new(settings, registry, Failpoints::default()).await?;
+    let engine = Engine::new(settings, registry).await?;
     let outcome = match decision {
         Decision::Resume(how) => operator::resume(&engine, run_id, &who, how).await?,
         Decision::Undo {

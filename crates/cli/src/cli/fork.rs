@@ -8,7 +8,6 @@ use trailmark::config::Settings;
 use trailmark::diff::{self, RunDiff};
 use trailmark::domain::ShadowWrite;
 use trailmark::engine::Engine;
-use trailmark::failpoint::Failpoints;
 use trailmark::operator::{self, Decider, ForkPlan, ForkPoint, ForkRequest};
 use trailmark::store::{self, forks::Lineage};
 use trailmark::workflow::Registry;
@@ -63,7 +62,7 @@ pub async fn fork(settings: Settings, registry: Registry, args: ForkArgs) -> any
         shadow: args.shadow,
         answers_from: args.answers_from.clone(),
     };
-    let engine = Engine::new(settings, registry, Failpoints::default()).await?;
+    let engine = Engine::new(settings, registry).await?;
     let plan = operator::fork_plan(&engine, &args.run_id, &req).await?;
     describe(&plan);
     if !plan.shadow && !plan.writing_steps.is_empty() {
