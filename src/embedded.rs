@@ -73,7 +73,10 @@ pub enum Error {
 
 impl Error {
     /// Sorts a library error by what the caller does about it.
-    fn from_cause(what: impl Into<String>, e: impl std::error::Error + Send + Sync + 'static) -> Self {
+    fn from_cause(
+        what: impl Into<String>,
+        e: impl std::error::Error + Send + Sync + 'static,
+    ) -> Self {
         let what = what.into();
         match crate::error::reaction(&e) {
             Reaction::Retry => Self::Unavailable {

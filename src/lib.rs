@@ -116,7 +116,7 @@ pub mod prelude;
 pub use domain::{BadLocalWrite, UnknownStatus};
 pub use embedded::{Builder, Error, RunView, Trailmark};
 pub use prelude::*;
-pub use workflow::StepDef;
 /// What `trailmark serve` runs: worker, relay, supervisor and the HTTP surface on one engine.
 #[cfg(feature = "testkit")]
 pub use process::serve;
+pub use workflow::StepDef;
