@@ -40,7 +40,6 @@
 //! | `embedded` | [`Trailmark`]: the one call that starts an engine in a program, and the handle to its runs |
 //! | `prelude` | the names a workflow author needs |
 //! | `error` | how a caller reacts to an error: retry, fix the configuration, or accept a refusal |
-//! | `builtin` | the `chain` workflow, for smoke tests, drills and benchmarks (`testkit` only) |
 //! | `failpoint` | named failpoints for crash tests and drills (armed only with `testkit`) |
 //! | `seams` | faults a drill switches on around `ctx.model` and `ctx.effect`, and its call log |
 //! | `redact` | the one place that hides secrets in what trailmark prints |
@@ -80,8 +79,6 @@ inner! {
     #[cfg(feature = "ops-http")]
     api;
     broker;
-    #[cfg(feature = "testkit")]
-    builtin;
     #[cfg(feature = "ops-http")]
     console;
     diff;

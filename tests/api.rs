@@ -104,7 +104,7 @@ impl Api {
 }
 
 fn registry_with(extra: Workflow) -> Registry {
-    let mut r = trailmark::builtin::registry();
+    let mut r = trailmark_testkit::registry();
     r.register(extra);
     r
 }
@@ -303,7 +303,7 @@ async fn every_endpoint_answers_401_without_a_token_403_below_its_role_and_audit
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_idempotency_key_replays_its_first_answer_refuses_another_request_and_a_running_one() {
-    let api = Api::start(trailmark::builtin::registry()).await;
+    let api = Api::start(trailmark_testkit::registry()).await;
     let env = &api.env;
     env.start_run("chain", "r-undo", json!({"steps": 3})).await;
     env.wait_status("r-undo", RunStatus::Succeeded, WAIT).await;
@@ -712,7 +712,7 @@ fn the_readme_lists_every_endpoint_with_its_role() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_shadow_fork_through_the_api_ends_shadowed_and_its_diff_is_served() {
-    let api = Api::start(trailmark::builtin::registry()).await;
+    let api = Api::start(trailmark_testkit::registry()).await;
     let env = &api.env;
     env.start_run("chain", "r-base", json!({"steps": 4})).await;
     env.wait_status("r-base", RunStatus::Succeeded, WAIT).await;

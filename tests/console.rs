@@ -46,7 +46,7 @@ fn later(runs: Arc<AtomicUsize>) -> Workflow {
 }
 
 fn registry_with(wfs: Vec<Workflow>) -> Registry {
-    let mut r = trailmark::builtin::registry();
+    let mut r = trailmark_testkit::registry();
     for wf in wfs {
         r.register(wf);
     }

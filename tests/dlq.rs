@@ -223,7 +223,7 @@ async fn requeued_start_for_a_newly_deployed_workflow_runs_once_and_repeats_chan
     assert_eq!(ids, want);
 
     let executions = Arc::new(AtomicU64::new(0));
-    let mut registry = trailmark::builtin::registry();
+    let mut registry = trailmark_testkit::registry();
     registry.register(greet(executions.clone()));
     let engine = env.engine_with(registry, Failpoints::default());
     let new = env.spawn_all(engine.clone());

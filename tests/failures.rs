@@ -51,7 +51,7 @@ async fn serve_chain_with_model(env: &TestEnv, script: Vec<Scripted>) -> (ModelS
     let (_engine, running) = start(
         env,
         with_model(env, &server),
-        trailmark::builtin::registry(),
+        trailmark_testkit::registry(),
     );
     (server, running)
 }
@@ -406,7 +406,7 @@ async fn a_run_past_its_hard_timeout_goes_to_review() {
     let env = TestEnv::new().await;
     let mut settings = env.settings.clone();
     settings.guards.run_timeout_secs = 1;
-    let (_engine, running) = start(&env, settings, trailmark::builtin::registry());
+    let (_engine, running) = start(&env, settings, trailmark_testkit::registry());
     env.start_run("chain", "r-late", json!({"steps": 5, "step_delay_ms": 600}))
         .await;
     let run = env
@@ -526,7 +526,7 @@ async fn the_fallback_model_answers_when_the_primary_keeps_failing() {
     let server = model_server(vec![Scripted::Status(503); 4]).await;
     let mut settings = with_model(&env, &server);
     settings.model.fallback_model = "test-fallback".into();
-    let (_engine, running) = start(&env, settings, trailmark::builtin::registry());
+    let (_engine, running) = start(&env, settings, trailmark_testkit::registry());
     env.start_run("chain", "r-fallback", json!({"steps": 1}))
         .await;
     env.wait_status("r-fallback", RunStatus::Succeeded, WAIT)

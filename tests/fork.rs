@@ -158,7 +158,7 @@ fn stops_at_b() -> Workflow {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn forks_that_cannot_be_made_are_refused_with_what_to_do() {
     let env = TestEnv::new().await;
-    let mut registry: Registry = trailmark::builtin::registry();
+    let mut registry: Registry = trailmark_testkit::registry();
     registry.register(stops_at_b());
     let engine = env.engine_with(registry, Failpoints::default());
     let running = env.spawn_all(engine.clone());

@@ -816,7 +816,7 @@ async fn undo_killed_halfway_resumes_with_each_reversal_exactly_once() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn decisions_that_do_not_fit_the_status_are_refused_by_the_cli() {
     let env = TestEnv::new().await;
-    let (_engine, running) = serve(&env, trailmark::builtin::chain::workflow());
+    let (_engine, running) = serve(&env, trailmark_testkit::chain::workflow());
     env.start_run("chain", "r-cli", json!({"steps": 2})).await;
     env.wait_status("r-cli", RunStatus::Succeeded, WAIT).await;
     let out = env

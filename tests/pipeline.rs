@@ -222,7 +222,7 @@ async fn relay_crash_between_confirm_and_mark_publishes_twice_consumes_once() {
     settings.relay.eager_grace_ms = 0;
     let engine = trailmark::engine::Engine::with_pool(
         settings,
-        trailmark::builtin::registry(),
+        trailmark_testkit::registry(),
         failpoints,
         env.pool.clone(),
     )

@@ -828,7 +828,7 @@ fn hold(gate: Arc<Gate>) -> Workflow {
 /// built-in ones; it serves until the returned guard drops. Its pools are its own: the test's
 /// is closed across the crash.
 async fn engine(w: &World, workflows: Vec<Workflow>) -> (Arc<trailmark::engine::Engine>, Running) {
-    let mut registry = trailmark::builtin::registry();
+    let mut registry = trailmark_testkit::registry();
     for workflow in workflows {
         registry.register(workflow);
     }
@@ -1305,7 +1305,7 @@ fn books(gate: Arc<Gate>) -> Workflow {
                     "step": 0,
                     "payload": "booked",
                 });
-                ctx.local_write(&store::chain_ledger::TABLE, row)?;
+                ctx.local_write(&trailmark_testkit::ledger::TABLE, row)?;
                 Ok(StepOutcome::next(json!({})))
             }
         })
@@ -1332,13 +1332,13 @@ fn posts(first: Arc<Gate>, second: Arc<Gate>) -> Workflow {
                 let key = trailmark::domain::IdempotencyKey::for_step(ctx.run_id(), "two", "1");
                 let (pool, run) = (ctx.pool().clone(), ctx.run_id().to_string());
                 ctx.effect(&key, &json!({ "post": 1 }), |_key| async move {
-                    let entry = store::chain_ledger::Entry {
+                    let entry = trailmark_testkit::ledger::Entry {
                         reference: "r-posts:1",
                         run_id: &run,
                         step: 1,
                         payload: "posted",
                     };
-                    let created = store::chain_ledger::post(&pool, entry)
+                    let created = trailmark_testkit::ledger::post(&pool, entry)
                         .await
                         .map_err(|e| trailmark::workflow::StepError::temporary(e.to_string()))?;
                     Ok(json!({ "created": created }))

@@ -2,8 +2,6 @@
 //! hot path needs none: its claim, effect intent and step commit are one statement each.
 
 pub mod audit;
-#[cfg(feature = "testkit")]
-pub mod chain_ledger;
 pub mod checkpoint;
 pub mod console_sessions;
 pub mod decisions;

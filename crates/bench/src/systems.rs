@@ -9,7 +9,7 @@ use serde_json::json;
 use super::env::{BenchEnv, Proc};
 use super::{Error, Result, baseline, peer};
 use trailmark::broker::Outgoing;
-use trailmark::builtin::chain::Ledger;
+use trailmark_testkit::chain::Ledger;
 use trailmark::domain::{RunId, RunStartEvent};
 use trailmark::inspect;
 
@@ -329,7 +329,7 @@ fn trailmark_start(env: &BenchEnv, id: &str, steps: i32, ledger: Ledger) -> Resu
     };
     let event = RunStartEvent::new(
         run_id,
-        trailmark::builtin::chain::NAME,
+        trailmark_testkit::chain::NAME,
         json!({ "steps": steps, "ledger": ledger }),
     );
     Ok(env.topology().run_start(&event))

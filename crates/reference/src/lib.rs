@@ -102,7 +102,7 @@ impl From<Error> for StepError {
 
 /// The stock binary's workflows: the engine's built-ins and `reconcile`.
 pub fn registry() -> trailmark::workflow::Registry {
-    let mut r = trailmark::builtin::registry();
+    let mut r = trailmark_testkit::registry();
     r.register(workflow::workflow());
     r
 }

@@ -221,7 +221,7 @@ fn clock_seed() -> u64 {
 /// The receiver of a workflow this binary ships; none for others (keys are still counted).
 fn receiver(workflow: &str) -> Option<Arc<dyn Receiver>> {
     match workflow {
-        trailmark::builtin::chain::NAME => Some(Arc::new(drill::ChainLedger)),
+        trailmark_testkit::chain::NAME => Some(Arc::new(drill::ChainLedger)),
         trailmark_reference::workflow::NAME => Some(Arc::new(Reconcile::default())),
         _ => None,
     }

@@ -13,10 +13,10 @@ use std::time::Duration;
 use serde_json::{Value, json};
 use sqlx::PgPool;
 
-use crate::domain::{IdempotencyKey, RunId};
-use crate::model::{ChatMessage, ChatRequest};
-use crate::store::chain_ledger;
-use crate::workflow::{
+use trailmark::domain::{IdempotencyKey, RunId};
+use trailmark::model::{ChatMessage, ChatRequest};
+use crate::ledger as chain_ledger;
+use trailmark::workflow::{
     Input, PreviewContext, Reversal, StepContext, StepError, StepKind, StepOutcome, Workflow,
 };
 
@@ -162,7 +162,7 @@ async fn link(ctx: StepContext) -> Result<StepOutcome, StepError> {
     };
     let answer = ctx.model(&request).await?;
     let reference = reference(ctx.run_id(), i);
-    let payload = crate::domain::request_hash(&json!(answer.content));
+    let payload = trailmark::domain::request_hash(&json!(answer.content));
     // The checkpoint names the answer by its hash: the journal already holds it word for word,
     // and storing it twice would double the bytes a step writes.
     let output = json!({ "link": i, "answer_sha256": payload });

@@ -3,8 +3,8 @@
 
 use sqlx::PgExecutor;
 
-use super::Result;
-use crate::domain::LocalTable;
+use trailmark::domain::LocalTable;
+use trailmark::store::Result;
 
 /// The ledger as a local table, for `chain` runs that write their rows with the step's commit
 /// (`"ledger": "local"`) instead of through an effect.
