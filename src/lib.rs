@@ -26,7 +26,7 @@
 //! | `worker` | delivery -> dedup -> lease -> handler -> one commit -> ack; owns the step transaction |
 //! | `relay` | outbox -> RabbitMQ with publisher confirms |
 //! | `supervisor` | expired leases -> the step re-queued through the outbox; late decisions escalated |
-//! | `process` | the components one process runs ([`serve`]) and how they stop |
+//! | `process` | the components one process runs (`serve`) and how they stop |
 //! | `startup` | what a process checks before it says it started: servers reachable, logins accepted, schema current |
 //! | `operator` | operator decisions: resume, resume after fix, undo, cancel, approve, reject, fork |
 //! | `timeline` | a run as an operator reads it (what `trailmark run show` prints) |

@@ -1,5 +1,5 @@
 //! The one place that hides secrets in what trailmark prints: every URL shown in a log line, an
-//! error or a command's output passes through [`url`], and text that came from elsewhere (a
+//! error or a command's output passes through [`url()`], and text that came from elsewhere (a
 //! server's error body) through [`text`] with the secrets the caller knows. Secrets are
 //! passwords in a URL's user info, query parameters that carry credentials (`password=`,
 //! `sslpassword=`, tokens, keys), the model's API key and HTTP `Authorization` values.

@@ -55,7 +55,7 @@ pub struct Settings {
 /// Where the checkpoints live.
 #[derive(Clone, Serialize, Deserialize)]
 pub struct DatabaseSettings {
-    /// Postgres URL; may contain a password, so never log it unredacted (see [`crate::redact::url`]).
+    /// Postgres URL; may contain a password, so never log it unredacted (trailmark prints it through its redaction).
     pub url: String,
     /// A primary and its standbys (`host` or `host:port`), for a highly available Postgres:
     /// trailmark connects only to the one that takes writes and follows a failover. Empty: the

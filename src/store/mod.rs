@@ -373,7 +373,7 @@ fn down(settings: &DatabaseSettings, e: sqlx::Error) -> Error {
 
 /// Opens a pool and checks it with one round trip, so a wrong URL fails at start-up. With
 /// `database.hosts`, the pool connects to the host that takes writes and follows a failover
-/// (see [`failover`]).
+/// (see `failover.rs`).
 pub async fn connect(settings: &DatabaseSettings) -> Result<PgPool> {
     let moved = failover::moved_marker();
     let pool = pool_options(settings.max_connections, settings, &moved)
