@@ -8,7 +8,7 @@
 //! connection or a transaction.
 //!
 //! Two functions change state, for the bench only: [`erase_runs`] and
-//! [`notify_run_finishes`]. The `chain` workflow's ledger has its own section, [`chain`].
+//! [`notify_run_finishes`].
 
 use chrono::{DateTime, Utc};
 use sqlx::PgExecutor;
@@ -125,7 +125,7 @@ pub struct RunWork {
 
 /// Empties every per-run table (runs, steps, journal, effects, parked, decisions, inbox,
 /// outbox) so that a benchmark repetition starts alike; the `chain` ledger is
-/// [`chain::erase_ledger`]. Never on a database whose runs matter.
+/// the test kit's (`trailmark_testkit::ledger::erase_ledger`). Never on a database whose runs matter.
 pub async fn erase_runs(db: impl PgExecutor<'_>) -> Result<()> {
     sql::erase_runs(db).await
 }
@@ -297,65 +297,5 @@ pub async fn runs_in_review_mentioning(db: impl PgExecutor<'_>, text: &str) -> R
     sql::in_review_mentioning(db, text).await
 }
 
-/// The ledger of the built-in `chain` workflow (`trailmark.chain_ledger`), the outside store of
-/// the bench's and drill's runs. Kept together so that it leaves the engine with `chain`.
-pub mod chain {
-    use chrono::{DateTime, Utc};
-    use sqlx::PgExecutor;
-
-    use crate::store::{Result, chain_ledger, inspect::like_prefix};
-
-    /// Ledger rows and distinct references: equal when every write happened once.
-    #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-    pub struct LedgerCounts {
-        /// Rows.
-        pub rows: i64,
-        /// Distinct references among them.
-        pub distinct: i64,
-    }
-
-    /// One ledger row's position and insert time.
-    #[derive(Debug, Clone, PartialEq, Eq)]
-    pub struct LedgerRowTime {
-        /// The run that posted it.
-        pub run_id: String,
-        /// The position that posted it.
-        pub step: i32,
-        /// When it was inserted (start of the inserting transaction).
-        pub at: DateTime<Utc>,
-    }
-
-    /// Empties the ledger, so that a benchmark repetition starts alike.
-    pub async fn erase_ledger(db: impl PgExecutor<'_>) -> Result<()> {
-        chain_ledger::erase(db).await
-    }
-
-    /// Ledger rows and distinct references of the runs whose id starts with `prefix`.
-    pub async fn ledger_counts(db: impl PgExecutor<'_>, prefix: &str) -> Result<LedgerCounts> {
-        let (rows, distinct) = chain_ledger::counts_matching(db, &like_prefix(prefix)).await?;
-        Ok(LedgerCounts { rows, distinct })
-    }
-
-    /// Ledger rows and distinct references of `runs`, their reversals (`undo:` references)
-    /// left out: the forward writes the runs made.
-    pub async fn forward_ledger_counts(
-        db: impl PgExecutor<'_>,
-        runs: &[String],
-    ) -> Result<LedgerCounts> {
-        let (rows, distinct) = chain_ledger::forward_counts(db, runs).await?;
-        Ok(LedgerCounts { rows, distinct })
-    }
-
-    /// Insert times of the ledger rows of the runs whose id starts with `prefix`, by run and
-    /// position: where an outside write falls within its step.
-    pub async fn ledger_row_times(
-        db: impl PgExecutor<'_>,
-        prefix: &str,
-    ) -> Result<Vec<LedgerRowTime>> {
-        let rows = chain_ledger::row_times(db, &like_prefix(prefix)).await?;
-        Ok(rows
-            .into_iter()
-            .map(|(run_id, step, at)| LedgerRowTime { run_id, step, at })
-            .collect())
-    }
-}
+/// The `LIKE` pattern for ids starting with a prefix, for other tools' tables of the same runs.
+pub use crate::store::inspect::like_prefix;

@@ -11,7 +11,8 @@ use chrono::Utc;
 use serde_json::json;
 use sqlx::postgres::PgListener;
 use trailmark::domain::RunStatus;
-use trailmark::inspect::{self, chain};
+use trailmark::inspect;
+use trailmark_testkit::ledger as chain;
 
 use common::TestEnv;
 

@@ -14,7 +14,7 @@ use crate::domain::RunStatus;
 
 /// The `LIKE` pattern matching every id that starts with `prefix` and nothing else (`\`, `%`
 /// and `_` in it escaped with the default escape character `\`).
-pub(crate) fn like_prefix(prefix: &str) -> String {
+pub fn like_prefix(prefix: &str) -> String {
     let mut pattern = String::with_capacity(prefix.len() + 1);
     for c in prefix.chars() {
         if matches!(c, '\\' | '%' | '_') {

@@ -1,6 +1,6 @@
 //! Where an unloaded trailmark step spends its time, read from the timestamps the engine already
 //! writes (each is the start of the statement that wrote it; read through
-//! [`trailmark::inspect::step_times`] and the ledger's [`trailmark::inspect::chain::ledger_row_times`]): commit of the previous step, claim,
+//! [`trailmark::inspect::step_times`] and the ledger's [`trailmark_testkit::ledger::ledger_row_times`]): commit of the previous step, claim,
 //! journal entry or effect intent, ledger row, commit. Each segment therefore also holds the
 //! commit (fsync) of the write that opens it. A step the previous commit pre-claimed has its
 //! claim time in that commit (`worker.preclaim`): its first segment is 0 and the second holds
@@ -10,7 +10,8 @@ use std::collections::HashMap;
 
 use chrono::{DateTime, TimeDelta, Utc};
 use serde::Serialize;
-use trailmark::inspect::{self, chain};
+use trailmark::inspect;
+use trailmark_testkit::ledger;
 
 use super::Result;
 use super::env::BenchEnv;
@@ -64,7 +65,7 @@ pub async fn local(env: &BenchEnv, prefix: &str) -> Result<Breakdown> {
 pub async fn effect(env: &BenchEnv, prefix: &str) -> Result<Breakdown> {
     let steps = inspect::step_times(&env.pool, prefix).await?;
     let mut ledger: HashMap<(String, i32), Vec<DateTime<Utc>>> = HashMap::new();
-    for row in chain::ledger_row_times(&env.pool, prefix).await? {
+    for row in ledger::ledger_row_times(&env.pool, prefix).await? {
         ledger
             .entry((row.run_id, row.step))
             .or_default()

@@ -274,6 +274,6 @@ async fn resumed_after(env: &BenchEnv, runs: &[String], at: DateTime<Utc>) -> Re
 }
 
 async fn ledger(env: &BenchEnv, prefix: &str) -> Result<(i64, i64)> {
-    let c = inspect::chain::ledger_counts(&env.pool, prefix).await?;
+    let c = trailmark_testkit::ledger::ledger_counts(&env.pool, prefix).await?;
     Ok((c.rows, c.distinct))
 }

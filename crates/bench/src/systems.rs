@@ -65,7 +65,7 @@ impl System {
         let sql = match self {
             Self::Trailmark | Self::TrailmarkEffect => {
                 inspect::erase_runs(&env.pool).await?;
-                inspect::chain::erase_ledger(&env.pool).await?;
+                trailmark_testkit::ledger::erase_ledger(&env.pool).await?;
                 return Ok(());
             }
             Self::B3 | Self::B3Local => "TRUNCATE b3.inbox, b3.checkpoints, b3.ledger, b3.outbox",
@@ -273,7 +273,7 @@ impl System {
     pub async fn ledger(self, env: &BenchEnv, prefix: &str) -> Result<(i64, i64)> {
         let sql = match self {
             Self::Trailmark | Self::TrailmarkEffect => {
-                let c = inspect::chain::ledger_counts(&env.pool, prefix).await?;
+                let c = trailmark_testkit::ledger::ledger_counts(&env.pool, prefix).await?;
                 return Ok((c.rows, c.distinct));
             }
             Self::B3 | Self::B3Local => {

@@ -125,7 +125,7 @@ impl Receiver for ChainLedger {
         runs: &'a [String],
     ) -> BoxFuture<'a, Result<(i64, i64)>> {
         Box::pin(async move {
-            let c = trailmark::inspect::chain::forward_ledger_counts(pool, runs).await?;
+            let c = trailmark_testkit::ledger::forward_ledger_counts(pool, runs).await?;
             Ok((c.rows, c.distinct))
         })
     }

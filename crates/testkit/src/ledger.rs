@@ -2,6 +2,8 @@
 //! steps write to, whose primary key on the reference is what makes a repeated write harmless.
 
 use sqlx::PgExecutor;
+use chrono::{DateTime, Utc};
+use trailmark::inspect::like_prefix;
 
 use trailmark::domain::LocalTable;
 use trailmark::store::Result;
@@ -52,11 +54,10 @@ pub async fn payload(db: impl PgExecutor<'_>, reference: &str) -> Result<Option<
     )
 }
 
-// Reads for the project's own tools (bench, drill), faced by `crate::inspect::chain`: they move
-// with the ledger when `chain` leaves the engine.
+// Reads for the project's own tools (bench, drill).
 
 /// Empties the ledger, so a benchmark repetition starts alike.
-pub(crate) async fn erase(db: impl PgExecutor<'_>) -> Result<()> {
+async fn erase(db: impl PgExecutor<'_>) -> Result<()> {
     sqlx::raw_sql("TRUNCATE trailmark.chain_ledger")
         .execute(db)
         .await?;
@@ -64,7 +65,7 @@ pub(crate) async fn erase(db: impl PgExecutor<'_>) -> Result<()> {
 }
 
 /// Rows and distinct references of the runs matching the `LIKE` pattern `pattern`.
-pub(crate) async fn counts_matching(db: impl PgExecutor<'_>, pattern: &str) -> Result<(i64, i64)> {
+async fn counts_matching(db: impl PgExecutor<'_>, pattern: &str) -> Result<(i64, i64)> {
     Ok(sqlx::query_as(
         "SELECT count(*), count(DISTINCT reference) FROM trailmark.chain_ledger WHERE run_id LIKE $1",
     )
@@ -74,7 +75,7 @@ pub(crate) async fn counts_matching(db: impl PgExecutor<'_>, pattern: &str) -> R
 }
 
 /// Rows and distinct references of `runs`, reversals (`undo:` references) left out.
-pub(crate) async fn forward_counts(db: impl PgExecutor<'_>, runs: &[String]) -> Result<(i64, i64)> {
+async fn forward_counts(db: impl PgExecutor<'_>, runs: &[String]) -> Result<(i64, i64)> {
     Ok(sqlx::query_as(
         "SELECT count(*), count(DISTINCT reference) FROM trailmark.chain_ledger
           WHERE run_id = ANY($1) AND reference NOT LIKE 'undo:%'",
@@ -85,7 +86,7 @@ pub(crate) async fn forward_counts(db: impl PgExecutor<'_>, runs: &[String]) -> 
 }
 
 /// (run, position, insert time) of every row of the runs matching the `LIKE` pattern `pattern`.
-pub(crate) async fn row_times(
+async fn row_times(
     db: impl PgExecutor<'_>,
     pattern: &str,
 ) -> Result<Vec<(String, i32, chrono::DateTime<chrono::Utc>)>> {
@@ -96,4 +97,58 @@ pub(crate) async fn row_times(
     .bind(pattern)
     .fetch_all(db)
     .await?)
+}
+
+/// Ledger rows and distinct references: equal when every write happened once.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LedgerCounts {
+    /// Rows.
+    pub rows: i64,
+    /// Distinct references among them.
+    pub distinct: i64,
+}
+
+/// One ledger row's position and insert time.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LedgerRowTime {
+    /// The run that posted it.
+    pub run_id: String,
+    /// The position that posted it.
+    pub step: i32,
+    /// When it was inserted (start of the inserting transaction).
+    pub at: DateTime<Utc>,
+}
+
+/// Empties the ledger, so that a benchmark repetition starts alike.
+pub async fn erase_ledger(db: impl PgExecutor<'_>) -> Result<()> {
+    erase(db).await
+}
+
+/// Ledger rows and distinct references of the runs whose id starts with `prefix`.
+pub async fn ledger_counts(db: impl PgExecutor<'_>, prefix: &str) -> Result<LedgerCounts> {
+    let (rows, distinct) = counts_matching(db, &like_prefix(prefix)).await?;
+    Ok(LedgerCounts { rows, distinct })
+}
+
+/// Ledger rows and distinct references of `runs`, their reversals (`undo:` references)
+/// left out: the forward writes the runs made.
+pub async fn forward_ledger_counts(
+    db: impl PgExecutor<'_>,
+    runs: &[String],
+) -> Result<LedgerCounts> {
+    let (rows, distinct) = forward_counts(db, runs).await?;
+    Ok(LedgerCounts { rows, distinct })
+}
+
+/// Insert times of the ledger rows of the runs whose id starts with `prefix`, by run and
+/// position: where an outside write falls within its step.
+pub async fn ledger_row_times(
+    db: impl PgExecutor<'_>,
+    prefix: &str,
+) -> Result<Vec<LedgerRowTime>> {
+    let rows = row_times(db, &like_prefix(prefix)).await?;
+    Ok(rows
+        .into_iter()
+        .map(|(run_id, step, at)| LedgerRowTime { run_id, step, at })
+        .collect())
 }
