@@ -22,4 +22,4 @@ pub use record::{
     request_hash,
 };
 pub use status::{IllegalMove, RunStatus, Transition, UnknownStatus};
-pub use step::{StepAddress, UndoPlan, UndoTarget};
+pub use step::{PlannedUndo, StepAddress, UndoPlan};

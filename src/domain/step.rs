@@ -90,7 +90,7 @@ impl PartialEq<&str> for StepAddress {
 
 /// One finished step an undo compensates.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct UndoTarget {
+pub struct PlannedUndo {
     /// Its position.
     pub seq: i32,
     /// Its declared name.
@@ -105,7 +105,7 @@ pub struct UndoPlan {
     /// Handed to every compensation (`{}`: everything).
     pub scope: Value,
     /// The steps to compensate, newest first.
-    pub targets: Vec<UndoTarget>,
+    pub targets: Vec<PlannedUndo>,
     /// Keys of writes left standing (undo with `--leave-partial`).
     #[serde(default)]
     pub left_standing: Vec<String>,

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use serde_json::{Value, json};
 
 use super::{Decided, Decider, Outcome, Result, enqueue, lock, record, refused, set_run};
-use crate::domain::{RunId, RunStatus, UndoPlan, UndoTarget};
+use crate::domain::{PlannedUndo, RunId, RunStatus, UndoPlan};
 use crate::engine::Engine;
 use crate::store::{self, effects, runs, steps};
 use crate::workflow::{Lister, PreviewContext, Reversal, StepError, Workflow};
@@ -127,11 +127,11 @@ async fn plan(
 ) -> Result<UndoPlan> {
     let wf = undoable(engine, run)?;
     let left = partial_writes(tx, run, opts.leave_partial).await?;
-    let targets: Vec<UndoTarget> = steps::finished_forward(&mut *tx, &run.run_id)
+    let targets: Vec<PlannedUndo> = steps::finished_forward(&mut *tx, &run.run_id)
         .await?
         .into_iter()
         .filter(|(_, step)| wf.find(step).is_some_and(|d| d.compensation.is_some()))
-        .map(|(seq, step)| UndoTarget { seq, step })
+        .map(|(seq, step)| PlannedUndo { seq, step })
         .collect();
     Ok(UndoPlan {
         scope: opts.scope,
@@ -227,7 +227,7 @@ pub async fn preview(engine: &Engine, run_id: &str, opts: UndoOptions) -> Result
 async fn list(
     engine: &Engine,
     run: &runs::RunRow,
-    target: &UndoTarget,
+    target: &PlannedUndo,
     output: Value,
     scope: &Value,
     lister: Lister,

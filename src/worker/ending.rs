@@ -343,7 +343,7 @@ fn parked_rows(items: &[Parked]) -> Vec<(String, String)> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::domain::{MessageId, RunId, UndoTarget};
+    use crate::domain::{MessageId, RunId, PlannedUndo};
     use crate::workflow::StepKind;
 
     fn workflow() -> Workflow {
@@ -445,11 +445,11 @@ mod tests {
         let plan = UndoPlan {
             scope: json!({}),
             targets: vec![
-                UndoTarget {
+                PlannedUndo {
                     seq: 1,
                     step: "b".into(),
                 },
-                UndoTarget {
+                PlannedUndo {
                     seq: 0,
                     step: "a".into(),
                 },
