@@ -48,11 +48,7 @@ async fn model_server(script: Vec<Scripted>) -> ModelServer {
 /// `chain` served by one engine whose model is a stand-in server playing `script` first.
 async fn serve_chain_with_model(env: &TestEnv, script: Vec<Scripted>) -> (ModelServer, Running) {
     let server = model_server(script).await;
-    let (_engine, running) = start(
-        env,
-        with_model(env, &server),
-        trailmark_testkit::registry(),
-    );
+    let (_engine, running) = start(env, with_model(env, &server), trailmark_testkit::registry());
     (server, running)
 }
 

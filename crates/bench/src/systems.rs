@@ -9,9 +9,9 @@ use serde_json::json;
 use super::env::{BenchEnv, Proc};
 use super::{Error, Result, baseline, peer};
 use trailmark::broker::Outgoing;
-use trailmark_testkit::chain::Ledger;
 use trailmark::domain::{RunId, RunStartEvent};
 use trailmark::inspect;
+use trailmark_testkit::chain::Ledger;
 
 /// Which system a figure belongs to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]

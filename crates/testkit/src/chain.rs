@@ -13,9 +13,9 @@ use std::time::Duration;
 use serde_json::{Value, json};
 use sqlx::PgPool;
 
+use crate::ledger as chain_ledger;
 use trailmark::domain::{IdempotencyKey, RunId};
 use trailmark::model::{ChatMessage, ChatRequest};
-use crate::ledger as chain_ledger;
 use trailmark::workflow::{
     Input, PreviewContext, Reversal, StepContext, StepError, StepKind, StepOutcome, Workflow,
 };

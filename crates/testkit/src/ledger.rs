@@ -1,8 +1,8 @@
 //! The ledger of the built-in `chain` workflow (`trailmark.chain_ledger`): the outside store its
 //! steps write to, whose primary key on the reference is what makes a repeated write harmless.
 
-use sqlx::PgExecutor;
 use chrono::{DateTime, Utc};
+use sqlx::PgExecutor;
 use trailmark::inspect::like_prefix;
 
 use trailmark::domain::LocalTable;
@@ -142,10 +142,7 @@ pub async fn forward_ledger_counts(
 
 /// Insert times of the ledger rows of the runs whose id starts with `prefix`, by run and
 /// position: where an outside write falls within its step.
-pub async fn ledger_row_times(
-    db: impl PgExecutor<'_>,
-    prefix: &str,
-) -> Result<Vec<LedgerRowTime>> {
+pub async fn ledger_row_times(db: impl PgExecutor<'_>, prefix: &str) -> Result<Vec<LedgerRowTime>> {
     let rows = row_times(db, &like_prefix(prefix)).await?;
     Ok(rows
         .into_iter()

@@ -34,22 +34,9 @@ struct Draft {
     greeting: String,
 }
 
-/// The outside system: a ledger that keeps one entry per key and refuses a key reused with
-/// another entry, as a real store with a unique reference would.
+/// The outside system: a ledger that keeps one entry per key, as a store with a unique reference
+/// does. (The engine refuses a key reused with another request before the call is made.)
 type Ledger = Arc<Mutex<HashMap<String, Value>>>;
-
-fn post(ledger: &Ledger, key: &IdempotencyKey, entry: Value) -> Result<Value, StepError> {
-    let mut ledger = ledger.lock().expect("ledger lock");
-    match ledger.get(key.as_str()) {
-        Some(kept) if *kept != entry => {
-            Err(StepError::Conflict(format!("{key} holds another entry")))
-        }
-        _ => {
-            ledger.insert(key.to_string(), entry);
-            Ok(json!({ "posted": key.as_str() }))
-        }
-    }
-}
 
 fn hello_agent(ledger: Ledger) -> Workflow {
     Workflow::new("hello-agent", 1)
@@ -73,20 +60,16 @@ fn hello_agent(ledger: Ledger) -> Workflow {
         .step("post", StepKind::Write, move |ctx| {
             let ledger = ledger.clone();
             async move {
-                let draft: Draft = ctx.output_as("draft").await?.unwrap_or(Draft {
-                    greeting: String::new(),
-                });
+                let draft: Option<Draft> = ctx.output_as("draft").await?;
+                let entry = json!({ "greeting": draft.map(|d| d.greeting) });
                 let key = IdempotencyKey::for_step(ctx.run_id(), "post", "greeting");
-                let entry = json!({ "greeting": draft.greeting });
                 let request = entry.clone();
-                let posted = ctx
-                    .effect(
-                        &key,
-                        &request,
-                        |key| async move { post(&ledger, &key, entry) },
-                    )
-                    .await?;
-                Ok(StepOutcome::finish(posted))
+                let posted = ctx.effect(&key, &request, |key| async move {
+                    let mut ledger = ledger.lock().expect("ledger lock");
+                    ledger.entry(key.to_string()).or_insert(entry);
+                    Ok(json!({ "posted": key.as_str() }))
+                });
+                Ok(StepOutcome::finish(posted.await?))
             }
         })
 }
@@ -108,32 +91,23 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .start()
         .await?;
 
-    let run_id = format!("hello-{}", std::process::id());
-    engine
-        .start_run(
-            &run_id,
-            "hello-agent",
-            &Request {
-                customer: "Ada".into(),
-            },
-        )
-        .await?;
-    let waiting = engine.wait_for(&run_id, Duration::from_secs(60)).await?;
-    println!(
-        "run {run_id} is {}: {}",
-        waiting.status,
-        json!(waiting.question)
-    );
+    let run = format!("hello-{}", std::process::id());
+    let ada = Request {
+        customer: "Ada".into(),
+    };
+    engine.start_run(&run, "hello-agent", &ada).await?;
+    let waiting = engine.wait_for(&run, Duration::from_secs(60)).await?;
+    println!("{run} is {}: {}", waiting.status, json!(waiting.question));
 
     engine
-        .approve(&run_id, "approve", "hello-agent", "the greeting reads well")
+        .approve(&run, "approve", "hello-agent", "reads well")
         .await?;
-    let done = engine.wait_for(&run_id, Duration::from_secs(60)).await?;
+    let done = engine.wait_for(&run, Duration::from_secs(60)).await?;
     println!("ledger: {}", json!(*ledger.lock().expect("ledger lock")));
     println!("{}", done.status);
     engine.shutdown().await?;
     match done.status {
         RunStatus::Succeeded => Ok(()),
-        other => Err(format!("run {run_id} ended {other}: {:?}", done.error).into()),
+        other => Err(format!("run {run} ended {other}: {:?}", done.error).into()),
     }
 }
