@@ -78,7 +78,7 @@ impl Error {
         e: impl std::error::Error + Send + Sync + 'static,
     ) -> Self {
         let what = what.into();
-        match crate::error::reaction(&e) {
+        match crate::reaction::reaction(&e) {
             Reaction::Retry => Self::Unavailable {
                 what,
                 source: Box::new(e),
@@ -226,7 +226,7 @@ impl Builder {
                 Ok(engine) => return Ok(engine),
                 // The server went away between the check and the pool (a restart at that very
                 // moment, found by the drills): check again, which waits for it.
-                Err(e) if crate::error::reaction(&e) == Reaction::Retry => {
+                Err(e) if crate::reaction::reaction(&e) == Reaction::Retry => {
                     tracing::warn!(error = %Report(&e), "a server went away while the engine started; waiting for it again");
                 }
                 Err(e) => return Err(Error::from_cause("the engine cannot start", e)),

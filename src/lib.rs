@@ -39,7 +39,8 @@
 //! | `engine` | the shared state a process's components run on |
 //! | `embedded` | [`Trailmark`]: the one call that starts an engine in a program, and the handle to its runs |
 //! | `prelude` | the names a workflow author needs |
-//! | `error` | how a caller reacts to an error: retry, fix the configuration, or accept a refusal |
+//! | `error` | the words for how a caller reacts to an error, and an error shown with its causes |
+//! | `reaction` | which reaction an error calls for: retry, fix the configuration, or accept a refusal |
 //! | `failpoint` | named failpoints for crash tests and drills (armed only with `testkit`) |
 //! | `seams` | faults a drill switches on around `ctx.model` and `ctx.effect`, and its call log |
 //! | `redact` | the one place that hides secrets in what trailmark prints |
@@ -94,6 +95,7 @@ inner! {
     model;
     operator;
     process;
+    reaction;
     redact;
     relay;
     seams;

@@ -36,7 +36,7 @@ pub enum Error {
 
 impl Error {
     fn reaction(&self) -> Reaction {
-        crate::error::reaction(self)
+        crate::reaction::reaction(self)
     }
 }
 

@@ -336,7 +336,7 @@ async fn another_group_size_is_kept_but_another_delivery_limit_is_refused_naming
         .expect_err("another delivery limit is refused");
     let shown = trailmark::error::Report(&e).to_string();
     assert_eq!(
-        trailmark::error::reaction(&e),
+        trailmark::reaction::reaction(&e),
         trailmark::error::Reaction::Fix,
         "{shown}"
     );

@@ -7,13 +7,11 @@ use axum::extract::{Request, State};
 use axum::http::header;
 use axum::middleware::Next;
 use axum::response::Response;
-use sha2::{Digest, Sha256};
-use subtle::ConstantTimeEq;
 
 use super::AppState;
 use super::error::ApiError;
 
-pub use crate::config::tokens::{Role, Token, hash_token, new_token, parse_tokens};
+pub use crate::config::tokens::{Role, Token, hash_token, identify, new_token, parse_tokens};
 
 /// Who made a request.
 #[derive(Debug, Clone)]
@@ -52,19 +50,6 @@ impl Caller {
             )))
         }
     }
-}
-
-/// The token that `presented` is, compared against every configured one in constant time.
-pub fn identify<'a>(tokens: &'a [Token], presented: &str) -> Option<&'a Token> {
-    let hash: [u8; 32] = Sha256::digest(presented.as_bytes()).into();
-    let mut found = None;
-    // No early exit: the time taken does not depend on which token matched, or where.
-    for token in tokens {
-        if bool::from(token.hash.ct_eq(&hash)) {
-            found = Some(token);
-        }
-    }
-    found
 }
 
 /// Middleware: a request to the API needs a valid bearer token; the caller is put in the

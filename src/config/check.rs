@@ -182,7 +182,7 @@ fn database_hosts(hosts: &[String]) -> Result<(), Error> {
         if h.contains('/') || h.contains('@') {
             return bad("which looks like a URL");
         }
-        let (_, port) = crate::store::split_host(h);
+        let (_, port) = super::split_host(h);
         if port.is_none() && h.matches(':').count() == 1 {
             return bad("whose port is not a number from 1 to 65535");
         }

@@ -334,6 +334,19 @@ impl WorkerSettings {
     }
 }
 
+/// A `database.hosts` entry, `host:port`, as its parts (`[::1]:5432` too); the config check refuses a port that is not a
+/// number, so one that does not parse here is left to the URL's.
+pub(crate) fn split_host(spec: &str) -> (&str, Option<u16>) {
+    let spec = spec.trim();
+    match spec.rsplit_once(':') {
+        Some((host, port)) if !host.ends_with(':') && port.chars().all(|c| c.is_ascii_digit()) => {
+            let host = host.trim_start_matches('[').trim_end_matches(']');
+            (host, port.parse().ok())
+        }
+        _ => (spec, None),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

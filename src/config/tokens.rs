@@ -107,6 +107,20 @@ pub fn hash_token(token: &str) -> String {
     hex::encode(Sha256::digest(token.as_bytes()))
 }
 
+/// The token that `presented` is, compared against every configured one in constant time.
+#[cfg(feature = "ops-http")]
+pub fn identify<'a>(tokens: &'a [Token], presented: &str) -> Option<&'a Token> {
+    let hash: [u8; 32] = Sha256::digest(presented.as_bytes()).into();
+    let mut found = None;
+    // No early exit: the time taken does not depend on which token matched, or where.
+    for token in tokens {
+        if bool::from(subtle::ConstantTimeEq::ct_eq(&token.hash[..], &hash[..])) {
+            found = Some(token);
+        }
+    }
+    found
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -7,7 +7,7 @@ use serde::Deserialize;
 use super::layout::{page, time};
 use super::session::Me;
 use super::{ConsoleState, Shown};
-use crate::api::Role;
+use crate::config::tokens::Role;
 use crate::store::audit;
 use crate::workflow::contract;
 

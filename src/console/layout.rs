@@ -6,7 +6,7 @@ use chrono::{DateTime, Utc};
 use maud::{DOCTYPE, Markup, html};
 
 use super::session::Person;
-use crate::api::Role;
+use crate::config::tokens::Role;
 use crate::domain::RunStatus;
 
 /// A whole page: the frame around `body`. `person` is `None` on the login page.

@@ -16,7 +16,7 @@ use super::layout::{csrf_field, done_box, error_box, page, text_time};
 use super::once::Once;
 use super::session::{Me, Person};
 use super::{ConsoleState, Shown};
-use crate::api::Role;
+use crate::config::tokens::Role;
 use crate::dlq::{BodyView, Dlq, Selection, quiet};
 use crate::operator;
 

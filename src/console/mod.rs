@@ -30,7 +30,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use maud::html;
 
-use crate::api::Token;
+use crate::config::tokens::Token;
 use crate::engine::Engine;
 use crate::error::Report;
 use crate::{dlq, operator, store};

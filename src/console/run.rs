@@ -16,7 +16,7 @@ use super::layout::{
 };
 use super::session::{Me, Person};
 use super::{ConsoleState, Shown, refusal};
-use crate::api::Role;
+use crate::config::tokens::Role;
 use crate::domain::RunStatus;
 use crate::operator::{self, Outcome, Resume, UndoOptions};
 use crate::store::runs::RunRow;

@@ -20,7 +20,7 @@ use subtle::ConstantTimeEq;
 
 use super::layout::{error_box, page};
 use super::{ConsoleState, Shown};
-use crate::api::{Role, identify};
+use crate::config::tokens::{Role, identify};
 use crate::operator::Decider;
 use crate::store::console_sessions;
 

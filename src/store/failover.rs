@@ -40,25 +40,12 @@ fn candidates(settings: &DatabaseSettings, base: &PgConnectOptions) -> Vec<PgCon
         .hosts
         .iter()
         .map(|h| {
-            let (host, port) = split_host(h);
+            let (host, port) = crate::config::split_host(h);
             base.clone()
                 .host(host)
                 .port(port.unwrap_or(base.get_port()))
         })
         .collect()
-}
-
-/// `host:port` as its parts (`[::1]:5432` too); the config check refuses a port that is not a
-/// number, so one that does not parse here is left to the URL's.
-pub(crate) fn split_host(spec: &str) -> (&str, Option<u16>) {
-    let spec = spec.trim();
-    match spec.rsplit_once(':') {
-        Some((host, port)) if !host.ends_with(':') && port.chars().all(|c| c.is_ascii_digit()) => {
-            let host = host.trim_start_matches('[').trim_end_matches(']');
-            (host, port.parse().ok())
-        }
-        _ => (spec, None),
-    }
 }
 
 /// Whether the server behind `conn` takes writes: libpq's own test for
@@ -199,7 +186,7 @@ pub(super) fn follow(pool: PgPool, settings: DatabaseSettings, moved: Moved) {
 
 #[cfg(test)]
 mod tests {
-    use super::split_host;
+    use crate::config::split_host;
 
     #[test]
     fn hosts_are_read_with_and_without_their_port() {

@@ -19,7 +19,6 @@ pub mod records;
 pub mod runs;
 pub mod shadow;
 pub mod steps;
-pub(crate) use failover::split_host;
 mod types;
 
 use std::time::Duration;

@@ -17,7 +17,8 @@ pub mod watch;
 /// The exit code for an error: 2 when a server is down or the configuration is wrong (what an
 /// operator or a supervisor like systemd must look at), 1 when the request itself was refused.
 pub fn exit_code(e: &anyhow::Error) -> u8 {
-    use trailmark::error::{Reaction, reaction};
+    use trailmark::error::Reaction;
+    use trailmark::reaction::reaction;
     match reaction(e.as_ref()) {
         Reaction::Retry | Reaction::Fix => 2,
         _ => 1,
