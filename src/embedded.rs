@@ -427,11 +427,8 @@ impl Trailmark {
         who: &str,
         reason: &str,
     ) -> Result<(), Error> {
-        let decider = Decider::embedded(who, reason);
-        operator::approve(&self.engine, run_id, step, &decider)
+        self.decide(true, run_id, step, Decider::embedded(who, reason))
             .await
-            .map(drop)
-            .map_err(|e| Error::from_cause(format!("approving run {run_id} at step {step}"), e))
     }
 
     /// Rejects the decision run `run_id` waits for at `step`: the run goes where the step's
@@ -443,11 +440,29 @@ impl Trailmark {
         who: &str,
         reason: &str,
     ) -> Result<(), Error> {
-        let decider = Decider::embedded(who, reason);
-        operator::reject(&self.engine, run_id, step, &decider)
+        self.decide(false, run_id, step, Decider::embedded(who, reason))
             .await
-            .map(drop)
-            .map_err(|e| Error::from_cause(format!("rejecting run {run_id} at step {step}"), e))
+    }
+
+    async fn decide(
+        &self,
+        approve: bool,
+        run_id: &str,
+        step: &str,
+        who: Decider,
+    ) -> Result<(), Error> {
+        let (doing, decided) = match approve {
+            true => (
+                "approving",
+                operator::approve(&self.engine, run_id, step, &who).await,
+            ),
+            false => (
+                "rejecting",
+                operator::reject(&self.engine, run_id, step, &who).await,
+            ),
+        };
+        let what = || format!("{doing} run {run_id} at step {step}");
+        decided.map(drop).map_err(|e| Error::from_cause(what(), e))
     }
 
     /// The token that stops this engine; cancel it from anywhere to begin the drain.

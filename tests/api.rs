@@ -702,11 +702,8 @@ async fn a_cli_made_token_opens_the_api_at_its_role_and_a_cli_decision_is_audite
 
 #[test]
 fn the_operations_guide_lists_every_endpoint_with_its_role() {
-    let guide = std::fs::read_to_string(concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/docs/OPERATIONS.md"
-    ))
-    .expect("docs/OPERATIONS.md");
+    let guide = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/OPERATIONS.md"))
+        .expect("docs/OPERATIONS.md");
     for e in ENDPOINTS {
         let row = format!("| `{} {}` | {} |", e.method, e.path, e.role.as_str());
         assert!(guide.contains(&row), "docs/OPERATIONS.md has no row {row}");
