@@ -62,8 +62,26 @@ impl Token {
 }
 
 /// Parses `api.tokens` entries, `name:role:sha256`.
+///
+/// The same hash twice is refused: one token would be two people, or two roles, and which one
+/// a request got would depend on the order of the list.
 pub fn parse_tokens(entries: &[String]) -> Result<Vec<Token>, String> {
-    entries.iter().map(|e| parse_token(e)).collect()
+    let tokens = entries
+        .iter()
+        .map(|e| parse_token(e))
+        .collect::<Result<Vec<_>, _>>()?;
+    for (i, t) in tokens.iter().enumerate() {
+        if let Some(first) = tokens[..i].iter().find(|f| f.hash == t.hash) {
+            return Err(format!(
+                "api.tokens: {:?} ({}) and {:?} ({}) have the same hash, so one token would hold both; give each holder a token of their own (`trailmark token new`) and remove the other entry",
+                first.name,
+                first.role.as_str(),
+                t.name,
+                t.role.as_str()
+            ));
+        }
+    }
+    Ok(tokens)
 }
 
 fn parse_token(entry: &str) -> Result<Token, String> {
@@ -138,6 +156,22 @@ mod tests {
             parse_tokens(&["maria".into()])
                 .unwrap_err()
                 .contains("name:role:sha256")
+        );
+    }
+
+    #[test]
+    fn the_same_hash_under_two_entries_is_refused_naming_both() {
+        let hash = hash_token("tm_shared");
+        let e = parse_tokens(&[format!("vera:viewer:{hash}"), format!("ada:admin:{hash}")])
+            .unwrap_err();
+        assert!(
+            e.contains("\"vera\" (viewer)") && e.contains("\"ada\" (admin)"),
+            "{e}"
+        );
+        assert!(!e.contains(&hash), "the hash is not repeated: {e}");
+        let other = hash_token("tm_other");
+        assert!(
+            parse_tokens(&[format!("vera:viewer:{hash}"), format!("ada:admin:{other}")]).is_ok()
         );
     }
 }
