@@ -1,11 +1,12 @@
 //! Workflows and their recovery contracts, and the audit trail (admin).
 
-use axum::extract::{Path, Query, State};
+use axum::extract::State;
 use axum::{Extension, Json};
 use serde::Deserialize;
 use serde_json::{Value, json};
 
 use super::AppState;
+use super::extract::{Path, Query};
 use super::auth::{Caller, Role};
 use super::error::ApiError;
 use crate::store::audit;

@@ -4,8 +4,7 @@
 //! Also forks (a new run from another's checkpoint), comparisons of two runs, and the export
 //! of every decision, for evaluations.
 
-use axum::body::Body;
-use axum::extract::{Path, Query, State};
+use axum::extract::State;
 use axum::http::{HeaderMap, header};
 use axum::response::Response;
 use axum::{Extension, Json};
@@ -13,6 +12,8 @@ use serde::Deserialize;
 use serde_json::{Value, json};
 
 use super::AppState;
+use super::extract::{Body, Path, Query};
+use super::input::{self, Kind};
 use super::auth::{Caller, Role};
 use super::error::ApiError;
 use super::idempotency;
@@ -41,19 +42,29 @@ pub struct Decision {
     leave_partial: bool,
 }
 
-fn decider(caller: &Caller, d: &Decision) -> Result<Decider, ApiError> {
-    if d.reason.trim().is_empty() {
-        return Err(ApiError::bad_request(
-            "reason must say why (it is recorded with the decision)",
-        ));
+/// A reason: present, and within [`input::MAX_REASON`] characters of printable text.
+pub(super) fn reason(text: &str, recorded_with: &str) -> Result<(), ApiError> {
+    if text.trim().is_empty() {
+        return Err(ApiError::bad_request(format!(
+            "reason must say why (it is recorded with {recorded_with})"
+        ))
+        .with("field", "reason"));
     }
+    input::check("reason", text, Kind::Reason)?;
+    Ok(())
+}
+
+fn decider(caller: &Caller, d: &Decision) -> Result<Decider, ApiError> {
+    reason(&d.reason, "the decision")?;
     Ok(caller.decider(&d.reason))
 }
 
 fn step_of(d: &Decision) -> Result<&str, ApiError> {
-    d.step
-        .as_deref()
-        .ok_or_else(|| ApiError::bad_request("step is required: the step the run waits at"))
+    let step = d.step.as_deref().ok_or_else(|| {
+        ApiError::bad_request("step is required: the step the run waits at").with("field", "step")
+    })?;
+    input::check("step", step, Kind::Id)?;
+    Ok(step)
 }
 
 fn resume_how(d: &Decision) -> Result<operator::Resume, ApiError> {
@@ -83,7 +94,7 @@ pub async fn decide(
     Extension(caller): Extension<Caller>,
     Path((run_id, action)): Path<(String, String)>,
     headers: HeaderMap,
-    Json(d): Json<Decision>,
+    Body(d): Body<Decision>,
 ) -> Result<Json<operator::Outcome>, ApiError> {
     caller.require(Role::Operator)?;
     let who = decider(&caller, &d)?;
@@ -119,28 +130,41 @@ pub struct ForkBody {
     run_id: Option<String>,
     /// A new input (default: the parent's).
     input: Option<Value>,
-    /// Record outside writes instead of making them.
+    /// Make the fork's outside writes for real. Without it a fork is a shadow: its outside
+    /// writes are recorded, not made.
+    #[serde(default)]
+    live: bool,
+    /// Record outside writes instead of making them (the default; kept for callers that say so).
     #[serde(default)]
     shadow: bool,
     /// A run whose journaled answers from the fork point on are replayed.
     answers_from: Option<String>,
 }
 
-/// Forks a run: a new run from its checkpoint at `from`, live or in shadow. A live fork writes
-/// outside under its own keys, so it needs an `Idempotency-Key` like other bulk actions.
+/// Forks a run: a new run from its checkpoint at `from`, in shadow unless the body says
+/// `"live": true` (a live fork writes outside under its own keys, which nobody should get by
+/// leaving a field out; the CLI asks for `--yes` the same way). Either needs an
+/// `Idempotency-Key` like other bulk actions.
 pub async fn fork(
     State(state): State<AppState>,
     Extension(caller): Extension<Caller>,
     Path(run_id): Path<String>,
     headers: HeaderMap,
-    Json(b): Json<ForkBody>,
+    Body(b): Body<ForkBody>,
 ) -> Result<Json<operator::ForkPlan>, ApiError> {
     caller.require(Role::Operator)?;
     idempotency::required(&headers)?;
-    if b.reason.trim().is_empty() {
+    reason(&b.reason, "the fork")?;
+    if b.live && b.shadow {
         return Err(ApiError::bad_request(
-            "reason must say why (it is recorded with the fork)",
-        ));
+            "live and shadow contradict each other: send \"live\": true for a fork that writes outside, or leave it out for a shadow fork",
+        )
+        .with("field", "live"));
+    }
+    for (field, id) in [("run_id", &b.run_id), ("answers_from", &b.answers_from)] {
+        if let Some(id) = id {
+            input::check(field, id, Kind::Id)?;
+        }
     }
     let from = match &b.from {
         Value::Number(n) => n
@@ -150,12 +174,15 @@ pub async fn fork(
         Value::String(s) => s.parse().ok(),
         _ => None,
     }
-    .ok_or_else(|| ApiError::bad_request("from must be a position (a number) or a step name"))?;
+    .ok_or_else(|| {
+        ApiError::bad_request("from must be a position (a number) or a step name")
+            .with("field", "from")
+    })?;
     let req = operator::ForkRequest {
         from,
         run_id: b.run_id,
         input: b.input,
-        shadow: b.shadow,
+        shadow: !b.live,
         answers_from: b.answers_from,
     };
     let who = caller.decider(&b.reason);
@@ -231,6 +258,6 @@ pub async fn export(
     }
     Response::builder()
         .header(header::CONTENT_TYPE, "application/x-ndjson")
-        .body(Body::from(lines))
+        .body(axum::body::Body::from(lines))
         .map_err(|e| ApiError::internal(&e))
 }

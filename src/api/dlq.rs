@@ -4,13 +4,15 @@
 
 use std::collections::BTreeMap;
 
-use axum::extract::{Path, Query, State};
+use axum::extract::State;
 use axum::http::HeaderMap;
 use axum::{Extension, Json};
 use serde::Deserialize;
 use serde_json::{Value, json};
 
 use super::AppState;
+use super::extract::{Body, Path, Query};
+use super::input::{self, Kind};
 use super::auth::{Caller, Role};
 use super::error::ApiError;
 use super::idempotency;
@@ -79,7 +81,7 @@ pub async fn reveal(
     State(state): State<AppState>,
     Extension(caller): Extension<Caller>,
     Path(id): Path<String>,
-    Json(why): Json<Reason>,
+    Body(why): Body<Reason>,
 ) -> Result<Json<Value>, ApiError> {
     caller.require(Role::Admin)?;
     require_reason(&why.reason)?;
@@ -113,6 +115,12 @@ pub struct Bulk {
 
 impl Bulk {
     fn selection(&self) -> Result<Selection, ApiError> {
+        for (i, id) in self.ids.iter().flatten().enumerate() {
+            input::check(&format!("ids[{i}]"), id, Kind::Id)?;
+        }
+        if let Some(code) = &self.reason_code {
+            input::check("reason_code", code, Kind::Id)?;
+        }
         match (&self.ids, &self.reason_code, self.all) {
             (Some(ids), None, false) if !ids.is_empty() => Ok(Selection::Ids(ids.clone())),
             (None, Some(code), false) => Ok(Selection::Reason(code.clone())),
@@ -129,7 +137,7 @@ pub async fn requeue(
     state: State<AppState>,
     caller: Extension<Caller>,
     headers: HeaderMap,
-    bulk: Json<Bulk>,
+    bulk: Body<Bulk>,
 ) -> Result<Json<Value>, ApiError> {
     bulk_action(state, caller, headers, bulk, "dlq.requeue", Role::Operator).await
 }
@@ -139,7 +147,7 @@ pub async fn purge(
     state: State<AppState>,
     caller: Extension<Caller>,
     headers: HeaderMap,
-    bulk: Json<Bulk>,
+    bulk: Body<Bulk>,
 ) -> Result<Json<Value>, ApiError> {
     bulk_action(state, caller, headers, bulk, "dlq.purge", Role::Admin).await
 }
@@ -148,7 +156,7 @@ async fn bulk_action(
     State(state): State<AppState>,
     Extension(caller): Extension<Caller>,
     headers: HeaderMap,
-    Json(bulk): Json<Bulk>,
+    Body(bulk): Body<Bulk>,
     action: &'static str,
     role: Role,
 ) -> Result<Json<Value>, ApiError> {
@@ -182,12 +190,7 @@ async fn bulk_action(
 }
 
 fn require_reason(reason: &str) -> Result<(), ApiError> {
-    if reason.trim().is_empty() {
-        return Err(ApiError::bad_request(
-            "reason must say why (it is recorded in the audit trail)",
-        ));
-    }
-    Ok(())
+    super::decisions::reason(reason, "the audit trail")
 }
 
 async fn write_audit(

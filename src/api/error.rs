@@ -37,6 +37,24 @@ impl ApiError {
         Self::new(StatusCode::BAD_REQUEST, "bad_request", message)
     }
 
+    /// 413: the body is over `api.body_limit_bytes`.
+    pub fn too_large() -> Self {
+        Self::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "too_large",
+            "the body is over api.body_limit_bytes; send less (a page of ids at a time), or raise the setting",
+        )
+    }
+
+    /// 415: the body is not declared JSON.
+    pub fn unsupported_media_type() -> Self {
+        Self::new(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            "unsupported_media_type",
+            "send the body as JSON with the header content-type: application/json",
+        )
+    }
+
     /// 401: no valid token.
     pub fn unauthorized(message: impl Into<String>) -> Self {
         Self::new(StatusCode::UNAUTHORIZED, "unauthorized", message)
@@ -94,6 +112,12 @@ impl IntoResponse for ApiError {
             );
         }
         response
+    }
+}
+
+impl From<super::input::BadText> for ApiError {
+    fn from(bad: super::input::BadText) -> Self {
+        Self::bad_request(bad.message).with("field", bad.field)
     }
 }
 

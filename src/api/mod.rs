@@ -7,6 +7,9 @@
 //! | file | part |
 //! |---|---|
 //! | `auth.rs` | tokens, roles, the caller |
+//! | `input.rs` | the one check of text from outside (ids, reasons, parameters, headers) |
+//! | `edge.rs` | that check at the door, errors in the documented shape, security headers |
+//! | `extract.rs` | path, query and JSON body, refusals in the documented shape |
 //! | `idempotency.rs` | the `Idempotency-Key` header |
 //! | `runs.rs` | listings, one run, its steps, calls and effects |
 //! | `decisions.rs` | resume, undo (with a preview), cancel, approve, reject; the export |
@@ -19,9 +22,12 @@ mod admin;
 mod auth;
 mod decisions;
 mod dlq;
+mod edge;
 mod error;
+mod extract;
 mod health;
 mod idempotency;
+pub(crate) mod input;
 mod openapi;
 mod runs;
 
@@ -114,7 +120,13 @@ pub fn router(engine: Arc<Engine>) -> Result<Router, Error> {
             StatusCode::GATEWAY_TIMEOUT,
             Duration::from_secs(settings.request_timeout_secs),
         ))
+        .layer(middleware::from_fn_with_state(
+            settings.body_limit_bytes,
+            edge::guard,
+        ))
         .layer(RequestBodyLimitLayer::new(settings.body_limit_bytes))
+        .layer(middleware::from_fn(edge::documented))
+        .layer(middleware::from_fn(edge::secure))
         .layer(PropagateRequestIdLayer::x_request_id())
         .layer(trace)
         .layer(SetRequestIdLayer::x_request_id(MakeRequestUuid)))

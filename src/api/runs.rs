@@ -2,12 +2,13 @@
 //! model calls and effects a page at a time (a run of 10,000 steps is never sent whole).
 
 use axum::Json;
-use axum::extract::{Path, Query, State};
+use axum::extract::State;
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
 use super::AppState;
+use super::extract::{Path, Query};
 use super::error::ApiError;
 use crate::domain::RunStatus;
 use crate::store::{effects, journal, runs, steps};
@@ -123,12 +124,23 @@ fn from_start() -> i32 {
     -1
 }
 
+/// 404 for a run that does not exist: an empty page would say "no steps yet".
+async fn existing(state: &AppState, run_id: &str) -> Result<(), ApiError> {
+    match runs::get(&state.engine.pool, run_id).await? {
+        Some(_) => Ok(()),
+        None => Err(ApiError::not_found(format!(
+            "run {run_id} not found; GET /api/v1/runs lists the runs there are"
+        ))),
+    }
+}
+
 /// A run's steps, in order.
 pub async fn steps(
     State(state): State<AppState>,
     Path(run_id): Path<String>,
     Query(q): Query<PageQuery>,
 ) -> Result<Json<Value>, ApiError> {
+    existing(&state, &run_id).await?;
     let page = steps::page(&state.engine.pool, &run_id, q.after, page_size(q.limit)).await?;
     Ok(Json(json!({ "steps": page })))
 }
@@ -139,6 +151,7 @@ pub async fn journal(
     Path(run_id): Path<String>,
     Query(q): Query<PageQuery>,
 ) -> Result<Json<Value>, ApiError> {
+    existing(&state, &run_id).await?;
     let page = journal::page(&state.engine.pool, &run_id, q.after, page_size(q.limit)).await?;
     Ok(Json(json!({ "calls": page })))
 }
@@ -149,6 +162,7 @@ pub async fn effects(
     Path(run_id): Path<String>,
     Query(q): Query<PageQuery>,
 ) -> Result<Json<Value>, ApiError> {
+    existing(&state, &run_id).await?;
     let page = effects::page(&state.engine.pool, &run_id, q.after, page_size(q.limit)).await?;
     Ok(Json(json!({ "effects": page })))
 }

@@ -165,8 +165,18 @@ impl From<store::Error> for Shown {
     }
 }
 
+/// The console's error page for a request refused before any handler (see `api::edge`).
+pub(crate) fn refused(status: StatusCode, title: &str, message: &str) -> Response {
+    Shown::new(status, title, message).into_response()
+}
+
 impl From<dlq::Error> for Shown {
     fn from(e: dlq::Error) -> Self {
+        if let dlq::Error::NotFound { .. } = &e {
+            return Self::not_found(format!(
+                "{e}; it may have been requeued or purged (the audit trail says), or the id is mistyped: the list of dead letters has the ones there are"
+            ));
+        }
         tracing::warn!(error = %Report(&e), "console: the dead-letter queue failed");
         Self::new(
             StatusCode::SERVICE_UNAVAILABLE,
