@@ -112,7 +112,7 @@ pub const ENDPOINTS: &[Endpoint] = &[
     post(
         "/api/v1/runs/{run_id}/fork",
         Role::Operator,
-        "A new run from this run's checkpoint at a position (reason, from: position or step name, run_id, input, shadow); live forks write outside under their own keys",
+        "A new run from this run's checkpoint at a position (reason, from: position or step name, run_id, input, answers_from, live). A shadow fork unless live is true: only a body with \"live\": true makes the fork's outside writes for real",
         true,
     ),
     get(
@@ -191,6 +191,24 @@ pub fn endpoint_for(method: &str, path: &str) -> Option<&'static Endpoint> {
         .map(|(_, e)| e)
 }
 
+/// The fork's body: a shadow fork unless `live` is true.
+fn fork_body() -> Value {
+    json!({
+        "type": "object",
+        "required": ["reason", "from"],
+        "additionalProperties": false,
+        "properties": {
+            "reason": { "type": "string", "maxLength": super::input::MAX_REASON, "description": "why (recorded with the fork)" },
+            "from": { "oneOf": [{ "type": "integer" }, { "type": "string" }], "description": "a position, or a step name (its first visit)" },
+            "run_id": { "type": "string", "description": "the fork's id (default <run>-fork-<8 hex>)" },
+            "input": { "description": "a new input (default: the parent's)" },
+            "answers_from": { "type": "string", "description": "a run whose journaled answers from the fork point on are replayed" },
+            "live": { "type": "boolean", "default": false, "description": "true: the fork makes its outside writes for real. Absent or false: a shadow fork, whose outside writes are recorded, not made" },
+            "shadow": { "type": "boolean", "default": true, "deprecated": true, "description": "the default; true together with live is refused" },
+        },
+    })
+}
+
 /// The OpenAPI 3.1 document.
 pub fn document() -> Value {
     let mut paths = Map::new();
@@ -226,6 +244,9 @@ pub fn document() -> Value {
                     "description": "a repeat with the same key and body gets the first response",
                 }));
         }
+        if e.path == "/api/v1/runs/{run_id}/fork" {
+            op["requestBody"]["content"]["application/json"] = json!({ "schema": fork_body() });
+        }
         let entry = paths.entry(e.path).or_insert_with(|| json!({}));
         entry[e.method.to_ascii_lowercase()] = op;
     }
@@ -255,6 +276,15 @@ mod tests {
         assert_eq!(e.role, Role::Admin);
         assert!(endpoint_for("DELETE", "/api/v1/runs").is_none());
         assert!(endpoint_for("GET", "/api/v1/nothing").is_none());
+    }
+
+    #[test]
+    fn the_fork_body_says_a_fork_is_a_shadow_unless_live() {
+        let doc = document();
+        let body = &doc["paths"]["/api/v1/runs/{run_id}/fork"]["post"]["requestBody"]["content"]
+            ["application/json"]["schema"];
+        assert_eq!(body["properties"]["live"]["default"], false, "{body}");
+        assert!(body["properties"]["live"]["description"].as_str().unwrap().contains("shadow"));
     }
 
     #[test]
