@@ -793,3 +793,492 @@ async fn a_shadow_fork_through_the_api_ends_shadowed_and_its_diff_is_served() {
     assert_eq!(status, StatusCode::CONFLICT, "{why}");
     assert!(why.to_string().contains("has no step"), "{why}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fork_without_live_is_a_shadow_and_writes_nothing_outside() {
+    let api = Api::start(trailmark_testkit::registry()).await;
+    let env = &api.env;
+    env.start_run("chain", "r-base", json!({"steps": 4})).await;
+    env.wait_status("r-base", RunStatus::Succeeded, WAIT).await;
+    let op = Some(api.token(Role::Operator));
+    let key = uuid::Uuid::new_v4().to_string();
+    let body = json!({"reason": "look again", "from": 1, "run_id": "r-quiet"});
+    let (status, plan) = api
+        .call(
+            Method::POST,
+            "/api/v1/runs/r-base/fork",
+            op,
+            Some(body),
+            Some(&key),
+        )
+        .await;
+    assert_eq!(status, StatusCode::OK, "{plan}");
+    assert_eq!(plan["shadow"].as_bool(), Some(true), "{plan}");
+    env.wait_status("r-quiet", RunStatus::Shadowed, WAIT).await;
+    assert_eq!(
+        env.chain_ledger("r-quiet").await,
+        (0, 0),
+        "the fork wrote outside"
+    );
+
+    let both = json!({"reason": "x", "from": 1, "live": true, "shadow": true});
+    let key = uuid::Uuid::new_v4().to_string();
+    let (status, why) = api
+        .call(
+            Method::POST,
+            "/api/v1/runs/r-base/fork",
+            op,
+            Some(both),
+            Some(&key),
+        )
+        .await;
+    assert_eq!(
+        (status, why["field"].as_str()),
+        (StatusCode::BAD_REQUEST, Some("live")),
+        "{why}"
+    );
+
+    let live = json!({"reason": "redo for real", "from": 1, "run_id": "r-live", "live": true});
+    let key = uuid::Uuid::new_v4().to_string();
+    let (status, plan) = api
+        .call(
+            Method::POST,
+            "/api/v1/runs/r-base/fork",
+            op,
+            Some(live),
+            Some(&key),
+        )
+        .await;
+    assert_eq!(
+        (status, plan["shadow"].as_bool()),
+        (StatusCode::OK, Some(false)),
+        "{plan}"
+    );
+    env.wait_status("r-live", RunStatus::Succeeded, WAIT).await;
+    assert!(
+        env.chain_ledger("r-live").await.0 > 0,
+        "a live fork writes outside"
+    );
+}
+
+/// An error body in the documented shape: `error` and `message` strings, and `field` if asked.
+fn assert_documented(what: &str, status: StatusCode, body: &Value, field: Option<&str>) {
+    assert!(
+        status.is_client_error(),
+        "{what}: {status} is not a 4xx: {body}"
+    );
+    assert!(
+        body["error"].is_string() && body["message"].is_string(),
+        "{what}: {status} off the documented shape: {body}"
+    );
+    if let Some(field) = field {
+        assert_eq!(body["field"].as_str(), Some(field), "{what}: {body}");
+    }
+}
+
+impl Api {
+    /// A raw request: any body bytes, any content type, extra headers.
+    async fn raw(
+        &self,
+        method: Method,
+        path: &str,
+        content_type: Option<&str>,
+        body: Vec<u8>,
+        headers: &[(&str, reqwest::header::HeaderValue)],
+    ) -> (StatusCode, reqwest::header::HeaderMap, Value) {
+        let mut req = self
+            .http
+            .request(method, format!("{}{path}", self.base))
+            .body(body);
+        if !headers.iter().any(|(name, _)| *name == "authorization") {
+            req = req.bearer_auth(&self.admin);
+        }
+        if let Some(ct) = content_type {
+            req = req.header("content-type", ct);
+        }
+        for (name, value) in headers {
+            req = req.header(*name, value.clone());
+        }
+        let resp = req.send().await.expect("request sent");
+        let status = resp.status();
+        let headers = resp.headers().clone();
+        let text = resp.text().await.unwrap_or_default();
+        let value = serde_json::from_str(&text).unwrap_or(Value::String(text));
+        (status, headers, value)
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_class_of_refusal_is_the_documented_json() {
+    let api = Api::start(trailmark_testkit::registry()).await;
+    let json_ct = Some("application/json");
+    let decide = "/api/v1/runs/r-none/cancel";
+    let (s, _, b) = api
+        .raw(Method::POST, decide, json_ct, b"{}".to_vec(), &[])
+        .await;
+    assert_documented("a missing field", s, &b, Some("reason"));
+    let (s, _, b) = api
+        .raw(Method::POST, decide, json_ct, b"{\"reason\":".to_vec(), &[])
+        .await;
+    assert_documented("broken JSON", s, &b, None);
+    assert_eq!(s, StatusCode::BAD_REQUEST);
+    let (s, _, b) = api
+        .raw(
+            Method::POST,
+            decide,
+            json_ct,
+            br#"{"reason": 7}"#.to_vec(),
+            &[],
+        )
+        .await;
+    assert_documented("a mistyped field", s, &b, Some("reason"));
+    let (s, _, b) = api
+        .raw(Method::GET, "/api/v1/runs?limit=abc", None, vec![], &[])
+        .await;
+    assert_documented("?limit=abc", s, &b, Some("limit"));
+    let (s, _, b) = api
+        .raw(
+            Method::POST,
+            decide,
+            Some("text/plain"),
+            br#"{"reason":"x"}"#.to_vec(),
+            &[],
+        )
+        .await;
+    assert_eq!(s, StatusCode::UNSUPPORTED_MEDIA_TYPE, "{b}");
+    assert_documented("a wrong content type", s, &b, None);
+    let big = format!("{{\"reason\":\"{}\"}}", "x".repeat(2 * 1024 * 1024));
+    let (s, _, b) = api
+        .raw(Method::POST, decide, json_ct, big.into_bytes(), &[])
+        .await;
+    assert_eq!(s, StatusCode::PAYLOAD_TOO_LARGE, "{b}");
+    assert_documented("an oversized body", s, &b, None);
+    let (s, _, b) = api
+        .raw(Method::GET, "/api/v1/nothing-here", None, vec![], &[])
+        .await;
+    assert_documented("an unknown path", s, &b, None);
+    let (s, _, b) = api
+        .raw(Method::DELETE, "/api/v1/runs", None, vec![], &[])
+        .await;
+    assert_documented("a wrong method", s, &b, None);
+    let long = json!({"reason": "y".repeat(900 * 1024 / 10)}).to_string();
+    let (s, _, b) = api
+        .raw(Method::POST, decide, json_ct, long.into_bytes(), &[])
+        .await;
+    assert_documented("a 90 KB reason", s, &b, Some("reason"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_pages_of_a_missing_run_are_404_and_every_answer_has_security_headers() {
+    let api = Api::start(trailmark_testkit::registry()).await;
+    let viewer = Some(api.token(Role::Viewer));
+    for part in ["steps", "journal", "effects"] {
+        let path = format!("/api/v1/runs/r-never/{part}");
+        let (status, body) = api.call(Method::GET, &path, viewer, None, None).await;
+        assert_eq!(status, StatusCode::NOT_FOUND, "{path}: {body}");
+        assert!(
+            body["message"].as_str().unwrap().contains("r-never"),
+            "{body}"
+        );
+    }
+    let (_, headers, _) = api
+        .raw(Method::GET, "/api/v1/runs", None, vec![], &[])
+        .await;
+    let login = api
+        .http
+        .get(format!("{}/login", api.base))
+        .send()
+        .await
+        .unwrap();
+    for (what, h) in [("the API", &headers), ("the console", login.headers())] {
+        let csp = h["content-security-policy"].to_str().unwrap();
+        assert!(csp.contains("frame-ancestors 'none'"), "{what}: {csp}");
+        assert_eq!(h["x-content-type-options"], "nosniff", "{what}");
+        assert_eq!(h["cache-control"], "no-store", "{what}");
+    }
+}
+
+/// ERROR lines of this process's log (each test runs in a process of its own under nextest).
+fn error_log() -> std::sync::Arc<std::sync::Mutex<Vec<u8>>> {
+    use std::sync::{Arc, Mutex, OnceLock};
+    static LOG: OnceLock<Arc<Mutex<Vec<u8>>>> = OnceLock::new();
+    LOG.get_or_init(|| {
+        let log = Arc::new(Mutex::new(Vec::new()));
+        struct Into(Arc<Mutex<Vec<u8>>>);
+        impl std::io::Write for Into {
+            fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+                self.0.lock().unwrap().extend_from_slice(b);
+                Ok(b.len())
+            }
+            fn flush(&mut self) -> std::io::Result<()> {
+                Ok(())
+            }
+        }
+        let to = log.clone();
+        let _ = tracing_subscriber::fmt()
+            .with_max_level(tracing::Level::ERROR)
+            .with_ansi(false)
+            .with_writer(move || Into(to.clone()))
+            .try_init();
+        log
+    })
+    .clone()
+}
+
+/// A console session for `token`: its cookie and its CSRF secret.
+async fn console_login(api: &Api, token: &str) -> (String, String) {
+    let http = reqwest::Client::builder()
+        .redirect(reqwest::redirect::Policy::none())
+        .build()
+        .unwrap();
+    let resp = http
+        .post(format!("{}/login", api.base))
+        .header("content-type", "application/x-www-form-urlencoded")
+        .body(format!("token={token}&next=%2F"))
+        .send()
+        .await
+        .unwrap();
+    let cookie = resp.headers()["set-cookie"]
+        .to_str()
+        .unwrap()
+        .split(';')
+        .next()
+        .unwrap()
+        .to_owned();
+    let page = http
+        .get(format!("{}/dead-letters", api.base))
+        .header("cookie", &cookie)
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let csrf = after(&page, "name=\"csrf\" value=\"")
+        .split('"')
+        .next()
+        .unwrap()
+        .to_owned();
+    (cookie, csrf)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn odd_text_anywhere_is_a_4xx_naming_the_field_never_a_503_or_an_error_log() {
+    let log = error_log();
+    let api = Api::start(trailmark_testkit::registry()).await;
+    let long = "x".repeat(10_000);
+    // Percent-encoded as a client sends them: NUL, ESC, a bell, 10 KB, bytes that are not
+    // UTF-8, a broken escape.
+    let refused: Vec<&str> = vec![
+        "a%00b",
+        "%1B%5B31m",
+        "r%07",
+        &long,
+        "%FF%FE",
+        "%C3%28",
+        "bad%zz",
+    ];
+    // Text that is fine but carries separators: a 404 or 400, never a 5xx.
+    let separators = ["a%2Fb%3Fc", "%3F", "%2F%2E%2E"];
+    for e in ENDPOINTS {
+        let method = Method::from_bytes(e.method.as_bytes()).unwrap();
+        let params: Vec<&str> = e.path.split('/').filter(|p| p.starts_with('{')).collect();
+        for param in &params {
+            for odd in refused.iter().chain(separators.iter()) {
+                let mut path = e.path.replace(param, odd);
+                for other in &params {
+                    path = path.replace(other, "r-none");
+                }
+                let (s, _, b) = api
+                    .raw(
+                        method.clone(),
+                        &path,
+                        Some("application/json"),
+                        b"{}".to_vec(),
+                        &[],
+                    )
+                    .await;
+                let what = format!("{} {path}", e.method);
+                assert_documented(&what, s, &b, None);
+                if refused.contains(odd) {
+                    let name = param.trim_matches(['{', '}']);
+                    assert_eq!(
+                        (s, b["field"].as_str()),
+                        (StatusCode::BAD_REQUEST, Some(name)),
+                        "{what}: {b}"
+                    );
+                }
+            }
+        }
+        let concrete = e
+            .path
+            .replace("{run_id}", "r-none")
+            .replace("{other}", "r-none")
+            .replace("{id}", "none")
+            .replace("{name}", "chain");
+        if e.method == "GET" {
+            for name in [
+                "status", "workflow", "cursor", "limit", "after", "scope", "target", "since",
+            ] {
+                for odd in &refused {
+                    let path = format!("{concrete}?{name}={odd}");
+                    let (s, _, b) = api.raw(Method::GET, &path, None, vec![], &[]).await;
+                    assert_documented(&path, s, &b, Some(name));
+                }
+            }
+        } else {
+            let nul = "a\u{0}b".to_owned();
+            let big = "y".repeat(100 * 1024);
+            for odd in [nul.as_str(), "\u{1b}[31m", "bell\u{7}", big.as_str()] {
+                for field in ["reason", "step", "run_id", "answers_from", "reason_code"] {
+                    let mut body = json!({"reason": "fuzz", "from": 1});
+                    body[field] = json!(odd);
+                    let what = format!(
+                        "{} {concrete} {field}={:?}",
+                        e.method,
+                        &odd[..odd.len().min(12)]
+                    );
+                    let (s, _, b) = api
+                        .raw(
+                            Method::POST,
+                            &concrete,
+                            Some("application/json"),
+                            body.to_string().into_bytes(),
+                            &[],
+                        )
+                        .await;
+                    assert_documented(&what, s, &b, None);
+                    assert_ne!(s, StatusCode::OK, "{what}");
+                }
+                let body = json!({"reason": "fuzz", "from": 1, "ids": [odd], "input": {"k": odd}});
+                let (s, _, b) = api
+                    .raw(
+                        Method::POST,
+                        &concrete,
+                        Some("application/json"),
+                        body.to_string().into_bytes(),
+                        &[],
+                    )
+                    .await;
+                assert_documented(&concrete, s, &b, None);
+            }
+            let (s, _, b) = api
+                .raw(
+                    Method::POST,
+                    &concrete,
+                    Some("application/json"),
+                    b"{\"reason\":\"\xff\xfe\"}".to_vec(),
+                    &[],
+                )
+                .await;
+            assert_documented("a body that is not UTF-8", s, &b, None);
+        }
+    }
+    // The headers the API reads.
+    use reqwest::header::HeaderValue;
+    let not_text = HeaderValue::from_bytes(b"caf\xe9").unwrap();
+    let tab = HeaderValue::from_static("a\tb");
+    let huge = HeaderValue::from_str(&"k".repeat(100 * 1024)).unwrap();
+    for name in ["idempotency-key", "x-request-id"] {
+        for value in [&not_text, &tab, &huge] {
+            let (s, _, b) = api
+                .raw(
+                    Method::POST,
+                    "/api/v1/runs/r-none/cancel",
+                    Some("application/json"),
+                    br#"{"reason":"x"}"#.to_vec(),
+                    &[(name, value.clone())],
+                )
+                .await;
+            assert_documented(name, s, &b, Some(name));
+        }
+    }
+    let (s, _, b) = api
+        .raw(
+            Method::GET,
+            "/api/v1/runs",
+            None,
+            vec![],
+            &[("authorization", not_text.clone())],
+        )
+        .await;
+    assert_documented("authorization", s, &b, None);
+
+    // The console: its pages and forms answer with their own page, never Postgres's words.
+    let (cookie, csrf) = console_login(&api, &api.admin).await;
+    let console = |path: String, form: Option<String>| {
+        let req = match form {
+            Some(f) => api
+                .http
+                .post(format!("{}{path}", api.base))
+                .header("content-type", "application/x-www-form-urlencoded")
+                .body(f),
+            None => api.http.get(format!("{}{path}", api.base)),
+        };
+        req.header("cookie", &cookie).send()
+    };
+    let forms = [
+        "/runs/r-none/decide",
+        "/runs/r-none/undo",
+        "/dead-letters/none/reveal",
+        "/dead-letters/act/requeue",
+        "/login",
+    ];
+    for odd in &refused {
+        let mut asked = vec![
+            (format!("/runs/{odd}"), None),
+            (format!("/runs/{odd}/live"), None),
+            (format!("/dead-letters/{odd}"), None),
+            (format!("/runs?status={odd}"), None),
+            (format!("/audit?target={odd}"), None),
+            (format!("/login?next={odd}"), None),
+        ];
+        for form in forms {
+            for field in [
+                "reason",
+                "action",
+                "step",
+                "scope",
+                "ids",
+                "reason_code",
+                "token",
+                "next",
+            ] {
+                asked.push((
+                    form.to_owned(),
+                    Some(format!("csrf={csrf}&action=cancel&{field}={odd}")),
+                ));
+            }
+        }
+        for (path, form) in asked {
+            let resp = console(path.clone(), form.clone()).await.unwrap();
+            let status = resp.status();
+            let page = resp.text().await.unwrap();
+            assert_eq!(status, StatusCode::BAD_REQUEST, "{path} {form:?}: {page}");
+            assert!(
+                page.contains("<html"),
+                "{path}: not the console's page: {page}"
+            );
+            assert!(!page.to_lowercase().contains("postgres"), "{path}: {page}");
+        }
+    }
+    let log = String::from_utf8_lossy(&log.lock().unwrap()).into_owned();
+    assert!(!log.contains("ERROR"), "the log has errors:\n{log}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_console_page_of_an_unknown_dead_letter_is_404() {
+    let api = Api::start(trailmark_testkit::registry()).await;
+    let (cookie, _) = console_login(&api, &api.viewer).await;
+    let resp = api
+        .http
+        .get(format!("{}/dead-letters/no-such-letter", api.base))
+        .header("cookie", &cookie)
+        .send()
+        .await
+        .unwrap();
+    let status = resp.status();
+    let page = resp.text().await.unwrap();
+    assert_eq!(status, StatusCode::NOT_FOUND, "{page}");
+    assert!(page.contains("no-such-letter"), "{page}");
+}
