@@ -441,6 +441,15 @@ mod tests {
     }
 
     #[test]
+    fn one_token_hash_under_two_roles_stops_the_settings() {
+        let mut s = Settings::defaults();
+        let hash = super::super::tokens::hash_token("tm_shared");
+        s.api.tokens = vec![format!("olga:viewer:{hash}"), format!("olga2:admin:{hash}")];
+        let e = ranges(&s).unwrap_err().to_string();
+        assert!(e.contains("api.tokens") && e.contains("same hash"), "{e}");
+    }
+
+    #[test]
     fn database_hosts_are_host_or_host_and_port() {
         let mut s = Settings::defaults();
         s.database.hosts = vec!["db1:5433".into(), "db2".into(), "[::1]:5432".into()];
