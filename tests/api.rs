@@ -1066,8 +1066,8 @@ async fn console_login(api: &Api, token: &str) -> (String, String) {
 async fn odd_text_anywhere_is_a_4xx_naming_the_field_never_a_503_or_an_error_log() {
     let log = error_log();
     let api = Api::start(trailmark_testkit::registry()).await;
-    let long = "x".repeat(10_000);
-    // Percent-encoded as a client sends them: NUL, ESC, a bell, 10 KB, bytes that are not
+    let long = "x".repeat(20_000);
+    // Percent-encoded as a client sends them: NUL, ESC, a bell, 20 KB, bytes that are not
     // UTF-8, a broken escape.
     let refused: Vec<&str> = vec![
         "a%00b",

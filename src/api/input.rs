@@ -28,7 +28,7 @@ pub const MAX_ID: usize = 256;
 /// Longest reason accepted (characters).
 pub const MAX_REASON: usize = 2_000;
 /// Longest other parameter accepted (bytes).
-pub const MAX_PARAM: usize = 4_096;
+pub const MAX_PARAM: usize = 16_384;
 
 /// Why a piece of text was refused, and which field held it.
 #[derive(Debug, Clone, PartialEq, Eq)]
