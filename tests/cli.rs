@@ -89,7 +89,8 @@ async fn unreachable_servers_give_one_clear_line_without_the_password_and_exit_2
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_requests_are_refused_with_what_to_do() {
     let env = TestEnv::new().await;
-    let cases: [(&[&str], &str); 5] = [
+    let long = "x".repeat(3_000);
+    let cases: [(&[&str], &str); 6] = [
         (
             &["run", "start", "nope", "--run-id", "r3"],
             "unknown workflow \"nope\"",
@@ -103,6 +104,10 @@ async fn bad_requests_are_refused_with_what_to_do() {
             "--input is not valid JSON",
         ),
         (&["run", "show", "missing"], "run missing not found"),
+        (
+            &["run", "cancel", "missing", "--reason", &long],
+            "--reason is 3000 characters long; at most 2000",
+        ),
         (
             &["bench", "--quick", "--pool", "0"],
             "--pool must be at least 1",

@@ -45,6 +45,8 @@ impl fmt::Display for BadText {
     }
 }
 
+impl std::error::Error for BadText {}
+
 /// The field's name as it may be shown (a field name is outside text too).
 fn shown(field: &str) -> String {
     let clean: String = field

@@ -27,7 +27,7 @@ mod error;
 mod extract;
 mod health;
 mod idempotency;
-pub(crate) mod input;
+pub mod input;
 mod openapi;
 mod runs;
 

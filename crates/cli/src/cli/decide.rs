@@ -56,6 +56,8 @@ pub async fn decide(
     if who.reason.trim().is_empty() {
         bail!("--reason must say why (it is recorded with the decision)");
     }
+    // The same limit as the API's and the console's: a reason is printed whole by `run show`.
+    trailmark::api::input::check("--reason", &who.reason, trailmark::api::input::Kind::Reason)?;
     let engine = Engine::new(settings, registry).await?;
     let outcome = match decision {
         Decision::Resume(how) => operator::resume(&engine, run_id, &who, how).await?,

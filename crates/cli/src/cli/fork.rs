@@ -48,6 +48,11 @@ pub async fn fork(settings: Settings, registry: Registry, args: ForkArgs) -> any
     if args.who.reason.trim().is_empty() {
         bail!("--reason must say why (it is recorded with the fork)");
     }
+    trailmark::api::input::check(
+        "--reason",
+        &args.who.reason,
+        trailmark::api::input::Kind::Reason,
+    )?;
     let input = match args.input.as_deref() {
         Some(raw) => Some(
             serde_json::from_str::<Value>(raw)
