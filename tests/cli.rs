@@ -90,7 +90,7 @@ async fn unreachable_servers_give_one_clear_line_without_the_password_and_exit_2
 async fn bad_requests_are_refused_with_what_to_do() {
     let env = TestEnv::new().await;
     let long = "x".repeat(3_000);
-    let cases: [(&[&str], &str); 6] = [
+    let cases: [(&[&str], &str); 7] = [
         (
             &["run", "start", "nope", "--run-id", "r3"],
             "unknown workflow \"nope\"",
@@ -104,6 +104,10 @@ async fn bad_requests_are_refused_with_what_to_do() {
             "--input is not valid JSON",
         ),
         (&["run", "show", "missing"], "run missing not found"),
+        (
+            &["run", "watch", "missing", "--wait-secs", "0"],
+            "run missing not found: list runs with `trailmark run list`",
+        ),
         (
             &["run", "cancel", "missing", "--reason", &long],
             "--reason is 3000 characters long; at most 2000",

@@ -156,6 +156,7 @@ pub(super) fn ranges(s: &Settings) -> Result<(), Error> {
         )));
     }
     super::tokens::parse_tokens(&s.api.tokens).map_err(Error)?;
+    database_scheme(&s.database.url)?;
     database_hosts(&s.database.hosts)?;
     let g = &s.guards;
     if g.max_cost < 0.0 || !g.max_cost.is_finite() {
@@ -165,6 +166,19 @@ pub(super) fn ranges(s: &Settings) -> Result<(), Error> {
         )));
     }
     Ok(())
+}
+
+/// Refuses a database URL of another kind of server (`mysql://...`), which the Postgres driver
+/// would otherwise try as if it were Postgres and fail with words about the wrong thing.
+fn database_scheme(url: &str) -> Result<(), Error> {
+    let scheme = url.split_once("://").map(|(s, _)| s.to_ascii_lowercase());
+    match scheme.as_deref() {
+        Some("postgres" | "postgresql") => Ok(()),
+        _ => Err(Error(format!(
+            "DATABASE_URL {} is not a PostgreSQL URL: trailmark keeps its runs in PostgreSQL; give postgres://user@host:5432/database",
+            crate::redact::url(url)
+        ))),
+    }
 }
 
 /// Refuses a host list entry that is empty, holds a URL, or names a port that is not a port.
@@ -447,6 +461,27 @@ mod tests {
         s.api.tokens = vec![format!("olga:viewer:{hash}"), format!("olga2:admin:{hash}")];
         let e = ranges(&s).unwrap_err().to_string();
         assert!(e.contains("api.tokens") && e.contains("same hash"), "{e}");
+    }
+
+    #[test]
+    fn a_database_url_of_another_server_is_refused_without_its_password() {
+        let mut s = Settings::defaults();
+        for ok in [
+            "postgres://u@db/x",
+            "postgresql://u@db/x",
+            "POSTGRES://u@db/x",
+        ] {
+            s.database.url = ok.into();
+            assert!(ranges(&s).is_ok(), "{ok}");
+        }
+        for bad in ["mysql://u:pw@db/x", "db.example:5432/x", "sqlite://x.db"] {
+            s.database.url = bad.into();
+            let e = ranges(&s).unwrap_err().to_string();
+            assert!(
+                e.contains("not a PostgreSQL URL") && !e.contains(":pw@"),
+                "{bad}: {e}"
+            );
+        }
     }
 
     #[test]

@@ -166,6 +166,16 @@ async fn wait_for_run(
     }
 }
 
+/// What `run show` and `run watch` say of a run id no run has: where to look, and what the start
+/// queue holds.
+pub async fn not_found(settings: &Settings, run_id: &str) -> String {
+    let note = waiting_start(settings)
+        .await
+        .map(|n| format!("; {n}"))
+        .unwrap_or_default();
+    format!("run {run_id} not found: list runs with `trailmark run list`{note}")
+}
+
 /// What the start queue says about a run that does not exist yet: events waiting, and whether
 /// any worker consumes them; `None` when a worker consumes and nothing waits (the event may have
 /// been refused).
@@ -196,11 +206,7 @@ async fn waiting_start(settings: &Settings) -> Option<String> {
 pub async fn show(settings: &Settings, run_id: &str, as_json: bool) -> anyhow::Result<()> {
     let pool = store::connect(&settings.database).await?;
     let Some(r) = timeline::load(&pool, run_id).await? else {
-        let note = waiting_start(settings)
-            .await
-            .map(|n| format!("; {n}"))
-            .unwrap_or_default();
-        bail!("run {run_id} not found: list runs with `trailmark run list`{note}");
+        bail!("{}", not_found(settings, run_id).await);
     };
     if as_json {
         println!("{}", serde_json::to_string_pretty(&r)?);

@@ -145,6 +145,11 @@ pub async fn dispatch(
         RunCommand::Show { run_id, json } => super::run::show(&settings, &run_id, json).await,
         RunCommand::Watch { run_id, wait_secs } => {
             let pool = trailmark::store::connect(&settings.database).await?;
+            // Said at once, not after the wait: a mistyped id should not look like a quiet run.
+            if trailmark::store::runs::get(&pool, &run_id).await?.is_none() {
+                let missing = super::run::not_found(&settings, &run_id).await;
+                eprintln!("{missing}; waiting up to {wait_secs} s for it to appear (--wait-secs)");
+            }
             super::watch::watch(&pool, &run_id, wait_secs).await
         }
         RunCommand::Resume {
