@@ -329,7 +329,13 @@ impl Trailmark {
             Error::Refused(format!("run {run_id}: the input cannot be made JSON: {e}"))
         })?;
         let event = RunStartEvent::new(run_id.clone(), workflow, input);
-        let message = self.checked_start(&event)?;
+        let engine = &self.engine;
+        let limit = engine.settings.worker.max_message_bytes;
+        let message =
+            crate::worker::start_message(&engine.registry, &engine.topology, limit, &event)
+                .map_err(|refused| {
+                    Error::Refused(format!("run {run_id}: {refused}; nothing was started"))
+                })?;
         if let Some(run) = self.row(run_id.as_str()).await? {
             if run.workflow != event.workflow || run.input != event.input {
                 return Err(Error::Refused(format!(
@@ -343,35 +349,6 @@ impl Trailmark {
             .await
             .map_err(|e| Error::from_cause(format!("publishing the start of run {run_id}"), e))?;
         Ok(run_id)
-    }
-
-    /// The run-start message for `event`, if a worker would accept it: the workflow is served
-    /// here, it accepts the input, and the message fits the broker's limit.
-    fn checked_start(&self, event: &RunStartEvent) -> Result<crate::broker::Outgoing, Error> {
-        let engine = &self.engine;
-        let run_id = &event.run_id;
-        let Some(workflow) = engine.registry.get(&event.workflow) else {
-            return Err(Error::Refused(format!(
-                "run {run_id}: workflow {:?} is not registered here (known: {}); register it or name another",
-                event.workflow,
-                engine.registry.names().join(", ")
-            )));
-        };
-        workflow.check_input(&event.input).map_err(|why| {
-            Error::Refused(format!(
-                "run {run_id}: workflow {} does not accept this input: {why}; nothing was started",
-                workflow.name
-            ))
-        })?;
-        let message = engine.topology.run_start(event);
-        let limit = engine.settings.worker.max_message_bytes;
-        if message.body.len() > limit {
-            return Err(Error::Refused(format!(
-                "run {run_id}: the run-start event is {} bytes, over the {limit}-byte limit (worker.max_message_bytes); pass large inputs by reference",
-                message.body.len()
-            )));
-        }
-        Ok(message)
     }
 
     /// Where run `run_id` stands; `None` when no such run exists (yet: a started run appears

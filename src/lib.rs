@@ -118,4 +118,4 @@ pub use prelude::*;
 /// What `trailmark serve` runs: worker, relay, supervisor and the HTTP surface on one engine.
 #[cfg(feature = "testkit")]
 pub use process::serve;
-pub use workflow::StepDef;
+pub use workflow::{StartRefused, StepDef};

@@ -93,7 +93,7 @@ async fn bad_requests_are_refused_with_what_to_do() {
     let cases: [(&[&str], &str); 7] = [
         (
             &["run", "start", "nope", "--run-id", "r3"],
-            "unknown workflow \"nope\"",
+            "workflow \"nope\" is not registered",
         ),
         (
             &["run", "start", "chain", "--run-id", "has space"],

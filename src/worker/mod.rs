@@ -37,6 +37,7 @@ use published::PublishedRows;
 
 pub use outcome::{Disposition, dead_letter_headers};
 pub use published::Eager;
+pub use run_start::start_message;
 pub(crate) use step_tx::StepTx;
 
 /// How often an idle worker's loop comes round anyway.

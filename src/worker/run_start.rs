@@ -17,7 +17,26 @@ use super::outcome::{Disposition, dead, dead_letter_headers as h};
 use crate::domain::{MessageId, RunStartEvent, request_hash};
 use crate::engine::{Engine, Stats};
 use crate::store::inbox::{self, Recorded};
+use crate::broker::{Outgoing, Topology};
 use crate::store::{self, outbox, runs};
+use crate::workflow::{Registry, StartRefused};
+
+/// The run-start message for `event`, when a worker here would start the run: its workflow is
+/// registered and accepts the input ([`Registry::accepting`]), and the message fits `limit`
+/// bytes. `trailmark run start` and the embedded handle ask this before they publish.
+pub fn start_message(
+    registry: &Registry,
+    topology: &Topology,
+    limit: usize,
+    event: &RunStartEvent,
+) -> Result<Outgoing, StartRefused> {
+    registry.accepting(&event.workflow, &event.input)?;
+    let message = topology.run_start(event);
+    match message.body.len() {
+        bytes if bytes > limit => Err(StartRefused::TooLarge { bytes, limit }),
+        _ => Ok(message),
+    }
+}
 
 /// Creates the run unless it exists; `Err` means infrastructure failed and the delivery is retried.
 pub(super) async fn process(
@@ -25,26 +44,19 @@ pub(super) async fn process(
     delivery: &Delivery,
     event: &RunStartEvent,
 ) -> store::Result<Disposition> {
-    let Some(workflow) = engine.registry.get(&event.workflow) else {
-        return Ok(dead(
-            "unknown_workflow",
-            format!(
-                "run {}: workflow {:?} is not registered (known: {}); fix the publisher or deploy the workflow, then requeue",
-                event.run_id,
-                event.workflow,
-                engine.registry.names().join(", ")
-            ),
-        ));
+    let workflow = match engine.registry.accepting(&event.workflow, &event.input) {
+        Ok(workflow) => workflow,
+        Err(refused) => {
+            let next = match refused {
+                StartRefused::UnknownWorkflow { .. } => {
+                    "fix the publisher or deploy the workflow, then requeue"
+                }
+                _ => "fix the publisher and start the run again",
+            };
+            let why = format!("run {}: {refused}; {next}", event.run_id);
+            return Ok(dead(refused.reason(), why));
+        }
     };
-    if let Err(why) = workflow.check_input(&event.input) {
-        return Ok(dead(
-            "bad_input",
-            format!(
-                "run {}: workflow {} does not accept this input: {why}; fix the publisher and start the run again",
-                event.run_id, workflow.name
-            ),
-        ));
-    }
     let Some(first) = workflow.first_step() else {
         return Ok(dead(
             "unknown_step",

@@ -125,6 +125,49 @@ pub type StepFuture = Pin<Box<dyn Future<Output = Result<StepOutcome, StepError>
 /// A step handler: any `Fn(StepContext) -> StepFuture`.
 pub type Handler = Arc<dyn Fn(StepContext) -> StepFuture + Send + Sync>;
 
+/// Why a run start cannot be served, in the same words from every face that starts runs.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum StartRefused {
+    /// No workflow of that name is registered here.
+    #[error("workflow {name:?} is not registered (known: {known})")]
+    UnknownWorkflow {
+        /// The name asked for.
+        name: String,
+        /// The registered names.
+        known: String,
+    },
+    /// The workflow's input check refused the input.
+    #[error("workflow {workflow} does not accept this input: {why}")]
+    BadInput {
+        /// The workflow.
+        workflow: String,
+        /// What is wrong with the input.
+        why: String,
+    },
+    /// The run-start event would not fit in one message.
+    #[error(
+        "the run-start event is {bytes} bytes, over the {limit}-byte message limit (worker.max_message_bytes); pass large inputs by reference (a URL or a key) instead"
+    )]
+    TooLarge {
+        /// The event's size.
+        bytes: usize,
+        /// `worker.max_message_bytes`.
+        limit: usize,
+    },
+}
+
+impl StartRefused {
+    /// The dead-letter reason a worker gives such a start.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            Self::UnknownWorkflow { .. } => "unknown_workflow",
+            Self::BadInput { .. } => "bad_input",
+            Self::TooLarge { .. } => "oversized",
+        }
+    }
+}
+
 /// The workflows a process can execute.
 #[derive(Clone, Default)]
 pub struct Registry {
@@ -147,6 +190,21 @@ impl Registry {
     /// The workflow called `name`.
     pub fn get(&self, name: &str) -> Option<Arc<Workflow>> {
         self.workflows.get(name).cloned()
+    }
+
+    /// The workflow that serves runs of `workflow` started with `input`, or why none does: the
+    /// one check every face that starts runs makes (the worker, `trailmark run start`, the
+    /// embedded handle), so all of them refuse the same starts with the same words.
+    pub fn accepting(&self, workflow: &str, input: &Value) -> Result<Arc<Workflow>, StartRefused> {
+        let found = self.get(workflow).ok_or_else(|| StartRefused::UnknownWorkflow {
+            name: workflow.to_owned(),
+            known: self.names().join(", "),
+        })?;
+        found.check_input(input).map_err(|why| StartRefused::BadInput {
+            workflow: found.name.clone(),
+            why,
+        })?;
+        Ok(found)
     }
 
     /// Registered names, sorted, for error messages.

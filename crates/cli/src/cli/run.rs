@@ -42,30 +42,12 @@ pub async fn start(
     args: StartArgs,
 ) -> anyhow::Result<()> {
     let run_id = RunId::parse(&args.run_id)?;
-    let workflow = registry.get(&args.workflow).with_context(|| {
-        format!(
-            "unknown workflow {:?}: this build runs {}",
-            args.workflow,
-            registry.names().join(", ")
-        )
-    })?;
     let input = read_input(args.input.as_deref())?;
-    let event = RunStartEvent::new(run_id.clone(), &workflow.name, input);
+    let event = RunStartEvent::new(run_id.clone(), &args.workflow, input);
     let topology = broker::Topology::new(&settings.broker.prefix, settings.broker.delivery_limit);
-    let message = topology.run_start(&event);
     let limit = settings.worker.max_message_bytes;
-    if message.body.len() > limit {
-        bail!(
-            "the run-start event is {} bytes, over the {limit}-byte message limit (worker.max_message_bytes); pass large inputs by reference (a URL or a key) instead",
-            message.body.len()
-        );
-    }
-    if let Err(why) = workflow.check_input(&event.input) {
-        bail!(
-            "workflow {} does not accept this input: {why}; nothing was published",
-            workflow.name
-        );
-    }
+    let message = trailmark::worker::start_message(registry, &topology, limit, &event)
+        .map_err(|refused| anyhow::anyhow!("{refused}; nothing was published"))?;
     let pool = match store::connect(&settings.database).await {
         Ok(pool) => Some(pool),
         // The event is what starts the run; the checks that need the database are a courtesy.
@@ -100,7 +82,7 @@ pub async fn start(
         })?;
     println!(
         "run-start event for {run_id} (workflow {}) published to {}; follow it with `trailmark run show {run_id}`",
-        workflow.name,
+        event.workflow,
         topology.runs_exchange()
     );
     match pool {
