@@ -23,19 +23,21 @@ use crate::workflow::{Registry, StartRefused};
 
 /// The run-start message for `event`, when a worker here would start the run: its workflow is
 /// registered and accepts the input ([`Registry::accepting`]), and the message fits `limit`
-/// bytes. `trailmark run start` and the embedded handle ask this before they publish.
+/// bytes (checked first). `trailmark run start` and the embedded handle ask this before they publish.
 pub fn start_message(
     registry: &Registry,
     topology: &Topology,
     limit: usize,
     event: &RunStartEvent,
 ) -> Result<Outgoing, StartRefused> {
-    registry.accepting(&event.workflow, &event.input)?;
+    // Size first, as a worker meets it: an oversized event is refused before it is decoded.
     let message = topology.run_start(event);
-    match message.body.len() {
-        bytes if bytes > limit => Err(StartRefused::TooLarge { bytes, limit }),
-        _ => Ok(message),
+    let bytes = message.body.len();
+    if bytes > limit {
+        return Err(StartRefused::TooLarge { bytes, limit });
     }
+    registry.accepting(&event.workflow, &event.input)?;
+    Ok(message)
 }
 
 /// Creates the run unless it exists; `Err` means infrastructure failed and the delivery is retried.
