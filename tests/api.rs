@@ -95,6 +95,15 @@ impl Api {
         (status, value)
     }
 
+    /// Forks run `r-base` as an operator with `body`, under a fresh Idempotency-Key.
+    async fn fork_base(&self, body: Value) -> (StatusCode, Value) {
+        let key = uuid::Uuid::new_v4().to_string();
+        let op = Some(self.token(Role::Operator));
+        let path = "/api/v1/runs/r-base/fork";
+        self.call(Method::POST, path, op, Some(body), Some(&key))
+            .await
+    }
+
     async fn audit_rows(&self) -> i64 {
         sqlx::query_scalar("SELECT count(*) FROM trailmark.audit")
             .fetch_one(&self.env.pool)
@@ -732,16 +741,7 @@ async fn a_shadow_fork_through_the_api_ends_shadowed_and_its_diff_is_served() {
         StatusCode::PRECONDITION_REQUIRED,
         "no Idempotency-Key: {body_back}"
     );
-    let key = uuid::Uuid::new_v4().to_string();
-    let (status, plan) = api
-        .call(
-            Method::POST,
-            "/api/v1/runs/r-base/fork",
-            op,
-            Some(body),
-            Some(&key),
-        )
-        .await;
+    let (status, plan) = api.fork_base(body).await;
     assert_eq!(status, StatusCode::OK, "{plan}");
     assert_eq!(
         (plan["from_seq"].as_i64(), plan["shadow"].as_bool()),
@@ -780,16 +780,7 @@ async fn a_shadow_fork_through_the_api_ends_shadowed_and_its_diff_is_served() {
         .await;
     assert_eq!(status, StatusCode::NOT_FOUND);
     let bad = json!({"reason": "eval", "from": "no_such_step"});
-    let key = uuid::Uuid::new_v4().to_string();
-    let (status, why) = api
-        .call(
-            Method::POST,
-            "/api/v1/runs/r-base/fork",
-            op,
-            Some(bad),
-            Some(&key),
-        )
-        .await;
+    let (status, why) = api.fork_base(bad).await;
     assert_eq!(status, StatusCode::CONFLICT, "{why}");
     assert!(why.to_string().contains("has no step"), "{why}");
 }
@@ -800,18 +791,8 @@ async fn a_fork_without_live_is_a_shadow_and_writes_nothing_outside() {
     let env = &api.env;
     env.start_run("chain", "r-base", json!({"steps": 4})).await;
     env.wait_status("r-base", RunStatus::Succeeded, WAIT).await;
-    let op = Some(api.token(Role::Operator));
-    let key = uuid::Uuid::new_v4().to_string();
     let body = json!({"reason": "look again", "from": 1, "run_id": "r-quiet"});
-    let (status, plan) = api
-        .call(
-            Method::POST,
-            "/api/v1/runs/r-base/fork",
-            op,
-            Some(body),
-            Some(&key),
-        )
-        .await;
+    let (status, plan) = api.fork_base(body).await;
     assert_eq!(status, StatusCode::OK, "{plan}");
     assert_eq!(plan["shadow"].as_bool(), Some(true), "{plan}");
     env.wait_status("r-quiet", RunStatus::Shadowed, WAIT).await;
@@ -822,16 +803,7 @@ async fn a_fork_without_live_is_a_shadow_and_writes_nothing_outside() {
     );
 
     let both = json!({"reason": "x", "from": 1, "live": true, "shadow": true});
-    let key = uuid::Uuid::new_v4().to_string();
-    let (status, why) = api
-        .call(
-            Method::POST,
-            "/api/v1/runs/r-base/fork",
-            op,
-            Some(both),
-            Some(&key),
-        )
-        .await;
+    let (status, why) = api.fork_base(both).await;
     assert_eq!(
         (status, why["field"].as_str()),
         (StatusCode::BAD_REQUEST, Some("live")),
@@ -839,16 +811,7 @@ async fn a_fork_without_live_is_a_shadow_and_writes_nothing_outside() {
     );
 
     let live = json!({"reason": "redo for real", "from": 1, "run_id": "r-live", "live": true});
-    let key = uuid::Uuid::new_v4().to_string();
-    let (status, plan) = api
-        .call(
-            Method::POST,
-            "/api/v1/runs/r-base/fork",
-            op,
-            Some(live),
-            Some(&key),
-        )
-        .await;
+    let (status, plan) = api.fork_base(live).await;
     assert_eq!(
         (status, plan["shadow"].as_bool()),
         (StatusCode::OK, Some(false)),
