@@ -233,7 +233,10 @@ async fn back_to_back_passes_each_see_every_message() {
     // pass must still see all of them, and a purge right after a show must find its message.
     let dlq = Dlq::connect(&env.settings.broker).await.unwrap();
     for pass in 0..4 {
-        let listing = dlq.list(10_000, &quiet).await.unwrap();
+        let listing = dlq
+            .list(&trailmark::dlq::Page::all(), &quiet)
+            .await
+            .unwrap();
         assert_eq!(
             (listing.depth, listing.letters.len()),
             (300, 300),
@@ -257,4 +260,68 @@ async fn back_to_back_passes_each_see_every_message() {
     }
     assert_eq!(dlq.depth().await.unwrap(), 298);
     dlq.close().await;
+}
+
+/// `dlq list --json` with these extra arguments: its letter ids and its `next` cursor.
+async fn page_of(env: &TestEnv, extra: &[&str]) -> (Vec<String>, Option<String>) {
+    let mut args = vec!["dlq", "list", "--json", "--limit", "5"];
+    args.extend_from_slice(extra);
+    let (code, out, err) = cli(env, &args).await;
+    assert_eq!(code, 0, "{err}");
+    let listing: serde_json::Value = serde_json::from_str(&out).expect("JSON listing");
+    assert_eq!(listing["depth"], 12, "{out}");
+    let ids = listing["letters"]
+        .as_array()
+        .expect("letters")
+        .iter()
+        .map(|l| l["id"].as_str().expect("id").to_owned())
+        .collect();
+    (ids, listing["next"].as_str().map(str::to_owned))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn listing_is_stable_oldest_first_and_pages_through_each_letter_once_removing_none() {
+    let env = TestEnv::new().await;
+    let t = env.topology();
+    // Published in one order, dead at times in another: the listing follows the time of death.
+    let died = |i: usize| format!("2026-11-30T10:00:{:02}+00:00", (i * 7) % 12);
+    let letters: Vec<_> = (0..12)
+        .map(|i| Outgoing {
+            headers: broker::map_to_headers(&BTreeMap::from([
+                ("x-trailmark-reason".to_owned(), "undecodable".to_owned()),
+                ("x-trailmark-queue".to_owned(), t.steps_queue()),
+                ("x-trailmark-failed-at".to_owned(), died(i)),
+            ])),
+            ..message(t.dlx(), "", &format!("p-{i:02}"), b"{".to_vec())
+        })
+        .collect();
+    env.publish_all(&letters).await;
+    wait_dlq_depth(&env, 12).await;
+    let mut oldest_first: Vec<usize> = (0..12).collect();
+    oldest_first.sort_by_key(|i| died(*i));
+    let expected: Vec<String> = oldest_first.iter().map(|i| format!("p-{i:02}")).collect();
+
+    let first = page_of(&env, &[]).await;
+    assert_eq!(first.0, expected[..5], "the oldest five");
+    assert_eq!(page_of(&env, &[]).await, first, "the same page again");
+    let mut seen = first.0.clone();
+    let mut next = first.1;
+    while let Some(cursor) = next {
+        let page = page_of(&env, &["--after", &cursor]).await;
+        seen.extend(page.0);
+        next = page.1;
+    }
+    assert_eq!(seen, expected, "every letter once, oldest first");
+
+    // Nothing left the DLQ (a quorum queue may hand the messages back in another order, which
+    // is why the listing orders by the letters themselves).
+    wait_dlq_depth(&env, 12).await;
+    let mut kept: Vec<String> = dead_letters(&env).await.into_iter().map(|l| l.id).collect();
+    kept.sort();
+    let mut all = expected.clone();
+    all.sort();
+    assert_eq!(kept, all);
+    let (code, _, err) = cli(&env, &["dlq", "list", "--after", "not-a-cursor"]).await;
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("not a cursor `dlq list` printed"), "{err}");
 }

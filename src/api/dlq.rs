@@ -2,8 +2,6 @@
 //! admin reveals it, which is audited), requeue and purge by ids, by reason or all, each with a
 //! preview of how many letters it would touch.
 
-use std::collections::BTreeMap;
-
 use axum::extract::State;
 use axum::http::HeaderMap;
 use axum::{Extension, Json};
@@ -16,32 +14,44 @@ use super::input::{self, Kind};
 use super::auth::{Caller, Role};
 use super::error::ApiError;
 use super::idempotency;
-use crate::dlq::{Dlq, Selection, quiet};
+use crate::dlq::{Cursor, Dlq, Page, Selection, quiet};
 
-/// Most letters a listing reads.
-const MAX_LISTED: usize = 10_000;
+/// Most letters a page shows.
+const MAX_PAGE: usize = 10_000;
 
 /// `GET /api/v1/dead-letters` options.
 #[derive(Debug, Deserialize)]
 pub struct ListQuery {
     limit: Option<usize>,
+    after: Option<String>,
 }
 
-/// The DLQ: its depth, the letters by reason with counts, and the oldest letters.
+/// The DLQ: its depth, the letters by reason with counts, and one page of letters, oldest first
+/// (by time of death, then id); `next` is the `after` of the following page.
 pub async fn list(
     State(state): State<AppState>,
     Query(q): Query<ListQuery>,
 ) -> Result<Json<Value>, ApiError> {
+    let after = q
+        .after
+        .as_deref()
+        .map(|a| {
+            Cursor::parse(a).ok_or_else(|| {
+                ApiError::bad_request("after is not a cursor this API handed out (the `next` of a listing)")
+                    .with("field", "after")
+            })
+        })
+        .transpose()?;
+    let page = Page {
+        after,
+        limit: q.limit.unwrap_or(100).min(MAX_PAGE),
+    };
     let dlq = Dlq::connect(&state.engine.settings.broker).await?;
-    let listing = dlq.list(MAX_LISTED, &quiet).await;
+    let listing = dlq.list(&page, &quiet).await;
     dlq.close().await;
     let listing = listing?;
-    let mut by_reason: BTreeMap<&str, u32> = BTreeMap::new();
-    for letter in &listing.letters {
-        *by_reason.entry(letter.reason.as_str()).or_default() += 1;
-    }
-    let shown = q.limit.unwrap_or(100).min(MAX_LISTED);
-    let by_reason: Vec<Value> = by_reason
+    let by_reason: Vec<Value> = listing
+        .by_reason
         .iter()
         .map(|(reason, count)| json!({ "reason": reason, "count": count }))
         .collect();
@@ -49,7 +59,9 @@ pub async fn list(
         "queue": listing.queue,
         "depth": listing.depth,
         "by_reason": by_reason,
-        "letters": listing.letters.iter().take(shown).collect::<Vec<_>>(),
+        "letters": listing.letters,
+        "next": listing.next,
+        "unseen": listing.unseen,
     })))
 }
 
@@ -165,7 +177,7 @@ async fn bulk_action(
     let which = bulk.selection()?;
     let dlq = Dlq::connect(&state.engine.settings.broker).await?;
     if bulk.preview {
-        let listing = dlq.list(MAX_LISTED, &quiet).await;
+        let listing = dlq.list(&Page::all(), &quiet).await;
         dlq.close().await;
         let selected = listing?.letters.iter().filter(|l| which.matches(l)).count();
         return Ok(Json(json!({ "preview": true, "would_touch": selected })));

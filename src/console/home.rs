@@ -9,14 +9,14 @@ use serde::Deserialize;
 use super::layout::{error_box, maybe_time, one_line, page, status, time};
 use super::session::Me;
 use super::{ConsoleState, Shown};
-use crate::dlq::{Dlq, quiet};
+use crate::dlq::{Dlq, Listing, Page, quiet};
 use crate::domain::RunStatus;
 use crate::store::runs::{self, Filter, Summary};
 
 /// Runs listed per section and per page.
 const LISTED: i64 = 50;
-/// Dead letters the home page reads to group them (the dead-letters page reads more).
-const LETTERS_READ: usize = 200;
+/// Up to this many dead letters the home page groups them by reason (a listing reads every one).
+const HOME_GROUPS_UP_TO: u32 = 2_000;
 
 /// `GET /`: runs needing review (with why), retrying or stuck runs, counts, dead letters.
 pub async fn home(State(state): State<ConsoleState>, me: Me) -> Result<Markup, Shown> {
@@ -122,7 +122,7 @@ fn counts_view(counts: &[runs::Count]) -> Markup {
 async fn letters_by_reason(state: &ConsoleState) -> Markup {
     let listing = match Dlq::connect(&state.engine.settings.broker).await {
         Ok(dlq) => {
-            let listing = dlq.list(LETTERS_READ, &quiet).await;
+            let listing = grouped(&dlq).await;
             dlq.close().await;
             listing.map_err(super::Shown::from)
         }
@@ -132,17 +132,30 @@ async fn letters_by_reason(state: &ConsoleState) -> Markup {
         Ok(l) => l,
         Err(e) => return error_box(&e.message),
     };
-    let mut by_reason: BTreeMap<&str, u32> = BTreeMap::new();
-    for l in &listing.letters {
-        *by_reason.entry(l.reason.as_str()).or_default() += 1;
-    }
     html! {
         @if listing.depth == 0 { p.muted { (listing.queue) " is empty." } }
         @else {
             p { a href="/dead-letters" { (listing.depth) " in " (listing.queue) } }
-            ul { @for (reason, n) in &by_reason { li { code { (reason) } ": " (n) } } }
+            ul { @for (reason, n) in &listing.by_reason { li { code { (reason) } ": " (n) } } }
         }
     }
+}
+
+/// The DLQ's depth, and its letters by reason unless there are too many to read for every visit
+/// of the home page (the dead-letters page groups them all).
+async fn grouped(dlq: &Dlq) -> Result<Listing, crate::dlq::Error> {
+    let depth = dlq.depth().await?;
+    if depth > HOME_GROUPS_UP_TO {
+        return Ok(Listing {
+            queue: dlq.queue(),
+            depth,
+            by_reason: Default::default(),
+            letters: Vec::new(),
+            next: None,
+            unseen: 0,
+        });
+    }
+    dlq.list(&Page::first(0), &quiet).await
 }
 
 /// `GET /runs` filters.

@@ -2,8 +2,6 @@
 //! until an admin reveals it, which is audited), and requeue or purge by id, by reason or all,
 //! each after a page that counts what it will touch.
 
-use std::collections::BTreeMap;
-
 use axum::Form;
 use axum::extract::{Path, Query, State};
 use axum::http::StatusCode;
@@ -17,11 +15,9 @@ use super::once::Once;
 use super::session::{Me, Person};
 use super::{ConsoleState, Shown};
 use crate::config::tokens::Role;
-use crate::dlq::{BodyView, Dlq, Selection, quiet};
+use crate::dlq::{BodyView, Cursor, Dlq, Page, Selection, quiet};
 use crate::operator;
 
-/// Most letters a page reads (the DLQ is read with `basic.get`, a few ms a letter).
-const READ: usize = 2_000;
 /// Letters listed on the page.
 const LISTED: usize = 200;
 
@@ -29,6 +25,8 @@ const LISTED: usize = 200;
 #[derive(Debug, Deserialize)]
 pub struct ListQuery {
     done: Option<String>,
+    /// The page after this cursor (the listing's `next`).
+    after: Option<String>,
 }
 
 /// `GET /dead-letters`.
@@ -37,15 +35,20 @@ pub async fn list(
     me: Me,
     Query(q): Query<ListQuery>,
 ) -> Result<Markup, Shown> {
+    let after = q
+        .after
+        .as_deref()
+        .map(|a| {
+            Cursor::parse(a).ok_or_else(|| {
+                Shown::bad_request("this page link is broken (its `after` is not one the console made); start from the first page of dead letters")
+            })
+        })
+        .transpose()?;
     let dlq = Dlq::connect(&state.engine.settings.broker).await?;
-    let listing = dlq.list(READ, &quiet).await;
+    let listing = dlq.list(&Page { after, limit: LISTED }, &quiet).await;
     dlq.close().await;
     let listing = listing?;
-    let mut by_reason: BTreeMap<&str, u32> = BTreeMap::new();
-    for l in &listing.letters {
-        *by_reason.entry(l.reason.as_str()).or_default() += 1;
-    }
-    let read_all = listing.letters.len() as u32 >= listing.depth;
+    let by_reason = &listing.by_reason;
     Ok(page(
         "Dead letters",
         Some(&me),
@@ -53,11 +56,11 @@ pub async fn list(
             @if let Some(done) = &q.done { (done_box(done)) }
             @if listing.depth == 0 { p.muted { (listing.queue) " is empty." } }
             @else {
-                p { (listing.depth) " in " code { (listing.queue) }
-                    @if !read_all { " (grouped: the oldest " (listing.letters.len()) ")" } }
+                p { (listing.depth) " in " code { (listing.queue) } ", oldest first"
+                    @if listing.unseen > 0 { " (" (listing.unseen) " held by another client just now, not counted)" } }
                 table #by-reason {
                     thead { tr { th { "reason" } th.num { "letters" } th {} } }
-                    tbody { @for (reason, n) in &by_reason { tr data-reason=(reason) {
+                    tbody { @for (reason, n) in by_reason { tr data-reason=(reason) {
                         td { code { (reason) } } td.num { (n) }
                         td { @if me.may(Role::Operator) {
                             a href={ "/dead-letters/act/requeue?reason_code=" (reason) } { "requeue…" } " "
@@ -70,7 +73,7 @@ pub async fn list(
                     @if me.may(Role::Admin) { a href="/dead-letters/act/purge?all=true" { "Purge all…" } } } }
                 table #letters {
                     thead { tr { th { "id" } th { "reason" } th { "from queue" } th.num { "tries" } th.num { "bytes" } th { "failed at" } th { "detail" } } }
-                    tbody { @for d in listing.letters.iter().take(LISTED) { tr {
+                    tbody { @for d in &listing.letters { tr {
                         td.key { a href={ "/dead-letters/" (d.id) } { (d.id) } }
                         td { code { (d.reason) } }
                         td { (d.queue.as_deref().unwrap_or("–")) }
@@ -79,6 +82,9 @@ pub async fn list(
                         td { (text_time(d.failed_at.as_deref())) }
                         td { (super::layout::one_line(d.detail.as_deref().unwrap_or(""), 120)) }
                     } } }
+                }
+                @if let Some(next) = &listing.next {
+                    p { a #next-page href={ "/dead-letters?after=" (url::form_urlencoded::byte_serialize(next.as_bytes()).collect::<String>()) } { "Later letters…" } }
                 }
             }
         },
@@ -224,7 +230,7 @@ pub async fn confirm(
     action_of(&action, &me)?;
     let selection = which.selection()?;
     let dlq = Dlq::connect(&state.engine.settings.broker).await?;
-    let listing = dlq.list(READ, &quiet).await;
+    let listing = dlq.list(&Page::all(), &quiet).await;
     dlq.close().await;
     let listing = listing?;
     let touched = listing

@@ -6,10 +6,12 @@
 //! straight to the work queue it died in, with its body, `message_id` and original headers; only
 //! then is its DLQ copy acked. It goes through the normal pipeline again, so the consumer's inbox
 //! still turns a second copy into a no-op. A crash between the confirm and the ack leaves it in
-//! both places, which is safe for the same reason.
+//! both places, which is safe for the same reason. Listings page through the letters in the order
+//! they died, not the queue's (`page.rs`).
 
 mod letter;
 mod ops;
+mod page;
 mod scan;
 
 use std::time::Duration;
@@ -18,6 +20,7 @@ use lapin::Connection;
 
 pub use letter::{BodyView, DELIVERY_LIMIT, DeadLetter, DeadLetteredBy, REQUEUED, headers_json};
 pub use ops::{Failure, Listing, Purged, Requeued, Shown};
+pub use page::{Cursor, Page};
 
 use crate::broker::{self, Topology};
 use crate::config::BrokerSettings;

@@ -7,6 +7,7 @@ use serde::Serialize;
 use serde_json::Value;
 
 use super::letter::{BodyView, DeadLetter, headers_json, requeue_headers};
+use super::page::{self, Page};
 use super::scan::Scan;
 use super::{Dlq, Error, Progress, Result, Selection};
 use crate::broker::{Outgoing, Publisher};
@@ -21,8 +22,14 @@ pub struct Listing {
     pub queue: String,
     /// Messages in it when the listing began.
     pub depth: u32,
-    /// The first messages, oldest first, at most the limit asked for.
+    /// Every letter read, counted by reason code (not just the page's).
+    pub by_reason: BTreeMap<String, u32>,
+    /// The page asked for, oldest first (by time of death, then id).
     pub letters: Vec<DeadLetter>,
+    /// Pass as the next page's `after` to go on; absent on the last page.
+    pub next: Option<String>,
+    /// Messages another client was holding during the pass (not listed, still in the DLQ).
+    pub unseen: u32,
 }
 
 /// One dead letter in full.
@@ -87,25 +94,33 @@ impl Dlq {
         )
     }
 
-    /// The first `limit` dead letters, oldest first; nothing is removed.
-    pub async fn list(&self, limit: usize, progress: Progress<'_>) -> Result<Listing> {
+    /// One page of the dead letters in a stable oldest-first order (see [`super::page`]).
+    /// Nothing is removed: the pass reads the whole DLQ and hands every message back together.
+    pub async fn list(&self, page: &Page, progress: Progress<'_>) -> Result<Listing> {
         let mut scan = Scan::open(&self.conn, &self.queue(), progress).await?;
         let mut letters = Vec::new();
         let taken = async {
-            while letters.len() < limit {
-                let Some(d) = scan.next().await? else { break };
+            while let Some(d) = scan.next().await? {
                 letters.push(self.letter(&d));
             }
             Ok::<_, Error>(())
         }
         .await;
-        let depth = scan.depth();
+        let (depth, unseen) = (scan.depth(), scan.unseen());
         scan.finish().await;
         taken?;
+        let mut by_reason = BTreeMap::new();
+        for letter in &letters {
+            *by_reason.entry(letter.reason.clone()).or_default() += 1;
+        }
+        let (letters, next) = page::cut(letters, page);
         Ok(Listing {
             queue: self.queue(),
             depth,
+            by_reason,
             letters,
+            next: next.map(|c| c.to_string()),
+            unseen,
         })
     }
 

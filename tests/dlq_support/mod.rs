@@ -18,7 +18,10 @@ pub const WAIT: Duration = Duration::from_secs(120);
 /// Every dead letter in the environment's DLQ (nothing is removed).
 pub async fn dead_letters(env: &TestEnv) -> Vec<DeadLetter> {
     let dlq = Dlq::connect(&env.settings.broker).await.expect("dlq");
-    let listing = dlq.list(100_000, &quiet).await.expect("list");
+    let listing = dlq
+        .list(&trailmark::dlq::Page::all(), &quiet)
+        .await
+        .expect("list");
     dlq.close().await;
     listing.letters
 }

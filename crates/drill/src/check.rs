@@ -251,7 +251,7 @@ pub fn parse_logs(text: &str) -> CallLogs {
 /// The DLQ's letters: poison found with a reason, poison missing, letters that are not poison.
 pub async fn dead_letters(settings: &BrokerSettings, poison: &[String]) -> Result<DeadLetters> {
     let dlq = Dlq::connect(settings).await?;
-    let listing = dlq.list(usize::MAX, &dlq::quiet).await;
+    let listing = dlq.list(&dlq::Page::all(), &dlq::quiet).await;
     dlq.close().await;
     let listing = listing?;
     let mut d = DeadLetters {

@@ -4,7 +4,7 @@ use clap::{ArgGroup, Subcommand};
 
 use trailmark::config::Settings;
 use trailmark::dlq::{
-    BodyView, DeadLetter, DeadLetteredBy, Dlq, Listing, Requeued, Selection, Shown,
+    BodyView, Cursor, DeadLetter, DeadLetteredBy, Dlq, Listing, Page, Requeued, Selection, Shown,
 };
 use trailmark::operator::{self, Decider};
 use trailmark::store;
@@ -12,14 +12,18 @@ use trailmark::store;
 /// The `dlq` subcommands.
 #[derive(Debug, Subcommand)]
 pub enum DlqCommand {
-    /// List dead letters, oldest first: id, reason, source queue, deliveries, size, time.
+    /// List dead letters, oldest first (by time of death, then id): id, reason, source queue,
+    /// deliveries, size, time. The same DLQ lists the same way every time; nothing is removed.
     List {
         /// Print JSON.
         #[arg(long)]
         json: bool,
-        /// At most this many messages.
+        /// At most this many messages per page.
         #[arg(long, default_value_t = 100)]
         limit: usize,
+        /// The page after this cursor (printed at the end of the previous page, `next` in JSON).
+        #[arg(long, value_parser = parse_cursor)]
+        after: Option<Cursor>,
     },
     /// Show one dead letter: every header, and the body when it is JSON.
     Show {
@@ -93,7 +97,7 @@ pub async fn run(settings: &Settings, command: DlqCommand) -> anyhow::Result<()>
     };
     let dlq = Dlq::connect(&settings.broker).await?;
     let result = match command {
-        DlqCommand::List { json, limit } => list(&dlq, json, limit).await,
+        DlqCommand::List { json, limit, after } => list(&dlq, json, &Page { after, limit }).await,
         DlqCommand::Show { id, json } => show(&dlq, &id, json).await,
         DlqCommand::Requeue {
             id,
@@ -150,43 +154,70 @@ fn progress(taken: u32, depth: u32) {
     eprintln!("dlq: {taken} of {depth} messages looked at");
 }
 
-async fn list(dlq: &Dlq, json: bool, limit: usize) -> anyhow::Result<()> {
-    let listing = dlq.list(limit, &progress).await?;
+fn parse_cursor(text: &str) -> Result<Cursor, String> {
+    Cursor::parse(text).ok_or_else(|| {
+        "not a cursor `dlq list` printed; copy the one after `--after` at the end of the previous page (or `next` in its --json)".to_owned()
+    })
+}
+
+async fn list(dlq: &Dlq, json: bool, page: &Page) -> anyhow::Result<()> {
+    let listing = dlq.list(page, &progress).await?;
     if json {
         println!("{}", serde_json::to_string_pretty(&listing)?);
         return Ok(());
     }
-    print_listing(&listing);
+    print_listing(&listing, page);
     Ok(())
 }
 
-fn print_listing(l: &Listing) {
+fn print_listing(l: &Listing, page: &Page) {
     if l.depth == 0 {
         println!("{} is empty", l.queue);
         return;
     }
-    let more = match l.depth as usize > l.letters.len() {
-        true => format!(
-            ", showing the first {} (see more with --limit)",
-            l.letters.len()
-        ),
-        false => String::new(),
+    let shown = l.letters.len();
+    let from = match page.after {
+        Some(_) => "a later page",
+        None => "the oldest",
     };
-    println!("{}: {} dead letters{more}", l.queue, l.depth);
     println!(
-        "{:<38} {:<20} {:<28} {:>5} {:>9}  {:<25}  detail",
-        "id", "reason", "queue", "tries", "bytes", "failed at"
+        "{}: {} dead letters, oldest first; {from}: {shown}",
+        l.queue, l.depth
+    );
+    let mut table = super::table::new(
+        &[
+            "id",
+            "reason",
+            "queue",
+            "tries",
+            "bytes",
+            "failed at",
+            "detail",
+        ],
+        &["tries", "bytes"],
     );
     for d in &l.letters {
-        println!(
-            "{:<38} {:<20} {:<28} {:>5} {:>9}  {:<25}  {}",
-            d.id,
-            d.reason,
-            d.queue.as_deref().unwrap_or("-"),
+        table.add_row(vec![
+            d.id.clone(),
+            d.reason.clone(),
+            d.queue.clone().unwrap_or("-".into()),
             d.deliveries.map(|n| n.to_string()).unwrap_or("-".into()),
-            d.body_bytes,
-            d.failed_at.as_deref().unwrap_or("-"),
-            short(d.detail.as_deref().unwrap_or(""), 80)
+            d.body_bytes.to_string(),
+            d.failed_at.clone().unwrap_or("-".into()),
+            short(d.detail.as_deref().unwrap_or(""), 80),
+        ]);
+    }
+    super::table::print(&table);
+    if let Some(next) = &l.next {
+        println!(
+            "more follow: `trailmark dlq list --limit {} --after {next}`",
+            page.limit
+        );
+    }
+    if l.unseen > 0 {
+        println!(
+            "{} letters were held by another client (a concurrent `dlq` command?) and are not listed: list again when it is done",
+            l.unseen
         );
     }
     println!(

@@ -12,6 +12,7 @@ pub mod migrate;
 pub mod run;
 pub mod runs;
 pub mod serve;
+mod table;
 pub mod watch;
 
 /// The exit code for an error: 2 when a server is down or the configuration is wrong (what an
