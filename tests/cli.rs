@@ -53,6 +53,15 @@ async fn documented_quickstart_migrates_twice_starts_twice_and_shows_a_succeeded
         Some(1),
         "the same run id started twice is one run"
     );
+    // The table: an ended run is at no position, and each cell sits under its header.
+    let out = env.command(&["run", "list"]).output().unwrap();
+    let (table, _) = text(&out);
+    let (header, row) = (table.lines().next().unwrap(), table.lines().nth(1).unwrap());
+    let cells: Vec<&str> = row.split_whitespace().collect();
+    assert_eq!(&cells[..4], ["r1", "chain", "succeeded", "-"], "{table}");
+    for (name, cell) in [("status", "succeeded"), ("updated", cells[4])] {
+        assert_eq!(header.find(name), row.find(cell), "{name} column\n{table}");
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -453,6 +453,14 @@ async fn forced_review_then_resume_finishes_without_repeating_completed_steps() 
             .unwrap()
             .contains("account 4711 is closed")
     );
+    // The stopped step is held for review, not running.
+    let out = env.command(&["run", "show", "r-resume"]).output().unwrap();
+    let shown = String::from_utf8_lossy(&out.stdout);
+    let post = shown
+        .lines()
+        .find(|l| l.split_whitespace().take(2).eq(["1", "post"]))
+        .unwrap_or_default();
+    assert!(post.trim_end().ends_with("in review"), "{shown}");
     broken.store(false, Ordering::SeqCst);
     let out = operator::resume(
         &engine,

@@ -271,18 +271,36 @@ pub async fn show(settings: &Settings, run_id: &str, as_json: bool) -> anyhow::R
     if skip > 0 {
         println!("... {skip} earlier steps (all of them with --json)");
     }
-    println!(
-        "{:>6}  {:<24} {:>8}  {:>10}",
-        "seq", "step", "attempts", "ms"
+    let mut steps = super::table::new(
+        &["seq", "step", "attempts", "ms"],
+        &["seq", "attempts", "ms"],
     );
     for s in &r.steps[skip..] {
-        let ms = s
-            .finished_at
-            .map(|f| (f - s.started_at).num_milliseconds().to_string())
-            .unwrap_or("running".into());
-        println!("{:>6}  {:<24} {:>8}  {:>10}", s.seq, s.step, s.attempts, ms);
+        let ms = match s.finished_at {
+            Some(f) => (f - s.started_at).num_milliseconds().to_string(),
+            None => unfinished(run, s.seq).to_owned(),
+        };
+        steps.add_row(vec![
+            s.seq.to_string(),
+            s.step.to_string(),
+            s.attempts.to_string(),
+            ms,
+        ]);
     }
+    super::table::print(&steps);
     Ok(())
+}
+
+/// What a step without a commit is doing, from its run's status: only a run that is moving has a
+/// running step; one stopped for review or waiting holds it where it stopped.
+fn unfinished(run: &runs::RunRow, seq: i32) -> &'static str {
+    match run.status {
+        _ if seq != run.step_seq => "unfinished",
+        RunStatus::Running | RunStatus::Compensating => "running",
+        RunStatus::NeedsReview => "in review",
+        RunStatus::Waiting => "waiting",
+        _ => "unfinished",
+    }
 }
 
 /// `run list [--status S] [--json]`.
@@ -308,16 +326,22 @@ pub async fn list(
         );
         return Ok(());
     }
-    println!(
-        "{:<32} {:<16} {:<14} {:>6}  updated",
-        "run", "workflow", "status", "next"
-    );
+    // `at` is the position the run is at; an ended run is at none.
+    let mut table = super::table::new(&["run", "workflow", "status", "at", "updated"], &["at"]);
     for r in rows {
-        println!(
-            "{:<32} {:<16} {:<14} {:>6}  {}",
-            r.run_id, r.workflow, r.status, r.step_seq, r.updated_at
-        );
+        let at = match r.status.is_terminal() {
+            true => "-".to_owned(),
+            false => r.step_seq.to_string(),
+        };
+        table.add_row(vec![
+            r.run_id.to_string(),
+            r.workflow.clone(),
+            r.status.to_string(),
+            at,
+            r.updated_at.to_string(),
+        ]);
     }
+    super::table::print(&table);
     Ok(())
 }
 
