@@ -234,3 +234,37 @@ async fn interrupted_demo_leaves_no_process_and_a_rerun_finishes_the_run() {
     );
     no_process_left(&r.env.db_name).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn demo_refuses_to_share_its_queues_with_a_worker_it_did_not_start() {
+    let r = RefEnv::new().await;
+    let left_running = r.serve(None);
+    let queue = r.env.topology().steps_queue();
+    r.env
+        .wait_until("the other worker consumes", WAIT, || async {
+            trailmark::broker::queue_state(&r.env.settings.broker, &queue)
+                .await
+                .ok()
+                .flatten()
+                .is_some_and(|q| q.consumers > 0)
+        })
+        .await;
+    let out = trailmark(&r, &["demo"]).await;
+    let (stdout, stderr) = text(&out);
+    assert_eq!(out.status.code(), Some(1), "{stdout}\n{stderr}");
+    assert!(
+        stderr.contains("other consumer(s) take messages from")
+            && stderr.contains("Stop them, or give the demo a database and prefix of its own"),
+        "{stderr}"
+    );
+    let runs: i64 = sqlx::query_scalar("SELECT count(*) FROM trailmark.runs")
+        .fetch_one(&r.env.pool)
+        .await
+        .unwrap();
+    assert_eq!(runs, 0, "the demo started nothing");
+    assert_eq!(
+        processes_using(&r.env.db_name),
+        [left_running.pid()],
+        "the demo left no process of its own"
+    );
+}

@@ -57,6 +57,7 @@ pub async fn run(settings: &Settings, opts: &Options) -> anyhow::Result<Outcome>
     }
     let run_id = night.run_id();
     let pool = migrate(settings).await?;
+    refuse_other_workers(settings).await?;
     let stage = Stage::prepare(settings, night, run_id.as_str()).await?;
     let existing = runs::get(&pool, run_id.as_str()).await?;
     if let Some(run) = &existing {
@@ -100,6 +101,28 @@ pub async fn run(settings: &Settings, opts: &Options) -> anyhow::Result<Outcome>
         figures: measure(&pool, &stage, night, &run_id).await?,
         already_finished: false,
     })
+}
+
+/// The demo crashes its own worker and counts what it did: a worker it did not start, consuming
+/// the same queues, would take the run's steps without the stand-in model and mail sender and
+/// stop the run for review. So it refuses to start beside one.
+async fn refuse_other_workers(settings: &Settings) -> anyhow::Result<()> {
+    let topology = Topology::from_settings(&settings.broker);
+    for queue in [topology.run_start_queue(), topology.steps_queue()] {
+        let Some(state) = broker::queue_state(&settings.broker, &queue).await? else {
+            continue;
+        };
+        if state.consumers > 0 {
+            bail!(
+                "{} other consumer(s) take messages from {queue} (a `trailmark serve` left running under prefix {:?}?); \
+                 the demo runs its own workers and would share its steps with them. Stop them, or give the demo a \
+                 database and prefix of its own: DATABASE_URL=postgres://.../trailmark_demo TRAILMARK__BROKER__PREFIX=demo trailmark demo",
+                state.consumers,
+                settings.broker.prefix
+            );
+        }
+    }
+    Ok(())
 }
 
 async fn migrate(settings: &Settings) -> anyhow::Result<PgPool> {
