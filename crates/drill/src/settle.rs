@@ -77,10 +77,7 @@ pub async fn run(
         tracing::warn!(error = %e, "the drill could not remove its receiver's tables");
     }
     if cfg.keep {
-        say(
-            cfg,
-            &format!("kept database {} and prefix {}", env.db_name, env.prefix),
-        );
+        say(cfg, &kept(&env.db_name, &env.prefix, vhost));
     } else {
         let log_dir = env.log_dir.clone();
         let left = env.teardown().await;
@@ -564,4 +561,34 @@ fn chosen(positions: &[(String, i32)], seed: u64, seam: Seam, rate: f64) -> i64 
         .iter()
         .filter(|(run, seq)| rate > 0.0 && seams::chosen(seed, seam, run, *seq) < rate)
         .count() as i64
+}
+
+/// What `--keep` left, and how to remove it when done looking.
+fn kept(db: &str, prefix: &str, vhost: Option<&str>) -> String {
+    let (vhost_kept, vhost_rm) = match vhost {
+        Some(vh) => (
+            format!(", vhost {vh}"),
+            format!("; `rabbitmqctl delete_vhost {vh}`"),
+        ),
+        None => (
+            String::new(),
+            format!("; delete the queues and exchanges named {prefix}.*"),
+        ),
+    };
+    format!(
+        "kept database {db}, broker prefix {prefix}{vhost_kept}; remove them when done: `dropdb {db}`{vhost_rm}"
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn keep_names_the_vhost_it_keeps() {
+        let said = super::kept("tm_drill_1", "tmdrill-1", Some("tmdrill-vh-1"));
+        assert!(
+            said.contains("vhost tmdrill-vh-1") && said.contains("delete_vhost tmdrill-vh-1"),
+            "{said}"
+        );
+        assert!(!super::kept("tm_drill_1", "tmdrill-1", None).contains("vhost"));
+    }
 }
