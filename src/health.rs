@@ -38,6 +38,8 @@ pub struct Health {
     running: [AtomicBool; 3],
     beats: [AtomicU64; 3],
     consuming: AtomicBool,
+    /// Why the worker's last broker session ended, until it consumes again.
+    broker_problem: std::sync::Mutex<Option<String>>,
     draining: AtomicBool,
     // One check at a time, its answer reused briefly: however many probes and scrapers call
     // `/readyz`, the process opens at most one connection for them (`connections_per_process`
@@ -83,6 +85,17 @@ impl Health {
     /// Whether the worker is connected and consuming.
     pub fn set_consuming(&self, consuming: bool) {
         self.consuming.store(consuming, Ordering::SeqCst);
+        if consuming {
+            self.set_broker_problem(None);
+        }
+    }
+
+    /// Why the worker cannot consume (a missing vhost, a refused login, a broker that does not
+    /// answer), for `/readyz` to say instead of a guess.
+    pub fn set_broker_problem(&self, problem: Option<String>) {
+        if let Ok(mut held) = self.broker_problem.lock() {
+            *held = problem;
+        }
     }
 
     /// The process received SIGTERM: not ready any more.
@@ -129,7 +142,13 @@ impl Health {
         if self.running[index(Loop::Worker)].load(Ordering::SeqCst)
             && !self.consuming.load(Ordering::SeqCst)
         {
-            reasons.push("the worker is not consuming: the broker is unreachable".to_owned());
+            let why = self
+                .broker_problem
+                .lock()
+                .ok()
+                .and_then(|p| p.clone())
+                .unwrap_or_else(|| "it is connecting to the broker".to_owned());
+            reasons.push(format!("the worker is not consuming: {why}"));
         }
         if let Some(problem) = self.schema_problem(database).await {
             reasons.push(problem);

@@ -6,11 +6,10 @@
 
 mod common;
 
-use std::io::Write;
 use std::path::Path;
-use std::process::{Command, Stdio};
 use std::time::Duration;
 
+use common::vhost::{Vhost, rabbitmqctl};
 use common::{TestEnv, text};
 use lapin::options::QueueDeclareOptions;
 use lapin::types::FieldTable;
@@ -82,69 +81,6 @@ fn the_definitions_file_holds_exactly_what_the_code_declares_for_the_default_pre
         "{DEFINITIONS} differs from what trailmark declares; it should read:\n{}",
         serde_json::to_string_pretty(&expected).unwrap()
     );
-}
-
-/// Runs `rabbitmqctl` with `args` (and `stdin`), and says what it printed when it fails.
-fn rabbitmqctl(args: &[&str], stdin: Option<&[u8]>) -> Result<String, String> {
-    let mut child = Command::new("rabbitmqctl")
-        .args(args)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .map_err(|e| {
-            format!(
-                "rabbitmqctl {args:?} could not start ({e}); is RabbitMQ installed on this machine?"
-            )
-        })?;
-    let mut input = child.stdin.take().expect("stdin");
-    if let Some(bytes) = stdin {
-        input.write_all(bytes).map_err(|e| e.to_string())?;
-    }
-    drop(input);
-    let out = child.wait_with_output().map_err(|e| e.to_string())?;
-    let (stdout, stderr) = text(&out);
-    if out.status.success() {
-        Ok(stdout)
-    } else {
-        Err(format!("rabbitmqctl {args:?} failed: {stdout}{stderr}"))
-    }
-}
-
-/// A vhost of the test's own (`tmtest-<id>`, as `scripts/test` expects of what tests create),
-/// open to the test user, deleted with everything in it when dropped, even after a failure.
-struct Vhost(String);
-
-impl Vhost {
-    fn create(name: String) -> Self {
-        rabbitmqctl(&["add_vhost", &name], None).expect("add the test vhost");
-        let vhost = Self(name);
-        let user = url::Url::parse(&common::amqp_url())
-            .expect("the test AMQP URL")
-            .username()
-            .to_owned();
-        rabbitmqctl(
-            &["set_permissions", "-p", &vhost.0, &user, ".*", ".*", ".*"],
-            None,
-        )
-        .expect("open the test vhost to the test user");
-        vhost
-    }
-
-    /// The test AMQP URL pointed at this vhost.
-    fn url(&self) -> String {
-        let mut url = url::Url::parse(&common::amqp_url()).expect("the test AMQP URL");
-        url.set_path(&format!("/{}", self.0));
-        url.to_string()
-    }
-}
-
-impl Drop for Vhost {
-    fn drop(&mut self) {
-        if let Err(e) = rabbitmqctl(&["delete_vhost", &self.0], None) {
-            eprintln!("the test vhost {} is left behind: {e}", self.0);
-        }
-    }
 }
 
 /// `doc` with its vhost and every object's `vhost` set to `vhost`: in RabbitMQ 3.10

@@ -314,3 +314,38 @@ async fn broker_urls_are_tried_in_turn_so_a_node_that_is_down_does_not_stop_a_pr
     assert!(stderr.contains("127.0.0.1"), "{stderr}");
     assert!(!stderr.contains("guest:guest"), "password shown: {stderr}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readyz_says_the_vhost_is_gone_when_it_is_deleted_under_a_running_serve() {
+    let env = TestEnv::new().await;
+    let vhost = common::vhost::Vhost::create(format!("tmtest-ready-{}", std::process::id()));
+    let port = closed_port();
+    let _serve = common::ChildGuard(Some(
+        env.command(&["serve"])
+            .env("AMQP_URL", vhost.url())
+            .env("TRAILMARK__API__LISTEN", format!("127.0.0.1:{port}"))
+            .spawn()
+            .expect("spawn serve"),
+    ));
+    let http = reqwest::Client::new();
+    let readyz = format!("http://127.0.0.1:{port}/readyz");
+    let wait = Duration::from_secs(60);
+    env.wait_until("serve to be ready", wait, || async {
+        matches!(http.get(&readyz).send().await, Ok(r) if r.status().is_success())
+    })
+    .await;
+    vhost.delete();
+    let answer = common::eventually("/readyz to name the missing vhost", wait, || async {
+        let r = http.get(&readyz).send().await.ok()?;
+        let body: serde_json::Value = r.json().await.ok()?;
+        let reasons = body["reasons"].to_string();
+        reasons.contains("does not exist").then_some(reasons)
+    })
+    .await
+    .expect("/readyz never said the vhost is missing");
+    assert!(
+        answer.contains(&format!("vhost \\\"{}\\\"", vhost.0)) && answer.contains("add_vhost"),
+        "{answer}"
+    );
+    assert!(!answer.contains("guest@"), "credentials shown: {answer}");
+}

@@ -63,6 +63,8 @@ pub async fn run(engine: Arc<Engine>, shutdown: CancellationToken) -> Result<(),
         match session(&engine, &shutdown, &tracker, &published).await {
             Ok(()) => break,
             Err(e) => {
+                let problem = crate::error::Report(&e).to_string();
+                engine.health.set_broker_problem(Some(problem));
                 tracing::warn!(error = %crate::error::Report(&e), retry_in_ms = backoff.as_millis() as u64, "worker lost the broker; reconnecting");
                 tokio::select! {
                     _ = tokio::time::sleep(backoff) => {}

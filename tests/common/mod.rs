@@ -4,6 +4,7 @@
 #![allow(dead_code)]
 
 pub mod servers;
+pub mod vhost;
 
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
