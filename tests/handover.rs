@@ -476,6 +476,20 @@ async fn forced_review_then_resume_finishes_without_repeating_completed_steps() 
     );
     env.wait_status("r-resume", RunStatus::Succeeded, WAIT)
         .await;
+    // The timeline says who resumed the step, not that an attempt was lost.
+    let lines: Vec<String> = sqlx::query_scalar(
+        "SELECT line FROM trailmark.progress WHERE run_id = 'r-resume' AND seq = 1 ORDER BY at",
+    )
+    .fetch_all(&env.pool)
+    .await
+    .unwrap();
+    assert!(
+        lines
+            .iter()
+            .any(|l| l.contains("attempt 2: resumed by maria.ops (account reopened by finance)"))
+            && !lines.iter().any(|l| l.contains("did not finish")),
+        "{lines:?}"
+    );
     let attempts: Vec<(String, i32)> = sqlx::query_as(
         "SELECT step, attempts FROM trailmark.steps WHERE run_id = 'r-resume' ORDER BY seq",
     )

@@ -108,6 +108,30 @@ pub async fn approved(db: impl PgExecutor<'_>, run_id: &str, seq: i32) -> Result
     .await?)
 }
 
+/// The operator resume whose first attempt is `attempt` of position `seq`: who resumed it and
+/// why. A resume keeps the attempt count (the next claim is one more) unless it came after a fix,
+/// which starts it again at one. `None` when that attempt follows a crash or a retry instead.
+pub async fn resumed_into(
+    db: impl PgExecutor<'_>,
+    run_id: &str,
+    seq: i32,
+    attempt: i32,
+) -> Result<Option<(String, String)>> {
+    Ok(sqlx::query_as(
+        "SELECT actor, reason FROM (
+             SELECT actor, reason, details FROM trailmark.decisions
+              WHERE run_id = $1 AND seq = $2 AND action IN ('resume', 'resume_after_fix')
+              ORDER BY id DESC LIMIT 1) latest
+          WHERE CASE WHEN (details->>'attempts_reset')::boolean THEN 1
+                     ELSE COALESCE((details->>'attempts_before')::int, 0) + 1 END = $3",
+    )
+    .bind(run_id)
+    .bind(seq)
+    .bind(attempt)
+    .fetch_optional(db)
+    .await?)
+}
+
 /// A decision as exported for evaluation: the situation a person saw (the checkpoint of the
 /// step it concerned and the evidence the run gave), what they decided, who and why.
 #[derive(Debug, Clone, Serialize, sqlx::FromRow)]

@@ -250,8 +250,13 @@ async fn say_resuming(engine: &Engine, msg: &StepMessage, attempt: i32) -> store
             .unwrap_or_else(|| format!("the checkpoint of position {prev}")),
         None => "the start of the run".to_owned(),
     };
+    let resumed = decisions::resumed_into(&engine.pool, msg.run_id.as_str(), msg.seq, attempt).await?;
+    let why = match resumed {
+        Some((actor, reason)) => format!("resumed by {actor} ({reason})"),
+        None => "the previous attempt did not finish".to_owned(),
+    };
     let line = format!(
-        "step {} (position {}), attempt {attempt}: the previous attempt did not finish; resuming from {since}",
+        "step {} (position {}), attempt {attempt}: {why}; resuming from {since}",
         msg.step, msg.seq
     );
     engine.step_tx.progress(&msg.run_id, msg.seq, line);
