@@ -74,6 +74,12 @@ async fn a_run_stopped_for_review_is_found_read_and_resumed_from_the_console() {
     env.wait_status("r-review", RunStatus::NeedsReview, WAIT)
         .await;
 
+    let login = reqwest::get(format!("{base}/login")).await.unwrap();
+    let csp = login.headers()["content-security-policy"].to_str().unwrap();
+    assert!(
+        csp.contains("style-src 'self';") && !csp.contains("unsafe-inline"),
+        "{csp}"
+    );
     let env = &env;
     Browser::open(&base, "review")
         .await
@@ -86,6 +92,7 @@ async fn a_run_stopped_for_review_is_found_read_and_resumed_from_the_console() {
                 "{row}"
             );
             b.shot_for_docs("home").await;
+            assert_eq!(b.inline_styles().await, 0, "inline styles the CSP refuses");
             b.click("#review + table a[href='/runs/r-review']").await;
             let error = b.text("#handover-error").await;
             assert!(

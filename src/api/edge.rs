@@ -155,7 +155,7 @@ pub async fn secure(request: Request, next: Next) -> Response {
     let csp = if api {
         "default-src 'none'; frame-ancestors 'none'"
     } else {
-        "default-src 'self'; script-src 'self'; style-src 'self' 'unsafe-inline'; img-src 'self' data:; object-src 'none'; base-uri 'none'; form-action 'self'; frame-ancestors 'none'"
+        "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; object-src 'none'; base-uri 'none'; form-action 'self'; frame-ancestors 'none'"
     };
     headers.insert(
         header::CONTENT_SECURITY_POLICY,

@@ -18,6 +18,8 @@ pub fn page(title: &str, person: Option<&Person>, body: Markup) -> Markup {
                 meta charset="utf-8";
                 meta name="viewport" content="width=device-width, initial-scale=1";
                 title { (title) " · trailmark" }
+                // htmx would add a <style> of its own, which the policy (no inline styles) refuses.
+                meta name="htmx-config" content=r#"{"includeIndicatorStyles":false}"#;
                 link rel="stylesheet" href="/assets/console.css";
                 script src="/assets/htmx.min.js" defer {}
                 script src="/assets/console.js" defer {}

@@ -148,6 +148,18 @@ impl Browser {
         }
     }
 
+    /// `<style>` elements and `style` attributes on the page now: the console's content security
+    /// policy refuses inline styles, so any would be a page that renders wrong.
+    pub async fn inline_styles(&self) -> u64 {
+        let js = "return document.querySelectorAll('style, [style]').length";
+        let n = self
+            .client
+            .execute(js, vec![])
+            .await
+            .expect("run the count");
+        n.as_u64().expect("a count")
+    }
+
     /// Runs `flow`; if it panics, saves a screenshot of the page first.
     pub async fn run<F, Fut>(self, flow: F)
     where
