@@ -1144,7 +1144,7 @@ async fn odd_text_anywhere_is_a_4xx_naming_the_field_never_a_503_or_an_error_log
     let huge = HeaderValue::from_str(&"k".repeat(100 * 1024)).unwrap();
     for name in ["idempotency-key", "x-request-id"] {
         for value in [&not_text, &tab, &huge] {
-            let (s, _, b) = api
+            let (s, h, b) = api
                 .raw(
                     Method::POST,
                     "/api/v1/runs/r-none/cancel",
@@ -1154,6 +1154,9 @@ async fn odd_text_anywhere_is_a_4xx_naming_the_field_never_a_503_or_an_error_log
                 )
                 .await;
             assert_documented(name, s, &b, Some(name));
+            // A refused request id is not echoed: the answer carries a fresh one.
+            let id = h["x-request-id"].to_str().unwrap_or_default();
+            assert!(uuid::Uuid::parse_str(id).is_ok(), "{name}: {id:?}");
         }
     }
     let (s, _, b) = api

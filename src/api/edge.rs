@@ -29,6 +29,21 @@ fn refuse(api: bool, bad: BadText) -> Response {
     }
 }
 
+/// Whether a request's `x-request-id` may go into a log line as it is.
+pub fn readable_id(value: &HeaderValue) -> bool {
+    input::check_header("x-request-id", value).is_ok()
+}
+
+/// A refused request's own id is not echoed (it may be the bad text): the answer, and the log
+/// line that names it, carry a fresh one.
+fn with_fresh_request_id(mut response: Response) -> Response {
+    let fresh = uuid::Uuid::new_v4().to_string();
+    if let Ok(id) = HeaderValue::from_str(&fresh) {
+        response.headers_mut().insert("x-request-id", id);
+    }
+    response
+}
+
 /// Middleware: the text of a request, checked where it enters.
 pub async fn guard(State(limit): State<usize>, request: Request, next: Next) -> Response {
     let path = request.uri().path().to_owned();
@@ -52,7 +67,7 @@ pub async fn guard(State(limit): State<usize>, request: Request, next: Next) -> 
     for name in READ_HEADERS {
         for value in request.headers().get_all(*name) {
             if let Err(bad) = input::check_header(name, value) {
-                return refuse(api, bad);
+                return with_fresh_request_id(refuse(api, bad));
             }
         }
     }

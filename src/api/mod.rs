@@ -103,8 +103,9 @@ pub fn router(engine: Arc<Engine>) -> Result<Router, Error> {
         let id = req
             .headers()
             .get("x-request-id")
+            .filter(|v| edge::readable_id(v))
             .and_then(|v| v.to_str().ok())
-            .unwrap_or("");
+            .unwrap_or("refused");
         tracing::debug_span!("http", method = %req.method(), path = %req.uri().path(), request.id = %id)
     });
     let console = crate::console::router(state.engine.clone(), state.tokens.clone());
