@@ -7,31 +7,101 @@ use std::collections::BTreeMap;
 use axum::extract::State;
 use axum::http::HeaderMap;
 use axum::{Extension, Json};
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
 use super::AppState;
-use super::extract::{Body, Path, Query};
-use super::input::{self, Kind};
 use super::auth::{Caller, Role};
-use super::error::ApiError;
+use super::decisions::ReasonBody;
+use super::error::{ApiError, ErrorBody};
+use super::extract::{Body, Path, Query};
 use super::idempotency;
-use crate::dlq::{Dlq, Selection, quiet};
+use super::input::{self, Kind};
+use crate::dlq::{BodyView, DeadLetter, Dlq, Selection, quiet};
 
 /// Most letters a listing reads.
 const MAX_LISTED: usize = 10_000;
 
 /// `GET /api/v1/dead-letters` options.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
 pub struct ListQuery {
+    /// Letters shown (default 100, at most 10,000; the counts cover every letter).
     limit: Option<usize>,
 }
 
+/// How many letters have one reason.
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+pub struct ReasonCount {
+    /// The reason code (`undecodable`, `run_conflict`, ...).
+    reason: String,
+    /// Letters with it.
+    count: u32,
+}
+
+/// The dead-letter queue.
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+pub struct Listing {
+    /// The DLQ's name.
+    queue: String,
+    /// Letters in it.
+    depth: u32,
+    /// Letters by reason, with counts.
+    by_reason: Vec<ReasonCount>,
+    /// The oldest letters (see `limit`).
+    #[schema(value_type = Vec<Object>)]
+    letters: Vec<DeadLetter>,
+}
+
+/// One letter's body as shown: hidden until an admin reveals it.
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+pub struct HiddenBody {
+    /// Always true here.
+    hidden: bool,
+    /// The body's size.
+    bytes: usize,
+}
+
+/// One dead letter, its body hidden.
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+pub struct Letter {
+    /// The letter.
+    #[schema(value_type = Object)]
+    letter: DeadLetter,
+    /// Every header it carries.
+    headers: BTreeMap<String, Value>,
+    /// Its body: hidden.
+    body: HiddenBody,
+}
+
+/// One dead letter with its body (revealed by an admin, audited).
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+pub struct Revealed {
+    /// The letter.
+    #[schema(value_type = Object)]
+    letter: DeadLetter,
+    /// Every header it carries.
+    headers: BTreeMap<String, Value>,
+    /// Its body: the text where it is UTF-8, else its head in hex.
+    #[schema(value_type = Object)]
+    body: BodyView,
+}
+
 /// The DLQ: its depth, the letters by reason with counts, and the oldest letters.
+#[utoipa::path(
+    get,
+    path = "/api/v1/dead-letters",
+    tag = "dead letters",
+    params(ListQuery),
+    responses(
+        (status = 200, description = "the DLQ's depth, letters by reason with counts, and the oldest letters", body = Listing),
+        (status = 503, description = "RabbitMQ is unreachable; try again", body = ErrorBody),
+    ),
+)]
 pub async fn list(
     State(state): State<AppState>,
     Query(q): Query<ListQuery>,
-) -> Result<Json<Value>, ApiError> {
+) -> Result<Json<Listing>, ApiError> {
     let dlq = Dlq::connect(&state.engine.settings.broker).await?;
     let listing = dlq.list(MAX_LISTED, &quiet).await;
     dlq.close().await;
@@ -41,48 +111,70 @@ pub async fn list(
         *by_reason.entry(letter.reason.as_str()).or_default() += 1;
     }
     let shown = q.limit.unwrap_or(100).min(MAX_LISTED);
-    let by_reason: Vec<Value> = by_reason
+    let by_reason = by_reason
         .iter()
-        .map(|(reason, count)| json!({ "reason": reason, "count": count }))
+        .map(|(reason, count)| ReasonCount {
+            reason: (*reason).to_owned(),
+            count: *count,
+        })
         .collect();
-    Ok(Json(json!({
-        "queue": listing.queue,
-        "depth": listing.depth,
-        "by_reason": by_reason,
-        "letters": listing.letters.iter().take(shown).collect::<Vec<_>>(),
-    })))
+    Ok(Json(Listing {
+        by_reason,
+        letters: listing.letters.into_iter().take(shown).collect(),
+        queue: listing.queue,
+        depth: listing.depth,
+    }))
 }
 
 /// One letter: every header; the body only as its size (revealing it is an audited action).
+#[utoipa::path(
+    get,
+    path = "/api/v1/dead-letters/{id}",
+    tag = "dead letters",
+    params(("id" = String, Path, description = "the letter's id")),
+    responses(
+        (status = 200, description = "the letter and its headers; its body hidden", body = Letter),
+        (status = 404, description = "no such letter in the DLQ", body = ErrorBody),
+        (status = 503, description = "RabbitMQ is unreachable; try again", body = ErrorBody),
+    ),
+)]
 pub async fn show(
     State(state): State<AppState>,
     Path(id): Path<String>,
-) -> Result<Json<Value>, ApiError> {
+) -> Result<Json<Letter>, ApiError> {
     let dlq = Dlq::connect(&state.engine.settings.broker).await?;
     let shown = dlq.show(&id, &quiet).await;
     dlq.close().await;
     let shown = shown?;
-    Ok(Json(json!({
-        "letter": shown.letter,
-        "headers": shown.headers,
-        "body": { "hidden": true, "bytes": shown.letter.body_bytes },
-    })))
-}
-
-/// Why someone acts on dead letters.
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct Reason {
-    reason: String,
+    Ok(Json(Letter {
+        body: HiddenBody {
+            hidden: true,
+            bytes: shown.letter.body_bytes,
+        },
+        letter: shown.letter,
+        headers: shown.headers,
+    }))
 }
 
 /// `POST /api/v1/dead-letters/{id}/reveal`: the body, for an admin, audited.
+#[utoipa::path(
+    post,
+    path = "/api/v1/dead-letters/{id}/reveal",
+    tag = "dead letters",
+    params(("id" = String, Path, description = "the letter's id")),
+    request_body = ReasonBody,
+    responses(
+        (status = 200, description = "the letter, its headers and its body; the reveal is audited", body = Revealed),
+        (status = 404, description = "no such letter in the DLQ", body = ErrorBody),
+        (status = 503, description = "RabbitMQ or Postgres is unreachable; try again", body = ErrorBody),
+    ),
+)]
 pub async fn reveal(
     State(state): State<AppState>,
     Extension(caller): Extension<Caller>,
     Path(id): Path<String>,
-    Body(why): Body<Reason>,
-) -> Result<Json<Value>, ApiError> {
+    Body(why): Body<ReasonBody>,
+) -> Result<Json<Revealed>, ApiError> {
     caller.require(Role::Admin)?;
     require_reason(&why.reason)?;
     let dlq = Dlq::connect(&state.engine.settings.broker).await?;
@@ -90,13 +182,15 @@ pub async fn reveal(
     dlq.close().await;
     let shown = shown?;
     write_audit(&state, &caller, "dlq.reveal", &id, &why.reason, json!({})).await?;
-    Ok(Json(
-        json!({ "letter": shown.letter, "headers": shown.headers, "body": shown.body }),
-    ))
+    Ok(Json(Revealed {
+        letter: shown.letter,
+        headers: shown.headers,
+        body: shown.body,
+    }))
 }
 
 /// Which letters a requeue or purge touches, and whether only to count them.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct Bulk {
     /// Why (required).
@@ -133,6 +227,17 @@ impl Bulk {
 }
 
 /// `POST /api/v1/dead-letters/requeue` (operator).
+#[utoipa::path(
+    post,
+    path = "/api/v1/dead-letters/requeue",
+    tag = "dead letters",
+    request_body = Bulk,
+    responses(
+        (status = 200, description = BULK_DONE, body = Object),
+        (status = 404, description = "a letter asked for by id is not in the DLQ", body = ErrorBody),
+        (status = 503, description = "RabbitMQ or Postgres is unreachable; try again under the same Idempotency-Key", body = ErrorBody),
+    ),
+)]
 pub async fn requeue(
     state: State<AppState>,
     caller: Extension<Caller>,
@@ -143,6 +248,17 @@ pub async fn requeue(
 }
 
 /// `POST /api/v1/dead-letters/purge` (admin).
+#[utoipa::path(
+    post,
+    path = "/api/v1/dead-letters/purge",
+    tag = "dead letters",
+    request_body = Bulk,
+    responses(
+        (status = 200, description = BULK_DONE, body = Object),
+        (status = 404, description = "a letter asked for by id is not in the DLQ", body = ErrorBody),
+        (status = 503, description = "RabbitMQ or Postgres is unreachable; try again under the same Idempotency-Key", body = ErrorBody),
+    ),
+)]
 pub async fn purge(
     state: State<AppState>,
     caller: Extension<Caller>,
@@ -151,6 +267,9 @@ pub async fn purge(
 ) -> Result<Json<Value>, ApiError> {
     bulk_action(state, caller, headers, bulk, "dlq.purge", Role::Admin).await
 }
+
+/// What a requeue or purge answers.
+const BULK_DONE: &str = "with preview: {preview: true, would_touch}; otherwise what was done: the letters requeued or purged, and those that failed with why";
 
 async fn bulk_action(
     State(state): State<AppState>,
