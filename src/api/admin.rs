@@ -33,6 +33,7 @@ pub struct Workflows {
 #[utoipa::path(
     get,
     path = "/api/v1/workflows",
+    operation_id = "list_workflows",
     tag = "workflows",
     responses((status = 200, description = "the workflows this process runs, by name", body = Workflows)),
 )]
@@ -55,6 +56,7 @@ pub async fn workflows(State(state): State<AppState>) -> Json<Workflows> {
 #[utoipa::path(
     get,
     path = "/api/v1/workflows/{name}/contract",
+    operation_id = "workflow_contract",
     tag = "workflows",
     params(("name" = String, Path, description = "the workflow")),
     responses(
@@ -100,6 +102,7 @@ pub struct AuditPage {
 #[utoipa::path(
     get,
     path = "/api/v1/audit",
+    operation_id = "audit_trail",
     tag = "audit",
     params(AuditQuery),
     responses(

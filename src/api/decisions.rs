@@ -113,6 +113,7 @@ fn undo_options(scope: Option<Value>, leave_partial: bool) -> Result<UndoOptions
 #[utoipa::path(
     post,
     path = "/api/v1/runs/{run_id}/resume",
+    operation_id = "resume_run",
     tag = "decisions",
     params(("run_id" = String, Path, description = "the run")),
     request_body = ResumeBody,
@@ -145,6 +146,7 @@ pub async fn resume(
 #[utoipa::path(
     post,
     path = "/api/v1/runs/{run_id}/undo",
+    operation_id = "undo_run",
     tag = "decisions",
     params(("run_id" = String, Path, description = "the run")),
     request_body = UndoBody,
@@ -174,6 +176,7 @@ pub async fn undo(
 #[utoipa::path(
     post,
     path = "/api/v1/runs/{run_id}/cancel",
+    operation_id = "cancel_run",
     tag = "decisions",
     params(("run_id" = String, Path, description = "the run")),
     request_body = ReasonBody,
@@ -198,6 +201,7 @@ pub async fn cancel(
 #[utoipa::path(
     post,
     path = "/api/v1/runs/{run_id}/approve",
+    operation_id = "approve_step",
     tag = "decisions",
     params(("run_id" = String, Path, description = "the run")),
     request_body = StepBody,
@@ -225,6 +229,7 @@ pub async fn approve(
 #[utoipa::path(
     post,
     path = "/api/v1/runs/{run_id}/reject",
+    operation_id = "reject_step",
     tag = "decisions",
     params(("run_id" = String, Path, description = "the run")),
     request_body = StepBody,
@@ -298,6 +303,7 @@ pub struct ForkBody {
 #[utoipa::path(
     post,
     path = "/api/v1/runs/{run_id}/fork",
+    operation_id = "fork_run",
     tag = "decisions",
     params(("run_id" = String, Path, description = "the parent run")),
     request_body = ForkBody,
@@ -354,6 +360,7 @@ pub async fn fork(
 #[utoipa::path(
     get,
     path = "/api/v1/runs/{run_id}/diff/{other}",
+    operation_id = "diff_runs",
     tag = "runs",
     params(
         ("run_id" = String, Path, description = "run A"),
@@ -389,6 +396,7 @@ pub struct PreviewQuery {
 #[utoipa::path(
     get,
     path = "/api/v1/runs/{run_id}/undo-preview",
+    operation_id = "undo_preview",
     tag = "decisions",
     params(("run_id" = String, Path, description = "the run"), PreviewQuery),
     responses(
@@ -431,6 +439,7 @@ pub struct ExportQuery {
 #[utoipa::path(
     get,
     path = "/api/v1/decisions/export",
+    operation_id = "export_decisions",
     tag = "decisions",
     params(ExportQuery),
     responses(

@@ -91,6 +91,7 @@ pub struct Revealed {
 #[utoipa::path(
     get,
     path = "/api/v1/dead-letters",
+    operation_id = "list_dead_letters",
     tag = "dead letters",
     params(ListQuery),
     responses(
@@ -130,6 +131,7 @@ pub async fn list(
 #[utoipa::path(
     get,
     path = "/api/v1/dead-letters/{id}",
+    operation_id = "show_dead_letter",
     tag = "dead letters",
     params(("id" = String, Path, description = "the letter's id")),
     responses(
@@ -160,6 +162,7 @@ pub async fn show(
 #[utoipa::path(
     post,
     path = "/api/v1/dead-letters/{id}/reveal",
+    operation_id = "reveal_dead_letter",
     tag = "dead letters",
     params(("id" = String, Path, description = "the letter's id")),
     request_body = ReasonBody,
@@ -230,6 +233,7 @@ impl Bulk {
 #[utoipa::path(
     post,
     path = "/api/v1/dead-letters/requeue",
+    operation_id = "requeue_dead_letters",
     tag = "dead letters",
     request_body = Bulk,
     responses(
@@ -251,6 +255,7 @@ pub async fn requeue(
 #[utoipa::path(
     post,
     path = "/api/v1/dead-letters/purge",
+    operation_id = "purge_dead_letters",
     tag = "dead letters",
     request_body = Bulk,
     responses(

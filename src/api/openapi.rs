@@ -246,6 +246,7 @@ struct Generated;
 #[utoipa::path(
     get,
     path = "/api/v1/openapi.json",
+    operation_id = "openapi_document",
     tag = "meta",
     responses((status = 200, description = "this OpenAPI document", body = Object)),
 )]
@@ -415,6 +416,17 @@ mod tests {
         listed.sort();
         table.sort();
         assert_eq!(listed, table, "the document's operations are the table's");
+        let mut ids: Vec<&str> = doc["paths"]
+            .as_object()
+            .unwrap()
+            .values()
+            .flat_map(|item| item.as_object().unwrap().values())
+            .map(|op| op["operationId"].as_str().expect("an operationId"))
+            .collect();
+        ids.sort();
+        let count = ids.len();
+        ids.dedup();
+        assert_eq!(ids.len(), count, "operationIds are unique (client generators name methods by them)");
         let schemas = doc["components"]["schemas"].as_object().unwrap();
         for name in ["ErrorBody", "StartBody", "StartedRun", "Overview", "RunRow", "RunStatus"] {
             assert!(schemas.contains_key(name), "no schema {name}");

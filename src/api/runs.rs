@@ -57,6 +57,7 @@ pub struct RunPage {
 #[utoipa::path(
     get,
     path = "/api/v1/runs",
+    operation_id = "list_runs",
     tag = "runs",
     params(ListQuery),
     responses(
@@ -112,6 +113,7 @@ pub struct Counts {
 #[utoipa::path(
     get,
     path = "/api/v1/runs/counts",
+    operation_id = "count_runs",
     tag = "runs",
     responses(
         (status = 200, description = "runs by status, and by workflow and status", body = Counts),
@@ -138,6 +140,7 @@ const STEPS_SHOWN: i64 = 50;
 #[utoipa::path(
     get,
     path = "/api/v1/runs/{run_id}",
+    operation_id = "show_run",
     tag = "runs",
     params(("run_id" = String, Path, description = "the run")),
     responses(
@@ -206,6 +209,7 @@ async fn existing(state: &AppState, run_id: &str) -> Result<(), ApiError> {
 #[utoipa::path(
     get,
     path = "/api/v1/runs/{run_id}/steps",
+    operation_id = "run_steps",
     tag = "runs",
     params(("run_id" = String, Path, description = "the run"), PageQuery),
     responses(
@@ -228,6 +232,7 @@ pub async fn steps(
 #[utoipa::path(
     get,
     path = "/api/v1/runs/{run_id}/journal",
+    operation_id = "run_journal",
     tag = "runs",
     params(("run_id" = String, Path, description = "the run"), PageQuery),
     responses(
@@ -250,6 +255,7 @@ pub async fn journal(
 #[utoipa::path(
     get,
     path = "/api/v1/runs/{run_id}/effects",
+    operation_id = "run_effects",
     tag = "runs",
     params(("run_id" = String, Path, description = "the run"), PageQuery),
     responses(

@@ -158,6 +158,7 @@ fn checked(state: &AppState, b: StartBody) -> Result<(RunStartEvent, Arc<Workflo
 #[utoipa::path(
     post,
     path = "/api/v1/runs",
+    operation_id = "start_run",
     tag = "runs",
     request_body = StartBody,
     responses(
