@@ -377,6 +377,54 @@ async fn a_run_started_over_http_runs_to_its_end_and_a_second_start_is_the_same_
     }
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn starts_of_one_run_id_at_the_same_moment_make_one_run_and_refuse_the_other_input() {
+    let api = Api::start(trailmark_testkit::registry()).await;
+    let start = |run: &str, steps: i64| json!({"workflow": "chain", "run_id": run, "input": {"steps": steps}});
+    for round in 0..5 {
+        let (same, other) = (format!("r-same-{round}"), format!("r-other-{round}"));
+        let (a, b, c, d) = tokio::join!(
+            start_over_http(&api, Role::Operator, start(&same, 1)),
+            start_over_http(&api, Role::Operator, start(&same, 1)),
+            start_over_http(&api, Role::Operator, start(&other, 1)),
+            start_over_http(&api, Role::Operator, start(&other, 2)),
+        );
+        let mut same_answers = [a.0, b.0];
+        same_answers.sort();
+        assert_eq!(
+            same_answers,
+            [StatusCode::OK, StatusCode::CREATED],
+            "{} {}",
+            a.2,
+            b.2
+        );
+        let mut other_answers = [c.0, d.0];
+        other_answers.sort();
+        assert_eq!(
+            other_answers,
+            [StatusCode::CREATED, StatusCode::CONFLICT],
+            "{} {}",
+            c.2,
+            d.2
+        );
+        let winner = if c.0 == StatusCode::CREATED { 1 } else { 2 };
+        let run = trailmark::store::runs::get(&api.env.pool, &other)
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            run.input,
+            json!({"steps": winner}),
+            "the run is the one answered 201"
+        );
+    }
+    let runs: i64 = sqlx::query_scalar("SELECT count(*) FROM trailmark.runs")
+        .fetch_one(&api.env.pool)
+        .await
+        .unwrap();
+    assert_eq!(runs, 10);
+}
+
 /// Whether no run `run_id` exists.
 async fn no_run(api: &Api, run_id: &str) -> bool {
     trailmark::store::runs::get(&api.env.pool, run_id)

@@ -24,6 +24,7 @@ use super::error::{ApiError, ErrorBody};
 use super::extract::Body;
 use super::input::{self, Kind};
 use crate::domain::{RunId, RunStartEvent, RunStatus, StepAddress, request_hash};
+use crate::operator::Decider;
 use crate::store::{self, audit, outbox, runs};
 use crate::workflow::{StartRefused, Workflow};
 
@@ -187,8 +188,7 @@ pub async fn start(
         )
         .with_field("workflow")
     })?;
-    let pool = &state.engine.pool;
-    let mut tx = pool.begin().await.map_err(store::Error::from)?;
+    let mut tx = state.engine.pool.begin().await.map_err(store::Error::from)?;
     let new = runs::NewRun {
         run_id: &event.run_id,
         workflow: &workflow.name,
@@ -199,25 +199,53 @@ pub async fn start(
     if !runs::insert(&mut *tx, &new).await? {
         let existing = runs::get(&mut *tx, event.run_id.as_str()).await?;
         tx.rollback().await.map_err(store::Error::from)?;
-        return match existing {
-            Some(run) if run.started_with(&event.workflow, &event.input) => {
-                Ok(Json(StartedRun::new(run, false)).into_response())
-            }
-            Some(run) => Err(conflict(&event, &run)),
-            // Removed between the insert and the read: a retry makes it.
-            None => Err(ApiError::conflict(format!(
-                "run {} was removed while it was being started; send the start again",
-                event.run_id
-            ))),
-        };
+        return again(&event, existing);
     }
-    let step =
-        state
-            .engine
-            .topology
-            .step_message(&event.run_id, &workflow.name, workflow.version, &first, 0);
+    let step = state.engine.topology.step_message(
+        &event.run_id,
+        &workflow.name,
+        workflow.version,
+        &first,
+        0,
+    );
     outbox::insert(&mut *tx, std::slice::from_ref(&step)).await?;
-    let who = caller.decider(&reason);
+    audited(&mut tx, &caller.decider(&reason), &event, &workflow).await?;
+    let run = runs::get(&mut *tx, event.run_id.as_str())
+        .await?
+        .ok_or_else(|| {
+            ApiError::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "internal",
+                "the run made in this transaction could not be read back",
+            )
+        })?;
+    tx.commit().await.map_err(store::Error::from)?;
+    tracing::info!(run.id = %event.run_id, workflow = %workflow.name, "run started through the API");
+    created(StartedRun::new(run, true))
+}
+
+/// A second start of an existing run: the run when it was started the same way, else refused.
+fn again(event: &RunStartEvent, existing: Option<runs::RunRow>) -> Result<Response, ApiError> {
+    match existing {
+        Some(run) if run.started_with(&event.workflow, &event.input) => {
+            Ok(Json(StartedRun::new(run, false)).into_response())
+        }
+        Some(run) => Err(conflict(event, &run)),
+        // Removed between the insert and the read: a retry makes it.
+        None => Err(ApiError::conflict(format!(
+            "run {} was removed while it was being started; send the start again",
+            event.run_id
+        ))),
+    }
+}
+
+/// The start's audit row, in the start's transaction.
+async fn audited(
+    tx: &mut sqlx::PgConnection,
+    who: &Decider,
+    event: &RunStartEvent,
+    workflow: &Workflow,
+) -> Result<(), ApiError> {
     let details = json!({
         "workflow": workflow.name,
         "version": workflow.version,
@@ -235,19 +263,12 @@ pub async fn start(
         status_after: Some(RunStatus::Running.as_str()),
         details: &details,
     };
-    audit::insert(&mut *tx, &entry).await?;
-    let run = runs::get(&mut *tx, event.run_id.as_str())
-        .await?
-        .ok_or_else(|| {
-            ApiError::new(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                "internal",
-                "the run made in this transaction could not be read back",
-            )
-        })?;
-    tx.commit().await.map_err(store::Error::from)?;
-    tracing::info!(run.id = %event.run_id, workflow = %workflow.name, "run started through the API");
-    let started = StartedRun::new(run, true);
+    audit::insert(tx, &entry).await?;
+    Ok(())
+}
+
+/// `201` with the run and its `location`.
+fn created(started: StartedRun) -> Result<Response, ApiError> {
     let location = HeaderValue::from_str(&started.links.run).map_err(|e| ApiError::internal(&e))?;
     let mut response = (StatusCode::CREATED, Json(started)).into_response();
     response.headers_mut().insert(header::LOCATION, location);
