@@ -98,6 +98,7 @@ inner! {
     reaction;
     redact;
     relay;
+    schedule;
     seams;
     startup;
     store;

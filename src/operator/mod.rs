@@ -100,7 +100,7 @@ impl Decider {
 /// audit trail: who, why, on what, and what it did. The broker action cannot share a transaction
 /// with Postgres, so the row is written after it, and says what was done.
 pub async fn record_action(
-    pool: &sqlx::PgPool,
+    db: impl sqlx::PgExecutor<'_>,
     who: &Decider,
     action: &str,
     target: &str,
@@ -118,7 +118,7 @@ pub async fn record_action(
         status_after: None,
         details,
     };
-    audit::insert(pool, &entry).await?;
+    audit::insert(db, &entry).await?;
     Ok(())
 }
 

@@ -17,6 +17,7 @@ pub mod parked;
 pub mod progress;
 pub mod records;
 pub mod runs;
+pub mod schedules;
 pub mod shadow;
 pub mod steps;
 mod types;

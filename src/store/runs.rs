@@ -647,6 +647,22 @@ impl Summary {
     }
 }
 
+/// The newest `limit` runs whose id starts with `prefix` (a schedule's runs): id and status.
+pub async fn with_prefix(
+    db: impl PgExecutor<'_>,
+    prefix: &str,
+    limit: i64,
+) -> Result<Vec<(String, String)>> {
+    Ok(sqlx::query_as(
+        "SELECT run_id, status FROM trailmark.runs
+          WHERE run_id LIKE $1 ORDER BY created_at DESC, run_id DESC LIMIT $2",
+    )
+    .bind(super::inspect::like_prefix(prefix))
+    .bind(limit)
+    .fetch_all(db)
+    .await?)
+}
+
 /// A cursor handed out by [`Summary::cursor`], as [`Filter::after`] takes it; `None` when it is
 /// not one.
 pub fn parse_cursor(cursor: &str) -> Option<(DateTime<Utc>, String)> {

@@ -28,9 +28,23 @@ pub async fn run(engine: Arc<Engine>, shutdown: CancellationToken) -> Result<(),
         if let Err(e) = escalate_waiting(&engine).await {
             tracing::warn!(error = %crate::error::Report(&e), "supervisor scan of waiting runs failed; will try again");
         }
+        fire_schedules(&engine).await;
         tokio::select! {
             _ = shutdown.cancelled() => return Ok(()),
             _ = tokio::time::sleep(period) => {}
+        }
+    }
+}
+
+/// Starts the runs of schedules' due ticks (see `schedule`).
+async fn fire_schedules(engine: &Engine) {
+    match crate::schedule::fire::fire_due(engine).await {
+        Ok(f) if f.started + f.skipped > 0 => {
+            tracing::info!(started = f.started, skipped = f.skipped, "schedules fired")
+        }
+        Ok(_) => {}
+        Err(e) => {
+            tracing::warn!(error = %crate::error::Report(&e), "schedule scan failed; will try again")
         }
     }
 }

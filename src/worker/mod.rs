@@ -13,7 +13,7 @@ mod outcome;
 mod preclaim;
 mod presence;
 mod published;
-mod run_start;
+pub(crate) mod run_start;
 mod step;
 mod step_tx;
 

@@ -14,12 +14,12 @@ use sha2::{Digest, Sha256};
 
 use super::RUN_START_CONSUMER;
 use super::outcome::{Disposition, dead, dead_letter_headers as h};
-use crate::domain::{MessageId, RunStartEvent, request_hash};
+use crate::domain::{MessageId, OutgoingMessage, RunStartEvent, StepAddress, request_hash};
 use crate::engine::{Engine, Stats};
 use crate::store::inbox::{self, Recorded};
 use crate::broker::{Outgoing, Topology};
 use crate::store::{self, outbox, runs};
-use crate::workflow::{Registry, StartRefused};
+use crate::workflow::{Registry, StartRefused, Workflow};
 
 /// The run-start message for `event`, when a worker here would start the run: its workflow is
 /// registered and accepts the input ([`Registry::accepting`]), and the message fits `limit`
@@ -86,38 +86,83 @@ pub(super) async fn process(
             }
         }
     }
-    let new = runs::NewRun {
-        run_id: &event.run_id,
-        workflow: &workflow.name,
-        version: workflow.version,
-        first_step: &first,
-        input: &event.input,
-    };
-    if !runs::insert(&mut *tx, &new).await? {
-        let existing = runs::get(&mut *tx, event.run_id.as_str()).await?;
-        tx.rollback().await?;
-        return Ok(match existing {
-            Some(run) if run.workflow == event.workflow && run.input == event.input => {
-                Disposition::Duplicate("the run exists, started with the same workflow and input")
-            }
-            Some(run) => conflict(event, &run),
-            // Removed between the insert and the read: the redelivery starts it.
-            None => Disposition::Delay(std::time::Duration::from_millis(
+    let created = create(&mut tx, &engine.topology, &workflow, &first, event, |messages| {
+        super::published::hold_for_eager_publish(engine, messages)
+    })
+    .await?;
+    let (first_message, rows) = match created {
+        Created::New { message, rows } => (message, rows),
+        Created::Exists(existing) => {
+            tx.rollback().await?;
+            return Ok(
+                if existing.workflow == event.workflow && existing.input == event.input {
+                    Disposition::Duplicate(
+                        "the run exists, started with the same workflow and input",
+                    )
+                } else {
+                    conflict(event, &existing)
+                },
+            );
+        }
+        // Removed between the insert and the read: the redelivery starts it.
+        Created::Vanished => {
+            tx.rollback().await?;
+            return Ok(Disposition::Delay(std::time::Duration::from_millis(
                 engine.settings.worker.busy_retry_ms,
-            )),
-        });
-    }
-    let mut first_message =
-        engine
-            .topology
-            .step_message(&event.run_id, &workflow.name, workflow.version, &first, 0);
-    super::published::hold_for_eager_publish(engine, std::slice::from_mut(&mut first_message));
-    let rows = outbox::insert(&mut *tx, std::slice::from_ref(&first_message)).await?;
+            )));
+        }
+    };
     tx.commit().await?;
     Stats::bump(&engine.stats.runs_started);
     tracing::info!("run started");
     let eager = super::published::to_publish_eagerly(engine, vec![first_message], &rows);
     Ok(Disposition::Committed(eager))
+}
+
+/// What [`create`] found.
+pub(crate) enum Created {
+    /// The run was created; its first step message is in the outbox under these row ids.
+    New {
+        /// The first step's message.
+        message: OutgoingMessage,
+        /// Its outbox row ids.
+        rows: Vec<i64>,
+    },
+    /// A run has the id already (which workflow and input it has is the caller's to judge).
+    Exists(Box<runs::RunRow>),
+    /// A run had the id at the insert and was gone at the read (removed meanwhile).
+    Vanished,
+}
+
+/// Creates the run of `event` with its first step queued in the outbox, in `tx`, unless a run
+/// has its id. One path for every start: the run-start consumer, schedules' ticks and
+/// backfills. `hold` may mark the first message for the caller's own publish.
+pub(crate) async fn create(
+    tx: &mut sqlx::PgConnection,
+    topology: &Topology,
+    workflow: &Workflow,
+    first: &StepAddress,
+    event: &RunStartEvent,
+    hold: impl FnOnce(&mut [OutgoingMessage]),
+) -> store::Result<Created> {
+    let new = runs::NewRun {
+        run_id: &event.run_id,
+        workflow: &workflow.name,
+        version: workflow.version,
+        first_step: first,
+        input: &event.input,
+    };
+    if !runs::insert(&mut *tx, &new).await? {
+        return Ok(match runs::get(&mut *tx, event.run_id.as_str()).await? {
+            Some(run) => Created::Exists(Box::new(run)),
+            None => Created::Vanished,
+        });
+    }
+    let mut message =
+        topology.step_message(&event.run_id, &workflow.name, workflow.version, first, 0);
+    hold(std::slice::from_mut(&mut message));
+    let rows = outbox::insert(&mut *tx, std::slice::from_ref(&message)).await?;
+    Ok(Created::New { message, rows })
 }
 
 /// A second start of a run with another workflow or input: dead-lettered with both input hashes.

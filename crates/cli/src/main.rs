@@ -71,6 +71,11 @@ enum Command {
         #[command(subcommand)]
         command: cli::dlq::DlqCommand,
     },
+    /// Start runs on a cadence: create, list, show, pause, resume, trigger, backfill, delete.
+    Schedule {
+        #[command(subcommand)]
+        command: cli::schedule::ScheduleCommand,
+    },
     /// Measure throughput, latency, CPU, memory and recovery against the bare-loop baseline B3.
     Bench(cli::bench::BenchArgs),
     /// Drill a workflow: start runs on worker processes the drill owns, inject seeded faults,
@@ -169,6 +174,7 @@ async fn dispatch(cli: Cli) -> anyhow::Result<()> {
             cli::decide::print_contract(&registry, &workflow, json)
         }
         Command::Dlq { command } => cli::dlq::run(&settings, command).await,
+        Command::Schedule { command } => cli::schedule::run(settings, registry, command).await,
         Command::Bench(args) => cli::bench::run(&settings, args).await,
         Command::Drill(args) => cli::drill::run(&settings, registry, *args).await,
         Command::ModelServer { .. } | Command::Token { .. } => unreachable!("handled above"),

@@ -11,6 +11,7 @@ pub mod fork;
 pub mod migrate;
 pub mod run;
 pub mod runs;
+pub mod schedule;
 pub mod serve;
 mod table;
 pub mod watch;

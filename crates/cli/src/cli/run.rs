@@ -96,7 +96,7 @@ pub async fn start(
 }
 
 /// The input as given: inline JSON, `@FILE`, or `-` for standard input; `{}` when absent.
-fn read_input(raw: Option<&str>) -> anyhow::Result<Value> {
+pub(crate) fn read_input(raw: Option<&str>) -> anyhow::Result<Value> {
     let text = match raw {
         None => return Ok(json!({})),
         Some("-") => std::io::read_to_string(std::io::stdin())
