@@ -46,6 +46,25 @@ async fn every_endpoint_answers_401_without_a_token_403_below_its_role_and_audit
     );
     env.publish(&poison).await;
     dlq_support::wait_dlq_depth(env, 1).await;
+    // The schedule every `{name}` path names: created (201), then the same again (200).
+    let hourly = json!({"name": "chain", "workflow": "chain", "every": "1h", "reason": "hourly"});
+    for want in [StatusCode::CREATED, StatusCode::OK] {
+        let op = Some(api.token(Role::Operator));
+        let (status, body) = api
+            .call(
+                Method::POST,
+                "/api/v1/schedules",
+                op,
+                Some(hourly.clone()),
+                None,
+            )
+            .await;
+        assert_eq!(
+            (status, &body["every_secs"]),
+            (want, &json!(3600)),
+            "{body}"
+        );
+    }
 
     for e in ENDPOINTS {
         let path = e

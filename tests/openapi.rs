@@ -198,6 +198,16 @@ fn happy_post(e: &Endpoint) -> (&'static str, Value) {
             json!({"reason": "eval", "from": 1, "run_id": "r-fork"}),
         ),
         "reveal" => ("", json!({"reason": "look"})),
+        // The schedule `chain` ({name} of every schedule path), created first in ENDPOINTS.
+        "schedules" => (
+            "",
+            json!({"name": "chain", "workflow": "chain", "every": "1h", "input": {"steps": 1}, "reason": "hourly"}),
+        ),
+        "pause" | "trigger" | "delete" => ("", json!({"reason": "looked"})),
+        "backfill" => (
+            "",
+            json!({"reason": "missed", "from": "2026-01-01T00:00:00Z", "to": "2026-01-01T02:00:00Z"}),
+        ),
         "requeue" | "purge" => (
             "",
             json!({"reason": "count", "reason_code": "undecodable", "preview": true}),

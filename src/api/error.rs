@@ -180,6 +180,20 @@ impl From<crate::diff::Error> for ApiError {
     }
 }
 
+impl From<crate::schedule::Error> for ApiError {
+    fn from(e: crate::schedule::Error) -> Self {
+        use crate::schedule::Error as E;
+        match e {
+            E::Invalid { field, message } => {
+                Self::bad_request(format!("{field}: {message}")).with_field(field)
+            }
+            E::NotFound(_) => Self::not_found(e.to_string()),
+            E::Conflict(_) => Self::conflict(e.to_string()),
+            E::Store(s) => s.into(),
+        }
+    }
+}
+
 impl From<dlq::Error> for ApiError {
     fn from(e: dlq::Error) -> Self {
         match &e {

@@ -31,6 +31,7 @@ mod idempotency;
 pub mod input;
 mod openapi;
 mod runs;
+mod schedules;
 mod start;
 
 use std::sync::Arc;
@@ -93,6 +94,13 @@ pub fn router(engine: Arc<Engine>) -> Result<Router, Error> {
         .route("/dead-letters/purge", post(dlq::purge))
         .route("/dead-letters/{id}", get(dlq::show))
         .route("/dead-letters/{id}/reveal", post(dlq::reveal))
+        .route("/schedules", get(schedules::list).post(schedules::create))
+        .route("/schedules/{name}", get(schedules::show))
+        .route("/schedules/{name}/pause", post(schedules::pause))
+        .route("/schedules/{name}/resume", post(schedules::resume))
+        .route("/schedules/{name}/trigger", post(schedules::trigger))
+        .route("/schedules/{name}/backfill", post(schedules::backfill))
+        .route("/schedules/{name}/delete", post(schedules::delete))
         .route("/workflows", get(admin::workflows))
         .route("/workflows/{name}/contract", get(admin::contract))
         .route("/audit", get(admin::audit))

@@ -12,7 +12,7 @@ use utoipa::OpenApi;
 
 use super::auth::Role;
 use super::error::ErrorBody;
-use super::{admin, decisions, dlq, runs, start};
+use super::{admin, decisions, dlq, runs, schedules, start};
 
 /// One endpoint.
 #[derive(Debug, Clone, Copy)]
@@ -167,6 +167,52 @@ pub const ENDPOINTS: &[Endpoint] = &[
         true,
     ),
     get(
+        "/api/v1/schedules",
+        Role::Viewer,
+        "Every schedule: cadence, next tick, paused, runs started, ticks skipped",
+    ),
+    post(
+        "/api/v1/schedules",
+        Role::Operator,
+        "Create a schedule (name, workflow, input, cron and tz or every, overlap, catch_up, reason); the same again answers it (200), another under the name is 409",
+        false,
+    ),
+    get(
+        "/api/v1/schedules/{name}",
+        Role::Viewer,
+        "One schedule, its next five ticks and its newest runs",
+    ),
+    post(
+        "/api/v1/schedules/{name}/pause",
+        Role::Operator,
+        "`{\"reason\"}`: nothing starts until it is resumed; audited",
+        false,
+    ),
+    post(
+        "/api/v1/schedules/{name}/resume",
+        Role::Operator,
+        "`{\"reason\"}`: ticks again from the next one after now; audited",
+        false,
+    ),
+    post(
+        "/api/v1/schedules/{name}/trigger",
+        Role::Operator,
+        "`{\"reason\"}`: one run now, whatever the overlap policy; audited",
+        false,
+    ),
+    post(
+        "/api/v1/schedules/{name}/backfill",
+        Role::Operator,
+        "`{\"reason\", \"from\", \"to\"}`: the run of every past tick in the range that has none; audited",
+        false,
+    ),
+    post(
+        "/api/v1/schedules/{name}/delete",
+        Role::Operator,
+        "`{\"reason\"}`: the schedule goes, its runs stay; audited",
+        false,
+    ),
+    get(
         "/api/v1/workflows",
         Role::Viewer,
         "The workflows this process runs",
@@ -233,6 +279,14 @@ pub fn endpoint_for(method: &str, path: &str) -> Option<&'static Endpoint> {
         dlq::reveal,
         dlq::requeue,
         dlq::purge,
+        schedules::list,
+        schedules::create,
+        schedules::show,
+        schedules::pause,
+        schedules::resume,
+        schedules::trigger,
+        schedules::backfill,
+        schedules::delete,
         admin::workflows,
         admin::contract,
         admin::audit,

@@ -37,18 +37,30 @@ pub struct Create {
 
 /// A schedule as `show` and `list` present it: the row, its next ticks and its newest runs.
 #[derive(Debug, Clone, Serialize)]
+#[cfg_attr(feature = "ops-http", derive(utoipa::ToSchema))]
 pub struct Shown {
     /// The stored schedule.
     #[serde(flatten)]
     pub schedule: ScheduleRow,
     /// The next few ticks (none while paused).
     pub upcoming: Vec<DateTime<Utc>>,
-    /// Its newest runs: id and status.
-    pub recent_runs: Vec<(String, String)>,
+    /// Its newest runs.
+    pub recent_runs: Vec<RecentRun>,
+}
+
+/// One of a schedule's runs.
+#[derive(Debug, Clone, Serialize)]
+#[cfg_attr(feature = "ops-http", derive(utoipa::ToSchema))]
+pub struct RecentRun {
+    /// The run (`<name>:<tick>`).
+    pub run_id: String,
+    /// Where it stands.
+    pub status: String,
 }
 
 /// What a backfill or trigger did.
 #[derive(Debug, Clone, Default, Serialize)]
+#[cfg_attr(feature = "ops-http", derive(utoipa::ToSchema))]
 pub struct Started {
     /// Runs created.
     pub started: Vec<String>,
@@ -56,8 +68,13 @@ pub struct Started {
     pub existed: Vec<String>,
 }
 
-/// Creates a schedule; the same schedule again is not an error, another one under the name is.
-pub async fn create(engine: &Engine, c: &Create, who: &Decider) -> Result<ScheduleRow, Error> {
+/// Creates a schedule; the same schedule again is not an error (`false`: it existed), another
+/// one under the name is.
+pub async fn create(
+    engine: &Engine,
+    c: &Create,
+    who: &Decider,
+) -> Result<(ScheduleRow, bool), Error> {
     check_name(&c.name)?;
     check_input(engine, &c.workflow, &c.input)?;
     if c.catch_up > LONGEST {
@@ -95,7 +112,7 @@ pub async fn create(engine: &Engine, c: &Create, who: &Decider) -> Result<Schedu
             && existing.overlap == new.overlap
             && existing.catch_up_secs == new.catch_up_secs;
         return if same {
-            Ok(existing)
+            Ok((existing, false))
         } else {
             Err(Error::Conflict(c.name.clone()))
         };
@@ -105,7 +122,7 @@ pub async fn create(engine: &Engine, c: &Create, who: &Decider) -> Result<Schedu
     audited(&mut tx, who, "schedule.create", &c.name, details).await?;
     let row = schedules::get(&mut *tx, &c.name, false).await?;
     tx.commit().await?;
-    row.ok_or_else(|| Error::NotFound(c.name.clone()))
+    Ok((row.ok_or_else(|| Error::NotFound(c.name.clone()))?, true))
 }
 
 /// Every schedule.
@@ -125,7 +142,11 @@ pub async fn show(engine: &Engine, name: &str) -> Result<Shown, Error> {
         upcoming.push(t);
         next = spec.cadence.next_after(t);
     }
-    let recent_runs = runs::with_prefix(&engine.pool, &format!("{name}:"), 10).await?;
+    let recent_runs = runs::with_prefix(&engine.pool, &format!("{name}:"), 10)
+        .await?
+        .into_iter()
+        .map(|(run_id, status)| RecentRun { run_id, status })
+        .collect();
     Ok(Shown {
         schedule: row,
         upcoming,

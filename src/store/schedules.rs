@@ -9,12 +9,14 @@ use super::Result;
 
 /// A schedule as stored.
 #[derive(Debug, Clone, PartialEq, Serialize, sqlx::FromRow)]
+#[cfg_attr(feature = "ops-http", derive(utoipa::ToSchema))]
 pub struct ScheduleRow {
     /// Its name, the start of every run id it makes.
     pub name: String,
     /// The workflow each tick starts.
     pub workflow: String,
     /// The input of every run.
+    #[cfg_attr(feature = "ops-http", schema(value_type = Object))]
     pub input: Value,
     /// A cron expression (with `tz`), or none for a fixed interval.
     pub cron: Option<String>,

@@ -162,7 +162,7 @@ pub async fn run(
                 overlap: overlap.parse::<Overlap>()?,
                 catch_up: schedule::duration("catch_up", &catch_up)?,
             };
-            let row = ops::create(&engine, &create, &who.decider()?).await?;
+            let (row, _) = ops::create(&engine, &create, &who.decider()?).await?;
             println!(
                 "schedule {} starts {} {}; next tick {}",
                 row.name,
@@ -271,8 +271,8 @@ async fn show(engine: &Engine, name: &str, json: bool) -> anyhow::Result<()> {
     for t in &shown.upcoming {
         println!("next  {}", t.to_rfc3339());
     }
-    for (id, status) in &shown.recent_runs {
-        println!("run   {id}  {status}");
+    for run in &shown.recent_runs {
+        println!("run   {}  {}", run.run_id, run.status);
     }
     Ok(())
 }
