@@ -429,3 +429,66 @@ async fn seed_long_run(env: &common::TestEnv, run_id: &str, n: i32) {
     .await
     .unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_operator_pauses_resumes_and_triggers_a_schedule_from_the_console() {
+    let env = common::TestEnv::new().await;
+    let tokens = Tokens::new();
+    let (base, running) = serve(&env, &tokens, registry_with(vec![])).await;
+    let out = env
+        .command(&[
+            "schedule",
+            "create",
+            "nightly",
+            "--workflow",
+            "chain",
+            "--cron",
+            "0 2 * * *",
+        ])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{:?}", common::text(&out));
+
+    let env = &env;
+    Browser::open(&base, "schedules")
+        .await
+        .run(|b| async move {
+            b.login(&tokens.operator).await;
+            b.goto("/schedules").await;
+            let row = "tr[data-schedule=nightly]";
+            assert_eq!(b.text(&format!("{row} td.state")).await, "active");
+            for (action, done) in [
+                ("pause", "paused nightly"),
+                ("resume", "resumed nightly"),
+                ("trigger", "triggered nightly:"),
+            ] {
+                let form = format!("{row} form[data-action={action}]");
+                b.fill(&format!("{form} input[name=reason]"), "console check")
+                    .await;
+                b.click(&format!("{form} button")).await;
+                b.wait_text("p.done", done).await;
+            }
+            assert_eq!(b.text(&format!("{row} td.state")).await, "active");
+            let rows = audit(env).await;
+            assert!(
+                rows[0].ends_with("cli schedule.create schedule:nightly"),
+                "{rows:?}"
+            );
+            assert_eq!(
+                rows[1..],
+                [
+                    "otto console schedule.pause schedule:nightly",
+                    "otto console schedule.resume schedule:nightly",
+                    "otto console schedule.trigger schedule:nightly",
+                ]
+            );
+        })
+        .await;
+    let triggered: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM trailmark.runs WHERE run_id LIKE 'nightly:%'")
+            .fetch_one(&env.pool)
+            .await
+            .unwrap();
+    assert_eq!(triggered, 1, "one run triggered");
+    running.stop().await;
+}

@@ -20,6 +20,7 @@ mod layout;
 mod letters;
 mod once;
 mod run;
+mod schedules;
 mod session;
 
 use std::sync::Arc;
@@ -62,6 +63,8 @@ pub(crate) fn router(engine: Arc<Engine>, tokens: Arc<Vec<Token>>) -> Router {
             "/dead-letters/act/{action}",
             get(letters::confirm).post(letters::act),
         )
+        .route("/schedules", get(schedules::list))
+        .route("/schedules/{name}/{action}", post(schedules::act))
         .route("/workflows", get(admin::workflows))
         .route("/audit", get(admin::audit))
         .route("/logout", post(session::logout))
