@@ -25,7 +25,8 @@ use super::extract::Body;
 use super::input::{self, Kind};
 use crate::domain::{RunId, RunStartEvent, RunStatus, StepAddress, request_hash};
 use crate::operator::Decider;
-use crate::store::{self, audit, outbox, runs};
+use crate::store::{self, audit, runs};
+use crate::worker::run_start::{self, Created};
 use crate::workflow::{StartRefused, Workflow};
 
 /// What starts a run.
@@ -189,26 +190,18 @@ pub async fn start(
         .with_field("workflow")
     })?;
     let mut tx = state.engine.pool.begin().await.map_err(store::Error::from)?;
-    let new = runs::NewRun {
-        run_id: &event.run_id,
-        workflow: &workflow.name,
-        version: workflow.version,
-        first_step: &first,
-        input: &event.input,
-    };
-    if !runs::insert(&mut *tx, &new).await? {
-        let existing = runs::get(&mut *tx, event.run_id.as_str()).await?;
-        tx.rollback().await.map_err(store::Error::from)?;
-        return again(&event, existing);
+    let engine = &state.engine;
+    match run_start::create(&mut tx, &engine.topology, &workflow, &first, &event, |_| {}).await? {
+        Created::New { .. } => {}
+        Created::Exists(existing) => {
+            tx.rollback().await.map_err(store::Error::from)?;
+            return again(&event, Some(*existing));
+        }
+        Created::Vanished => {
+            tx.rollback().await.map_err(store::Error::from)?;
+            return again(&event, None);
+        }
     }
-    let step = state.engine.topology.step_message(
-        &event.run_id,
-        &workflow.name,
-        workflow.version,
-        &first,
-        0,
-    );
-    outbox::insert(&mut *tx, std::slice::from_ref(&step)).await?;
     audited(&mut tx, &caller.decider(&reason), &event, &workflow).await?;
     let run = runs::get(&mut *tx, event.run_id.as_str())
         .await?
