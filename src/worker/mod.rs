@@ -16,6 +16,7 @@ mod published;
 mod run_start;
 mod step;
 mod step_tx;
+mod version_wait;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -281,9 +282,10 @@ async fn handle_work(
     }
     .unwrap_or_else(|| format!("{}/{}", engine.worker_id, uuid::Uuid::new_v4().simple()));
     let redelivered = delivered_before(delivery);
+    let waited = version_wait::Waited::read(delivery.properties.headers().as_ref());
     loop {
         let result = match &work {
-            Work::Step(msg) => step::process(engine, msg, (&owner, redelivered)).await,
+            Work::Step(msg) => step::process(engine, msg, (&owner, redelivered, waited)).await,
             Work::Start(event) => run_start::process(engine, delivery, event).await,
         };
         match result {
