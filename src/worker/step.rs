@@ -168,7 +168,14 @@ async fn run_claimed(
                 .await?;
             Disposition::Delay(delay)
         }
-        Verdict::Stale(why) => Disposition::Stale(why.into()),
+        Verdict::Stale(why) => {
+            // Said like a heartbeat that finds the lease gone: whichever notices first.
+            tracing::warn!(
+                why,
+                "fenced out: a newer worker owns the run; this attempt's work is dropped"
+            );
+            Disposition::Stale(why.into())
+        }
         Verdict::Infrastructure(what) => {
             return Err(store::Error::Unavailable { what, source: None });
         }
@@ -552,6 +559,7 @@ async fn commit(
             ));
         }
         Err(store::Error::FencedOut { .. }) => {
+            tracing::warn!("fenced out at commit: a newer worker owns the run; this attempt's work is dropped");
             return Ok(Disposition::Stale("fenced out at commit".into()));
         }
         Err(e) => return Err(e),
