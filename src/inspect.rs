@@ -235,6 +235,17 @@ pub async fn commit_times_between(
     sql::commit_times_between(db, after, until).await
 }
 
+/// Of `runs`, the one that waited longest within `[from, to]` for its next commit (from its
+/// previous commit or its creation, clipped to the window), with that wait in ms: how long a
+/// fault held a run back, which a gap in all commits hides while other runs move.
+pub async fn longest_run_wait(
+    db: impl PgExecutor<'_>,
+    runs: &[String],
+    window: (DateTime<Utc>, DateTime<Utc>),
+) -> Result<Option<(String, f64)>> {
+    sql::longest_run_wait(db, runs, window).await
+}
+
 /// Status, note and error of each of `ids` that exists (ids never created are left out).
 pub async fn run_states(db: impl PgExecutor<'_>, ids: &[String]) -> Result<Vec<RunState>> {
     let rows = sql::statuses(db, ids).await?;

@@ -295,3 +295,185 @@ async fn a_killed_workers_lease_is_taken_over_at_once_by_a_live_worker() {
     assert_eq!(attempts, 2, "step {} was not taken over", run.step_seq);
     assert_eq!(env.chain_ledger("r-takeover").await, (40, 40));
 }
+
+/// `trailmark serve` with its WARN and INFO lines read on a thread, one per message.
+fn serve_logged(env: &TestEnv) -> (common::ChildGuard, std::sync::mpsc::Receiver<String>) {
+    use std::io::{BufRead, BufReader};
+    let mut cmd = env.command(&["serve"]);
+    cmd.env("RUST_LOG", "warn,trailmark=info")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped());
+    let mut child = common::ChildGuard(Some(cmd.spawn().unwrap()));
+    let stderr = child.0.as_mut().unwrap().stderr.take().unwrap();
+    let (lines_tx, lines) = std::sync::mpsc::channel::<String>();
+    std::thread::spawn(move || {
+        BufReader::new(stderr)
+            .lines()
+            .map_while(Result::ok)
+            .for_each(|l| drop(lines_tx.send(l)))
+    });
+    (child, lines)
+}
+
+/// Whether the process is stopped (SIGSTOP), from its state in /proc.
+fn stopped(pid: u32) -> bool {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    // The state follows the command name, which is in parentheses.
+    stat.rsplit_once(") ")
+        .is_some_and(|(_, rest)| rest.starts_with('T'))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frozen_worker_holds_no_run_past_about_a_lease_and_its_late_writes_are_refused() {
+    // RabbitMQ must not be what frees the frozen worker's messages: its heartbeat would close
+    // the connection only after about twenty minutes.
+    let env = TestEnv::with(|s| s.broker.heartbeat_secs = 600).await;
+    let (runs, steps, delay_ms) = (12, 8, 1500u64);
+    let mut workers = [serve_logged(&env), serve_logged(&env)];
+    let ids: Vec<String> = (0..runs).map(|i| format!("r-frozen-{i}")).collect();
+    for id in &ids {
+        env.start_run(
+            "chain",
+            id,
+            json!({"steps": steps, "step_delay_ms": delay_ms}),
+        )
+        .await;
+    }
+    // Both frozen while the leases are read; the holder of a lease its heartbeat has stamped
+    // (a step under way) stays frozen, the other goes on.
+    let held = common::eventually("a step under way with its lease stamped", WAIT, || async {
+        workers.iter().for_each(|(w, _)| w.signal(libc::SIGSTOP));
+        let rows: Vec<(String, i32, String)> = sqlx::query_as(
+            "SELECT run_id, step_seq, lease_owner FROM trailmark.runs
+              WHERE lease_expires_at IS NOT NULL AND step_seq >= 1 ORDER BY run_id LIMIT 1",
+        )
+        .fetch_all(&env.pool)
+        .await
+        .unwrap();
+        let found = rows.into_iter().next();
+        if found.is_none() {
+            workers.iter().for_each(|(w, _)| w.signal(libc::SIGCONT));
+        }
+        found
+    })
+    .await
+    .expect("a step under way");
+    let (held_run, held_seq, owner) = held;
+    let holder = trailmark::engine::lease_owner_pid(&owner).expect("an owner names its process");
+    let frozen = workers
+        .iter()
+        .position(|(w, _)| w.pid() == holder)
+        .expect("the holder is one of ours");
+    // Every run the frozen worker holds a lease of (stamped, or idle on a pre-claim).
+    let owners: Vec<(String, String)> = sqlx::query_as(
+        "SELECT run_id, lease_owner FROM trailmark.runs WHERE lease_owner IS NOT NULL",
+    )
+    .fetch_all(&env.pool)
+    .await
+    .unwrap();
+    let frozen_held: Vec<String> = owners
+        .into_iter()
+        .filter(|(_, o)| trailmark::engine::lease_owner_pid(o) == Some(holder))
+        .map(|(run, _)| run)
+        .collect();
+    workers[1 - frozen].0.signal(libc::SIGCONT);
+
+    // Every run finishes while the frozen worker is still stopped: within the work left and a
+    // few leases (its lease must expire; the runs whose next message it took must be noticed).
+    let lease = Duration::from_secs(env.settings.worker.lease_secs);
+    let bound = Duration::from_millis(steps as u64 * delay_ms) + lease * 10;
+    let started = std::time::Instant::now();
+    env.wait_until("every run succeeded", bound, || async {
+        let done: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM trailmark.runs WHERE run_id = ANY($1) AND status = 'succeeded'",
+        )
+        .bind(&ids)
+        .fetch_one(&env.pool)
+        .await
+        .unwrap();
+        done == runs as i64
+    })
+    .await;
+    let pid = workers[frozen].0.pid();
+    assert!(
+        stopped(pid),
+        "the frozen worker {pid} was woken before the runs ended ({:?} after the freeze)",
+        started.elapsed()
+    );
+    let before: Vec<(String, i64, i32, chrono::DateTime<chrono::Utc>)> = sqlx::query_as(
+        "SELECT run_id, fence, step_seq, updated_at FROM trailmark.runs WHERE run_id = ANY($1) ORDER BY run_id",
+    )
+    .bind(&ids)
+    .fetch_all(&env.pool)
+    .await
+    .unwrap();
+
+    // Woken, it finds its step's lease gone: whatever it tries to write is refused.
+    workers[frozen].0.signal(libc::SIGCONT);
+    let deadline = std::time::Instant::now() + WAIT;
+    let refusal = loop {
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        match workers[frozen].1.recv_timeout(left) {
+            Ok(l) if l.contains("lease lost") || l.contains("fenced out") => break l,
+            Ok(_) => continue,
+            Err(e) => panic!("the woken worker never reported being fenced out: {e}"),
+        }
+    };
+    assert!(
+        frozen_held
+            .iter()
+            .any(|run| refusal.contains(&format!("run.id={run} "))),
+        "{refusal} names none of {frozen_held:?}"
+    );
+    assert_eq!(
+        env.attempts(&held_run, held_seq).await,
+        2,
+        "the frozen worker's step was taken over once"
+    );
+    // It stops, handing back what it still held; the other drops those messages as stale.
+    workers[frozen].0.signal(libc::SIGTERM);
+    assert!(
+        common::wait_exit(&mut workers[frozen].0, WAIT)
+            .await
+            .is_some(),
+        "the woken worker did not stop on SIGTERM"
+    );
+    let t = env.topology();
+    for queue in [t.steps_queue(), t.run_start_queue()] {
+        env.wait_until(&format!("{queue} empty"), WAIT, || async {
+            ready(&env, &queue).await == 0
+        })
+        .await;
+    }
+    for id in &ids {
+        assert_eq!(env.chain_ledger(id).await, (steps, steps), "ledger of {id}");
+        assert_eq!(env.steps_done(id).await, steps, "positions of {id}");
+    }
+    let after: Vec<(String, i64, i32, chrono::DateTime<chrono::Utc>)> = sqlx::query_as(
+        "SELECT run_id, fence, step_seq, updated_at FROM trailmark.runs WHERE run_id = ANY($1) ORDER BY run_id",
+    )
+    .bind(&ids)
+    .fetch_all(&env.pool)
+    .await
+    .unwrap();
+    assert_eq!(before, after, "the woken worker changed a finished run");
+}
+
+/// Messages ready in `queue`.
+async fn ready(env: &TestEnv, queue: &str) -> u32 {
+    let conn = trailmark::broker::connect(&env.settings.broker, "test-depth")
+        .await
+        .unwrap();
+    let ch = conn.create_channel().await.unwrap();
+    let passive = lapin::options::QueueDeclareOptions {
+        passive: true,
+        durable: true,
+        ..Default::default()
+    };
+    let q = ch
+        .queue_declare(queue.into(), passive, Default::default())
+        .await
+        .unwrap();
+    let _ = conn.close(200, "done".into()).await;
+    q.message_count()
+}

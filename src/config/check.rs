@@ -87,7 +87,7 @@ fn distance(a: &str, b: &str) -> usize {
 }
 
 /// The whole-number settings and their ranges (inclusive).
-const LIMITS: [(&str, i128, i128); 28] = [
+const LIMITS: [(&str, i128, i128); 29] = [
     ("database.max_connections", 1, 10_000),
     ("database.connect_timeout_ms", 1, 3_600_000),
     ("broker.delivery_limit", 1, 1_000_000),
@@ -99,6 +99,7 @@ const LIMITS: [(&str, i128, i128); 28] = [
     ("worker.lease_secs", 2, 86_400),
     ("worker.heartbeat_secs", 1, 86_399),
     ("worker.busy_retry_ms", 1, 3_600_000),
+    ("worker.newer_version_wait_secs", 1, 604_800),
     ("worker.max_message_bytes", 1_024, 1 << 30),
     ("worker.call_retries", 0, 100),
     ("worker.max_attempts", 1, 1_000),

@@ -133,6 +133,9 @@ pub struct WorkerSettings {
     pub heartbeat_secs: u64,
     /// Delay before a message for a busy run is tried again.
     pub busy_retry_ms: u64,
+    /// How long a step of a workflow version newer than the worker's waits for a worker that
+    /// runs it before it is dead-lettered as `version_not_deployed`.
+    pub newer_version_wait_secs: u64,
     /// Largest body accepted; larger ones are dead-lettered unread.
     pub max_message_bytes: usize,
     /// In-process retries of a temporary failure, per call, under the same key.

@@ -187,6 +187,34 @@ pub(crate) async fn first_commit_of_each_after(
     .await?)
 }
 
+/// Of `runs`, the one that waited longest within `[from, to]` for its next commit (the wait
+/// from its previous commit, or its creation, clipped to the window), and that wait in ms.
+pub(crate) async fn longest_run_wait(
+    db: impl PgExecutor<'_>,
+    runs: &[String],
+    (from, to): (DateTime<Utc>, DateTime<Utc>),
+) -> Result<Option<(String, f64)>> {
+    Ok(sqlx::query_as(
+        "WITH marks AS (
+             SELECT run_id, finished_at AS at FROM trailmark.steps
+              WHERE run_id = ANY($1) AND finished_at IS NOT NULL
+             UNION ALL
+             SELECT run_id, created_at FROM trailmark.runs WHERE run_id = ANY($1)
+         ), gaps AS (
+             SELECT run_id, lag(at) OVER (PARTITION BY run_id ORDER BY at) AS prev, at FROM marks
+         )
+         SELECT run_id,
+                (EXTRACT(EPOCH FROM least(at, $3) - greatest(prev, $2)) * 1000)::float8 AS ms
+           FROM gaps WHERE prev IS NOT NULL AND at > $2 AND prev < $3
+          ORDER BY ms DESC LIMIT 1",
+    )
+    .bind(runs)
+    .bind(from)
+    .bind(to)
+    .fetch_optional(db)
+    .await?)
+}
+
 /// Every position commit (of any run) in `(after, until]`, in time order.
 pub(crate) async fn commit_times_between(
     db: impl PgExecutor<'_>,

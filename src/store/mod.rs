@@ -20,6 +20,7 @@ pub mod runs;
 pub mod schedules;
 pub mod shadow;
 pub mod steps;
+pub mod stranded;
 mod types;
 
 use std::time::Duration;
@@ -473,6 +474,20 @@ pub fn connections_per_process(pool: u32) -> u32 {
 pub async fn connect_one(settings: &DatabaseSettings) -> Result<sqlx::PgConnection> {
     writable_options(settings)
         .await?
+        .connect()
+        .await
+        .map_err(|e| down(settings, e))
+}
+
+/// [`connect_one`] under an `application_name` of its own, by which other processes find it in
+/// `pg_stat_activity` (a worker's presence connection, `stranded::PRESENCE_APPLICATION`).
+pub async fn connect_named(
+    settings: &DatabaseSettings,
+    application_name: &str,
+) -> Result<sqlx::PgConnection> {
+    writable_options(settings)
+        .await?
+        .application_name(application_name)
         .connect()
         .await
         .map_err(|e| down(settings, e))

@@ -104,6 +104,16 @@ pub async fn get(db: impl PgExecutor<'_>, run_id: &str) -> Result<Option<RunRow>
     )
 }
 
+/// Where a run stands: its status and the position of its next step (`None`: no such run).
+pub async fn standing(db: impl PgExecutor<'_>, run_id: &RunId) -> Result<Option<(RunStatus, i32)>> {
+    Ok(
+        sqlx::query_as("SELECT status, step_seq FROM trailmark.runs WHERE run_id = $1")
+            .bind(run_id.as_str())
+            .fetch_optional(db)
+            .await?,
+    )
+}
+
 /// Lists runs, newest first, optionally by status.
 pub async fn list(
     db: impl PgExecutor<'_>,

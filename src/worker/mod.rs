@@ -16,6 +16,8 @@ mod published;
 pub(crate) mod run_start;
 mod step;
 mod step_tx;
+mod sweep;
+mod version_wait;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -23,8 +25,8 @@ use std::time::Duration;
 use futures_util::StreamExt;
 use lapin::message::Delivery;
 use lapin::options::{BasicCancelOptions, BasicConsumeOptions, BasicQosOptions};
-use lapin::types::FieldTable;
-use tokio::sync::Semaphore;
+use lapin::types::{AMQPValue, FieldTable};
+use tokio::sync::{Semaphore, watch};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::Instrument;
@@ -55,12 +57,14 @@ pub async fn run(engine: Arc<Engine>, shutdown: CancellationToken) -> Result<(),
     // Presence has a token of its own: it must outlive the steps still finishing after shutdown.
     let presence_stop = CancellationToken::new();
     let presence = tokio::spawn(presence::hold(engine.clone(), presence_stop.clone()));
+    let (frozen_tx, frozen) = watch::channel(false);
+    let sweep = tokio::spawn(sweep::run(engine.clone(), frozen_tx, shutdown.clone()));
     let (published, forgetting) = PublishedRows::start(engine.clone());
     let mut backoff = Duration::from_millis(200);
     engine.health.runs(Loop::Worker);
     while !shutdown.is_cancelled() {
         engine.health.beat(Loop::Worker);
-        match session(&engine, &shutdown, &tracker, &published).await {
+        match session(&engine, &shutdown, &tracker, &published, frozen.clone()).await {
             Ok(()) => break,
             Err(e) => {
                 let problem = crate::error::Report(&e).to_string();
@@ -88,6 +92,7 @@ pub async fn run(engine: Arc<Engine>, shutdown: CancellationToken) -> Result<(),
     // forgetting gets a short while (a row left behind is published once more by a relay).
     drop(published);
     let _ = tokio::time::timeout(Duration::from_secs(5), forgetting).await;
+    let _ = sweep.await;
     presence_stop.cancel();
     let _ = presence.await;
     Ok(())
@@ -98,6 +103,7 @@ async fn session(
     shutdown: &CancellationToken,
     tracker: &TaskTracker,
     published: &PublishedRows,
+    mut frozen: watch::Receiver<bool>,
 ) -> Result<(), broker::Error> {
     let settings = &engine.settings;
     let conn = broker::connect(&settings.broker, &format!("worker-{}", engine.worker_id)).await?;
@@ -130,14 +136,26 @@ async fn session(
         .await?;
     tracing::info!(worker = %engine.worker_id, "worker consuming");
     engine.health.set_consuming(true);
-    let mut deliveries =
-        futures_util::stream::select(steps.map(|d| (true, d)), starts.map(|d| (false, d)));
+    let mut deliveries = Deliveries::new();
+    deliveries.push(steps.map(|d| (true, d)).boxed());
+    deliveries.push(starts.map(|d| (false, d)).boxed());
+    let mut first = First::default();
+    frozen.mark_changed();
+    let mut watching = true;
     let permits = Arc::new(Semaphore::new(settings.worker.concurrency as usize));
     let outcome = loop {
         engine.health.beat(Loop::Worker);
         let next = tokio::select! {
             next = deliveries.next() => next,
             _ = shutdown.cancelled() => break Ok(()),
+            changed = frozen.changed(), if watching => {
+                watching = changed.is_ok();
+                let want = *frozen.borrow_and_update();
+                if let Err(e) = first.set(engine, &channel, &mut deliveries, want).await {
+                    break Err(e);
+                }
+                continue;
+            }
             // An idle worker still comes round, so /livez tells idle from stuck.
             _ = tokio::time::sleep(IDLE_BEAT) => continue,
         };
@@ -167,7 +185,7 @@ async fn session(
     };
     engine.health.set_consuming(false);
     // Stop taking new deliveries; unacked prefetched ones return to the queue when we close.
-    for t in [tag("steps"), tag("starts")] {
+    for t in [tag("steps"), tag("starts")].into_iter().chain(first.tags.drain(..)) {
         let _ = channel
             .basic_cancel(t.into(), BasicCancelOptions::default())
             .await;
@@ -180,6 +198,79 @@ async fn session(
         let _ = conn.close(200, "shutdown".into()).await;
     }
     outcome
+}
+
+/// Every consumer's deliveries, flagged `true` for step messages.
+type Deliveries = futures_util::stream::SelectAll<
+    futures_util::stream::BoxStream<'static, (bool, Result<Delivery, lapin::Error>)>,
+>;
+
+/// The work queues consumed a second time at a higher priority while another worker is frozen
+/// (`sweep.rs`): RabbitMQ then hands step messages and run starts to these consumers first, and
+/// to a frozen worker's (priority 0, or an older such consumer's) only when every live one is
+/// full.
+#[derive(Default)]
+struct First {
+    /// The consumers' tags while they consume.
+    tags: Vec<String>,
+    /// Times they were made so far, for fresh tags each time.
+    made: u32,
+}
+
+/// The priority of the consumers made while a worker is frozen (the others have 0): the
+/// seconds since 2026, so that consumers made later come first. A worker that froze while its
+/// own such consumers were up (another worker had frozen just before) keeps them, and the live
+/// workers' newer ones must outrank them.
+fn first_priority() -> i32 {
+    const SINCE_2026: i64 = 1_767_225_600;
+    let secs = chrono::Utc::now().timestamp() - SINCE_2026;
+    secs.clamp(1, i64::from(i32::MAX)) as i32
+}
+
+impl First {
+    /// Starts or cancels the consumers as `want` says.
+    async fn set(
+        &mut self,
+        engine: &Engine,
+        channel: &lapin::Channel,
+        deliveries: &mut Deliveries,
+        want: bool,
+    ) -> Result<(), broker::Error> {
+        if want && self.tags.is_empty() {
+            self.made += 1;
+            let priority = first_priority();
+            let queues = [
+                (true, engine.topology.steps_queue()),
+                (false, engine.topology.run_start_queue()),
+            ];
+            for (is_step, queue) in queues {
+                let kind = if is_step { "steps" } else { "starts" };
+                let tag = format!("{kind}-first-{}-{}", engine.worker_id, self.made);
+                let mut args = FieldTable::default();
+                args.insert("x-priority".into(), AMQPValue::LongInt(priority));
+                let consumer = channel
+                    .basic_consume(
+                        queue.into(),
+                        tag.clone().into(),
+                        BasicConsumeOptions::default(),
+                        args,
+                    )
+                    .await?;
+                deliveries.push(consumer.map(move |d| (is_step, d)).boxed());
+                self.tags.push(tag);
+            }
+            tracing::info!("another worker is frozen: this worker now takes messages first");
+        } else if !want && !self.tags.is_empty() {
+            // Their streams end once what they were handed is read; those deliveries stay ours.
+            for tag in std::mem::take(&mut self.tags) {
+                channel
+                    .basic_cancel(tag.into(), BasicCancelOptions::default())
+                    .await?;
+            }
+            tracing::info!("no worker is frozen any more: messages are shared evenly again");
+        }
+        Ok(())
+    }
 }
 
 /// Gives back the pre-claims no delivery took, while this worker still holds their prefetched
@@ -283,9 +374,10 @@ async fn handle_work(
     }
     .unwrap_or_else(|| format!("{}/{}", engine.worker_id, uuid::Uuid::new_v4().simple()));
     let redelivered = delivered_before(delivery);
+    let waited = version_wait::Waited::read(delivery.properties.headers().as_ref());
     loop {
         let result = match &work {
-            Work::Step(msg) => step::process(engine, msg, (&owner, redelivered)).await,
+            Work::Step(msg) => step::process(engine, msg, (&owner, redelivered, waited)).await,
             Work::Start(event) => run_start::process(engine, delivery, event).await,
         };
         match result {

@@ -7,8 +7,10 @@ use std::time::Duration;
 
 use lapin::message::Delivery;
 use lapin::options::BasicAckOptions;
+use lapin::types::AMQPValue;
 
 use super::published::PublishedRows;
+use super::version_wait::{SINCE, WAITS, Waited};
 use crate::broker::{Outgoing, Publisher, header_str, headers_to_map, map_to_headers};
 use crate::engine::{Engine, Stats};
 
@@ -51,6 +53,15 @@ pub enum Disposition {
     Stale(String),
     /// Try again after `delay` (run busy, or a step retry): park in a delay queue, then ack.
     Delay(Duration),
+    /// A step of a newer workflow version than this worker runs, whose run waits at its
+    /// position: park it in a delay queue with how long it has waited, then ack
+    /// (`version_wait.rs`).
+    WaitForVersion {
+        /// How long this wait lasts.
+        delay: Duration,
+        /// The wait so far, this one included, carried in the message's headers.
+        waited: Waited,
+    },
     /// Poison: publish to the DLQ with this reason, then ack.
     DeadLetter {
         /// Short code.
@@ -102,6 +113,18 @@ pub(super) async fn settle(
                 "the message waits in the delay queue (its run is busy, or its step is retried later)"
             );
             publisher.publish(&delayed(engine, delivery, *delay)).await
+        }
+        Disposition::WaitForVersion { delay, waited } => {
+            Stats::bump(&engine.stats.delayed);
+            let mut message = delayed(engine, delivery, *delay);
+            let text = |s: String| AMQPValue::LongString(s.into());
+            message
+                .headers
+                .insert(SINCE.into(), text(waited.since.to_rfc3339()));
+            message
+                .headers
+                .insert(WAITS.into(), text(waited.times.to_string()));
+            publisher.publish(&message).await
         }
         Disposition::DeadLetter {
             reason,
@@ -199,6 +222,10 @@ fn dead_letter(
 ) -> Outgoing {
     let headers = delivery.properties.headers().as_ref();
     let mut map: BTreeMap<String, String> = headers_to_map(headers);
+    // A wait for a newer version describes this trip, not the message: a requeued letter
+    // starts its wait again (the detail says how long it waited).
+    map.remove(SINCE);
+    map.remove(WAITS);
     map.extend(evidence.iter().map(|(k, v)| (k.clone(), v.clone())));
     // This delivery adds one to the earlier ones.
     let earlier = earlier_deliveries(delivery);

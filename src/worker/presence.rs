@@ -2,7 +2,9 @@
 //! stored with every lease the process takes. When the process dies (kill -9, OOM), the kernel
 //! closes its sockets, Postgres ends that backend, and other workers may claim its leases at once
 //! instead of waiting for them to expire. A frozen process keeps the connection, and so keeps its
-//! leases until they expire; fencing then refuses its late writes.
+//! leases until they expire; fencing then refuses its late writes. The connection also beats (a
+//! query every `worker.heartbeat_secs`) under an `application_name` naming the worker, so that
+//! the others see a frozen process by its silence (`sweep.rs`).
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -18,7 +20,8 @@ use crate::store;
 pub(super) async fn hold(engine: Arc<Engine>, shutdown: CancellationToken) {
     let mut backoff = Duration::from_millis(200);
     while !shutdown.is_cancelled() {
-        match store::connect_one(&engine.settings.database).await {
+        let name = format!("{}{}", store::stranded::PRESENCE_APPLICATION, engine.worker_id);
+        match store::connect_named(&engine.settings.database, &name).await {
             Ok(mut conn) => {
                 backoff = Duration::from_millis(200);
                 match store::backend_pid(&mut conn).await {
@@ -27,7 +30,7 @@ pub(super) async fn hold(engine: Arc<Engine>, shutdown: CancellationToken) {
                         tracing::warn!(error = %crate::error::Report(&e), "presence connection: cannot read its pid")
                     }
                 }
-                keep_alive(&mut conn, &shutdown).await;
+                keep_alive(&mut conn, engine.settings.worker.heartbeat(), &shutdown).await;
                 engine.presence_pid.store(0, Ordering::SeqCst);
                 let _ = conn.close().await;
             }
@@ -43,13 +46,14 @@ pub(super) async fn hold(engine: Arc<Engine>, shutdown: CancellationToken) {
     }
 }
 
-async fn keep_alive(conn: &mut sqlx::PgConnection, shutdown: &CancellationToken) {
+/// Beats every `period` until `shutdown` or until the connection fails.
+async fn keep_alive(conn: &mut sqlx::PgConnection, period: Duration, shutdown: &CancellationToken) {
     loop {
         tokio::select! {
             _ = shutdown.cancelled() => return,
-            _ = tokio::time::sleep(Duration::from_secs(5)) => {}
+            _ = tokio::time::sleep(period) => {}
         }
-        if let Err(e) = conn.ping().await {
+        if let Err(e) = store::stranded::beat(&mut *conn).await {
             tracing::warn!(error = %crate::error::Report(&e), "presence connection lost; reconnecting");
             return;
         }

@@ -17,6 +17,7 @@ use super::handover::{self, Evidence};
 use super::lease::Heartbeat;
 use super::outcome::{Disposition, dead};
 use super::published;
+use super::version_wait::{self, Waited};
 use super::{preclaim, step_tx};
 use crate::domain::{
     LocalWrite, MessageId, OutgoingMessage, RunStatus, ShadowWrite, StepMessage, Transition,
@@ -38,10 +39,14 @@ use crate::workflow::{
 pub(super) async fn process(
     engine: &Arc<Engine>,
     msg: &StepMessage,
-    (owner, redelivered): (&str, bool),
+    (owner, redelivered, waited): (&str, bool, Option<Waited>),
 ) -> store::Result<Disposition> {
     engine.failpoints.hit("worker.received").map_err(infra)?;
-    // 1. The workflow and step it names, deployed in this worker.
+    // 1. The workflow and step it names, deployed in this worker. A step of a newer version
+    //    waits for a worker that runs it, for a bounded time, while its run waits for it.
+    if let Some(deployed) = version_wait::deployed_if_older(engine, msg) {
+        return version_wait::process(engine, msg, deployed, waited).await;
+    }
     let (workflow, step) = match resolve(engine, msg) {
         Ok(found) => found,
         Err(poison) => return Ok(poison),
@@ -89,7 +94,7 @@ pub(super) async fn process(
         // message (a temporary failure's delay-queue copy): dropping it would strand the run.
         // The claim statement decides instead (duplicate, run moved on, busy, or ours).
         tracing::info!("the step's pre-claim was no longer the run's; claiming the step");
-        return Box::pin(process(engine, msg, (owner, redelivered))).await;
+        return Box::pin(process(engine, msg, (owner, redelivered, waited))).await;
     }
     Ok(disposition)
 }
@@ -163,7 +168,14 @@ async fn run_claimed(
                 .await?;
             Disposition::Delay(delay)
         }
-        Verdict::Stale(why) => Disposition::Stale(why.into()),
+        Verdict::Stale(why) => {
+            // Said like a heartbeat that finds the lease gone: whichever notices first.
+            tracing::warn!(
+                why,
+                "fenced out: a newer worker owns the run; this attempt's work is dropped"
+            );
+            Disposition::Stale(why.into())
+        }
         Verdict::Infrastructure(what) => {
             return Err(store::Error::Unavailable { what, source: None });
         }
@@ -265,7 +277,8 @@ async fn say_resuming(engine: &Engine, msg: &StepMessage, attempt: i32) -> store
 
 /// The workflow and the step definition the message names, or the dead letter for a message
 /// this worker cannot execute. A compensation runs its step's declared compensation.
-/// The step is `None` only for a run of an older version whose step this version lacks.
+/// The step is `None` only for a run of an older version whose step this version lacks (a step
+/// of a newer version never gets here: `version_wait.rs`).
 fn resolve(
     engine: &Engine,
     msg: &StepMessage,
@@ -281,15 +294,6 @@ fn resolve(
             ),
         ));
     };
-    if msg.version > workflow.version {
-        // A rolling upgrade: the run already moved to a version this (older) worker does not
-        // run. A newer worker takes it once the message comes back from the delay queue.
-        tracing::warn!(run.id = %msg.run_id, version = msg.version, deployed = workflow.version,
-            "step of a newer workflow version; it waits for a worker that runs that version (a rolling upgrade in progress?)");
-        return Err(Disposition::Delay(Duration::from_millis(
-            engine.settings.worker.busy_retry_ms.max(1_000),
-        )));
-    }
     let found = workflow.find(msg.step.declared()).and_then(|def| {
         match (msg.step.is_undo(), &def.compensation) {
             (false, _) => Some(def.clone()),
@@ -560,6 +564,7 @@ async fn commit(
             ));
         }
         Err(store::Error::FencedOut { .. }) => {
+            tracing::warn!("fenced out at commit: a newer worker owns the run; this attempt's work is dropped");
             return Ok(Disposition::Stale("fenced out at commit".into()));
         }
         Err(e) => return Err(e),

@@ -356,6 +356,7 @@ pub fn verdicts(r: &Report, unpublished: i64) -> Vec<Invariant> {
                     .map_or(String::new(), |x| format!(" (e.g. {x})"))
             ),
         },
+        paused(r),
         Invariant {
             name: "no checkpoint without its next-step message".into(),
             ok: unpublished == 0 && runs.lost == 0,
@@ -366,9 +367,64 @@ pub fn verdicts(r: &Report, unpublished: i64) -> Vec<Invariant> {
     ]
 }
 
+/// What a stopped worker may hold a run back for: noticing it takes a lease (its presence
+/// falls silent, its leases expire), re-queueing a second or two more; the rest is slack for a
+/// loaded machine.
+pub fn pause_bound_ms(lease_secs: u64) -> f64 {
+    (2 * lease_secs + 2) as f64 * 1000.0
+}
+
+/// The pause invariant: no run waited much past a lease while a worker was stopped (a pause
+/// shorter than the bound cannot break it; `--pause-secs` makes longer ones).
+fn paused(r: &Report) -> Invariant {
+    let bound = pause_bound_ms(r.lease_secs);
+    let pause = r.faults.iter().find(|f| f.fault == "pause");
+    let wait = pause.and_then(|p| {
+        p.run_wait_max_ms
+            .map(|ms| (ms, p.run_waited_longest.clone()))
+    });
+    Invariant {
+        name: "no run held back by a stopped worker much past a lease".into(),
+        ok: wait.as_ref().is_none_or(|(ms, _)| *ms <= bound),
+        detail: match (pause, wait) {
+            (None, _) => "no pause injected".into(),
+            (Some(_), None) => "no run waited while a worker was stopped".into(),
+            (Some(_), Some((ms, run))) => format!(
+                "the longest a run waited while a worker was stopped: {ms:.0} ms ({}); bound {bound:.0} ms (2 x lease + 2 s)",
+                run.unwrap_or_default()
+            ),
+        },
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_run_held_back_by_a_stopped_worker_past_twice_the_lease_breaks_the_pause_invariant() {
+        let with = |ms: Option<f64>| Report {
+            lease_secs: 4,
+            faults: vec![crate::report::FaultFigures {
+                fault: "pause".into(),
+                injected: 2,
+                run_wait_max_ms: ms,
+                run_waited_longest: ms.map(|_| "drill-7".into()),
+                ..Default::default()
+            }],
+            ..Default::default()
+        };
+        let held = paused(&with(Some(20_004.0)));
+        assert!(!held.ok, "{}", held.detail);
+        assert!(
+            held.detail.contains("20004 ms (drill-7); bound 10000 ms"),
+            "{}",
+            held.detail
+        );
+        assert!(paused(&with(Some(5_216.0))).ok);
+        assert!(paused(&with(None)).ok);
+        assert!(paused(&Report::default()).ok);
+    }
 
     #[test]
     fn the_call_logs_give_repeats_double_commits_and_stale_calls() {

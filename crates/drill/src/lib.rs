@@ -277,6 +277,8 @@ pub struct Config {
     pub faults: Faults,
     /// The workers' lease (short, so pauses past it stay short).
     pub lease_secs: u64,
+    /// How long a pause keeps its worker stopped (default: the lease plus 2 s).
+    pub pause_secs: Option<u64>,
     /// The drill gives up waiting after this long without a step committed.
     pub quiet_secs: u64,
     /// Keep the database, prefix and logs for a look afterwards.
@@ -301,6 +303,7 @@ impl Config {
             seed,
             faults: Faults::ci(),
             lease_secs: 4,
+            pause_secs: None,
             quiet_secs: 90,
             keep: false,
             progress: true,
@@ -421,6 +424,10 @@ fn replay(target: &Target, cfg: &Config) -> String {
     ) + &cfg
         .worker_concurrency
         .map_or(String::new(), |n| format!(" --concurrency {n}"))
+        + &format!(" --lease-secs {}", cfg.lease_secs)
+        + &cfg
+            .pause_secs
+            .map_or(String::new(), |n| format!(" --pause-secs {n}"))
         + &f.hooks
             .iter()
             .map(|h| {
@@ -441,7 +448,10 @@ fn say(cfg: &Config, line: &str) {
     }
 }
 
-/// A pause long enough to outlast `lease_secs` by two seconds.
-fn past_lease(lease_secs: u64) -> Duration {
-    Duration::from_secs(lease_secs + 2)
+impl Config {
+    /// How long a pause keeps its worker stopped: `pause_secs`, or long enough to outlast the
+    /// lease by two seconds.
+    pub fn pause_length(&self) -> Duration {
+        Duration::from_secs(self.pause_secs.unwrap_or(self.lease_secs + 2))
+    }
 }

@@ -13,6 +13,8 @@ pub struct Report {
     pub workflow: String,
     /// The seed; the same seed replays the same plan.
     pub seed: u64,
+    /// The workers' lease (s): what a stopped worker may hold a run back for.
+    pub lease_secs: u64,
     /// How to run this drill again.
     pub replay: String,
     /// Wall time of the drill, setup included (s).
@@ -122,6 +124,12 @@ pub struct FaultFigures {
     /// fault, gaps between commits, up to the window's end or the last commit): steps already
     /// in hand commit within milliseconds whatever broke, so this is what shows a stall.
     pub stall_max_ms: Option<f64>,
+    /// The longest one run waited for its next commit within the window of any of them (for
+    /// a pause, while the worker was stopped; else the stall window after the fault): what a
+    /// fault held back while other runs moved.
+    pub run_wait_max_ms: Option<f64>,
+    /// The run that waited that long.
+    pub run_waited_longest: Option<String>,
 }
 
 /// The engine seams.
@@ -257,19 +265,20 @@ impl fmt::Display for Report {
             .max(10);
         writeln!(
             f,
-            "{:<w$} injected  recovery p50 ms  max ms  no progress  longest stall ms",
+            "{:<w$} injected  recovery p50 ms  max ms  no progress  longest stall ms  longest run wait ms",
             "fault"
         )?;
         for x in &self.faults {
             writeln!(
                 f,
-                "{:<w$} {:>8}  {:>15}  {:>6}  {:>11}  {:>16}",
+                "{:<w$} {:>8}  {:>15}  {:>6}  {:>11}  {:>16}  {:>19}",
                 x.fault,
                 x.injected,
                 ms(x.recovery_p50_ms),
                 ms(x.recovery_max_ms),
                 x.without_progress,
-                ms(x.stall_max_ms)
+                ms(x.stall_max_ms),
+                ms(x.run_wait_max_ms)
             )?;
         }
         writeln!(

@@ -12,7 +12,7 @@ use super::proxy::Proxy;
 use super::report::{EngineSeams, FaultFigures, Report};
 use super::schedule::{self, Fault, Planned, Rng};
 use super::tap::Tap;
-use super::{Config, Error, RUN_PREFIX, Result, Target, faults, past_lease, say};
+use super::{Config, Error, RUN_PREFIX, Result, Target, faults, say};
 use trailmark::broker::Outgoing;
 use trailmark::config::Settings;
 use trailmark::domain::{RunId, RunStartEvent};
@@ -36,7 +36,9 @@ struct Drill<'a> {
     calls_dir: std::path::PathBuf,
     poison: Vec<String>,
     /// Each fault's name and moment; recovery is read from the steps' commit times at the end.
-    moments: Vec<(String, DateTime<Utc>)>,
+    moments: Vec<Moment>,
+    /// The drill's run ids, for the runs' waits at the end.
+    ids: Vec<String>,
     injected: BTreeMap<Fault, u32>,
     reviews_resumed: i64,
 }
@@ -200,6 +202,7 @@ async fn drive(
         calls_dir,
         poison: Vec::new(),
         moments: Vec::new(),
+        ids: Vec::new(),
         injected: BTreeMap::new(),
         reviews_resumed: 0,
     };
@@ -266,6 +269,7 @@ impl Drill<'_> {
         let ids: Vec<String> = (0..self.cfg.runs)
             .map(|i| format!("{RUN_PREFIX}{i}"))
             .collect();
+        self.ids = ids.clone();
         let twice = self
             .start(target, &ids, self.cfg.faults.started_twice)
             .await?;
@@ -320,7 +324,7 @@ impl Drill<'_> {
         loop {
             for seam in self.fleet.check(&self.env)? {
                 tracing::debug!(seam, "a process killed itself at its seam");
-                self.moments.push(("kill at seam".into(), Utc::now()));
+                self.moments.push(Moment::at("kill at seam", Utc::now()));
             }
             self.resume_forced_reviews().await;
             let per_run = (total / ids.len() as f64).ceil() as i64;
@@ -413,8 +417,19 @@ impl Drill<'_> {
             }
             Fault::Pause => {
                 let slot = self.fleet.freeze(&mut self.rng);
-                tokio::time::sleep(past_lease(self.cfg.lease_secs)).await;
+                let frozen = Utc::now();
+                tokio::time::sleep(self.cfg.pause_length()).await;
                 self.fleet.thaw(slot);
+                *self.injected.entry(fault).or_default() += 1;
+                // Recovery is measured from its end (runs another worker held went on anyway);
+                // what it held back, over the time the worker was stopped.
+                let thawed = Utc::now();
+                self.moments.push(Moment {
+                    name: fault.name().into(),
+                    since: thawed,
+                    window: (frozen, thawed),
+                });
+                return Ok(());
             }
             Fault::Broker => {
                 let vhost = self.vhost.unwrap_or("/");
@@ -449,18 +464,12 @@ impl Drill<'_> {
                 faults::hook(hook, &self.env).await?;
                 *self.injected.entry(fault).or_default() += 1;
                 // Measured from its end, when what it breaks is broken (a kill, a failover).
-                self.moments.push((hook.name.clone(), Utc::now()));
+                self.moments.push(Moment::at(&hook.name, Utc::now()));
                 return Ok(());
             }
         }
         *self.injected.entry(fault).or_default() += 1;
-        // A pause is measured from its end: while the worker is stopped, others go on anyway.
-        let since = if fault == Fault::Pause {
-            Utc::now()
-        } else {
-            since
-        };
-        self.moments.push((fault.name().into(), since));
+        self.moments.push(Moment::at(fault.name(), since));
         Ok(())
     }
 
@@ -487,6 +496,7 @@ impl Drill<'_> {
         let mut report = Report {
             workflow: target.workflow.clone(),
             seed: self.cfg.seed,
+            lease_secs: self.cfg.lease_secs,
             runs,
             dead_letters,
             model_calls: logs.models,
@@ -524,34 +534,67 @@ impl Drill<'_> {
         Ok(report)
     }
 
-    /// Per fault kind: how often, and the time from each to the next committed step.
+    /// Per fault kind: how often, the time from each to the next committed step, the longest
+    /// stall of all commits and the longest wait of one run.
     async fn fault_figures(&self) -> Result<Vec<FaultFigures>> {
         let mut by: BTreeMap<String, Vec<Option<f64>>> = BTreeMap::new();
         let mut stalls: BTreeMap<String, f64> = BTreeMap::new();
-        for (name, since) in &self.moments {
-            let next = faults::next_commit(&self.env.pool, *since).await?;
-            by.entry(name.clone()).or_default().push(next);
-            if let Some(stall) = faults::longest_stall(&self.env.pool, *since).await? {
-                let worst = stalls.entry(name.clone()).or_default();
+        let mut waits: BTreeMap<String, (f64, String)> = BTreeMap::new();
+        for m in &self.moments {
+            let next = faults::next_commit(&self.env.pool, m.since).await?;
+            by.entry(m.name.clone()).or_default().push(next);
+            if let Some(stall) = faults::longest_stall(&self.env.pool, m.since).await? {
+                let worst = stalls.entry(m.name.clone()).or_default();
                 *worst = worst.max(stall);
+            }
+            let wait = inspect::longest_run_wait(&self.env.pool, &self.ids, m.window).await?;
+            if let Some((run, ms)) = wait {
+                let worst = waits.entry(m.name.clone()).or_default();
+                if ms > worst.0 {
+                    *worst = (ms, run);
+                }
             }
         }
         Ok(by
             .into_iter()
             .map(|(fault, times)| {
                 let stall_max_ms = stalls.get(&fault).copied();
+                let wait = waits.get(&fault);
                 let mut ok: Vec<f64> = times.iter().flatten().copied().collect();
                 ok.sort_by(f64::total_cmp);
                 FaultFigures {
-                    fault,
                     injected: times.len() as u32,
                     recovery_p50_ms: (!ok.is_empty()).then(|| ok[ok.len() / 2]),
                     recovery_max_ms: ok.last().copied(),
                     without_progress: times.iter().filter(|t| t.is_none()).count() as u32,
                     stall_max_ms,
+                    run_wait_max_ms: wait.map(|w| w.0),
+                    run_waited_longest: wait.map(|w| w.1.clone()),
+                    fault,
                 }
             })
             .collect())
+    }
+}
+
+/// A fault as the report measures it: its name, the moment recovery is timed from, and the
+/// window in which the runs' waits are read (for a pause: while the worker was stopped).
+struct Moment {
+    name: String,
+    since: DateTime<Utc>,
+    window: (DateTime<Utc>, DateTime<Utc>),
+}
+
+impl Moment {
+    /// A fault at `since`, its window the [`faults::STALL_WINDOW_SECS`] after it.
+    fn at(name: &str, since: DateTime<Utc>) -> Self {
+        let end =
+            since + chrono::Duration::milliseconds((faults::STALL_WINDOW_SECS * 1000.0) as i64);
+        Self {
+            name: name.into(),
+            since,
+            window: (since, end),
+        }
     }
 }
 

@@ -103,9 +103,12 @@ pub struct DrillArgs {
     /// DRILL_STEPS_QUEUE, DRILL_PREFIX and DRILL_DATABASE in its environment.
     #[arg(long = "hook", value_parser = Hook::parse)]
     pub hooks: Vec<Hook>,
-    /// The workers' lease, seconds (pauses last this plus 2 s).
+    /// The workers' lease, seconds (pauses last this plus 2 s, unless --pause-secs).
     #[arg(long, default_value_t = 4)]
     pub lease_secs: u64,
+    /// How long each pause keeps its worker stopped, seconds [default: the lease plus 2 s].
+    #[arg(long)]
+    pub pause_secs: Option<u64>,
     /// Deliveries each worker takes at once [default: worker.concurrency] (lower it, with a
     /// step delay in the input, to keep runs in flight through a long fault schedule).
     #[arg(long)]
@@ -132,6 +135,7 @@ pub async fn run(settings: &Settings, registry: Registry, args: DrillArgs) -> an
     cfg.relays = args.relays;
     cfg.supervisors = args.supervisors;
     cfg.lease_secs = args.lease_secs;
+    cfg.pause_secs = args.pause_secs;
     cfg.quiet_secs = args.quiet_secs;
     cfg.keep = args.keep;
     cfg.worker_concurrency = args.concurrency;

@@ -1,0 +1,175 @@
+//! A step of a workflow version newer than the one this worker runs: a rolling upgrade under way,
+//! or a version that was never deployed here. The message waits in the delay queues for a worker
+//! that runs its version, but only while its run still waits at that position, and only for
+//! `worker.newer_version_wait_secs`: then it is dead-lettered where an operator sees it, instead
+//! of circling through the delay queues for ever.
+//!
+//! How long it has waited travels with the message, in two headers the first wait sets (when it
+//! was first seen, how many waits since), so every worker it meets counts the same wait.
+
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use lapin::types::FieldTable;
+
+use super::outcome::{Disposition, dead};
+use crate::broker::header_str;
+use crate::domain::StepMessage;
+use crate::engine::Engine;
+use crate::store::{self, runs};
+
+/// When a worker first sent the message to wait for its version (RFC 3339).
+pub const SINCE: &str = "x-trailmark-newer-version-since";
+/// How many times it has waited since.
+pub const WAITS: &str = "x-trailmark-newer-version-waits";
+
+/// The dead-letter reason of a step whose version no worker took in time.
+pub const REASON: &str = "version_not_deployed";
+
+/// A wait is said at WARN once per message per this long (at DEBUG in between).
+const WARN_EVERY: Duration = Duration::from_secs(60);
+
+/// How long a message has waited for its version, as its headers say.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Waited {
+    /// When it was first sent to wait.
+    pub since: DateTime<Utc>,
+    /// How many waits so far.
+    pub times: u32,
+}
+
+impl Waited {
+    /// The wait recorded in `headers`, if the message waited before (a header that does not
+    /// parse counts as none: the wait starts again, it is not cut short).
+    pub fn read(headers: Option<&FieldTable>) -> Option<Self> {
+        let since = header_str(headers, SINCE)?;
+        let since = DateTime::parse_from_rfc3339(&since).ok()?.with_timezone(&Utc);
+        let times = header_str(headers, WAITS)
+            .and_then(|n| n.parse().ok())
+            .unwrap_or(0);
+        Some(Self { since, times })
+    }
+}
+
+/// The version of `msg`'s workflow this worker runs, when `msg` is of a newer one.
+pub(super) fn deployed_if_older(engine: &Engine, msg: &StepMessage) -> Option<i32> {
+    let workflow = engine.registry.get(&msg.workflow)?;
+    (msg.version > workflow.version).then_some(workflow.version)
+}
+
+/// What becomes of a step of version `msg.version` met by a worker of version `deployed`:
+/// stale when its run ended or moved past it (whatever its version), dead-lettered once it has
+/// waited `worker.newer_version_wait_secs`, else one more wait in a delay queue.
+pub(super) async fn process(
+    engine: &Engine,
+    msg: &StepMessage,
+    deployed: i32,
+    waited: Option<Waited>,
+) -> store::Result<Disposition> {
+    match runs::standing(&engine.pool, &msg.run_id).await? {
+        None => {
+            return Ok(dead(
+                "unknown_run",
+                format!("run {} does not exist in this database", msg.run_id),
+            ));
+        }
+        Some((status, _)) if !status.accepts_steps() => {
+            return Ok(Disposition::Stale(format!("run is {status}")));
+        }
+        Some((_, seq)) if seq != msg.seq => {
+            return Ok(Disposition::Stale(format!(
+                "run is at position {seq}, message is for {}",
+                msg.seq
+            )));
+        }
+        Some(_) => {}
+    }
+    let now = Utc::now();
+    let since = waited.map_or(now, |w| w.since);
+    let times = waited.map_or(0, |w| w.times);
+    let so_far = (now - since).to_std().unwrap_or_default();
+    let limit = engine.settings.worker.newer_version_wait_secs;
+    if so_far >= Duration::from_secs(limit) {
+        return Ok(dead(REASON, detail(msg, deployed, so_far, times, limit)));
+    }
+    let delay = delay(engine, so_far);
+    if warns(waited.is_none(), so_far, delay) {
+        tracing::warn!(run.id = %msg.run_id, version = msg.version, deployed, waited_secs = so_far.as_secs(),
+            limit_secs = limit, "step of a newer workflow version; it waits for a worker that runs that version (a rolling upgrade under way?), then goes to the DLQ");
+    } else {
+        tracing::debug!(version = msg.version, deployed, waited_secs = so_far.as_secs(), "step of a newer workflow version waits again");
+    }
+    Ok(Disposition::WaitForVersion {
+        delay,
+        waited: Waited {
+            since,
+            times: times + 1,
+        },
+    })
+}
+
+/// Whether this wait is said at WARN: the first one, and then the first after each
+/// [`WARN_EVERY`] of waiting (the previous wait, `delay` ago, was in an earlier period).
+fn warns(first: bool, so_far: Duration, delay: Duration) -> bool {
+    let period = |d: Duration| d.as_secs() / WARN_EVERY.as_secs();
+    first || period(so_far) > period(so_far.saturating_sub(delay))
+}
+
+/// The wait before the message is looked at again: short at first (an upgrade usually finishes
+/// within seconds), longer the longer it waits, so a forgotten version costs little meanwhile.
+fn delay(engine: &Engine, so_far: Duration) -> Duration {
+    let first = Duration::from_millis(engine.settings.worker.busy_retry_ms.max(1_000));
+    match so_far.as_secs() {
+        0..30 => first,
+        30..300 => first.max(Duration::from_secs(5)),
+        _ => first.max(Duration::from_secs(30)),
+    }
+}
+
+/// The dead letter's detail: which run, step and versions, how long it waited, what to do.
+fn detail(msg: &StepMessage, deployed: i32, so_far: Duration, times: u32, limit: u64) -> String {
+    format!(
+        "run {} step {} (position {}) is of {} v{}, but the workers that met it run v{deployed}; no worker of v{} took it within {} s ({times} waits; worker.newer_version_wait_secs = {limit}); deploy v{} of {}, then `trailmark dlq requeue {}`",
+        msg.run_id,
+        msg.step,
+        msg.seq,
+        msg.workflow,
+        msg.version,
+        msg.version,
+        so_far.as_secs(),
+        msg.version,
+        msg.workflow,
+        msg.message_id,
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_message_waiting_a_second_at_a_time_is_said_at_warn_once_a_minute() {
+        let second = Duration::from_secs(1);
+        let said = (0..600u64)
+            .filter(|s| warns(*s == 0, Duration::from_secs(*s), second))
+            .count();
+        // The first wait, then at 60, 120, ... 540 s.
+        assert_eq!(said, 10);
+    }
+
+    #[test]
+    fn the_wait_is_read_back_from_the_headers_it_was_written_to() {
+        let since = DateTime::parse_from_rfc3339("2026-12-01T10:00:00Z")
+            .unwrap()
+            .with_timezone(&Utc);
+        let mut headers = FieldTable::default();
+        let text = |s: String| lapin::types::AMQPValue::LongString(s.into());
+        headers.insert(SINCE.into(), text(since.to_rfc3339()));
+        headers.insert(WAITS.into(), text("7".into()));
+        assert_eq!(
+            Waited::read(Some(&headers)),
+            Some(Waited { since, times: 7 })
+        );
+        assert_eq!(Waited::read(None), None);
+    }
+}
