@@ -44,6 +44,14 @@ async fn runs_of(env: &TestEnv, name: &str) -> Vec<Ran<DateTime<Utc>>> {
         .collect()
 }
 
+/// A migrated environment and one `serve` process on it.
+async fn migrated_with_serve() -> (TestEnv, common::ChildGuard) {
+    let env = TestEnv::new().await;
+    assert!(env.command(&["migrate"]).output().unwrap().status.success());
+    let serve = env.spawn_process(None);
+    (env, serve)
+}
+
 async fn db_now(env: &TestEnv) -> DateTime<Utc> {
     sqlx::query_scalar("SELECT now()")
         .fetch_one(&env.pool)
@@ -109,9 +117,7 @@ async fn three_schedulers_one_killed_mid_scan_start_exactly_one_run_per_tick() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_paused_schedule_starts_nothing_and_a_backfill_run_twice_starts_each_tick_once() {
-    let env = TestEnv::new().await;
-    assert!(env.command(&["migrate"]).output().unwrap().status.success());
-    let _serve = env.spawn_process(None);
+    let (env, _serve) = migrated_with_serve().await;
     schedule(
         &env,
         &[
@@ -189,9 +195,7 @@ async fn a_paused_schedule_starts_nothing_and_a_backfill_run_twice_starts_each_t
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_skip_a_run_that_lasts_three_ticks_never_overlaps_the_next() {
-    let env = TestEnv::new().await;
-    assert!(env.command(&["migrate"]).output().unwrap().status.success());
-    let _serve = env.spawn_process(None);
+    let (env, _serve) = migrated_with_serve().await;
     schedule(
         &env,
         &[
