@@ -20,6 +20,7 @@ pub mod runs;
 pub mod shadow;
 pub mod steps;
 mod types;
+pub mod waits;
 
 use std::time::Duration;
 
