@@ -26,6 +26,7 @@ pub enum Error {
 
 /// One run as the comparison names it.
 #[derive(Debug, Clone, Serialize)]
+#[cfg_attr(feature = "ops-http", derive(utoipa::ToSchema))]
 pub struct Side {
     /// The run.
     pub run_id: String,
@@ -44,6 +45,7 @@ pub struct Side {
 
 /// A model call that differs.
 #[derive(Debug, Clone, Serialize)]
+#[cfg_attr(feature = "ops-http", derive(utoipa::ToSchema))]
 pub struct AnswerDiff {
     /// Call number within the position.
     pub call_no: i32,
@@ -62,6 +64,7 @@ pub struct AnswerDiff {
 /// An outside write that differs: made (or recorded in shadow) by one run only, or made by both
 /// under the same key with different requests.
 #[derive(Debug, Clone, Serialize)]
+#[cfg_attr(feature = "ops-http", derive(utoipa::ToSchema))]
 pub struct WriteDiff {
     /// The key, with the run id as `{run}`.
     pub key: String,
@@ -77,6 +80,7 @@ pub struct WriteDiff {
 
 /// One position that differs.
 #[derive(Debug, Clone, Serialize)]
+#[cfg_attr(feature = "ops-http", derive(utoipa::ToSchema))]
 pub struct PositionDiff {
     /// Position.
     pub seq: i32,
@@ -94,6 +98,7 @@ pub struct PositionDiff {
 
 /// Two runs compared.
 #[derive(Debug, Clone, Serialize)]
+#[cfg_attr(feature = "ops-http", derive(utoipa::ToSchema))]
 pub struct RunDiff {
     /// The first run.
     pub a: Side,

@@ -35,6 +35,7 @@ pub struct Timeline {
 
 /// What every view of a run shows around its steps.
 #[derive(Debug, Serialize)]
+#[cfg_attr(feature = "ops-http", derive(utoipa::ToSchema))]
 pub struct Around {
     /// Effects recorded and completed.
     pub effects: EffectTotals,
@@ -79,6 +80,7 @@ pub struct JournalTotals {
 
 /// Effect totals of a run.
 #[derive(Debug, Clone, Serialize)]
+#[cfg_attr(feature = "ops-http", derive(utoipa::ToSchema))]
 pub struct EffectTotals {
     /// Intents recorded.
     pub recorded: i64,
@@ -110,6 +112,7 @@ pub async fn load(pool: &PgPool, run_id: &str) -> store::Result<Option<Timeline>
 
 /// What a run's model calls cost, as an overview shows it.
 #[derive(Debug, Clone, Serialize)]
+#[cfg_attr(feature = "ops-http", derive(utoipa::ToSchema))]
 pub struct Spending {
     /// Model calls paid for (answers set aside included).
     pub model_calls: i64,
@@ -121,6 +124,7 @@ pub struct Spending {
 
 /// One run with one page of its steps: what the API's run and the console's run page show.
 #[derive(Debug, Serialize)]
+#[cfg_attr(feature = "ops-http", derive(utoipa::ToSchema))]
 pub struct Overview {
     /// The run row (status, step, handover note, error, lease).
     pub run: runs::RunRow,

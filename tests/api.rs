@@ -3,98 +3,22 @@
 //! readiness while draining, metrics that move, progress lines `run watch` sees, and exactly one
 //! lifecycle event for a run that stops for review.
 
+mod api_support;
 mod common;
 mod dlq_support;
 
 use std::time::Duration;
 
+use api_support::{Api, WAIT, fragile, registry_with};
 use common::{TestEnv, closed_port};
 use reqwest::{Method, StatusCode};
 use serde_json::{Value, json};
 use sha2::Digest;
-use trailmark::api::{ENDPOINTS, Role, new_token};
+use trailmark::api::{ENDPOINTS, Role};
 use trailmark::domain::{RunStatus, StepAddress};
-use trailmark::workflow::{Registry, StepError, StepKind, StepOutcome, Workflow};
-
-const WAIT: Duration = Duration::from_secs(60);
-
-/// An in-process trailmark serving its API on a port of its own, with one token per role.
-struct Api {
-    // Fields drop in this order: the components stop before the environment is torn down (a
-    // worker still running would declare the deleted queues again).
-    _running: common::Running,
-    env: TestEnv,
-    base: String,
-    http: reqwest::Client,
-    viewer: String,
-    operator: String,
-    admin: String,
-}
+use trailmark::workflow::{StepError, StepKind, StepOutcome, Workflow};
 
 impl Api {
-    async fn start(registry: Registry) -> Self {
-        let (viewer, v) = new_token("vera", Role::Viewer);
-        let (operator, o) = new_token("otto", Role::Operator);
-        let (admin, a) = new_token("ada", Role::Admin);
-        let port = closed_port();
-        let env = TestEnv::with(|s| {
-            s.api.listen = format!("127.0.0.1:{port}");
-            s.api.tokens = vec![v, o, a];
-            s.worker.retry_base_ms = 100;
-        })
-        .await;
-        let engine = env.engine_with(registry, Default::default());
-        let running = env.spawn_all(engine);
-        let base = format!("http://127.0.0.1:{port}");
-        let http = reqwest::Client::new();
-        env.wait_until("the API to answer", WAIT, || async {
-            http.get(format!("{base}/livez")).send().await.is_ok()
-        })
-        .await;
-        Self {
-            env,
-            base,
-            http,
-            viewer,
-            operator,
-            admin,
-            _running: running,
-        }
-    }
-
-    fn token(&self, role: Role) -> &str {
-        match role {
-            Role::Viewer => &self.viewer,
-            Role::Operator => &self.operator,
-            Role::Admin => &self.admin,
-        }
-    }
-
-    async fn call(
-        &self,
-        method: Method,
-        path: &str,
-        token: Option<&str>,
-        body: Option<Value>,
-        key: Option<&str>,
-    ) -> (StatusCode, Value) {
-        let mut req = self.http.request(method, format!("{}{path}", self.base));
-        if let Some(t) = token {
-            req = req.bearer_auth(t);
-        }
-        if let Some(k) = key {
-            req = req.header("Idempotency-Key", k);
-        }
-        if let Some(b) = body {
-            req = req.json(&b);
-        }
-        let resp = req.send().await.expect("request sent");
-        let status = resp.status();
-        let text = resp.text().await.unwrap_or_default();
-        let value = serde_json::from_str(&text).unwrap_or(Value::String(text));
-        (status, value)
-    }
-
     /// Forks run `r-base` as an operator with `body`, under a fresh Idempotency-Key.
     async fn fork_base(&self, body: Value) -> (StatusCode, Value) {
         let key = uuid::Uuid::new_v4().to_string();
@@ -103,28 +27,6 @@ impl Api {
         self.call(Method::POST, path, op, Some(body), Some(&key))
             .await
     }
-
-    async fn audit_rows(&self) -> i64 {
-        sqlx::query_scalar("SELECT count(*) FROM trailmark.audit")
-            .fetch_one(&self.env.pool)
-            .await
-            .unwrap()
-    }
-}
-
-fn registry_with(extra: Workflow) -> Registry {
-    let mut r = trailmark_testkit::registry();
-    r.register(extra);
-    r
-}
-
-/// A workflow that stops for review: its one step fails with an error nobody understands.
-fn fragile() -> Workflow {
-    Workflow::new("fragile", 1).step("break", StepKind::Read, |_ctx| async {
-        Err(StepError::Unknown(
-            "the supplier API answered nonsense".into(),
-        ))
-    })
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -308,6 +210,227 @@ async fn every_endpoint_answers_401_without_a_token_403_below_its_role_and_audit
         before + 3,
         "a preview changes nothing"
     );
+}
+
+/// `POST /api/v1/runs` with `body` as `role`: status, headers, body.
+async fn start_over_http(
+    api: &Api,
+    role: Role,
+    body: Value,
+) -> (StatusCode, reqwest::header::HeaderMap, Value) {
+    let auth = format!("Bearer {}", api.token(role));
+    let auth = reqwest::header::HeaderValue::from_str(&auth).unwrap();
+    api.raw(
+        Method::POST,
+        "/api/v1/runs",
+        Some("application/json"),
+        body.to_string().into_bytes(),
+        &[("authorization", auth)],
+    )
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_started_over_http_runs_to_its_end_and_a_second_start_is_the_same_run_or_a_409() {
+    let api = Api::start_with(trailmark_testkit::registry(), |s| {
+        s.worker.max_message_bytes = 4096;
+    })
+    .await;
+    let env = &api.env;
+    let start = json!({"workflow": "chain", "run_id": "r-http", "input": {"steps": 3}, "reason": "nightly"});
+    let (status, headers, run) = start_over_http(&api, Role::Operator, start.clone()).await;
+    assert_eq!(status, StatusCode::CREATED, "{run}");
+    assert_eq!(headers["location"], "/api/v1/runs/r-http");
+    assert_eq!(
+        (
+            &run["run_id"],
+            &run["workflow"],
+            &run["status"],
+            &run["created"]
+        ),
+        (
+            &json!("r-http"),
+            &json!("chain"),
+            &json!("running"),
+            &json!(true)
+        ),
+        "{run}"
+    );
+    assert_eq!(run["links"]["steps"], "/api/v1/runs/r-http/steps", "{run}");
+    env.wait_status("r-http", RunStatus::Succeeded, WAIT).await;
+    assert_eq!(env.chain_ledger("r-http").await, (3, 3));
+
+    // The same start again (a retry after a timeout): the run as it stands, nothing new.
+    let (status, _, again) = start_over_http(&api, Role::Operator, start.clone()).await;
+    assert_eq!(status, StatusCode::OK, "{again}");
+    assert_eq!(
+        (&again["run_id"], &again["status"], &again["created"]),
+        (&json!("r-http"), &json!("succeeded"), &json!(false))
+    );
+    let audited: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM trailmark.audit WHERE action = 'run.start' AND target = 'r-http' AND actor = 'otto' AND reason = 'nightly'",
+    )
+    .fetch_one(&env.pool)
+    .await
+    .unwrap();
+    assert_eq!(audited, 1, "one audit row for the one start");
+
+    // Another input under the id: 409 naming the run, which is kept as it was.
+    let other = json!({"workflow": "chain", "run_id": "r-http", "input": {"steps": 4}});
+    let (status, _, why) = start_over_http(&api, Role::Operator, other).await;
+    assert_eq!(status, StatusCode::CONFLICT, "{why}");
+    assert_eq!(
+        (
+            why["error"].as_str(),
+            why["field"].as_str(),
+            why["status"].as_str()
+        ),
+        (Some("run_conflict"), Some("run_id"), Some("succeeded"))
+    );
+    assert!(
+        why["message"]
+            .as_str()
+            .unwrap()
+            .contains("run r-http exists"),
+        "{why}"
+    );
+    let kept = trailmark::store::runs::get(&env.pool, "r-http")
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(kept.input, json!({"steps": 3}));
+    assert_eq!(env.chain_ledger("r-http").await, (3, 3));
+
+    // Starts a worker would refuse, refused with the worker's words and reason codes.
+    let registry = trailmark_testkit::registry();
+    let topology = env.topology();
+    for (workflow, input, status, code, field) in [
+        (
+            "nope",
+            json!({}),
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "unknown_workflow",
+            "workflow",
+        ),
+        (
+            "chain",
+            json!({"steps": "many"}),
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "bad_input",
+            "input",
+        ),
+        (
+            "chain",
+            json!({"blob": "z".repeat(8 * 1024)}),
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "oversized",
+            "input",
+        ),
+    ] {
+        let run_id = trailmark::domain::RunId::parse("r-refused").unwrap();
+        let event = trailmark::domain::RunStartEvent::new(run_id, workflow, input.clone());
+        let words = trailmark::worker::start_message(&registry, &topology, 4096, &event)
+            .unwrap_err()
+            .to_string();
+        let body = json!({"workflow": workflow, "run_id": "r-refused", "input": input});
+        let (s, _, why) = start_over_http(&api, Role::Operator, body).await;
+        assert_eq!(
+            (s, why["error"].as_str(), why["field"].as_str()),
+            (status, Some(code), Some(field)),
+            "{why}"
+        );
+        assert!(
+            why["message"].as_str().unwrap().contains(&words),
+            "{why} lacks {words:?}"
+        );
+    }
+    assert!(no_run(&api, "r-refused").await);
+
+    // A viewer may read runs, not start them; a run id that is not one is a 400 naming it.
+    let (status, _, why) = start_over_http(
+        &api,
+        Role::Viewer,
+        json!({"workflow": "chain", "run_id": "r-viewer"}),
+    )
+    .await;
+    assert_eq!(status, StatusCode::FORBIDDEN, "{why}");
+    let (status, _, why) = start_over_http(
+        &api,
+        Role::Operator,
+        json!({"workflow": "chain", "run_id": "has space"}),
+    )
+    .await;
+    assert_eq!(
+        (status, why["field"].as_str()),
+        (StatusCode::BAD_REQUEST, Some("run_id")),
+        "{why}"
+    );
+    let (status, _, why) =
+        start_over_http(&api, Role::Operator, json!({"run_id": "r-no-workflow"})).await;
+    assert_eq!(
+        (status, why["field"].as_str()),
+        (StatusCode::BAD_REQUEST, Some("workflow")),
+        "{why}"
+    );
+    for id in ["r-viewer", "r-no-workflow"] {
+        assert!(no_run(&api, id).await, "{id}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn starts_of_one_run_id_at_the_same_moment_make_one_run_and_refuse_the_other_input() {
+    let api = Api::start(trailmark_testkit::registry()).await;
+    let start = |run: &str, steps: i64| json!({"workflow": "chain", "run_id": run, "input": {"steps": steps}});
+    for round in 0..5 {
+        let (same, other) = (format!("r-same-{round}"), format!("r-other-{round}"));
+        let (a, b, c, d) = tokio::join!(
+            start_over_http(&api, Role::Operator, start(&same, 1)),
+            start_over_http(&api, Role::Operator, start(&same, 1)),
+            start_over_http(&api, Role::Operator, start(&other, 1)),
+            start_over_http(&api, Role::Operator, start(&other, 2)),
+        );
+        let mut same_answers = [a.0, b.0];
+        same_answers.sort();
+        assert_eq!(
+            same_answers,
+            [StatusCode::OK, StatusCode::CREATED],
+            "{} {}",
+            a.2,
+            b.2
+        );
+        let mut other_answers = [c.0, d.0];
+        other_answers.sort();
+        assert_eq!(
+            other_answers,
+            [StatusCode::CREATED, StatusCode::CONFLICT],
+            "{} {}",
+            c.2,
+            d.2
+        );
+        let winner = if c.0 == StatusCode::CREATED { 1 } else { 2 };
+        let run = trailmark::store::runs::get(&api.env.pool, &other)
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            run.input,
+            json!({"steps": winner}),
+            "the run is the one answered 201"
+        );
+    }
+    let runs: i64 = sqlx::query_scalar("SELECT count(*) FROM trailmark.runs")
+        .fetch_one(&api.env.pool)
+        .await
+        .unwrap();
+    assert_eq!(runs, 10);
+}
+
+/// Whether no run `run_id` exists.
+async fn no_run(api: &Api, run_id: &str) -> bool {
+    trailmark::store::runs::get(&api.env.pool, run_id)
+        .await
+        .unwrap()
+        .is_none()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -839,38 +962,6 @@ fn assert_documented(what: &str, status: StatusCode, body: &Value, field: Option
     }
 }
 
-impl Api {
-    /// A raw request: any body bytes, any content type, extra headers.
-    async fn raw(
-        &self,
-        method: Method,
-        path: &str,
-        content_type: Option<&str>,
-        body: Vec<u8>,
-        headers: &[(&str, reqwest::header::HeaderValue)],
-    ) -> (StatusCode, reqwest::header::HeaderMap, Value) {
-        let mut req = self
-            .http
-            .request(method, format!("{}{path}", self.base))
-            .body(body);
-        if !headers.iter().any(|(name, _)| *name == "authorization") {
-            req = req.bearer_auth(&self.admin);
-        }
-        if let Some(ct) = content_type {
-            req = req.header("content-type", ct);
-        }
-        for (name, value) in headers {
-            req = req.header(*name, value.clone());
-        }
-        let resp = req.send().await.expect("request sent");
-        let status = resp.status();
-        let headers = resp.headers().clone();
-        let text = resp.text().await.unwrap_or_default();
-        let value = serde_json::from_str(&text).unwrap_or(Value::String(text));
-        (status, headers, value)
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_class_of_refusal_is_the_documented_json() {
     let api = Api::start(trailmark_testkit::registry()).await;
@@ -1093,8 +1184,22 @@ async fn odd_text_anywhere_is_a_4xx_naming_the_field_never_a_503_or_an_error_log
             let nul = "a\u{0}b".to_owned();
             let big = "y".repeat(100 * 1024);
             for odd in [nul.as_str(), "\u{1b}[31m", "bell\u{7}", big.as_str()] {
-                for field in ["reason", "step", "run_id", "answers_from", "reason_code"] {
-                    let mut body = json!({"reason": "fuzz", "from": 1});
+                // A run start is fuzzed from a body that would start a run.
+                let starts = e.path == "/api/v1/runs";
+                let base = if starts {
+                    json!({"workflow": "chain", "run_id": "r-fuzz", "input": {}})
+                } else {
+                    json!({"reason": "fuzz", "from": 1})
+                };
+                for field in [
+                    "reason",
+                    "step",
+                    "run_id",
+                    "answers_from",
+                    "reason_code",
+                    "workflow",
+                ] {
+                    let mut body = base.clone();
                     body[field] = json!(odd);
                     let what = format!(
                         "{} {concrete} {field}={:?}",
@@ -1111,7 +1216,14 @@ async fn odd_text_anywhere_is_a_4xx_naming_the_field_never_a_503_or_an_error_log
                         )
                         .await;
                     assert_documented(&what, s, &b, None);
-                    assert_ne!(s, StatusCode::OK, "{what}");
+                    assert!(!s.is_success(), "{what}: {s}");
+                    if starts && ["run_id", "workflow", "reason"].contains(&field) {
+                        assert_eq!(
+                            (s, b["field"].as_str()),
+                            (StatusCode::BAD_REQUEST, Some(field)),
+                            "{what}: {b}"
+                        );
+                    }
                 }
                 let body = json!({"reason": "fuzz", "from": 1, "ids": [odd], "input": {"k": odd}});
                 let (s, _, b) = api
@@ -1230,6 +1342,11 @@ async fn odd_text_anywhere_is_a_4xx_naming_the_field_never_a_503_or_an_error_log
     }
     let log = String::from_utf8_lossy(&log.lock().unwrap()).into_owned();
     assert!(!log.contains("ERROR"), "the log has errors:\n{log}");
+    let runs: i64 = sqlx::query_scalar("SELECT count(*) FROM trailmark.runs")
+        .fetch_one(&api.env.pool)
+        .await
+        .unwrap();
+    assert_eq!(runs, 0, "odd text started a run");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

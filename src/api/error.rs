@@ -1,34 +1,59 @@
-//! How the API says no: a status code and a JSON body `{"error": code, "message": ...}` with
-//! what to do. Failures of trailmark itself are opaque to the client (the request id leads to the
-//! log line that says what happened).
+//! How the API says no: a status code and a JSON body [`ErrorBody`] (`{"error": code,
+//! "message": ...}`) with what to do. Failures of trailmark itself are opaque to the client (the
+//! request id leads to the log line that says what happened).
 
 use axum::Json;
 use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
-use serde_json::{Map, Value, json};
+use serde::{Deserialize, Serialize};
 
 use crate::error::Report;
 use crate::{dlq, operator, store};
+
+/// The one shape of every error the API answers, whoever refuses (a handler, the text check at
+/// the door, the body limit, axum's own 404 and 405).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct ErrorBody {
+    /// A machine-readable code (`bad_request`, `not_found`, `conflict`, `unknown_workflow`, ...).
+    pub error: String,
+    /// What happened and what to do, for a person.
+    pub message: String,
+    /// The field, parameter or header at fault, where there is one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub field: Option<String>,
+    /// The run's status, when a decision does not fit it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub status: Option<String>,
+}
 
 /// An API error response.
 #[derive(Debug)]
 pub struct ApiError {
     status: StatusCode,
-    body: Map<String, Value>,
+    body: ErrorBody,
 }
 
 impl ApiError {
     /// An error with `status`, a machine-readable `code` and a message for a person.
     pub fn new(status: StatusCode, code: &str, message: impl Into<String>) -> Self {
-        let mut body = Map::new();
-        body.insert("error".into(), json!(code));
-        body.insert("message".into(), json!(message.into()));
+        let body = ErrorBody {
+            error: code.to_owned(),
+            message: message.into(),
+            field: None,
+            status: None,
+        };
         Self { status, body }
     }
 
-    /// Adds a field to the body.
-    pub fn with(mut self, key: &str, value: impl Into<Value>) -> Self {
-        self.body.insert(key.into(), value.into());
+    /// Names the field, parameter or header at fault.
+    pub fn with_field(mut self, field: impl Into<String>) -> Self {
+        self.body.field = Some(field.into());
+        self
+    }
+
+    /// Names the run's status a decision did not fit.
+    pub fn with_run_status(mut self, status: &str) -> Self {
+        self.body.status = Some(status.to_owned());
         self
     }
 
@@ -104,7 +129,7 @@ impl ApiError {
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let unauthorized = self.status == StatusCode::UNAUTHORIZED;
-        let mut response = (self.status, Json(Value::Object(self.body))).into_response();
+        let mut response = (self.status, Json(self.body)).into_response();
         if unauthorized {
             response.headers_mut().insert(
                 header::WWW_AUTHENTICATE,
@@ -117,7 +142,7 @@ impl IntoResponse for ApiError {
 
 impl From<super::input::BadText> for ApiError {
     fn from(bad: super::input::BadText) -> Self {
-        Self::bad_request(bad.message).with("field", bad.field)
+        Self::bad_request(bad.message).with_field(bad.field)
     }
 }
 
@@ -138,7 +163,7 @@ impl From<operator::Error> for ApiError {
         match e {
             operator::Error::NotFound(run) => Self::not_found(format!("run {run} not found")),
             operator::Error::Refused { status, .. } => {
-                Self::conflict(e.to_string()).with("status", status.as_str())
+                Self::conflict(e.to_string()).with_run_status(status.as_str())
             }
             operator::Error::Store(s) => s.into(),
             other => Self::internal(&other),

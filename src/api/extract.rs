@@ -37,7 +37,7 @@ where
                 let text = r.body_text();
                 let e = ApiError::bad_request(format!("the path does not fit: {text}"));
                 match backticked(&text) {
-                    Some(field) => e.with("field", field),
+                    Some(field) => e.with_field(field),
                     None => e,
                 }
             })
@@ -70,7 +70,7 @@ where
                 ApiError::bad_request(format!(
                     "query parameter {field} does not fit: {inner}; /api/v1/openapi.json says what each takes"
                 ))
-                .with("field", field)
+                .with_field(field)
             })
     }
 }
@@ -123,7 +123,7 @@ where
                 ApiError::bad_request(format!(
                     "the body's {field} does not fit: {inner}; /api/v1/openapi.json describes the body"
                 ))
-                .with("field", field)
+                .with_field(field)
             })
     }
 }

@@ -12,11 +12,12 @@
 //! | `extract.rs` | path, query and JSON body, refusals in the documented shape |
 //! | `idempotency.rs` | the `Idempotency-Key` header |
 //! | `runs.rs` | listings, one run, its steps, calls and effects |
+//! | `start.rs` | starting a run (`POST /api/v1/runs`), checked as a run-start event is |
 //! | `decisions.rs` | resume, undo (with a preview), cancel, approve, reject; the export |
 //! | `dlq.rs` | dead letters |
 //! | `admin.rs` | workflows, contracts, the audit trail |
 //! | `health.rs` | `/livez`, `/readyz`, `/metrics` |
-//! | `openapi.rs` | the endpoint table and the OpenAPI document |
+//! | `openapi.rs` | the endpoint table and the OpenAPI document generated from the handlers |
 
 mod admin;
 mod auth;
@@ -30,13 +31,14 @@ mod idempotency;
 pub mod input;
 mod openapi;
 mod runs;
+mod start;
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use axum::http::{Request, StatusCode};
 use axum::routing::{get, post};
-use axum::{Json, Router, middleware};
+use axum::{Router, middleware};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 use tower_http::catch_panic::CatchPanicLayer;
@@ -46,7 +48,7 @@ use tower_http::timeout::TimeoutLayer;
 use tower_http::trace::TraceLayer;
 
 pub use auth::{Role, Token, hash_token, identify, new_token, parse_tokens};
-pub use error::ApiError;
+pub use error::{ApiError, ErrorBody};
 pub use openapi::{ENDPOINTS, Endpoint, document};
 
 use crate::config::ApiSettings;
@@ -71,7 +73,7 @@ pub fn router(engine: Arc<Engine>) -> Result<Router, Error> {
         tokens: Arc::new(tokens),
     };
     let api = Router::new()
-        .route("/runs", get(runs::list))
+        .route("/runs", get(runs::list).post(start::start))
         .route("/runs/counts", get(runs::counts))
         .route("/runs/{run_id}", get(runs::show))
         .route("/runs/{run_id}/steps", get(runs::steps))
@@ -80,7 +82,11 @@ pub fn router(engine: Arc<Engine>) -> Result<Router, Error> {
         .route("/runs/{run_id}/undo-preview", get(decisions::undo_preview))
         .route("/runs/{run_id}/fork", post(decisions::fork))
         .route("/runs/{run_id}/diff/{other}", get(decisions::diff))
-        .route("/runs/{run_id}/{action}", post(decisions::decide))
+        .route("/runs/{run_id}/resume", post(decisions::resume))
+        .route("/runs/{run_id}/undo", post(decisions::undo))
+        .route("/runs/{run_id}/cancel", post(decisions::cancel))
+        .route("/runs/{run_id}/approve", post(decisions::approve))
+        .route("/runs/{run_id}/reject", post(decisions::reject))
         .route("/decisions/export", get(decisions::export))
         .route("/dead-letters", get(dlq::list))
         .route("/dead-letters/requeue", post(dlq::requeue))
@@ -90,7 +96,7 @@ pub fn router(engine: Arc<Engine>) -> Result<Router, Error> {
         .route("/workflows", get(admin::workflows))
         .route("/workflows/{name}/contract", get(admin::contract))
         .route("/audit", get(admin::audit))
-        .route("/openapi.json", get(|| async { Json(document()) }))
+        .route("/openapi.json", get(openapi::openapi_json))
         .route_layer(middleware::from_fn_with_state(
             state.clone(),
             idempotency::keyed,

@@ -1,11 +1,18 @@
-//! Every API endpoint in one table, and the OpenAPI 3.1 document built from it
-//! (`/api/v1/openapi.json`). The router is checked against the table (every endpoint answers,
-//! none is missing from the document), and the role-matrix test calls each endpoint with each
-//! role.
+//! Every API endpoint in one table (method, path, the role it needs, whether it needs an
+//! `Idempotency-Key`), and the OpenAPI 3.1 document (`/api/v1/openapi.json`), generated with
+//! utoipa from the handlers' `#[utoipa::path]` declarations and their request and response types.
+//! The table adds what the middleware in front of every handler does: the role and the bearer
+//! scheme, the Idempotency-Key header, and the refusals of the door (400 for odd text, 401, 403,
+//! 413, 415, the key's 409 and 422, 500, 504), each with the one error shape [`ErrorBody`]. The
+//! router is checked against the table and the table against the document, and the role-matrix
+//! and schema tests call each endpoint.
 
-use serde_json::{Map, Value, json};
+use serde_json::{Value, json};
+use utoipa::OpenApi;
 
 use super::auth::Role;
+use super::error::ErrorBody;
+use super::{admin, decisions, dlq, runs, start};
 
 /// One endpoint.
 #[derive(Debug, Clone, Copy)]
@@ -48,6 +55,12 @@ pub const ENDPOINTS: &[Endpoint] = &[
         "/api/v1/runs",
         Role::Viewer,
         "Runs, newest first; filters status, workflow, since, until, stuck (retrying or stuck); cursor pagination",
+    ),
+    post(
+        "/api/v1/runs",
+        Role::Operator,
+        "Start a run (workflow, run_id, input), checked as a run-start event is; the run id is the idempotency key: the same start again answers the run (200), another input under the id is 409",
+        false,
     ),
     get(
         "/api/v1/runs/counts",
@@ -128,7 +141,7 @@ pub const ENDPOINTS: &[Endpoint] = &[
     get(
         "/api/v1/dead-letters",
         Role::Viewer,
-        "Dead letters by reason with counts, and the oldest letters",
+        "Dead letters by reason with counts, and one page of letters, oldest first (limit, after; next is the following page's after)",
     ),
     get(
         "/api/v1/dead-letters/{id}",
@@ -191,75 +204,167 @@ pub fn endpoint_for(method: &str, path: &str) -> Option<&'static Endpoint> {
         .map(|(_, e)| e)
 }
 
-/// The fork's body: a shadow fork unless `live` is true.
-fn fork_body() -> Value {
+/// What utoipa generates from the handlers.
+#[derive(OpenApi)]
+#[openapi(
+    info(
+        title = "trailmark ops API",
+        description = "Runs, decisions, dead letters and the audit trail of a trailmark installation. Send `Authorization: Bearer <token>`; roles viewer < operator < admin (`x-trailmark-role` on each operation). Every error is the one shape ErrorBody.",
+    ),
+    paths(
+        runs::list,
+        start::start,
+        runs::counts,
+        runs::show,
+        runs::steps,
+        runs::journal,
+        runs::effects,
+        decisions::undo_preview,
+        decisions::resume,
+        decisions::undo,
+        decisions::cancel,
+        decisions::approve,
+        decisions::reject,
+        decisions::fork,
+        decisions::diff,
+        decisions::export,
+        dlq::list,
+        dlq::show,
+        dlq::reveal,
+        dlq::requeue,
+        dlq::purge,
+        admin::workflows,
+        admin::contract,
+        admin::audit,
+        openapi_json,
+    ),
+    components(schemas(ErrorBody)),
+)]
+struct Generated;
+
+/// This document.
+#[utoipa::path(
+    get,
+    path = "/api/v1/openapi.json",
+    operation_id = "openapi_document",
+    tag = "meta",
+    responses((status = 200, description = "this OpenAPI document", body = Object)),
+)]
+pub async fn openapi_json() -> axum::Json<Value> {
+    axum::Json(document())
+}
+
+/// A refusal the door or the middleware can answer, with the endpoints it applies to.
+struct Refusal {
+    status: &'static str,
+    description: &'static str,
+    applies: fn(&Endpoint) -> bool,
+}
+
+/// What the middleware in front of every handler may answer (see `edge.rs`, `auth.rs`,
+/// `extract.rs`, `idempotency.rs`).
+const REFUSALS: &[Refusal] = &[
+    Refusal {
+        status: "400",
+        description: "bad_request: a path segment, query parameter, header or body field does not fit (a NUL byte, a control character, too long, not UTF-8, the wrong type, missing); `field` names it",
+        applies: |_| true,
+    },
+    Refusal {
+        status: "401",
+        description: "unauthorized: no token, or one that is not known (with WWW-Authenticate: Bearer)",
+        applies: |_| true,
+    },
+    Refusal {
+        status: "403",
+        description: "forbidden: the token's role is below the one this needs (x-trailmark-role)",
+        applies: |e| e.role > Role::Viewer,
+    },
+    Refusal {
+        status: "409",
+        description: "conflict: a request with the same Idempotency-Key is still running; wait for its answer",
+        applies: |e| e.method == "POST",
+    },
+    Refusal {
+        status: "413",
+        description: "too_large: the body is over api.body_limit_bytes",
+        applies: |e| e.method == "POST",
+    },
+    Refusal {
+        status: "415",
+        description: "unsupported_media_type: the body is not sent as content-type: application/json",
+        applies: |e| e.method == "POST",
+    },
+    Refusal {
+        status: "422",
+        description: "idempotency_key_reused: the Idempotency-Key was used for another request",
+        applies: |e| e.method == "POST",
+    },
+    Refusal {
+        status: "428",
+        description: "idempotency_key_required: this touches many things at once; send an Idempotency-Key",
+        applies: |e| e.keyed,
+    },
+    Refusal {
+        status: "500",
+        description: "internal: trailmark failed to answer; its log has the details under the x-request-id",
+        applies: |_| true,
+    },
+    Refusal {
+        status: "504",
+        description: "timeout: the request took longer than api.request_timeout_secs",
+        applies: |_| true,
+    },
+];
+
+fn error_response(description: &str) -> Value {
     json!({
-        "type": "object",
-        "required": ["reason", "from"],
-        "additionalProperties": false,
-        "properties": {
-            "reason": { "type": "string", "maxLength": super::input::MAX_REASON, "description": "why (recorded with the fork)" },
-            "from": { "oneOf": [{ "type": "integer" }, { "type": "string" }], "description": "a position, or a step name (its first visit)" },
-            "run_id": { "type": "string", "description": "the fork's id (default <run>-fork-<8 hex>)" },
-            "input": { "description": "a new input (default: the parent's)" },
-            "answers_from": { "type": "string", "description": "a run whose journaled answers from the fork point on are replayed" },
-            "live": { "type": "boolean", "default": false, "description": "true: the fork makes its outside writes for real. Absent or false: a shadow fork, whose outside writes are recorded, not made" },
-            "shadow": { "type": "boolean", "default": true, "deprecated": true, "description": "the default; true together with live is refused" },
-        },
+        "description": description,
+        "content": { "application/json": { "schema": { "$ref": "#/components/schemas/ErrorBody" } } },
     })
 }
 
-/// The OpenAPI 3.1 document.
-pub fn document() -> Value {
-    let mut paths = Map::new();
-    for e in ENDPOINTS {
-        let params: Vec<Value> = e
-            .path
-            .split('/')
-            .filter_map(|part| part.strip_prefix('{')?.strip_suffix('}'))
-            .map(|name| json!({ "name": name, "in": "path", "required": true, "schema": { "type": "string" } }))
-            .collect();
-        let mut op = json!({
-            "summary": e.summary,
-            "x-trailmark-role": e.role.as_str(),
-            "parameters": params,
-            "security": [{ "bearer": [] }],
-            "responses": {
-                "200": { "description": "done", "content": { "application/json": {} } },
-                "401": { "description": "no valid token" },
-                "403": { "description": format!("the token's role is below {}", e.role.as_str()) },
-            },
-        });
-        if e.method == "POST" {
-            op["requestBody"] = json!({ "required": true, "content": { "application/json": {} } });
-            op["responses"]["409"] = json!({ "description": "does not fit the current state (the body says which status), or the same Idempotency-Key is still running" });
-            op["responses"]["422"] =
-                json!({ "description": "the Idempotency-Key was used for another request" });
-            op["parameters"]
-                .as_array_mut()
-                .expect("a list")
-                .push(json!({
-                    "name": "Idempotency-Key", "in": "header", "required": e.keyed,
-                    "schema": { "type": "string" },
-                    "description": "a repeat with the same key and body gets the first response",
-                }));
+/// Adds to an endpoint's generated operation what the table and the middleware say about it.
+fn finish(e: &Endpoint, op: &mut Value) {
+    op["summary"] = json!(e.summary);
+    op["x-trailmark-role"] = json!(e.role.as_str());
+    op["security"] = json!([{ "bearer": [] }]);
+    for r in REFUSALS.iter().filter(|r| (r.applies)(e)) {
+        let responses = &mut op["responses"];
+        match responses.get_mut(r.status) {
+            Some(declared) => {
+                let said = declared["description"].as_str().unwrap_or_default();
+                declared["description"] = json!(format!("{said}; or {}", r.description));
+            }
+            None => responses[r.status] = error_response(r.description),
         }
-        if e.path == "/api/v1/runs/{run_id}/fork" {
-            op["requestBody"]["content"]["application/json"] = json!({ "schema": fork_body() });
-        }
-        let entry = paths.entry(e.path).or_insert_with(|| json!({}));
-        entry[e.method.to_ascii_lowercase()] = op;
     }
-    json!({
-        "openapi": "3.1.0",
-        "info": {
-            "title": "trailmark ops API",
-            "version": env!("CARGO_PKG_VERSION"),
-            "description": "Runs, decisions, dead letters and the audit trail of a trailmark installation. Send `Authorization: Bearer <token>`; roles viewer < operator < admin.",
-        },
-        "components": { "securitySchemes": { "bearer": { "type": "http", "scheme": "bearer" } } },
-        "paths": paths,
-    })
+    if e.method == "POST" {
+        let key = json!({
+            "name": "Idempotency-Key", "in": "header", "required": e.keyed,
+            "schema": { "type": "string", "minLength": 1, "maxLength": 255 },
+            "description": "a repeat with the same key and body gets the first answer again (idempotent-replayed: true) without running",
+        });
+        match op["parameters"].as_array_mut() {
+            Some(params) => params.push(key),
+            None => op["parameters"] = json!([key]),
+        }
+    }
+}
+
+/// The OpenAPI 3.1 document: what utoipa generates from the handlers, finished with the table.
+pub fn document() -> Value {
+    let mut doc = serde_json::to_value(Generated::openapi()).expect("an OpenAPI document is JSON");
+    doc["info"]["version"] = json!(env!("CARGO_PKG_VERSION"));
+    doc["components"]["securitySchemes"] = json!({ "bearer": { "type": "http", "scheme": "bearer" } });
+    for e in ENDPOINTS {
+        if let Some(op) = doc["paths"]
+            .get_mut(e.path)
+            .and_then(|item| item.get_mut(e.method.to_ascii_lowercase()))
+        {
+            finish(e, op);
+        }
+    }
+    doc
 }
 
 #[cfg(test)]
@@ -281,10 +386,61 @@ mod tests {
     #[test]
     fn the_fork_body_says_a_fork_is_a_shadow_unless_live() {
         let doc = document();
-        let body = &doc["paths"]["/api/v1/runs/{run_id}/fork"]["post"]["requestBody"]["content"]
-            ["application/json"]["schema"];
+        let body = &doc["components"]["schemas"]["ForkBody"];
         assert_eq!(body["properties"]["live"]["default"], false, "{body}");
         assert!(body["properties"]["live"]["description"].as_str().unwrap().contains("shadow"));
+    }
+
+    #[test]
+    fn the_document_has_the_tables_operations_each_with_typed_bodies_and_the_error_shape() {
+        let doc = document();
+        let mut listed = Vec::new();
+        for (path, item) in doc["paths"].as_object().unwrap() {
+            for (method, op) in item.as_object().unwrap() {
+                listed.push(format!("{} {path}", method.to_ascii_uppercase()));
+                for (status, response) in op["responses"].as_object().unwrap() {
+                    let content = response["content"].as_object();
+                    let schema = content.and_then(|c| c.values().next()).map(|m| &m["schema"]);
+                    assert!(
+                        schema.is_some_and(|s| s.is_object()),
+                        "{method} {path} {status} has no schema: {response}"
+                    );
+                }
+                if method == "post" {
+                    let body = &op["requestBody"]["content"]["application/json"]["schema"];
+                    assert!(body["$ref"].is_string(), "{path}: {body}");
+                }
+            }
+        }
+        let mut table: Vec<String> = ENDPOINTS.iter().map(|e| format!("{} {}", e.method, e.path)).collect();
+        listed.sort();
+        table.sort();
+        assert_eq!(listed, table, "the document's operations are the table's");
+        let mut ids: Vec<&str> = doc["paths"]
+            .as_object()
+            .unwrap()
+            .values()
+            .flat_map(|item| item.as_object().unwrap().values())
+            .map(|op| op["operationId"].as_str().expect("an operationId"))
+            .collect();
+        ids.sort();
+        let count = ids.len();
+        ids.dedup();
+        assert_eq!(ids.len(), count, "operationIds are unique (client generators name methods by them)");
+        let schemas = doc["components"]["schemas"].as_object().unwrap();
+        for name in ["ErrorBody", "StartBody", "StartedRun", "Overview", "RunRow", "RunStatus"] {
+            assert!(schemas.contains_key(name), "no schema {name}");
+        }
+        let start = &doc["paths"]["/api/v1/runs"]["post"]["responses"];
+        for status in ["200", "201", "400", "401", "403", "409", "413", "415", "422", "503"] {
+            assert_eq!(
+                start[status]["content"]["application/json"]["schema"]["$ref"]
+                    .as_str()
+                    .map(|r| r.rsplit('/').next().unwrap()),
+                Some(if status.starts_with('2') { "StartedRun" } else { "ErrorBody" }),
+                "POST /api/v1/runs {status}"
+            );
+        }
     }
 
     #[test]

@@ -1,15 +1,16 @@
 //! Reading runs: listings with filters and cursors, counts, one run's timeline, and its steps,
 //! model calls and effects a page at a time (a run of 10,000 steps is never sent whole).
 
+use std::collections::BTreeMap;
+
 use axum::Json;
 use axum::extract::State;
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
-use serde_json::{Value, json};
 
 use super::AppState;
+use super::error::{ApiError, ErrorBody};
 use super::extract::{Path, Query};
-use super::error::ApiError;
 use crate::domain::RunStatus;
 use crate::store::{effects, journal, runs, steps};
 use crate::timeline;
@@ -22,21 +23,29 @@ fn page_size(limit: Option<i64>) -> i64 {
 }
 
 /// `GET /api/v1/runs` filters.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
 pub struct ListQuery {
+    /// Only runs with this status.
+    #[param(value_type = Option<RunStatus>)]
     status: Option<String>,
+    /// Only runs of this workflow.
     workflow: Option<String>,
+    /// Only runs made at or after this time (RFC 3339).
     since: Option<DateTime<Utc>>,
+    /// Only runs made before this time (RFC 3339).
     until: Option<DateTime<Utc>>,
-    /// Only runs retrying or stuck.
+    /// Only runs retrying or stuck (attempt > 1, lease expired, or waiting in a delay queue).
     #[serde(default)]
     stuck: bool,
+    /// Where the page starts: a `next_cursor` this API handed out.
     cursor: Option<String>,
+    /// Runs in the page (default 100, at most 500).
     limit: Option<i64>,
 }
 
 /// A page of runs.
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, utoipa::ToSchema)]
 pub struct RunPage {
     runs: Vec<runs::Summary>,
     /// Pass as `cursor` for the next page; absent on the last.
@@ -45,6 +54,17 @@ pub struct RunPage {
 }
 
 /// Lists runs, newest first.
+#[utoipa::path(
+    get,
+    path = "/api/v1/runs",
+    operation_id = "list_runs",
+    tag = "runs",
+    params(ListQuery),
+    responses(
+        (status = 200, description = "a page of runs, newest first", body = RunPage),
+        (status = 503, description = "Postgres is unreachable; try again", body = ErrorBody),
+    ),
+)]
 pub async fn list(
     State(state): State<AppState>,
     Query(q): Query<ListQuery>,
@@ -80,20 +100,36 @@ fn decode_cursor(cursor: &str) -> Result<(DateTime<Utc>, String), ApiError> {
         .ok_or_else(|| ApiError::bad_request("cursor is not one this API handed out"))
 }
 
+/// How many runs there are by status, and by workflow and status.
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+pub struct Counts {
+    /// Runs by status (statuses with no run are left out).
+    by_status: BTreeMap<String, i64>,
+    /// Runs by workflow and status.
+    by_workflow: Vec<runs::Count>,
+}
+
 /// Runs by status, and by workflow and status.
-pub async fn counts(State(state): State<AppState>) -> Result<Json<Value>, ApiError> {
-    let counts = runs::counts(&state.engine.pool).await?;
-    let mut by_status = serde_json::Map::new();
-    for c in &counts {
-        let n = by_status
-            .get(c.status.as_str())
-            .and_then(Value::as_i64)
-            .unwrap_or(0);
-        by_status.insert(c.status.as_str().into(), json!(n + c.runs));
+#[utoipa::path(
+    get,
+    path = "/api/v1/runs/counts",
+    operation_id = "count_runs",
+    tag = "runs",
+    responses(
+        (status = 200, description = "runs by status, and by workflow and status", body = Counts),
+        (status = 503, description = "Postgres is unreachable; try again", body = ErrorBody),
+    ),
+)]
+pub async fn counts(State(state): State<AppState>) -> Result<Json<Counts>, ApiError> {
+    let by_workflow = runs::counts(&state.engine.pool).await?;
+    let mut by_status = BTreeMap::new();
+    for c in &by_workflow {
+        *by_status.entry(c.status.as_str().to_owned()).or_default() += c.runs;
     }
-    Ok(Json(
-        json!({ "by_status": by_status, "by_workflow": counts }),
-    ))
+    Ok(Json(Counts {
+        by_status,
+        by_workflow,
+    }))
 }
 
 /// Steps shown with a run; the rest a page at a time.
@@ -101,6 +137,18 @@ const STEPS_SHOWN: i64 = 50;
 
 /// One run: its row, handover note, decisions, parked items, progress lines, what it spent, and
 /// its newest steps.
+#[utoipa::path(
+    get,
+    path = "/api/v1/runs/{run_id}",
+    operation_id = "show_run",
+    tag = "runs",
+    params(("run_id" = String, Path, description = "the run")),
+    responses(
+        (status = 200, description = "the run with its newest steps", body = timeline::Overview),
+        (status = 404, description = "no such run", body = ErrorBody),
+        (status = 503, description = "Postgres is unreachable; try again", body = ErrorBody),
+    ),
+)]
 pub async fn show(
     State(state): State<AppState>,
     Path(run_id): Path<String>,
@@ -112,12 +160,35 @@ pub async fn show(
 }
 
 /// Paging through a run's positions.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
 pub struct PageQuery {
-    /// Items after this position (-1: from the start).
+    /// Items after this position (default -1: from the start).
     #[serde(default = "from_start")]
     after: i32,
+    /// Items in the page (default 100, at most 500).
     limit: Option<i64>,
+}
+
+/// A page of a run's steps.
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+pub struct StepPage {
+    /// Steps in order of position.
+    steps: Vec<steps::StepRow>,
+}
+
+/// A page of a run's model calls.
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+pub struct CallPage {
+    /// Calls in order of position and call number.
+    calls: Vec<journal::Call>,
+}
+
+/// A page of a run's outside writes.
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+pub struct EffectPage {
+    /// Effects in order of position.
+    effects: Vec<effects::EffectView>,
 }
 
 fn from_start() -> i32 {
@@ -135,36 +206,72 @@ async fn existing(state: &AppState, run_id: &str) -> Result<(), ApiError> {
 }
 
 /// A run's steps, in order.
+#[utoipa::path(
+    get,
+    path = "/api/v1/runs/{run_id}/steps",
+    operation_id = "run_steps",
+    tag = "runs",
+    params(("run_id" = String, Path, description = "the run"), PageQuery),
+    responses(
+        (status = 200, description = "the run's steps after `after`, in order", body = StepPage),
+        (status = 404, description = "no such run", body = ErrorBody),
+        (status = 503, description = "Postgres is unreachable; try again", body = ErrorBody),
+    ),
+)]
 pub async fn steps(
     State(state): State<AppState>,
     Path(run_id): Path<String>,
     Query(q): Query<PageQuery>,
-) -> Result<Json<Value>, ApiError> {
+) -> Result<Json<StepPage>, ApiError> {
     existing(&state, &run_id).await?;
-    let page = steps::page(&state.engine.pool, &run_id, q.after, page_size(q.limit)).await?;
-    Ok(Json(json!({ "steps": page })))
+    let steps = steps::page(&state.engine.pool, &run_id, q.after, page_size(q.limit)).await?;
+    Ok(Json(StepPage { steps }))
 }
 
 /// A run's model calls, in order (what was asked and what it cost; not the answers).
+#[utoipa::path(
+    get,
+    path = "/api/v1/runs/{run_id}/journal",
+    operation_id = "run_journal",
+    tag = "runs",
+    params(("run_id" = String, Path, description = "the run"), PageQuery),
+    responses(
+        (status = 200, description = "the run's model calls after `after`, in order", body = CallPage),
+        (status = 404, description = "no such run", body = ErrorBody),
+        (status = 503, description = "Postgres is unreachable; try again", body = ErrorBody),
+    ),
+)]
 pub async fn journal(
     State(state): State<AppState>,
     Path(run_id): Path<String>,
     Query(q): Query<PageQuery>,
-) -> Result<Json<Value>, ApiError> {
+) -> Result<Json<CallPage>, ApiError> {
     existing(&state, &run_id).await?;
-    let page = journal::page(&state.engine.pool, &run_id, q.after, page_size(q.limit)).await?;
-    Ok(Json(json!({ "calls": page })))
+    let calls = journal::page(&state.engine.pool, &run_id, q.after, page_size(q.limit)).await?;
+    Ok(Json(CallPage { calls }))
 }
 
 /// A run's effects with their state (`done`, `intent`, `unknown`).
+#[utoipa::path(
+    get,
+    path = "/api/v1/runs/{run_id}/effects",
+    operation_id = "run_effects",
+    tag = "runs",
+    params(("run_id" = String, Path, description = "the run"), PageQuery),
+    responses(
+        (status = 200, description = "the run's outside writes after `after`, in order", body = EffectPage),
+        (status = 404, description = "no such run", body = ErrorBody),
+        (status = 503, description = "Postgres is unreachable; try again", body = ErrorBody),
+    ),
+)]
 pub async fn effects(
     State(state): State<AppState>,
     Path(run_id): Path<String>,
     Query(q): Query<PageQuery>,
-) -> Result<Json<Value>, ApiError> {
+) -> Result<Json<EffectPage>, ApiError> {
     existing(&state, &run_id).await?;
-    let page = effects::page(&state.engine.pool, &run_id, q.after, page_size(q.limit)).await?;
-    Ok(Json(json!({ "effects": page })))
+    let effects = effects::page(&state.engine.pool, &run_id, q.after, page_size(q.limit)).await?;
+    Ok(Json(EffectPage { effects }))
 }
 
 #[cfg(test)]

@@ -7,6 +7,7 @@ use serde::{Deserialize, Serialize};
 
 /// Where a run stands (see `docs/ARCHITECTURE.md`, "Vocabulary").
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[cfg_attr(feature = "ops-http", derive(utoipa::ToSchema))]
 #[serde(rename_all = "snake_case")]
 pub enum RunStatus {
     /// A step message is queued or being executed.

@@ -10,6 +10,7 @@ use serde_json::Value;
 /// compensation of the step that ran at a position, written `undo:<step>@<seq>`. One type, so
 /// that no caller builds or parses that form by hand.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[cfg_attr(feature = "ops-http", derive(utoipa::ToSchema))]
 #[serde(from = "String", into = "String")]
 pub struct StepAddress(String);
 

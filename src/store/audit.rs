@@ -35,6 +35,7 @@ pub struct NewEntry<'a> {
 
 /// A recorded audit row.
 #[derive(Debug, Clone, Serialize, sqlx::FromRow)]
+#[cfg_attr(feature = "ops-http", derive(utoipa::ToSchema))]
 pub struct Entry {
     /// Order.
     pub id: i64,

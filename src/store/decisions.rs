@@ -35,6 +35,7 @@ pub struct NewDecision<'a> {
 
 /// A recorded decision.
 #[derive(Debug, Clone, Serialize, sqlx::FromRow)]
+#[cfg_attr(feature = "ops-http", derive(utoipa::ToSchema))]
 pub struct DecisionRow {
     /// Order.
     pub id: i64,

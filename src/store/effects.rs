@@ -243,6 +243,7 @@ pub async fn of_unfinished_steps(
 /// call is under way: its step holds the lease), or `unknown` (no result and nobody is making
 /// the call: it may or may not have happened).
 #[derive(Debug, Clone, Serialize, sqlx::FromRow)]
+#[cfg_attr(feature = "ops-http", derive(utoipa::ToSchema))]
 pub struct EffectView {
     /// The key.
     pub idempotency_key: String,

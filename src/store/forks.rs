@@ -10,6 +10,7 @@ use crate::domain::{RunStatus, StepAddress};
 
 /// A fork as its lineage shows it.
 #[derive(Debug, Clone, Serialize, sqlx::FromRow)]
+#[cfg_attr(feature = "ops-http", derive(utoipa::ToSchema))]
 pub struct ForkRow {
     /// The fork.
     pub run_id: String,
@@ -31,6 +32,7 @@ pub struct ForkRow {
 
 /// Where a run comes from and what was forked from it.
 #[derive(Debug, Clone, Default, Serialize)]
+#[cfg_attr(feature = "ops-http", derive(utoipa::ToSchema))]
 pub struct Lineage {
     /// The fork record of this run, when it is a fork.
     pub parent: Option<ForkRow>,

@@ -95,6 +95,7 @@ pub async fn set_aside(db: impl PgExecutor<'_>, run_id: &str, seq: i32) -> Resul
 
 /// A journal entry as a listing shows it: what was asked and what it cost, not the answer.
 #[derive(Debug, Clone, serde::Serialize, sqlx::FromRow)]
+#[cfg_attr(feature = "ops-http", derive(utoipa::ToSchema))]
 pub struct Call {
     /// Step position.
     pub seq: i32,

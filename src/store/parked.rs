@@ -6,6 +6,7 @@ use super::Result;
 
 /// A parked item as stored.
 #[derive(Debug, Clone, Serialize, sqlx::FromRow)]
+#[cfg_attr(feature = "ops-http", derive(utoipa::ToSchema))]
 pub struct ParkedRow {
     /// The item's id.
     pub item: String,

@@ -26,6 +26,7 @@ pub struct NewLine {
 
 /// A recorded line.
 #[derive(Debug, Clone, Serialize, sqlx::FromRow)]
+#[cfg_attr(feature = "ops-http", derive(utoipa::ToSchema))]
 pub struct Line {
     /// Order.
     pub id: i64,

@@ -11,6 +11,7 @@ use crate::domain::{Fence, MessageId, RunId, RunStatus, StepAddress, Transition,
 
 /// A run as stored.
 #[derive(Debug, Clone, Serialize, sqlx::FromRow)]
+#[cfg_attr(feature = "ops-http", derive(utoipa::ToSchema))]
 pub struct RunRow {
     /// Run id.
     pub run_id: String,
@@ -34,6 +35,7 @@ pub struct RunRow {
     /// The handover note while the run needs review (or what a person must decide while waiting).
     pub handover: Option<Value>,
     /// The undo plan, once an undo was decided.
+    #[cfg_attr(feature = "ops-http", schema(value_type = Option<Object>))]
     pub undo: Option<sqlx::types::Json<UndoPlan>>,
     /// Worker holding the lease.
     pub lease_owner: Option<String>,
@@ -51,6 +53,14 @@ pub struct RunRow {
     pub finished_at: Option<DateTime<Utc>>,
     /// A shadow fork: outside writes recorded, never made.
     pub shadow: bool,
+}
+
+impl RunRow {
+    /// Whether the run was started with `workflow` and `input`: the rule that makes a second
+    /// start of a run id a repeat (nothing new starts) or a conflict (refused, the run kept).
+    pub fn started_with(&self, workflow: &str, input: &Value) -> bool {
+        self.workflow == workflow && &self.input == input
+    }
 }
 
 /// A new run; the first step is queued by the caller in the same transaction.
@@ -567,6 +577,7 @@ pub async fn set_by_decision(db: impl PgExecutor<'_>, run_id: &str, to: Decided<
 
 /// How many runs of a workflow have a status.
 #[derive(Debug, Clone, Serialize, sqlx::FromRow)]
+#[cfg_attr(feature = "ops-http", derive(utoipa::ToSchema))]
 pub struct Count {
     /// The workflow.
     pub workflow: String,
@@ -606,6 +617,7 @@ pub struct Filter {
 
 /// A run as a listing shows it, with the state of its current step.
 #[derive(Debug, Clone, Serialize, sqlx::FromRow)]
+#[cfg_attr(feature = "ops-http", derive(utoipa::ToSchema))]
 pub struct Summary {
     /// The run.
     pub run_id: String,

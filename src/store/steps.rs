@@ -10,6 +10,7 @@ use crate::domain::{RunId, StepAddress};
 
 /// A step checkpoint as stored.
 #[derive(Debug, Clone, Serialize, sqlx::FromRow)]
+#[cfg_attr(feature = "ops-http", derive(utoipa::ToSchema))]
 pub struct StepRow {
     /// Position.
     pub seq: i32,

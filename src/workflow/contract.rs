@@ -8,6 +8,7 @@ use super::{StepKind, Workflow};
 
 /// One step's line in the contract.
 #[derive(Debug, Clone, Serialize)]
+#[cfg_attr(feature = "ops-http", derive(utoipa::ToSchema))]
 pub struct StepContract {
     /// Step name.
     pub step: String,
@@ -25,6 +26,7 @@ pub struct StepContract {
 
 /// The whole contract.
 #[derive(Debug, Clone, Serialize)]
+#[cfg_attr(feature = "ops-http", derive(utoipa::ToSchema))]
 pub struct Contract {
     /// Workflow name and version.
     pub workflow: String,

@@ -37,6 +37,7 @@ pub use reversal::{ListFuture, Lister, PreviewContext, Reversal};
 
 /// What a step does to the outside world; recovery rules follow from it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[cfg_attr(feature = "ops-http", derive(utoipa::ToSchema))]
 #[serde(rename_all = "snake_case")]
 #[non_exhaustive]
 pub enum StepKind {
