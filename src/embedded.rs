@@ -361,7 +361,8 @@ impl Trailmark {
     /// is its run's id unless the step set another), with `payload` for the step that goes on.
     /// `id` makes it idempotent: the same id again is the same event and changes nothing, the
     /// same id with another payload is refused; `None` gives it a fresh id. An event no run
-    /// waits for yet is kept (`waits.event_keep_secs`) for the first wait that comes.
+    /// waits for yet is kept (`waits.event_keep_secs`) for the first wait that comes. Recorded
+    /// in the audit trail as sent by this program.
     pub async fn send_event(
         &self,
         name: &str,
@@ -369,13 +370,16 @@ impl Trailmark {
         id: Option<&str>,
         payload: &impl Serialize,
     ) -> Result<EventSent, Error> {
+        let who = Decider::embedded("program", "");
         let payload = serde_json::to_value(payload).map_err(|e| {
-            Error::Refused(format!("event {name}: the payload cannot be made JSON: {e}"))
+            Error::Refused(format!(
+                "event {name}: the payload cannot be made JSON: {e}"
+            ))
         })?;
         let limit = self.engine.settings.worker.max_message_bytes;
         let event = crate::domain::InboundEvent::new(name, key, id, payload, limit)
             .map_err(|e| Error::Refused(format!("{e}; nothing was sent")))?;
-        crate::wait::send(&self.engine, event, "embedded")
+        crate::wait::send(&self.engine, event, crate::wait::Sender::Audited(&who))
             .await
             .map_err(|e| Error::from_cause(format!("sending event {name} (key {key})"), e))
     }

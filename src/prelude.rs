@@ -84,6 +84,6 @@ pub use crate::model::{ChatAnswer, ChatMessage, ChatRequest};
 pub use crate::wait::EventSent;
 pub use crate::workflow::{
     Compensation, EventWait, IDEMPOTENCY_KEY_HEADER, Input, Lookup, Next, OnTimeout, Parked,
-    PreviewContext, ReceivedEvent, Registry, ResultExt, Reversal, StepContext, StepError,
-    StepKind, StepOutcome, Tool, UndoTarget, Workflow,
+    PreviewContext, ReceivedEvent, Registry, ResultExt, Reversal, StepContext, StepError, StepKind,
+    StepOutcome, Tool, UndoTarget, Workflow,
 };

@@ -12,7 +12,7 @@ use utoipa::OpenApi;
 
 use super::auth::Role;
 use super::error::ErrorBody;
-use super::{admin, decisions, dlq, runs, start};
+use super::{admin, decisions, dlq, events, runs, start};
 
 /// One endpoint.
 #[derive(Debug, Clone, Copy)]
@@ -138,6 +138,17 @@ pub const ENDPOINTS: &[Endpoint] = &[
         Role::Viewer,
         "Every decision as JSON lines: checkpoint, evidence, proposed next action, decision, who, why (after, limit)",
     ),
+    post(
+        "/api/v1/events",
+        Role::Operator,
+        "Send an event to the runs that wait for it (name, key, id, payload); one no run waits for yet is kept for the first wait that comes. The event id makes it idempotent: the same event again is a duplicate, the id with another payload is 409 event_conflict",
+        false,
+    ),
+    get(
+        "/api/v1/events",
+        Role::Viewer,
+        "Events, newest first: pending (kept for a wait), consumed, expired (state, name, key, limit)",
+    ),
     get(
         "/api/v1/dead-letters",
         Role::Viewer,
@@ -228,6 +239,8 @@ pub fn endpoint_for(method: &str, path: &str) -> Option<&'static Endpoint> {
         decisions::fork,
         decisions::diff,
         decisions::export,
+        events::send,
+        events::list,
         dlq::list,
         dlq::show,
         dlq::reveal,

@@ -121,6 +121,16 @@ pub fn check_name(name: &str) -> Result<(), BadEvent> {
     id_like("name", name, "supplier.reply")
 }
 
+/// Whether a string or key anywhere in `value` holds a NUL character (Postgres stores none).
+fn holds_nul(value: &Value) -> bool {
+    match value {
+        Value::String(s) => s.contains('\0'),
+        Value::Array(items) => items.iter().any(holds_nul),
+        Value::Object(map) => map.iter().any(|(k, v)| k.contains('\0') || holds_nul(v)),
+        _ => false,
+    }
+}
+
 /// The first 60 characters of a refused value, for a message that must stay short.
 fn shown(value: &str) -> String {
     value.chars().take(60).collect()
@@ -145,6 +155,12 @@ impl InboundEvent {
             }
             None => uuid::Uuid::new_v4().to_string(),
         };
+        if holds_nul(&payload) {
+            return Err(BadEvent::Field {
+                field: "payload",
+                why: "holds a NUL character (\\u0000), which cannot be stored: send the text without it".into(),
+            });
+        }
         let event = Self {
             id,
             name: name.to_owned(),
@@ -203,6 +219,8 @@ mod tests {
         assert_eq!(refused("n", "a\nb", None), "key");
         assert_eq!(refused("n", "k", Some("")), "id");
         assert_eq!(refused("n", "k", Some("x y")), "id");
+        let nul = InboundEvent::new("n", "k", None, json!({"a": ["b\u{0}"]}), 1 << 20);
+        assert_eq!(nul.unwrap_err().field(), "payload");
         let ok = InboundEvent::new("supplier.reply", "S-07 / order 42", None, json!({}), 1 << 20);
         assert!(ok.is_ok_and(|e| !e.id.is_empty()), "keys may hold spaces");
     }

@@ -324,6 +324,7 @@ pub async fn take_pending(conn: &mut PgConnection, name: &str, key: &str) -> Res
 
 /// An event as stored.
 #[derive(Debug, Clone, PartialEq, Serialize, sqlx::FromRow)]
+#[cfg_attr(feature = "ops-http", derive(utoipa::ToSchema))]
 pub struct SignalRow {
     /// Its id.
     pub signal_id: String,
@@ -333,6 +334,7 @@ pub struct SignalRow {
     #[sqlx(rename = "match_key")]
     pub key: String,
     /// Its payload.
+    #[cfg_attr(feature = "ops-http", schema(value_type = Object))]
     pub payload: Value,
     /// The payload's hash.
     pub payload_hash: String,
@@ -470,6 +472,7 @@ pub async fn received_event(
 
 /// A wait as a run's views show it, with the event that ended it.
 #[derive(Debug, Clone, Serialize, sqlx::FromRow)]
+#[cfg_attr(feature = "ops-http", derive(utoipa::ToSchema))]
 pub struct WaitRow {
     /// The position of the step that waited.
     pub seq: i32,
@@ -496,6 +499,7 @@ pub struct WaitRow {
     /// The event received, if one ended it.
     pub event_id: Option<String>,
     /// Its payload.
+    #[cfg_attr(feature = "ops-http", schema(value_type = Option<Object>))]
     pub payload: Option<Value>,
     /// When it was received.
     pub received_at: Option<DateTime<Utc>>,

@@ -24,7 +24,7 @@ use std::fmt::Write;
 use serde_json::json;
 use sqlx::{PgConnection, PgPool};
 
-pub use send::{SendError, EventSent, send};
+pub use send::{EventSent, SendError, Sender, send};
 
 use crate::broker::Topology;
 use crate::domain::{Event, RunId, RunStatus, StepAddress};

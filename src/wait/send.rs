@@ -8,10 +8,12 @@ use serde::Serialize;
 use super::{How, go_on};
 use crate::domain::{BadEvent, InboundEvent};
 use crate::engine::Engine;
-use crate::store::{self, waits};
+use crate::operator::Decider;
+use crate::store::{self, audit, waits};
 
 /// What became of an event sent to runs.
 #[derive(Debug, Clone, Serialize)]
+#[cfg_attr(feature = "ops-http", derive(utoipa::ToSchema))]
 #[non_exhaustive]
 pub struct EventSent {
     /// The event's id (given, or made when none was).
@@ -22,13 +24,13 @@ pub struct EventSent {
     pub key: String,
     /// `resumed` (it moved waiting runs on), `kept` (no run waits for it yet: the first wait
     /// for its name and key takes it), or `duplicate` (this id was received before).
-    pub outcome: &'static str,
+    pub outcome: String,
     /// The runs it moved on.
     pub resumed: Vec<String>,
     /// Until when it is kept for a wait, when it was kept.
     pub kept_until: Option<DateTime<Utc>>,
     /// For a duplicate: what became of the first (`pending`, `consumed`, `expired`).
-    pub first: Option<&'static str>,
+    pub first: Option<String>,
 }
 
 /// Why an event was not taken.
@@ -59,24 +61,48 @@ pub enum SendError {
     Store(#[from] store::Error),
 }
 
-/// Records `event` (received through `via`: `api`, `cli`, `amqp`, `embedded`) and moves on
-/// every run that waits for its name and key, in one transaction; an event no run waits for is
-/// kept for `waits.event_keep_secs`, for the first wait that comes.
-pub async fn send(engine: &Engine, event: InboundEvent, via: &'static str) -> Result<EventSent, SendError> {
+/// Who sends an event: a person or program through a face that audits (the API, the CLI, the
+/// embedded handle), or an upstream service over AMQP (not audited, as its run starts are not).
+#[derive(Debug, Clone, Copy)]
+pub enum Sender<'a> {
+    /// Audited as this decider (its `via` names the face).
+    Audited(&'a Decider),
+    /// Published to `<prefix>.runs` with routing key `run.event`.
+    Amqp,
+}
+
+impl Sender<'_> {
+    fn via(&self) -> &str {
+        match self {
+            Self::Audited(who) => who.via,
+            Self::Amqp => "amqp",
+        }
+    }
+}
+
+/// Records `event` and moves on every run that waits for its name and key, in one transaction
+/// (with its audit row when `from` is audited); an event no run waits for is kept for
+/// `waits.event_keep_secs`, for the first wait that comes.
+pub async fn send(
+    engine: &Engine,
+    event: InboundEvent,
+    from: Sender<'_>,
+) -> Result<EventSent, SendError> {
+    let via = from.via().to_owned();
     let w = &engine.settings.waits;
     let mut tx = engine.pool.begin().await.map_err(store::Error::from)?;
     waits::lock_pair(&mut tx, &event.name, &event.key).await?;
     let keep = (w.event_keep_secs, w.event_retention_secs);
-    let sent = |outcome, resumed, kept_until, first| EventSent {
+    let sent = |outcome: &str, resumed, kept_until, first: Option<&str>| EventSent {
         id: event.id.clone(),
         name: event.name.clone(),
         key: event.key.clone(),
-        outcome,
+        outcome: outcome.to_owned(),
         resumed,
         kept_until,
-        first,
+        first: first.map(str::to_owned),
     };
-    match waits::receive(&mut tx, &event, via, keep).await? {
+    match waits::receive(&mut tx, &event, &via, keep).await? {
         waits::Received::New => {}
         waits::Received::Repeat(first) => {
             tx.rollback().await.map_err(store::Error::from)?;
@@ -110,6 +136,9 @@ pub async fn send(engine: &Engine, event: InboundEvent, via: &'static str) -> Re
     if !resumed.is_empty() {
         waits::consumed(&mut *tx, &event.id, resumed.len() as i32).await?;
     }
+    if let Sender::Audited(who) = from {
+        audited(&mut tx, who, &event, &resumed).await?;
+    }
     let fp = &engine.failpoints;
     fp.hit("event.before_commit").map_err(interrupted)?;
     tx.commit().await.map_err(store::Error::from)?;
@@ -124,6 +153,32 @@ pub async fn send(engine: &Engine, event: InboundEvent, via: &'static str) -> Re
     crate::metrics::event_received("resumed");
     tracing::info!(event.id = %event.id, event = %event.name, key = %event.key, runs = resumed.len(), "the event moved waiting runs on");
     Ok(sent("resumed", resumed, None, None))
+}
+
+/// The event's audit row, in its transaction: who sent what to whom.
+async fn audited(
+    tx: &mut sqlx::PgConnection,
+    who: &Decider,
+    event: &InboundEvent,
+    resumed: &[String],
+) -> store::Result<()> {
+    let details = serde_json::json!({
+        "name": event.name, "key": event.key, "payload_hash": event.payload_hash(),
+        "resumed": resumed,
+    });
+    let entry = audit::NewEntry {
+        actor: &who.actor,
+        role: &who.role,
+        via: who.via,
+        action: "event.send",
+        target: &event.id,
+        reason: &who.reason,
+        request_id: who.request_id.as_deref(),
+        status_before: None,
+        status_after: None,
+        details: &details,
+    };
+    audit::insert(tx, &entry).await
 }
 
 fn interrupted(e: crate::failpoint::Injected) -> SendError {

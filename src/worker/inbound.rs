@@ -32,7 +32,7 @@ pub(super) async fn process(
             ));
         }
     };
-    let refused = match wait::send(engine, event, "amqp").await {
+    let refused = match wait::send(engine, event, wait::Sender::Amqp).await {
         Ok(sent) if sent.outcome == "duplicate" => {
             return Ok(Disposition::Duplicate(
                 "the event was received before under its id",

@@ -115,8 +115,7 @@ impl Input for ChainInput {
         if let Some(wait) = &self.wait {
             self.pause_at("wait.at", wait.at)?;
             span("wait.timeout_secs", wait.timeout_secs)?;
-            trailmark::domain::check_name(&wait.event)
-                .map_err(|e| format!("`wait.event`: {e}"))?;
+            trailmark::domain::check_name(&wait.event).map_err(|e| format!("`wait.event`: {e}"))?;
             if self.sleep.as_ref().is_some_and(|s| s.at == wait.at) {
                 return Err(format!(
                     "`sleep.at` and `wait.at` are both {}: a link can sleep or wait, not both",

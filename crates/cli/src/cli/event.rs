@@ -7,6 +7,7 @@ use clap::Subcommand;
 use trailmark::config::Settings;
 use trailmark::domain::InboundEvent;
 use trailmark::engine::Engine;
+use trailmark::operator::Decider;
 use trailmark::store::{self, waits};
 use trailmark::wait::{self, EventSent};
 use trailmark::workflow::Registry;
@@ -53,6 +54,9 @@ pub struct SendArgs {
     /// absent).
     #[arg(long)]
     pub payload: Option<String>,
+    /// Why, for the audit trail (optional).
+    #[arg(long)]
+    pub reason: Option<String>,
     /// Print JSON.
     #[arg(long)]
     pub json: bool,
@@ -82,12 +86,19 @@ pub async fn dispatch(
 /// Checks the event where it enters (each field, its size), then records it and moves on the
 /// runs that wait for it, in one transaction.
 async fn send(settings: Settings, registry: Registry, args: SendArgs) -> anyhow::Result<()> {
+    if let Some(reason) = &args.reason {
+        trailmark::api::input::check("--reason", reason, trailmark::api::input::Kind::Reason)?;
+    }
     let payload = super::run::read_json("--payload", args.payload.as_deref())?;
     let limit = settings.worker.max_message_bytes;
     let event = InboundEvent::new(&args.name, &args.key, args.id.as_deref(), payload, limit)
         .map_err(|e| anyhow::anyhow!("{e}; nothing was sent"))?;
     let engine = Engine::new(settings, registry).await?;
-    let sent = wait::send(&engine, event, "cli")
+    let who = Decider::cli(
+        super::decide::default_actor(),
+        args.reason.unwrap_or_default(),
+    );
+    let sent = wait::send(&engine, event, wait::Sender::Audited(&who))
         .await
         .with_context(|| format!("event {} (key {})", args.name, args.key))?;
     if args.json {
@@ -101,7 +112,7 @@ async fn send(settings: Settings, registry: Registry, args: SendArgs) -> anyhow:
 /// What became of an event, in one line.
 fn said(s: &EventSent) -> String {
     let what = format!("event {} ({}, key {})", s.id, s.name, s.key);
-    match s.outcome {
+    match s.outcome.as_str() {
         "resumed" => format!(
             "{what} resumed {} run(s): {}",
             s.resumed.len(),
@@ -115,7 +126,7 @@ fn said(s: &EventSent) -> String {
         ),
         _ => format!(
             "{what} was received before (now {}); nothing more happened",
-            s.first.unwrap_or("-")
+            s.first.as_deref().unwrap_or("-")
         ),
     }
 }
