@@ -713,6 +713,65 @@ mod tests {
     }
 
     #[test]
+    fn a_step_that_waits_checkpoints_its_output_and_registers_its_wait_without_moving_on() {
+        let msg = message(StepAddress::step("a"), 2);
+        let wait = crate::workflow::EventWait::new("reply", Duration::from_secs(60));
+        let out = Ok(StepOutcome::wait_for_event(json!({"asked": 1}), wait));
+        let Verdict::Commit(ending) = decide(&workflow(), &msg, running(1), LIMITS, out, none())
+        else {
+            panic!("not committed");
+        };
+        let commit = to_commit(
+            &Topology::new("t", 5),
+            &msg,
+            Fence(3),
+            RunStatus::Running,
+            false,
+            ending,
+        )
+        .unwrap();
+        assert_eq!(commit.to.status.to, RunStatus::Waiting);
+        assert!(!commit.to.status.advances(), "the run stays at the step");
+        assert_eq!(commit.to.next_step, Some(StepAddress::step("a")));
+        assert!(commit.finished, "the step's work is done");
+        assert_eq!(commit.step_output, Some(json!({"asked": 1})));
+        let wait = commit.wait.expect("a wait to register");
+        assert_eq!(wait.next_step, StepAddress::step("b"));
+        assert_eq!(wait.event(), Some(("reply", "r1")), "the key is the run id");
+        let events: Vec<Event> = commit
+            .outbox
+            .iter()
+            .map(|m| serde_json::from_slice(&m.body).unwrap())
+            .collect();
+        assert_eq!(events.len(), 1, "run.waiting, and no step message");
+        assert_eq!(events[0].event, "run.waiting");
+    }
+
+    #[test]
+    fn a_wait_that_cannot_be_kept_stops_for_review_naming_what_to_fix() {
+        let review = |seq, out: StepOutcome| {
+            let msg = message(StepAddress::step(if seq == 1 { "b" } else { "a" }), seq);
+            match decide(&workflow(), &msg, running(1), LIMITS, Ok(out), none()) {
+                Verdict::Review(e) => e.to_string(),
+                other => panic!("not reviewed: {other:?}"),
+            }
+        };
+        let wait = |secs| crate::workflow::EventWait::new("reply", Duration::from_secs(secs));
+        let zero = review(0, StepOutcome::wait_for_event(json!({}), wait(0)));
+        assert!(zero.contains("its timeout is 0 s") && zero.contains("waits.max_secs"), "{zero}");
+        let long = review(0, StepOutcome::sleep_for(json!({}), Duration::from_secs(90_000)));
+        assert!(long.contains("its sleep is 90000 s"), "{long}");
+        let named = crate::workflow::EventWait::new("bad name", Duration::from_secs(5));
+        let named = review(0, StepOutcome::wait_for_event(json!({}), named));
+        assert!(named.contains("event name"), "{named}");
+        let last = review(1, StepOutcome::sleep_for(json!({}), Duration::from_secs(5)));
+        assert!(last.contains("a step that waits must be followed by a step"), "{last}");
+        let nowhere = wait(5).on_timeout_goto("nowhere");
+        let nowhere = review(0, StepOutcome::wait_for_event(json!({}), nowhere));
+        assert!(nowhere.contains("nowhere"), "{nowhere}");
+    }
+
+    #[test]
     fn the_attempt_cap_and_the_run_timeout_stop_a_step_before_it_runs() {
         let msg = message(StepAddress::step("a"), 0);
         assert!(refuse_before_running(&msg, running(3), LIMITS, 5.0, 0).is_none());
