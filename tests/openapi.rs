@@ -389,12 +389,32 @@ async fn events_refused(api: &Api, doc: &mut Checked) {
         Ask::to(e.path, token).json(&body)
     };
     for (ask, expected, field) in [
-        (event("supplier.reply", "r-ok", json!({"price": 41.5})), StatusCode::OK, None),
-        (event("supplier.reply", "r-ok", json!({"price": 40})), StatusCode::CONFLICT, Some("id")),
-        (event("", "r-ok", json!({})), StatusCode::BAD_REQUEST, Some("name")),
-        (event("supplier.reply", "", json!({})), StatusCode::BAD_REQUEST, Some("key")),
         (
-            event("supplier.reply", "r-ok", json!({"blob": "z".repeat(8 * 1024)})),
+            event("supplier.reply", "r-ok", json!({"price": 41.5})),
+            StatusCode::OK,
+            None,
+        ),
+        (
+            event("supplier.reply", "r-ok", json!({"price": 40})),
+            StatusCode::CONFLICT,
+            Some("id"),
+        ),
+        (
+            event("", "r-ok", json!({})),
+            StatusCode::BAD_REQUEST,
+            Some("name"),
+        ),
+        (
+            event("supplier.reply", "", json!({})),
+            StatusCode::BAD_REQUEST,
+            Some("key"),
+        ),
+        (
+            event(
+                "supplier.reply",
+                "r-ok",
+                json!({"blob": "z".repeat(8 * 1024)}),
+            ),
             StatusCode::BAD_REQUEST,
             Some("payload"),
         ),

@@ -5,6 +5,7 @@
 //! the field. The kill -9 cases are at the end: real processes, killed by failpoints or from
 //! outside.
 
+mod api_support;
 mod common;
 mod dlq_support;
 
@@ -539,4 +540,67 @@ async fn a_kill_9_of_every_process_during_a_5_s_sleep_changes_nothing() {
     let _second = env.spawn_process(None);
     env.wait_status("r-k4", RunStatus::Succeeded, WAIT).await;
     assert_woke_once_on_time(&env, "r-k4").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn run_show_and_the_api_say_what_a_run_waits_for_and_the_event_it_received() {
+    use reqwest::{Method, StatusCode};
+    use trailmark::api::Role;
+    let api = api_support::Api::start(trailmark_reference::registry()).await;
+    let env = &api.env;
+    env.start_run("chain", "r-view", chain_waiting(600)).await;
+    wait_waiting(env, "r-view").await;
+    let show = |env: &TestEnv| {
+        let out = env.command(&["run", "show", "r-view"]).output().unwrap();
+        text(&out).0
+    };
+    let shown = show(env);
+    assert!(
+        shown.contains("event go (key r-view)") && shown.contains("WAITING NOW"),
+        "{shown}"
+    );
+    let viewer = Some(api.token(Role::Viewer));
+    let (status, run) = api
+        .call(Method::GET, "/api/v1/runs/r-view", viewer, None, None)
+        .await;
+    assert_eq!(status, StatusCode::OK, "{run}");
+    assert_eq!(run["waits"][0]["event_name"], "go", "{run}");
+    assert_eq!(run["waits"][0]["resolved_at"], Value::Null, "{run}");
+    assert!(run["waits"][0]["until"].is_string(), "{run}");
+    let body = json!({"name": "go", "key": "r-view", "id": "e-view", "payload": {"ok": true}});
+    let operator = Some(api.token(Role::Operator));
+    let (status, sent) = api
+        .call(Method::POST, "/api/v1/events", operator, Some(body), None)
+        .await;
+    assert_eq!(status, StatusCode::OK, "{sent}");
+    assert_eq!(
+        (&sent["outcome"], &sent["resumed"]),
+        (&json!("resumed"), &json!(["r-view"]))
+    );
+    env.wait_status("r-view", RunStatus::Succeeded, WAIT).await;
+    let (_, run) = api
+        .call(Method::GET, "/api/v1/runs/r-view", viewer, None, None)
+        .await;
+    let wait = &run["waits"][0];
+    assert_eq!(
+        (&wait["resolution"], &wait["event_id"], &wait["payload"]),
+        (&json!("event"), &json!("e-view"), &json!({"ok": true})),
+        "{run}"
+    );
+    let shown = show(env);
+    assert!(
+        shown.contains(r#"event e-view received"#) && shown.contains(r#"{"ok":true}"#),
+        "{shown}"
+    );
+    let (status, listed) = api
+        .call(
+            Method::GET,
+            "/api/v1/events?state=consumed",
+            viewer,
+            None,
+            None,
+        )
+        .await;
+    assert_eq!(status, StatusCode::OK, "{listed}");
+    assert_eq!(listed["events"][0]["signal_id"], "e-view", "{listed}");
 }
