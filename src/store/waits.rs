@@ -529,3 +529,49 @@ pub async fn open_counts(db: impl PgExecutor<'_>) -> Result<Vec<(String, i64)>> 
     .fetch_all(db)
     .await?)
 }
+
+/// Those of `ids` that wait for an event now (status `waiting`, an open event wait).
+pub async fn waiting_for_events(db: impl PgExecutor<'_>, ids: &[String]) -> Result<Vec<String>> {
+    Ok(sqlx::query_scalar(
+        "SELECT w.run_id FROM trailmark.waits w JOIN trailmark.runs r ON r.run_id = w.run_id
+          WHERE w.run_id = ANY($1) AND w.resolved_at IS NULL AND w.kind = 'event'
+            AND r.status = 'waiting' AND r.step_seq = w.seq",
+    )
+    .bind(ids)
+    .fetch_all(db)
+    .await?)
+}
+
+/// How each event wait of `ids` ended: run, position, resolution (`None`: open), the event's
+/// id, and the event's payload.
+pub type WaitOutcome = (String, i32, Option<String>, Option<String>, Option<Value>);
+
+/// Every event wait of `ids`, by run and position.
+pub async fn outcomes(db: impl PgExecutor<'_>, ids: &[String]) -> Result<Vec<WaitOutcome>> {
+    Ok(sqlx::query_as(
+        "SELECT w.run_id, w.seq, w.resolution, w.signal_id, s.payload
+           FROM trailmark.waits w LEFT JOIN trailmark.signals s ON s.signal_id = w.signal_id
+          WHERE w.run_id = ANY($1) AND w.kind = 'event' ORDER BY w.run_id, w.seq",
+    )
+    .bind(ids)
+    .fetch_all(db)
+    .await?)
+}
+
+/// Each of `ids` (event ids) as stored: id, state (`pending`, `consumed`, `expired`) and the
+/// runs it resumed.
+pub async fn signal_states(
+    db: impl PgExecutor<'_>,
+    ids: &[String],
+) -> Result<Vec<(String, String, i32)>> {
+    Ok(sqlx::query_as(
+        "SELECT signal_id,
+                CASE WHEN consumed_at IS NOT NULL THEN 'consumed'
+                     WHEN expired_at IS NOT NULL THEN 'expired' ELSE 'pending' END,
+                resumed
+           FROM trailmark.signals WHERE signal_id = ANY($1)",
+    )
+    .bind(ids)
+    .fetch_all(db)
+    .await?)
+}
