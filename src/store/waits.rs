@@ -575,3 +575,50 @@ pub async fn signal_states(
     .fetch_all(db)
     .await?)
 }
+
+/// How late the sleeps of runs whose id starts with `prefix` were ended, from their due time:
+/// by the timer loop (`resolved_at`), and to the start of the step after them (the claim of
+/// the woken step), in seconds, each as (p50, p99, max); with how many and over how many
+/// seconds their due times were spread. For the bench.
+pub async fn sleep_lags(db: impl PgExecutor<'_>, prefix: &str) -> Result<SleepLags> {
+    Ok(sqlx::query_as(
+        "SELECT count(*) AS sleeps,
+                COALESCE(EXTRACT(EPOCH FROM max(w.due_at) - min(w.due_at)), 0)::float8 AS due_spread_secs,
+                COALESCE(percentile_cont(0.5) WITHIN GROUP (ORDER BY EXTRACT(EPOCH FROM w.resolved_at - w.due_at)), 0)::float8 AS woken_p50,
+                COALESCE(percentile_cont(0.99) WITHIN GROUP (ORDER BY EXTRACT(EPOCH FROM w.resolved_at - w.due_at)), 0)::float8 AS woken_p99,
+                COALESCE(max(EXTRACT(EPOCH FROM w.resolved_at - w.due_at)), 0)::float8 AS woken_max,
+                COALESCE(percentile_cont(0.5) WITHIN GROUP (ORDER BY EXTRACT(EPOCH FROM s.started_at - w.due_at)), 0)::float8 AS started_p50,
+                COALESCE(percentile_cont(0.99) WITHIN GROUP (ORDER BY EXTRACT(EPOCH FROM s.started_at - w.due_at)), 0)::float8 AS started_p99,
+                COALESCE(max(EXTRACT(EPOCH FROM s.started_at - w.due_at)), 0)::float8 AS started_max,
+                count(*) FILTER (WHERE w.resolved_at < w.due_at OR s.started_at < w.due_at) AS early
+           FROM trailmark.waits w
+           JOIN trailmark.steps s ON s.run_id = w.run_id AND s.seq = w.seq + 1
+          WHERE w.run_id LIKE $1 AND w.kind = 'sleep' AND w.resolution = 'woke'",
+    )
+    .bind(super::inspect::like_prefix(prefix))
+    .fetch_one(db)
+    .await?)
+}
+
+/// What [`sleep_lags`] measured.
+#[derive(Debug, Clone, Copy, Default, Serialize, sqlx::FromRow)]
+pub struct SleepLags {
+    /// Sleeps ended.
+    pub sleeps: i64,
+    /// From the first due time to the last (s).
+    pub due_spread_secs: f64,
+    /// Due time to the timer loop's wake-up: p50 (s).
+    pub woken_p50: f64,
+    /// p99 (s).
+    pub woken_p99: f64,
+    /// Worst (s).
+    pub woken_max: f64,
+    /// Due time to the claim of the woken step: p50 (s).
+    pub started_p50: f64,
+    /// p99 (s).
+    pub started_p99: f64,
+    /// Worst (s).
+    pub started_max: f64,
+    /// Sleeps ended, or steps started, before their time (must be 0).
+    pub early: i64,
+}
