@@ -14,7 +14,7 @@ use crate::{relay, supervisor, worker};
 /// Which components a process runs.
 #[derive(Debug, Clone, Copy)]
 pub struct Components {
-    /// Consume step and run-start messages.
+    /// Consume step messages, run-start events and events for waiting runs.
     pub worker: bool,
     /// Publish outbox rows.
     pub relay: bool,

@@ -604,3 +604,59 @@ async fn run_show_and_the_api_say_what_a_run_waits_for_and_the_event_it_received
     assert_eq!(status, StatusCode::OK, "{listed}");
     assert_eq!(listed["events"][0]["signal_id"], "e-view", "{listed}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn events_sent_while_their_waits_are_being_committed_are_never_lost() {
+    // Each run's event is sent while its first link is running (a 40 ms link), at a moment
+    // spread over the link's end: many land while the wait is being committed. An event that
+    // slipped between the wait's look for kept events and its commit would sit unconsumed
+    // while its run waits, and the run would stop for review when its 15 s timeout fires.
+    let env = TestEnv::new().await;
+    let engine = env.engine();
+    let _running = env.spawn_all(engine.clone());
+    let input = json!({"steps": 2, "step_delay_ms": 40,
+        "wait": {"at": 0, "event": "go", "timeout_secs": 15}});
+    let runs: Vec<String> = (0..60).map(|i| format!("r-race-{i}")).collect();
+    let mut senders = Vec::new();
+    for (i, run) in runs.iter().enumerate() {
+        env.start_run("chain", run, input.clone()).await;
+        let (engine, pool, run) = (engine.clone(), env.pool.clone(), run.clone());
+        senders.push(tokio::spawn(async move {
+            let claimed = common::eventually("the first link to start", WAIT, || async {
+                let n: i64 =
+                    sqlx::query_scalar("SELECT count(*) FROM trailmark.steps WHERE run_id = $1")
+                        .bind(&run)
+                        .fetch_one(&pool)
+                        .await
+                        .ok()?;
+                (n > 0).then_some(())
+            })
+            .await;
+            assert!(claimed.is_some(), "{run} never started");
+            // The moment of sending is the fault injected: 25 to 65 ms into the 40 ms link.
+            tokio::time::sleep(Duration::from_millis(25 + (i as u64 * 7) % 40)).await;
+            let event =
+                InboundEvent::new("go", &run, Some(&format!("{run}.ev")), json!({}), 1 << 20)
+                    .unwrap();
+            let who = trailmark::operator::Decider::cli("test", "race");
+            trailmark::wait::send(&engine, event, trailmark::wait::Sender::Audited(&who))
+                .await
+                .unwrap()
+        }));
+    }
+    let mut kept = 0;
+    for s in senders {
+        kept += usize::from(s.await.unwrap().outcome == "kept");
+    }
+    for run in &runs {
+        env.wait_status(run, RunStatus::Succeeded, WAIT).await;
+        assert_eq!(
+            event_state(&env, &format!("{run}.ev")).await,
+            ("consumed".into(), 1)
+        );
+    }
+    eprintln!(
+        "{kept} of {} events came before their wait and were kept for it",
+        runs.len()
+    );
+}
