@@ -660,3 +660,44 @@ async fn events_sent_while_their_waits_are_being_committed_are_never_lost() {
         runs.len()
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fork_from_the_step_after_a_wait_reads_the_event_its_parent_received() {
+    let env = TestEnv::new().await;
+    let engine = env.engine();
+    let _running = env.spawn_all(engine.clone());
+    env.start_run("chain", "r-parent", chain_waiting(600)).await;
+    wait_waiting(&env, "r-parent").await;
+    let (code, _, err) = send(
+        &env,
+        &[
+            "go",
+            "--key",
+            "r-parent",
+            "--id",
+            "e-parent",
+            "--payload",
+            r#"{"v": 7}"#,
+        ],
+    );
+    assert_eq!(code, Some(0), "{err}");
+    env.wait_status("r-parent", RunStatus::Succeeded, WAIT)
+        .await;
+    let req = trailmark::operator::ForkRequest {
+        from: trailmark::operator::ForkPoint::Position(2),
+        run_id: Some("r-forked".into()),
+        input: None,
+        shadow: true,
+        answers_from: None,
+    };
+    let who = trailmark::operator::Decider::cli("test", "replay the step after the wait");
+    trailmark::operator::fork(&engine, "r-parent", &req, &who)
+        .await
+        .unwrap();
+    env.wait_status("r-forked", RunStatus::Shadowed, WAIT).await;
+    assert_eq!(
+        output_at(&env, "r-forked", 2).await["event"],
+        json!({"id": "e-parent", "payload": {"v": 7}}),
+        "the fork's step read the event its parent received"
+    );
+}

@@ -454,15 +454,26 @@ pub async fn prune(db: impl PgExecutor<'_>, limit: i64) -> Result<u64> {
 }
 
 /// The event that resumed `run_id` after its wait at `seq`: id, name, key, payload, received.
+/// A fork took the positions before its fork point over from its parent, and with them the
+/// parent's waits there: the step after such a wait reads the event the parent received.
 pub async fn received_event(
     db: impl PgExecutor<'_>,
     run_id: &str,
     seq: i32,
 ) -> Result<Option<(String, String, String, Value, DateTime<Utc>)>> {
     Ok(sqlx::query_as(
-        "SELECT s.signal_id, s.name, s.match_key, s.payload, s.received_at
-           FROM trailmark.waits w JOIN trailmark.signals s ON s.signal_id = w.signal_id
-          WHERE w.run_id = $1 AND w.seq = $2 AND w.resolution = 'event'",
+        "WITH RECURSIVE owner(run_id, depth) AS (
+            SELECT $1::text, 0
+            UNION ALL
+            SELECT f.parent_run_id, o.depth + 1 FROM owner o
+              JOIN trailmark.forks f ON f.run_id = o.run_id
+             WHERE $2 < f.from_seq AND o.depth < 64
+         )
+         SELECT s.signal_id, s.name, s.match_key, s.payload, s.received_at
+           FROM owner o
+           JOIN trailmark.waits w ON w.run_id = o.run_id AND w.seq = $2 AND w.resolution = 'event'
+           JOIN trailmark.signals s ON s.signal_id = w.signal_id
+          ORDER BY o.depth LIMIT 1",
     )
     .bind(run_id)
     .bind(seq)
