@@ -21,6 +21,7 @@ use crate::failpoint::Failpoints;
 use crate::operator::{self, Decider};
 use crate::process::{self, Components};
 use crate::store::{self, runs};
+use crate::wait::EventSent;
 use crate::workflow::Registry;
 
 /// What went wrong, in words that say what to do next.
@@ -127,12 +128,17 @@ impl RunView {
         })
     }
 
-    /// Whether nothing more happens without a person: the run ended, needs review, or waits for
-    /// a decision.
+    /// Whether nothing more happens without a person or an outside event: the run ended, needs
+    /// review, waits for a decision, or waits for an event (a sleeping run wakes by itself, so
+    /// it is not at rest).
     pub fn at_rest(&self) -> bool {
+        let asleep = self
+            .question
+            .as_ref()
+            .is_some_and(|q| q.get("waiting_for").and_then(Value::as_str) == Some("time"));
         self.status.is_terminal()
             || self.status == RunStatus::NeedsReview
-            || (self.status == RunStatus::Waiting && self.question.is_some())
+            || (self.status == RunStatus::Waiting && self.question.is_some() && !asleep)
     }
 }
 
@@ -349,6 +355,33 @@ impl Trailmark {
             .await
             .map_err(|e| Error::from_cause(format!("publishing the start of run {run_id}"), e))?;
         Ok(run_id)
+    }
+
+    /// Sends the event `name` with match key `key` to the runs that wait for it (a wait's key
+    /// is its run's id unless the step set another), with `payload` for the step that goes on.
+    /// `id` makes it idempotent: the same id again is the same event and changes nothing, the
+    /// same id with another payload is refused; `None` gives it a fresh id. An event no run
+    /// waits for yet is kept (`waits.event_keep_secs`) for the first wait that comes. Recorded
+    /// in the audit trail as sent by this program.
+    pub async fn send_event(
+        &self,
+        name: &str,
+        key: &str,
+        id: Option<&str>,
+        payload: &impl Serialize,
+    ) -> Result<EventSent, Error> {
+        let who = Decider::embedded("program", "");
+        let payload = serde_json::to_value(payload).map_err(|e| {
+            Error::Refused(format!(
+                "event {name}: the payload cannot be made JSON: {e}"
+            ))
+        })?;
+        let limit = self.engine.settings.worker.max_message_bytes;
+        let event = crate::domain::InboundEvent::new(name, key, id, payload, limit)
+            .map_err(|e| Error::Refused(format!("{e}; nothing was sent")))?;
+        crate::wait::send(&self.engine, event, crate::wait::Sender::Audited(&who))
+            .await
+            .map_err(|e| Error::from_cause(format!("sending event {name} (key {key})"), e))
     }
 
     /// Where run `run_id` stands; `None` when no such run exists (yet: a started run appears

@@ -22,9 +22,11 @@ pub enum Loop {
     Relay,
     /// The lease supervisor.
     Supervisor,
+    /// The supervisor's timer loop (wake-ups and event timeouts of waiting runs).
+    Timers,
 }
 
-const LOOPS: [Loop; 3] = [Loop::Worker, Loop::Relay, Loop::Supervisor];
+const LOOPS: [Loop; 4] = [Loop::Worker, Loop::Relay, Loop::Supervisor, Loop::Timers];
 
 /// A loop that has not come round for this long is stuck.
 const STUCK_AFTER: Duration = Duration::from_secs(60);
@@ -35,8 +37,8 @@ const SCHEMA_CHECK_FRESH: Duration = Duration::from_secs(1);
 /// The process's health, updated by its loops and read by the health endpoints.
 #[derive(Debug, Default)]
 pub struct Health {
-    running: [AtomicBool; 3],
-    beats: [AtomicU64; 3],
+    running: [AtomicBool; 4],
+    beats: [AtomicU64; 4],
     consuming: AtomicBool,
     /// Why the worker's last broker session ended, until it consumes again.
     broker_problem: std::sync::Mutex<Option<String>>,
@@ -183,6 +185,7 @@ fn name(l: Loop) -> &'static str {
         Loop::Worker => "worker",
         Loop::Relay => "relay",
         Loop::Supervisor => "supervisor",
+            Loop::Timers => "timers",
     }
 }
 

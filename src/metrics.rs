@@ -49,11 +49,24 @@ pub const MODEL_COST: &str = "trailmark_model_cost_total";
 pub const BREAKER_OPEN: &str = "trailmark_breaker_open";
 /// Log lines dropped because the log sink was too slow or failing.
 pub const LOG_LINES_LOST: &str = "trailmark_log_lines_lost";
+/// Runs waiting for an event or sleeping, by kind (`event`, `sleep`) (gauge, from the database).
+pub const WAITS_OPEN: &str = "trailmark_waits_open";
+/// Events sent to runs, by outcome: `resumed` (runs waited for it), `kept` (none did yet),
+/// `duplicate`, `conflict` (its id was used with another payload), `refused` (a bad field).
+pub const EVENTS_RECEIVED: &str = "trailmark_events_received_total";
+/// Events that expired without a wait taking them.
+pub const EVENTS_EXPIRED: &str = "trailmark_events_expired_total";
+/// Waiting runs moved on, by what moved them: `event`, `woke` (a sleep ended), `timeout`.
+pub const WAITS_ENDED: &str = "trailmark_waits_ended_total";
+/// How late a due wait (a wake-up or an event timeout) was moved on after its time (histogram,
+/// seconds, database clock).
+pub const WAKE_LAG: &str = "trailmark_wake_lag_seconds";
 
 /// Explicit buckets, from a fast statement to a slow model call.
 const STEP_BUCKETS: [f64; 14] = [
     0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 120.0,
 ];
+const LAG_BUCKETS: [f64; 10] = [0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.0, 5.0, 30.0, 300.0];
 const PUBLISH_BUCKETS: [f64; 10] = [
     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 2.0,
 ];
@@ -68,6 +81,7 @@ pub fn install() -> &'static PrometheusHandle {
             .and_then(|b| {
                 b.set_buckets_for_metric(Matcher::Full(RELAY_PUBLISH.into()), &PUBLISH_BUCKETS)
             })
+            .and_then(|b| b.set_buckets_for_metric(Matcher::Full(WAKE_LAG.into()), &LAG_BUCKETS))
             .expect("the buckets are not empty");
         let recorder = builder.build_recorder();
         let handle = recorder.handle();
@@ -134,6 +148,25 @@ pub fn model_answered(model: &str, prompt: u64, completion: u64, cost: f64) {
     gauge!(MODEL_COST, "model" => model.to_owned()).increment(cost);
 }
 
+/// Counts an event sent to runs, by `outcome`.
+pub fn event_received(outcome: &'static str) {
+    counter!(EVENTS_RECEIVED, "outcome" => outcome).increment(1);
+}
+
+/// Counts events that expired without a wait taking them.
+pub fn events_expired(n: u64) {
+    counter!(EVENTS_EXPIRED).increment(n);
+}
+
+/// Counts a waiting run moved on `by` an event, a wake-up or a timeout, `late_secs` after its
+/// due time for the last two.
+pub fn wait_ended(by: &'static str, late_secs: Option<f64>) {
+    counter!(WAITS_ENDED, "by" => by).increment(1);
+    if let Some(late) = late_secs {
+        histogram!(WAKE_LAG).record(late.max(0.0));
+    }
+}
+
 /// Sets whether `tool`'s breaker is open.
 pub fn breaker(tool: &str, open: bool) {
     gauge!(BREAKER_OPEN, "tool" => tool.to_owned()).set(if open { 1.0 } else { 0.0 });
@@ -182,5 +215,10 @@ pub async fn refresh_once(pool: &PgPool) -> store::Result<()> {
     gauge!(OUTBOX_PENDING).set(backlog.pending as f64);
     gauge!(OUTBOX_OLDEST_AGE).set(backlog.oldest_age_secs);
     gauge!(OUTBOX_HELD_BACK).set(backlog.held_back as f64);
+    let open = store::waits::open_counts(pool).await?;
+    for kind in ["event", "sleep"] {
+        let n = open.iter().find(|(k, _)| k == kind).map_or(0, |(_, n)| *n);
+        gauge!(WAITS_OPEN, "kind" => kind).set(n as f64);
+    }
     Ok(())
 }

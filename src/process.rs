@@ -14,11 +14,11 @@ use crate::{relay, supervisor, worker};
 /// Which components a process runs.
 #[derive(Debug, Clone, Copy)]
 pub struct Components {
-    /// Consume step and run-start messages.
+    /// Consume step messages, run-start events and events for waiting runs.
     pub worker: bool,
     /// Publish outbox rows.
     pub relay: bool,
-    /// Recover expired leases and escalate late decisions.
+    /// Recover expired leases, escalate late decisions, and move on waiting runs that are due.
     pub supervisor: bool,
 }
 
@@ -87,6 +87,8 @@ pub async fn run(
     if c.supervisor {
         let s = supervisor::run(engine.clone(), work.clone());
         tasks.spawn(map_err(s, Error::Supervisor));
+        let t = crate::wait::timers::run(engine.clone(), work.clone());
+        tasks.spawn(map_err(t, Error::Supervisor));
     }
     tracing::info!(worker = c.worker, relay = c.relay, supervisor = c.supervisor, id = %engine.worker_id, "trailmark started");
     let mut ended = Ok(());

@@ -8,7 +8,7 @@ use sqlx::PgPool;
 
 use crate::domain::ShadowWrite;
 use crate::store::{
-    self, decisions, effects, forks, journal, parked, progress, runs, shadow, steps,
+    self, decisions, effects, forks, journal, parked, progress, runs, shadow, steps, waits,
 };
 
 /// A run as an operator reads it: the run row, its steps with attempts and timings, journal
@@ -47,6 +47,9 @@ pub struct Around {
     pub progress: Vec<progress::Line>,
     /// The run it was forked from, and its forks.
     pub lineage: forks::Lineage,
+    /// What it waited for and waits for now (events and sleeps), oldest first, each with the
+    /// event that ended it; the last one is open (`resolved_at` empty) while it waits.
+    pub waits: Vec<waits::WaitRow>,
 }
 
 async fn around(pool: &PgPool, run_id: &str) -> store::Result<Around> {
@@ -60,6 +63,7 @@ async fn around(pool: &PgPool, run_id: &str) -> store::Result<Around> {
         decisions: decisions::list(pool, run_id).await?,
         progress: progress::list(pool, run_id, 0).await?,
         lineage: forks::lineage(pool, run_id).await?,
+        waits: waits::for_run(pool, run_id).await?,
     })
 }
 

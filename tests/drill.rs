@@ -211,3 +211,44 @@ async fn scale_out_four_workers_two_relays_two_supervisors_lose_nothing_when_eac
         );
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_ci_profile_on_chain_runs_that_wait_and_sleep_takes_each_event_once() {
+    // Each run waits for its event after link 1 (sent over AMQP: some before the wait, some
+    // twice, some again with another payload) and sleeps a second after link 3.
+    let input = r#"{"steps": 5, "wait": {"at": 1, "event": "go", "timeout_secs": 600}, "sleep": {"at": 3, "secs": 1}}"#;
+    let r = drill_cli(&[
+        "chain", "--input", input, "--runs", "80", "--seed", "20261203",
+    ]);
+    assert_kept(&r, 80);
+    let ev = &r["events"];
+    assert_eq!(ev["runs"], 80, "{ev}");
+    for planned in ["early", "twice", "conflicting"] {
+        assert!(
+            ev[planned].as_u64().unwrap() > 0,
+            "no {planned} event: {ev}"
+        );
+    }
+    // A run stopped in review before its wait is sent nothing; the others' conflicting copies
+    // are all refused (the invariant compares them with the copies sent).
+    let refused = ev["conflicts_refused"].as_u64().unwrap();
+    assert!(
+        refused > 0 && refused <= ev["conflicting"].as_u64().unwrap(),
+        "{ev}"
+    );
+    assert_eq!(
+        r["dead_letters"]["event_conflicts"],
+        ev["conflicts_refused"]
+    );
+    let names: Vec<&str> = r["invariants"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|i| i["name"].as_str().unwrap())
+        .collect();
+    assert!(
+        names.contains(&"every wait resumed once, by its own event")
+            && names.contains(&"no event lost"),
+        "{names:?}"
+    );
+}

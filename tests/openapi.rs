@@ -208,6 +208,10 @@ fn happy_post(e: &Endpoint) -> (&'static str, Value) {
             "",
             json!({"reason": "missed", "from": "2026-01-01T00:00:00Z", "to": "2026-01-01T02:00:00Z"}),
         ),
+        "events" => (
+            "",
+            json!({"name": "supplier.reply", "key": "r-ok", "id": "evt-1", "payload": {"price": 41.5}}),
+        ),
         "requeue" | "purge" => (
             "",
             json!({"reason": "count", "reason_code": "undecodable", "preview": true}),
@@ -288,6 +292,7 @@ async fn every_answer_of_every_endpoint_is_documented_and_fits_its_schema() {
         posts_refused(&api, &mut doc, e, &path).await;
     }
     starts_refused(&api, &mut doc).await;
+    events_refused(&api, &mut doc).await;
     for e in gets {
         let token = Some(api.token(e.role));
         for run in ["r-ok", "r-review"] {
@@ -378,5 +383,58 @@ async fn starts_refused(api: &Api, doc: &mut Checked) {
     ] {
         let (status, body) = probe(api, doc, e, ask).await;
         assert_eq!(status, expected, "{body}");
+    }
+}
+
+/// The refusals of an event: the same event again (a duplicate, 200), its id with another
+/// payload (409), a bad field (400 naming it), an event over the message limit (400).
+async fn events_refused(api: &Api, doc: &mut Checked) {
+    let e = ENDPOINTS
+        .iter()
+        .find(|e| e.method == "POST" && e.path == "/api/v1/events")
+        .unwrap();
+    let token = Some(api.token(Role::Operator));
+    let event = |name: &str, key: &str, payload: Value| {
+        let body = json!({"name": name, "key": key, "id": "evt-1", "payload": payload});
+        Ask::to(e.path, token).json(&body)
+    };
+    for (ask, expected, field) in [
+        (
+            event("supplier.reply", "r-ok", json!({"price": 41.5})),
+            StatusCode::OK,
+            None,
+        ),
+        (
+            event("supplier.reply", "r-ok", json!({"price": 40})),
+            StatusCode::CONFLICT,
+            Some("id"),
+        ),
+        (
+            event("", "r-ok", json!({})),
+            StatusCode::BAD_REQUEST,
+            Some("name"),
+        ),
+        (
+            event("supplier.reply", "", json!({})),
+            StatusCode::BAD_REQUEST,
+            Some("key"),
+        ),
+        (
+            event(
+                "supplier.reply",
+                "r-ok",
+                json!({"blob": "z".repeat(8 * 1024)}),
+            ),
+            StatusCode::BAD_REQUEST,
+            Some("payload"),
+        ),
+    ] {
+        let (status, body) = probe(api, doc, e, ask).await;
+        assert_eq!(status, expected, "{body}");
+        if let Some(field) = field {
+            assert_eq!(body["field"], field, "{body}");
+        } else {
+            assert_eq!(body["outcome"], "duplicate", "{body}");
+        }
     }
 }

@@ -25,6 +25,7 @@ mod decisions;
 mod dlq;
 mod edge;
 mod error;
+mod events;
 mod extract;
 mod health;
 mod idempotency;
@@ -89,6 +90,7 @@ pub fn router(engine: Arc<Engine>) -> Result<Router, Error> {
         .route("/runs/{run_id}/approve", post(decisions::approve))
         .route("/runs/{run_id}/reject", post(decisions::reject))
         .route("/decisions/export", get(decisions::export))
+        .route("/events", get(events::list).post(events::send))
         .route("/dead-letters", get(dlq::list))
         .route("/dead-letters/requeue", post(dlq::requeue))
         .route("/dead-letters/purge", post(dlq::purge))

@@ -12,7 +12,7 @@ use utoipa::OpenApi;
 
 use super::auth::Role;
 use super::error::ErrorBody;
-use super::{admin, decisions, dlq, runs, schedules, start};
+use super::{admin, decisions, dlq, events, runs, schedules, start};
 
 /// One endpoint.
 #[derive(Debug, Clone, Copy)]
@@ -137,6 +137,17 @@ pub const ENDPOINTS: &[Endpoint] = &[
         "/api/v1/decisions/export",
         Role::Viewer,
         "Every decision as JSON lines: checkpoint, evidence, proposed next action, decision, who, why (after, limit)",
+    ),
+    post(
+        "/api/v1/events",
+        Role::Operator,
+        "Send an event to the runs that wait for it (name, key, id, payload); one no run waits for yet is kept for the first wait that comes. The event id makes it idempotent: the same event again is a duplicate, the id with another payload is 409 event_conflict",
+        false,
+    ),
+    get(
+        "/api/v1/events",
+        Role::Viewer,
+        "Events, newest first: pending (kept for a wait), consumed, expired (state, name, key, limit)",
     ),
     get(
         "/api/v1/dead-letters",
@@ -274,6 +285,8 @@ pub fn endpoint_for(method: &str, path: &str) -> Option<&'static Endpoint> {
         decisions::fork,
         decisions::diff,
         decisions::export,
+        events::send,
+        events::list,
         dlq::list,
         dlq::show,
         dlq::reveal,

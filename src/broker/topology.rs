@@ -38,8 +38,8 @@ use serde_json::{Value, json};
 use super::{Error, Outgoing};
 use crate::config::BrokerSettings;
 use crate::domain::{
-    EVENT_HEADER, Event, MessageId, OutgoingMessage, RUN_START_ROUTING_KEY, RunId, RunStartEvent,
-    STEP_ROUTING_KEY, StepAddress, StepMessage,
+    EVENT_HEADER, EVENT_SEND_ROUTING_KEY, Event, InboundEvent, MessageId, OutgoingMessage,
+    RUN_START_ROUTING_KEY, RunId, RunStartEvent, STEP_ROUTING_KEY, StepAddress, StepMessage,
 };
 
 /// Replicas of a new quorum queue when nothing else is configured: a queue on three nodes keeps
@@ -187,6 +187,21 @@ impl Topology {
     pub fn run_start_queue(&self) -> String {
         format!("{}.runs.start", self.prefix)
     }
+    /// `event` as upstream services send it to waiting runs: to the runs exchange with the
+    /// `run.event` key, the event's id as the message id.
+    pub fn send_event(&self, event: &InboundEvent) -> Outgoing {
+        Outgoing {
+            message_id: event.id.clone(),
+            exchange: self.runs_exchange(),
+            routing_key: EVENT_SEND_ROUTING_KEY.into(),
+            headers: Default::default(),
+            body: event.encode(),
+        }
+    }
+    /// Queue of events sent to waiting runs.
+    pub fn run_event_queue(&self) -> String {
+        format!("{}.runs.event", self.prefix)
+    }
     /// Exchange of step messages.
     pub fn steps_exchange(&self) -> String {
         format!("{}.steps", self.prefix)
@@ -330,6 +345,7 @@ impl Topology {
             // The DLQ is the end of the line: replicated, but it dead-letters nowhere.
             spec(self.dlq(), self.quorum_args(Vec::new())),
             spec(self.run_start_queue(), self.work_queue_args()),
+            spec(self.run_event_queue(), self.work_queue_args()),
             spec(self.steps_queue(), self.work_queue_args()),
         ];
         queues.extend(
@@ -353,6 +369,11 @@ impl Topology {
                 self.runs_exchange(),
                 self.run_start_queue(),
                 RUN_START_ROUTING_KEY,
+            ),
+            spec(
+                self.runs_exchange(),
+                self.run_event_queue(),
+                EVENT_SEND_ROUTING_KEY,
             ),
             spec(self.steps_exchange(), self.steps_queue(), STEP_ROUTING_KEY),
         ]

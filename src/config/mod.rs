@@ -41,6 +41,8 @@ pub struct Settings {
     pub relay: RelaySettings,
     /// Lease and stuck-run supervisor.
     pub supervisor: SupervisorSettings,
+    /// Runs waiting for events or sleeping: timers, limits, how long events are kept.
+    pub waits: WaitSettings,
     /// How a long-running process starts and stops.
     pub process: ProcessSettings,
     /// The HTTP API, health endpoints and metrics.
@@ -191,6 +193,21 @@ pub struct SupervisorSettings {
     pub interval_ms: u64,
     /// How long a run may wait for a person before it is escalated to needs_review (0 = forever).
     pub human_timeout_secs: u64,
+}
+
+/// Runs that wait for an event or sleep until a time (`docs/WORKFLOWS.md`, "Waiting").
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct WaitSettings {
+    /// How often the supervisor's timer loop looks for waits that are due (wake-ups and event
+    /// timeouts): a run wakes within about this long after its time.
+    pub poll_ms: u64,
+    /// Longest sleep or event timeout a step may ask for, in seconds.
+    pub max_secs: u64,
+    /// How long an event that no wait took is kept for one to come, in seconds.
+    pub event_keep_secs: u64,
+    /// How long an event that expired without a wait taking it stays in sight (and its id
+    /// refuses a repeat), in seconds, before it is removed.
+    pub event_retention_secs: u64,
 }
 
 /// How a long-running process (`serve`, `worker`, `relay`, `supervisor`, `api`) starts and stops.

@@ -126,6 +126,7 @@ async fn render(
                 } }
             }
         }
+        (waits_part(&o.around.waits))
         @if !o.around.parked.is_empty() {
             h2 { "Parked items" }
             table {
@@ -282,6 +283,37 @@ fn decisions(me: &Person, o: &Overview) -> Markup {
                     label { input type="checkbox" name="leave_partial" value="true"; " leave a stopped step's writes standing" }
                     button type="submit" { "Preview the undo" }
                 }
+            }
+        }
+    }
+}
+
+/// What the run waited for and waits for: each event or sleep with since and until, how it
+/// ended, and the event it received.
+fn waits_part(waits: &[crate::store::waits::WaitRow]) -> Markup {
+    html! {
+        @if !waits.is_empty() {
+            h2 #waits { "Waits" }
+            table {
+                thead { tr {
+                    th.num { "position" } th { "step" } th { "for" } th { "since" } th { "until" }
+                    th { "ended" } th { "event received" }
+                } }
+                tbody { @for w in waits { tr {
+                    td.num { (w.seq) } td { (w.step) }
+                    td { @match (&w.event_name, &w.match_key) {
+                        (Some(name), Some(key)) => { "event " (name) " (key " (key) ")" },
+                        _ => { "a time (sleep)" },
+                    } }
+                    td { (time(w.since)) } td { (time(w.until)) }
+                    td { @match (&w.resolved_at, &w.resolution) {
+                        (None, _) => { strong { "waiting now" } },
+                        (Some(at), how) => { (how.as_deref().unwrap_or("ended")) " · " (time(*at)) },
+                    } }
+                    td.key { @if let Some(id) = &w.event_id {
+                        (id) ": " (w.payload.as_ref().map(|p| p.to_string().chars().take(200).collect::<String>()).unwrap_or_default())
+                    } }
+                } } }
             }
         }
     }

@@ -102,7 +102,10 @@ fn empty_object() -> Value {
     Value::Object(Default::default())
 }
 
-fn decode<T: serde::de::DeserializeOwned>(body: &[u8], limit: usize) -> Result<T, DecodeError> {
+pub(super) fn decode<T: serde::de::DeserializeOwned>(
+    body: &[u8],
+    limit: usize,
+) -> Result<T, DecodeError> {
     if body.len() > limit {
         return Err(DecodeError::Oversized {
             size: body.len(),

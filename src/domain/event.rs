@@ -19,7 +19,8 @@ pub struct Event {
     /// Envelope version, 1.
     pub v: u64,
     /// What happened: `run.succeeded`, `run.failed`, `run.needs_review`, `run.cancelled`,
-    /// `run.compensated`, `breaker.opened`, `breaker.closed`, `tool.auth_failed`.
+    /// `run.compensated`, `run.waiting`, `run.resumed`, `breaker.opened`, `breaker.closed`,
+    /// `tool.auth_failed`.
     pub event: String,
     /// The run, for run and tool events.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -45,6 +46,12 @@ pub struct Event {
     /// For breaker events: the tool.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tool: Option<String>,
+    /// For `run.waiting`: what the run waits for (an event by name and key, or a time).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub waiting_for: Option<serde_json::Value>,
+    /// For `run.resumed`: what moved it on (`event <id>`, `timeout`, `wake-up`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resumed_by: Option<String>,
     /// When it happened.
     pub at: DateTime<Utc>,
 }
@@ -72,7 +79,48 @@ impl Event {
             error_class: None,
             error: None,
             tool: None,
+            waiting_for: None,
+            resumed_by: None,
             at: Utc::now(),
+        }
+    }
+
+    /// A run stopped after step `at` to wait for an event or a time (`run.waiting`); `what` is
+    /// the note that says what for.
+    pub fn waiting(
+        run_id: &RunId,
+        workflow: &str,
+        at: (&StepAddress, i32),
+        what: serde_json::Value,
+    ) -> Self {
+        Self {
+            run_id: Some(run_id.clone()),
+            workflow: Some(workflow.to_owned()),
+            status: Some(RunStatus::Waiting),
+            step: Some(at.0.clone()),
+            seq: Some(at.1),
+            waiting_for: Some(what),
+            ..Self::new("run.waiting".into())
+        }
+    }
+
+    /// A waiting run went on to step `at` (`run.resumed`): `by` says what moved it (`event
+    /// <id>`, `timeout`, `wake-up`).
+    pub fn resumed(
+        run_id: &RunId,
+        workflow: &str,
+        status: RunStatus,
+        at: (&StepAddress, i32),
+        by: &str,
+    ) -> Self {
+        Self {
+            run_id: Some(run_id.clone()),
+            workflow: Some(workflow.to_owned()),
+            status: Some(status),
+            step: Some(at.0.clone()),
+            seq: Some(at.1),
+            resumed_by: Some(by.to_owned()),
+            ..Self::new("run.resumed".into())
         }
     }
 

@@ -9,7 +9,7 @@ use super::{Decided, Decider, Outcome, Result, enqueue, lock, record, refused, s
 use crate::domain::{RunStatus, StepAddress};
 use crate::engine::Engine;
 use crate::store::runs::RunRow;
-use crate::store::steps;
+use crate::store::{steps, waits};
 use crate::workflow::{Next, StepDef, StepKind, Workflow};
 
 /// What a decision about a waiting run works on: its locked row, workflow and waiting step.
@@ -35,6 +35,19 @@ async fn waiting_at(
             action,
             format!("it is {}, not waiting for a decision", run.status),
         ));
+    }
+    if let Some(w) = waits::waiting_at(&mut tx, &run.run_id, run.step_seq).await? {
+        let what = match (&w.event_name, &w.match_key) {
+            (Some(name), Some(key)) => format!(
+                "it waits for event {name} (key {key}) until {}, not for a decision: send it with `trailmark event send {name} --key {key}`, or cancel the run",
+                w.due_at
+            ),
+            _ => format!(
+                "it sleeps until {}, not waiting for a decision; it wakes by itself, or cancel the run",
+                w.due_at
+            ),
+        };
+        return Err(refused(&run, action, what));
     }
     if run.step.as_ref().map(StepAddress::as_str) != Some(step) {
         return Err(refused(

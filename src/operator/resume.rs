@@ -53,7 +53,7 @@ pub async fn resume(engine: &Engine, run_id: &str, who: &Decider, how: Resume) -
     if run.status != RunStatus::NeedsReview {
         let hint = match run.status {
             RunStatus::Waiting => {
-                "it waits for a person: use `trailmark run approve` or `run reject`"
+                "it waits for a person (`trailmark run approve` or `run reject`), or for an event or a time (`trailmark run show` says which)"
             }
             RunStatus::Shadowed => {
                 "a shadow run has ended and changed nothing outside; fork it again to try more"

@@ -13,11 +13,11 @@ use std::collections::HashMap;
 use std::sync::{Arc, LazyLock, Mutex};
 
 use serde_json::Value;
-use sqlx::{PgExecutor, PgPool};
+use sqlx::{PgConnection, PgExecutor, PgPool};
 
 use super::outbox;
 use super::{Error, Result};
-use crate::domain::{Fence, LocalTable, LocalWrite, MessageId, OutgoingMessage, RunId};
+use crate::domain::{Fence, LocalTable, LocalWrite, MessageId, NewWait, OutgoingMessage, RunId};
 use crate::domain::{StepAddress, Transition};
 
 /// Where a committed step leaves the run.
@@ -62,6 +62,9 @@ pub struct StepCommit {
     pub local_writes: Vec<LocalWrite>,
     /// Takes the run's lease for its next position in the same statement (see [`PreClaim`]).
     pub preclaim: Option<PreClaim>,
+    /// What the run waits for after the step (an event or a time): registered in the commit's
+    /// own transaction (`crate::wait`, through [`commit_in`]), never by [`commit_all`].
+    pub wait: Option<NewWait>,
 }
 
 /// The committer's claim on the run's next position, made by the commit itself so that the
@@ -299,6 +302,35 @@ pub async fn commit(db: &PgPool, c: &StepCommit) -> Result<Committed> {
         Ok(verdicts) => verdict(&verdicts[0], c),
         Err(e) if not_advanced(&e) => repeat(db, c).await,
         Err(e) => Err(refused(e, c)),
+    }
+}
+
+/// A commit refused inside the caller's transaction (which the refusal aborted), for
+/// [`refusal`] to explain once the caller has rolled it back.
+#[derive(Debug)]
+pub struct Refused(sqlx::Error);
+
+/// Commits one step inside the caller's transaction, for a commit that writes more in the same
+/// transaction (a step that ends by waiting registers its wait with it). `Err`: the statement
+/// was refused and the transaction is aborted; roll it back, then ask [`refusal`].
+pub async fn commit_in(
+    conn: &mut PgConnection,
+    c: &StepCommit,
+) -> std::result::Result<Result<Committed>, Refused> {
+    match commit_batch(conn, std::slice::from_ref(c), false).await {
+        Ok(verdicts) => Ok(verdict(&verdicts[0], c)),
+        Err(e) => Err(Refused(e)),
+    }
+}
+
+/// What a commit refused inside a transaction was, once that transaction is rolled back: a
+/// duplicate (another delivery committed the step first), fenced out, or a failure.
+pub async fn refusal(db: &PgPool, c: &StepCommit, refused_by: Refused) -> Result<Committed> {
+    let e = refused_by.0;
+    if not_advanced(&e) {
+        repeat(db, c).await
+    } else {
+        Err(refused(e, c))
     }
 }
 

@@ -22,6 +22,7 @@ pub mod shadow;
 pub mod steps;
 pub mod stranded;
 mod types;
+pub mod waits;
 
 use std::time::Duration;
 

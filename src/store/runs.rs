@@ -519,8 +519,12 @@ pub async fn escalate_waiting(
         "UPDATE trailmark.runs r SET status = $3, updated_at = now(),
                 handover = jsonb_build_object('waiting_for', r.handover, 'error_class', 'human_timeout',
                     'error', format('no decision within %s s; approve or reject, or resume to ask again', $1::bigint))
-           FROM (SELECT run_id FROM trailmark.runs WHERE status = $2
-                  AND updated_at < now() - make_interval(secs => $1::float8) LIMIT $4 FOR UPDATE SKIP LOCKED) w
+           FROM (SELECT u.run_id FROM trailmark.runs u WHERE u.status = $2
+                  AND u.updated_at < now() - make_interval(secs => $1::float8)
+                  -- A run waiting for an event or a time has a timeout of its own.
+                  AND NOT EXISTS (SELECT 1 FROM trailmark.waits t
+                                   WHERE t.run_id = u.run_id AND t.resolved_at IS NULL)
+                  LIMIT $4 FOR UPDATE SKIP LOCKED) w
           WHERE r.run_id = w.run_id
       RETURNING r.run_id, r.workflow, r.handover, r.step_seq, r.step, r.workflow_version",
     )
@@ -556,10 +560,15 @@ pub struct Decided<'a> {
 }
 
 /// Applies an operator decision: moves the run, voids any lease (fence + 1, so a step in flight
-/// commits nothing) and clears the error and handover note (the decision row keeps them).
+/// commits nothing), clears the error and handover note (the decision row keeps them) and
+/// closes the run's open wait for an event or a time, if any (the decision moved it on).
 pub async fn set_by_decision(db: impl PgExecutor<'_>, run_id: &str, to: Decided<'_>) -> Result<()> {
     sqlx::query(
-        "UPDATE trailmark.runs SET status = $2, step = $3, step_seq = $4, workflow_version = $5,
+        "WITH closed AS (
+            UPDATE trailmark.waits SET resolved_at = now(), resolution = 'decision'
+             WHERE run_id = $1 AND resolved_at IS NULL
+         )
+         UPDATE trailmark.runs SET status = $2, step = $3, step_seq = $4, workflow_version = $5,
                 fence = fence + 1, lease_owner = NULL, lease_expires_at = NULL, error = NULL,
                 handover = NULL, updated_at = now(),
                 finished_at = CASE WHEN $6 THEN now() END

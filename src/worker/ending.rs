@@ -10,11 +10,11 @@ use serde_json::{Value, json};
 use super::STEP_CONSUMER;
 use crate::broker::Topology;
 use crate::domain::{
-    Event, Fence, IllegalMove, LocalWrite, OutgoingMessage, RunStatus, StepAddress, StepMessage,
-    UndoPlan,
+    Due, Event, Fence, IllegalMove, LocalWrite, NewWait, OutgoingMessage, RunStatus, StepAddress,
+    StepMessage, UndoPlan, WaitFor,
 };
 use crate::store::checkpoint::{Advance, StepCommit};
-use crate::workflow::{Next, Parked, Pending, StepError, StepOutcome, Workflow};
+use crate::workflow::{Next, OnTimeout, Parked, Pause, Pending, StepError, StepOutcome, Workflow};
 
 /// What the claim found about the step, as far as its ending depends on it.
 #[derive(Debug, Clone, Copy)]
@@ -32,6 +32,8 @@ pub(super) struct Limits {
     pub max_attempts: i32,
     /// First delay of a delayed retry; doubles per attempt.
     pub retry_base_ms: u64,
+    /// Longest sleep or event timeout a step may ask for (`waits.max_secs`).
+    pub max_wait_secs: u64,
 }
 
 /// What a step's commit writes, by how it ended.
@@ -43,6 +45,20 @@ pub(super) enum Ending {
         output: Value,
         /// The next step.
         next: Option<StepAddress>,
+        /// Outside messages the step queued with `ctx.send`.
+        sent: Vec<OutgoingMessage>,
+        /// Items the step parked.
+        parked: Vec<Parked>,
+        /// Rows the step writes with its commit (`ctx.local_write`).
+        writes: Vec<LocalWrite>,
+    },
+    /// Checkpoint the output and wait for an event or a time before the next step (the run
+    /// stays at this step, in `waiting`, holding no lease).
+    Pause {
+        /// The step's output.
+        output: Value,
+        /// What the run waits for, and the step it goes on with.
+        wait: NewWait,
         /// Outside messages the step queued with `ctx.send`.
         sent: Vec<OutgoingMessage>,
         /// Items the step parked.
@@ -98,7 +114,7 @@ impl Verdict {
     pub fn outcome(&self) -> &'static str {
         match self {
             Self::Commit(Ending::Advance { .. }) => "committed",
-            Self::Commit(Ending::Wait { .. }) => "waiting",
+            Self::Commit(Ending::Wait { .. } | Ending::Pause { .. }) => "waiting",
             Self::Commit(Ending::Review { .. }) | Self::Review(_) => "review",
             Self::Retry { .. } => "retry",
             Self::Stale(_) => "stale",
@@ -176,15 +192,29 @@ pub(super) fn decide(
             });
         }
         Ok(outcome) => match next_step(workflow, msg, claimed.plan, &outcome.next) {
-            Ok(next) => {
-                return Verdict::Commit(Ending::Advance {
-                    output: outcome.output,
-                    next,
-                    sent,
-                    parked,
-                    writes,
-                });
-            }
+            Ok(next) => match outcome.pause().cloned() {
+                None => {
+                    return Verdict::Commit(Ending::Advance {
+                        output: outcome.output,
+                        next,
+                        sent,
+                        parked,
+                        writes,
+                    });
+                }
+                Some(pause) => match wait_of(workflow, msg, next, &pause, limits) {
+                    Ok(wait) => {
+                        return Verdict::Commit(Ending::Pause {
+                            output: outcome.output,
+                            wait,
+                            sent,
+                            parked,
+                            writes,
+                        });
+                    }
+                    Err(e) => e,
+                },
+            },
             Err(e) => e,
         },
         Err(StepError::FencedOut) => return Verdict::Stale("fenced out while executing"),
@@ -206,6 +236,71 @@ pub(super) fn decide(
         Err(e) => e,
     };
     Verdict::Review(failure)
+}
+
+/// The wait a step's outcome asks for, checked: a step that waits must be followed by a step
+/// (an event's timeout may divert to a declared one), its event's name and key must be ones an
+/// event can carry, and its duration more than zero and at most `waits.max_secs`. Refused, the
+/// run stops for review naming what to fix.
+fn wait_of(
+    workflow: &Workflow,
+    msg: &StepMessage,
+    next: Option<StepAddress>,
+    pause: &Pause,
+    limits: Limits,
+) -> Result<NewWait, StepError> {
+    let refuse = |why: String| {
+        StepError::Unknown(format!(
+            "step {} asked to wait, but {why}; fix the workflow and resume after the fix",
+            msg.step
+        ))
+    };
+    if msg.step.is_undo() {
+        return Err(refuse("a compensation cannot wait".into()));
+    }
+    let Some(next_step) = next else {
+        return Err(refuse(
+            "the run would end after it: a step that waits must be followed by a step".into(),
+        ));
+    };
+    let max = limits.max_wait_secs as f64;
+    let span = |what: &str, secs: f64| {
+        if secs > 0.0 && secs <= max {
+            Ok(secs)
+        } else {
+            Err(refuse(format!(
+                "its {what} is {secs} s: it must be more than 0 and at most {max} s (waits.max_secs)"
+            )))
+        }
+    };
+    let what = match pause {
+        Pause::Event(wait) => {
+            let key = wait.key.clone().unwrap_or_else(|| msg.run_id.to_string());
+            crate::domain::check_name(&wait.name).map_err(|e| refuse(e.to_string()))?;
+            crate::domain::check_key(&key).map_err(|e| refuse(e.to_string()))?;
+            let on_timeout = match &wait.on_timeout {
+                OnTimeout::Goto(step) => {
+                    workflow.resolve_next(&msg.step, &Next::Goto(step.clone()))?
+                }
+                _ => None,
+            };
+            WaitFor::Event {
+                name: wait.name.clone(),
+                key,
+                timeout_secs: span("timeout", wait.timeout.as_secs_f64())?,
+                on_timeout,
+            }
+        }
+        Pause::SleepFor(d) => WaitFor::Sleep(Due::In(span("sleep", d.as_secs_f64())?)),
+        Pause::SleepUntil(at) => {
+            let ahead = (*at - chrono::Utc::now()).num_milliseconds() as f64 / 1000.0;
+            if ahead > max {
+                span("sleep", ahead)?;
+            }
+            WaitFor::Sleep(Due::At(*at))
+        }
+    };
+    Ok(NewWait { next_step, what })
 }
 
 /// The step after this one: the next compensation while undoing, else the workflow's choice.
@@ -251,6 +346,7 @@ pub(super) fn to_commit(
         })
     };
     let mut review_class = None;
+    let mut wait = None;
     let (to, step_output, finished, outbox, parked, local_writes) = match ending {
         Ending::Advance {
             output,
@@ -284,6 +380,21 @@ pub(super) fn to_commit(
                 error: None,
                 handover: None,
             };
+            (to, Some(output), true, sent, parked_rows(&parked), writes)
+        }
+        Ending::Pause {
+            output,
+            wait: what,
+            mut sent,
+            parked,
+            writes,
+        } => {
+            let note = what.note(&msg.step, msg.seq);
+            let at = (&msg.step, msg.seq);
+            let waiting = Event::waiting(&msg.run_id, &msg.workflow, at, note.clone());
+            sent.push(topology.event_message(&waiting));
+            let to = stay(RunStatus::Waiting, Some(note))?;
+            wait = Some(what);
             (to, Some(output), true, sent, parked_rows(&parked), writes)
         }
         Ending::Wait {
@@ -330,6 +441,7 @@ pub(super) fn to_commit(
         outbox,
         local_writes,
         preclaim: None,
+        wait,
     })
 }
 
@@ -368,6 +480,7 @@ mod tests {
     const LIMITS: Limits = Limits {
         max_attempts: 3,
         retry_base_ms: 1000,
+        max_wait_secs: 86_400,
     };
 
     fn running(attempt: i32) -> Claimed<'static> {
@@ -597,6 +710,65 @@ mod tests {
             ),
             Verdict::Stale(_)
         ));
+    }
+
+    #[test]
+    fn a_step_that_waits_checkpoints_its_output_and_registers_its_wait_without_moving_on() {
+        let msg = message(StepAddress::step("a"), 2);
+        let wait = crate::workflow::EventWait::new("reply", Duration::from_secs(60));
+        let out = Ok(StepOutcome::wait_for_event(json!({"asked": 1}), wait));
+        let Verdict::Commit(ending) = decide(&workflow(), &msg, running(1), LIMITS, out, none())
+        else {
+            panic!("not committed");
+        };
+        let commit = to_commit(
+            &Topology::new("t", 5),
+            &msg,
+            Fence(3),
+            RunStatus::Running,
+            false,
+            ending,
+        )
+        .unwrap();
+        assert_eq!(commit.to.status.to, RunStatus::Waiting);
+        assert!(!commit.to.status.advances(), "the run stays at the step");
+        assert_eq!(commit.to.next_step, Some(StepAddress::step("a")));
+        assert!(commit.finished, "the step's work is done");
+        assert_eq!(commit.step_output, Some(json!({"asked": 1})));
+        let wait = commit.wait.expect("a wait to register");
+        assert_eq!(wait.next_step, StepAddress::step("b"));
+        assert_eq!(wait.event(), Some(("reply", "r1")), "the key is the run id");
+        let events: Vec<Event> = commit
+            .outbox
+            .iter()
+            .map(|m| serde_json::from_slice(&m.body).unwrap())
+            .collect();
+        assert_eq!(events.len(), 1, "run.waiting, and no step message");
+        assert_eq!(events[0].event, "run.waiting");
+    }
+
+    #[test]
+    fn a_wait_that_cannot_be_kept_stops_for_review_naming_what_to_fix() {
+        let review = |seq, out: StepOutcome| {
+            let msg = message(StepAddress::step(if seq == 1 { "b" } else { "a" }), seq);
+            match decide(&workflow(), &msg, running(1), LIMITS, Ok(out), none()) {
+                Verdict::Review(e) => e.to_string(),
+                other => panic!("not reviewed: {other:?}"),
+            }
+        };
+        let wait = |secs| crate::workflow::EventWait::new("reply", Duration::from_secs(secs));
+        let zero = review(0, StepOutcome::wait_for_event(json!({}), wait(0)));
+        assert!(zero.contains("its timeout is 0 s") && zero.contains("waits.max_secs"), "{zero}");
+        let long = review(0, StepOutcome::sleep_for(json!({}), Duration::from_secs(90_000)));
+        assert!(long.contains("its sleep is 90000 s"), "{long}");
+        let named = crate::workflow::EventWait::new("bad name", Duration::from_secs(5));
+        let named = review(0, StepOutcome::wait_for_event(json!({}), named));
+        assert!(named.contains("event name"), "{named}");
+        let last = review(1, StepOutcome::sleep_for(json!({}), Duration::from_secs(5)));
+        assert!(last.contains("a step that waits must be followed by a step"), "{last}");
+        let nowhere = wait(5).on_timeout_goto("nowhere");
+        let nowhere = review(0, StepOutcome::wait_for_event(json!({}), nowhere));
+        assert!(nowhere.contains("nowhere"), "{nowhere}");
     }
 
     #[test]

@@ -8,6 +8,7 @@
 mod batch;
 mod ending;
 mod handover;
+mod inbound;
 mod lease;
 mod outcome;
 mod preclaim;
@@ -32,11 +33,12 @@ use tokio_util::task::TaskTracker;
 use tracing::Instrument;
 
 use crate::broker::{self, Publisher};
-use crate::domain::{RunStartEvent, StepMessage};
+use crate::domain::{BadEvent, InboundEvent, RunStartEvent, StepMessage};
 use crate::engine::Engine;
 use crate::health::Loop;
 use published::PublishedRows;
 
+pub use inbound::{BAD_EVENT, EVENT_CONFLICT};
 pub use outcome::{Disposition, dead_letter_headers};
 pub use published::Eager;
 pub use run_start::start_message;
@@ -49,6 +51,17 @@ const IDLE_BEAT: Duration = Duration::from_secs(5);
 pub const STEP_CONSUMER: &str = "steps";
 /// Consumer name in the inbox for run-start events.
 pub const RUN_START_CONSUMER: &str = "run-start";
+
+/// Which queue a delivery came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    /// A step message.
+    Step,
+    /// A run-start event.
+    Start,
+    /// An event sent to waiting runs.
+    Event,
+}
 
 /// Consumes until `shutdown` fires, reconnecting after broker failures. Returns after in-flight
 /// steps have finished (or were abandoned uncommitted when the lease ran out).
@@ -134,11 +147,20 @@ async fn session(
             FieldTable::default(),
         )
         .await?;
+    let events = channel
+        .basic_consume(
+            engine.topology.run_event_queue().into(),
+            tag("events").into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await?;
     tracing::info!(worker = %engine.worker_id, "worker consuming");
     engine.health.set_consuming(true);
     let mut deliveries = Deliveries::new();
-    deliveries.push(steps.map(|d| (true, d)).boxed());
-    deliveries.push(starts.map(|d| (false, d)).boxed());
+    deliveries.push(steps.map(|d| (Kind::Step, d)).boxed());
+    deliveries.push(starts.map(|d| (Kind::Start, d)).boxed());
+    deliveries.push(events.map(|d| (Kind::Event, d)).boxed());
     let mut first = First::default();
     frozen.mark_changed();
     let mut watching = true;
@@ -159,7 +181,7 @@ async fn session(
             // An idle worker still comes round, so /livez tells idle from stuck.
             _ = tokio::time::sleep(IDLE_BEAT) => continue,
         };
-        let Some((is_step, delivery)) = next else {
+        let Some((kind, delivery)) = next else {
             break Err(broker::Error::Unavailable {
                 what: "the consumer stream ended (connection closed)".into(),
                 source: None,
@@ -179,13 +201,16 @@ async fn session(
         let (engine, publisher, stop) = (engine.clone(), publisher.clone(), shutdown.clone());
         let published = published.clone();
         tracker.spawn(async move {
-            handle(&engine, &publisher, &published, delivery, is_step, &stop).await;
+            handle(&engine, &publisher, &published, delivery, kind, &stop).await;
             drop(permit);
         });
     };
     engine.health.set_consuming(false);
     // Stop taking new deliveries; unacked prefetched ones return to the queue when we close.
-    for t in [tag("steps"), tag("starts")].into_iter().chain(first.tags.drain(..)) {
+    for t in [tag("steps"), tag("starts"), tag("events")]
+        .into_iter()
+        .chain(first.tags.drain(..))
+    {
         let _ = channel
             .basic_cancel(t.into(), BasicCancelOptions::default())
             .await;
@@ -200,9 +225,9 @@ async fn session(
     outcome
 }
 
-/// Every consumer's deliveries, flagged `true` for step messages.
+/// Every consumer's deliveries, with what their queue carries.
 type Deliveries = futures_util::stream::SelectAll<
-    futures_util::stream::BoxStream<'static, (bool, Result<Delivery, lapin::Error>)>,
+    futures_util::stream::BoxStream<'static, (Kind, Result<Delivery, lapin::Error>)>,
 >;
 
 /// The work queues consumed a second time at a higher priority while another worker is frozen
@@ -240,12 +265,12 @@ impl First {
             self.made += 1;
             let priority = first_priority();
             let queues = [
-                (true, engine.topology.steps_queue()),
-                (false, engine.topology.run_start_queue()),
+                (Kind::Step, engine.topology.steps_queue()),
+                (Kind::Start, engine.topology.run_start_queue()),
             ];
-            for (is_step, queue) in queues {
-                let kind = if is_step { "steps" } else { "starts" };
-                let tag = format!("{kind}-first-{}-{}", engine.worker_id, self.made);
+            for (kind, queue) in queues {
+                let name = if kind == Kind::Step { "steps" } else { "starts" };
+                let tag = format!("{name}-first-{}-{}", engine.worker_id, self.made);
                 let mut args = FieldTable::default();
                 args.insert("x-priority".into(), AMQPValue::LongInt(priority));
                 let consumer = channel
@@ -256,7 +281,7 @@ impl First {
                         args,
                     )
                     .await?;
-                deliveries.push(consumer.map(move |d| (is_step, d)).boxed());
+                deliveries.push(consumer.map(move |d| (kind, d)).boxed());
                 self.tags.push(tag);
             }
             tracing::info!("another worker is frozen: this worker now takes messages first");
@@ -293,6 +318,8 @@ enum Work {
     Step(StepMessage),
     /// A run to start.
     Start(RunStartEvent),
+    /// An event for waiting runs (or why its fields were refused).
+    Event(Result<InboundEvent, BadEvent>),
 }
 
 /// Processes one delivery inside a span that carries its ids, recorded once when it is decoded
@@ -302,7 +329,7 @@ async fn handle(
     publisher: &Publisher,
     published: &PublishedRows,
     delivery: Delivery,
-    is_step: bool,
+    kind: Kind,
     shutdown: &CancellationToken,
 ) {
     use tracing::field::Empty;
@@ -311,10 +338,11 @@ async fn handle(
         seq = Empty);
     async {
         let limit = engine.settings.worker.max_message_bytes;
-        let decoded = if is_step {
-            StepMessage::decode(&delivery.data, limit).map(Work::Step)
-        } else {
-            RunStartEvent::decode(&delivery.data, limit).map(Work::Start)
+        let body = &delivery.data;
+        let decoded = match kind {
+            Kind::Step => StepMessage::decode(body, limit).map(Work::Step),
+            Kind::Start => RunStartEvent::decode(body, limit).map(Work::Start),
+            Kind::Event => InboundEvent::decode(body, limit).map(Work::Event),
         };
         match decoded {
             Ok(work) => {
@@ -346,6 +374,7 @@ fn record_ids(work: &Work) {
             span.record("run.id", tracing::field::display(&event.run_id));
             span.record("workflow", event.workflow.as_str());
         }
+        Work::Event(_) => {}
     }
 }
 
@@ -370,7 +399,7 @@ async fn handle_work(
     // recorded, so that a retry in place finds the lease its own.
     let owner = match &work {
         Work::Step(msg) => engine.step_tx.preclaims.owner(msg.message_id),
-        Work::Start(_) => None,
+        Work::Start(_) | Work::Event(_) => None,
     }
     .unwrap_or_else(|| format!("{}/{}", engine.worker_id, uuid::Uuid::new_v4().simple()));
     let redelivered = delivered_before(delivery);
@@ -379,6 +408,7 @@ async fn handle_work(
         let result = match &work {
             Work::Step(msg) => step::process(engine, msg, (&owner, redelivered, waited)).await,
             Work::Start(event) => run_start::process(engine, delivery, event).await,
+            Work::Event(event) => inbound::process(engine, event).await,
         };
         match result {
             Ok(disposition) => {

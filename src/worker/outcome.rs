@@ -38,6 +38,10 @@ pub mod dead_letter_headers {
     pub const STORED_BODY_HASH: &str = "x-trailmark-stored-body-hash";
     /// `message_id_reuse`: the hash of this body.
     pub const BODY_HASH: &str = "x-trailmark-body-hash";
+    /// `event_conflict`: the hash of the payload first received under this event id.
+    pub const STORED_PAYLOAD_HASH: &str = "x-trailmark-stored-payload-hash";
+    /// `event_conflict`: the hash of this event's payload.
+    pub const PAYLOAD_HASH: &str = "x-trailmark-payload-hash";
 }
 
 /// The result of processing one delivery.

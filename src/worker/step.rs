@@ -115,6 +115,7 @@ async fn run_claimed(
     let limits = Limits {
         max_attempts: engine.settings.worker.max_attempts,
         retry_base_ms: engine.settings.worker.retry_base_ms,
+        max_wait_secs: engine.settings.waits.max_secs,
     };
     // 3. Run the handler, unless a guard or a doubt about the run's items stops it first.
     let run_timeout = engine.settings.guards.run_timeout_secs;
@@ -529,7 +530,7 @@ async fn commit(
     let (fence, status) = (claim.fence, claim.status);
     // Only a step that checkpointed its output counts as done in the drill's call log: a stop
     // for review commits too, and the same position commits again once resumed.
-    let checkpointed = matches!(ending, Ending::Advance { .. });
+    let checkpointed = matches!(ending, Ending::Advance { .. } | Ending::Pause { .. });
     let mut step = ending::to_commit(&engine.topology, msg, fence, status, claim.shadow, ending)
         .map_err(|e| store::Error::unavailable("the step's ending is not a legal move", e))?;
     let to = step.to.status;

@@ -118,6 +118,10 @@ impl StepTx {
         step: StepCommit,
         (answers_flushed, preclaimed): (bool, bool),
     ) -> store::Result<Committed> {
+        if step.wait.is_some() {
+            // Registered in the commit's own transaction, never batched (`crate::wait`).
+            return crate::wait::commit(&self.pool, &self.topology, step).await;
+        }
         let relaxed = answers_flushed && !preclaimed && step.local_writes.is_empty();
         let (cell, pool) = if relaxed && only_advances(&step) {
             (&self.advances, &self.relaxed)
@@ -249,6 +253,19 @@ impl Records for StepTx {
             let event = self.topology.event_message(&Event::breaker(tool, opened));
             outbox::insert(&self.pool, &[event]).await?;
             Ok(())
+        })
+    }
+
+    fn received_event<'a>(
+        &'a self,
+        run: &'a RunId,
+        seq: i32,
+    ) -> BoxFuture<'a, Result<Option<crate::workflow::ReceivedEvent>, StepError>> {
+        Box::pin(async move {
+            let found = store::waits::received_event(&self.pool, run.as_str(), seq).await?;
+            Ok(found.map(|(id, name, key, payload, at)| {
+                crate::workflow::ReceivedEvent::new(id, name, key, payload, at)
+            }))
         })
     }
 

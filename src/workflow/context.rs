@@ -184,6 +184,17 @@ impl StepContext {
             ))
         })
     }
+    /// The event that resumed the run before this step: the previous step ended by waiting for
+    /// it ([`super::StepOutcome::wait_for_event`]). `None` when the previous step did not wait
+    /// for an event, or its wait timed out. A replay of this step reads the same event.
+    pub async fn event(&self) -> Result<Option<super::ReceivedEvent>, StepError> {
+        let Some(before) = self.seq().checked_sub(1) else {
+            return Ok(None);
+        };
+        (self.inner.tools.records)
+            .received_event(self.run_id(), before)
+            .await
+    }
     /// For a compensation: the step being undone and the undo's scope.
     pub fn undo(&self) -> Option<&UndoTarget> {
         self.inner.pos.undo.as_ref()

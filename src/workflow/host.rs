@@ -72,6 +72,13 @@ pub(crate) trait Records: Send + Sync {
         write: ShadowWrite,
     ) -> BoxFuture<'a, Result<(), StepError>>;
 
+    /// The event that resumed the run after the wait at position `seq`, if one did.
+    fn received_event<'a>(
+        &'a self,
+        run: &'a RunId,
+        seq: i32,
+    ) -> BoxFuture<'a, Result<Option<super::ReceivedEvent>, StepError>>;
+
     /// The newest committed output of `step` before position `before`.
     fn output_of<'a>(
         &'a self,

@@ -12,6 +12,7 @@ mod effect;
 mod error;
 mod host;
 mod model_call;
+mod pause;
 mod reversal;
 
 use std::collections::HashMap;
@@ -29,6 +30,8 @@ pub use context::{IDEMPOTENCY_KEY_HEADER, Parked, StepContext};
 pub use definition::{Compensation, Input, StepDef, Workflow};
 pub use effect::{Lookup, Tool};
 pub use error::{ResultExt, StepError};
+pub(crate) use pause::Pause;
+pub use pause::{EventWait, OnTimeout, ReceivedEvent};
 pub(crate) use host::{BoxFuture, Models, Records, Tools};
 pub use reversal::{ListFuture, Lister, PreviewContext, Reversal};
 
@@ -75,6 +78,8 @@ pub struct StepOutcome {
     /// Why the output could not be made JSON (a map with non-string keys, a failing
     /// `Serialize`): the step then stops for review instead of committing something else.
     unserializable: Option<String>,
+    /// What the run waits for before `next` runs (an event or a time), if anything.
+    pause: Option<Pause>,
 }
 
 impl StepOutcome {
@@ -84,11 +89,13 @@ impl StepOutcome {
                 output,
                 next,
                 unserializable: None,
+                pause: None,
             },
             Err(e) => Self {
                 output: Value::Null,
                 next,
                 unserializable: Some(e.to_string()),
+                pause: None,
             },
         }
     }
@@ -107,6 +114,42 @@ impl StepOutcome {
     /// A human step's question: the run waits in `waiting` until approved or rejected.
     pub fn wait(question: impl Serialize) -> Self {
         Self::new(question, Next::Wait)
+    }
+
+    /// Output, then the run waits for the event `wait` describes (holding no lease and no
+    /// message) before the next declared step, which reads it with `StepContext::event`.
+    pub fn wait_for_event(output: impl Serialize, wait: EventWait) -> Self {
+        Self::next(output).waiting_for(wait)
+    }
+    /// Output, then the run sleeps for `duration` (more than zero, at most `waits.max_secs`;
+    /// measured on the database's clock from the commit) before the next declared step.
+    pub fn sleep_for(output: impl Serialize, duration: std::time::Duration) -> Self {
+        Self::next(output).sleeping_for(duration)
+    }
+    /// Output, then the run sleeps until `time` (a time already past wakes it at once) before
+    /// the next declared step.
+    pub fn sleep_until(output: impl Serialize, time: chrono::DateTime<chrono::Utc>) -> Self {
+        Self::next(output).sleeping_until(time)
+    }
+    /// This outcome, with the run waiting for the event `wait` describes before its next step
+    /// (`StepOutcome::goto(out, "review").waiting_for(...)`).
+    pub fn waiting_for(mut self, wait: EventWait) -> Self {
+        self.pause = Some(Pause::Event(wait));
+        self
+    }
+    /// This outcome, with the run sleeping for `duration` before its next step.
+    pub fn sleeping_for(mut self, duration: std::time::Duration) -> Self {
+        self.pause = Some(Pause::SleepFor(duration));
+        self
+    }
+    /// This outcome, with the run sleeping until `time` before its next step.
+    pub fn sleeping_until(mut self, time: chrono::DateTime<chrono::Utc>) -> Self {
+        self.pause = Some(Pause::SleepUntil(time));
+        self
+    }
+    /// What the run waits for before its next step, if anything.
+    pub(crate) fn pause(&self) -> Option<&Pause> {
+        self.pause.as_ref()
     }
 
     /// The outcome, or the step error its unserializable output is.

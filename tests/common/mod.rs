@@ -546,5 +546,6 @@ pub fn first_step_commit(
         outbox: (0..queued).map(message).collect(),
         local_writes: Vec::new(),
         preclaim: None,
+        wait: None,
     }
 }

@@ -17,6 +17,7 @@
 //! | `scale.rs` | 1, 2, 4 workers x 1k, 10k, 100k runs (opt-in) |
 //! | `report.rs` | the table, the JSON, the targets |
 //! | `window.rs` | a measured window: wall time and CPU by who used it |
+//! | `waits.rs` | `--waits`: throughput beside 100k waiting runs, wake-up lag of sleepers |
 
 pub mod baseline;
 pub mod breakdown;
@@ -28,6 +29,7 @@ pub mod recovery;
 pub mod report;
 pub mod scale;
 pub mod systems;
+pub mod waits;
 pub mod window;
 
 use std::time::Duration;

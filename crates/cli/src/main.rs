@@ -56,6 +56,11 @@ enum Command {
         #[command(subcommand)]
         command: cli::runs::RunCommand,
     },
+    /// Send events to waiting runs, and list the events kept for waits to come.
+    Event {
+        #[command(subcommand)]
+        command: cli::event::EventCommand,
+    },
     /// The reference scenario end to end: a worker killed in step 7, a fresh one resumes, figures.
     Demo(cli::demo::DemoArgs),
     /// Print a workflow's recovery contract, derived from its step declarations.
@@ -169,6 +174,7 @@ async fn dispatch(cli: Cli) -> anyhow::Result<()> {
             json,
         } => cli::admin::audit(&settings, target.as_deref(), limit, json).await,
         Command::Run { command } => cli::runs::dispatch(settings, registry, command).await,
+        Command::Event { command } => cli::event::dispatch(settings, registry, command).await,
         Command::Demo(args) => cli::demo::run(&settings, args).await,
         Command::Contract { workflow, json } => {
             cli::decide::print_contract(&registry, &workflow, json)

@@ -249,7 +249,12 @@ pub fn parse_logs(text: &str) -> CallLogs {
 }
 
 /// The DLQ's letters: poison found with a reason, poison missing, letters that are not poison.
-pub async fn dead_letters(settings: &BrokerSettings, poison: &[String]) -> Result<DeadLetters> {
+/// `conflicts`: ids of events sent again with another payload, expected as `event_conflict`.
+pub async fn dead_letters(
+    settings: &BrokerSettings,
+    poison: &[String],
+    conflicts: &[String],
+) -> Result<DeadLetters> {
     let dlq = Dlq::connect(settings).await?;
     let listing = dlq.list(&dlq::Page::all(), &dlq::quiet).await;
     dlq.close().await;
@@ -262,7 +267,9 @@ pub async fn dead_letters(settings: &BrokerSettings, poison: &[String]) -> Resul
     let mut found = HashSet::new();
     for letter in &listing.letters {
         *d.by_reason.entry(letter.reason.clone()).or_default() += 1;
-        if poison_ids.contains(letter.id.as_str()) {
+        if letter.reason == "event_conflict" && conflicts.contains(&letter.id) {
+            d.event_conflicts += 1;
+        } else if poison_ids.contains(letter.id.as_str()) {
             if !letter.reason.is_empty() && letter.reason != "unknown" {
                 found.insert(letter.id.clone());
             }

@@ -10,11 +10,13 @@
 //! | `faults.rs` | broker, Postgres and poison faults; recovery time |
 //! | `proxy.rs` | the latency fault: a delaying, cutting TCP proxy |
 //! | `tap.rs` | the dup fault: step messages published again with the same id |
+//! | `events.rs` | events for runs that wait: sent early, twice, or with a conflicting payload |
 //! | `settle.rs` | the drive loop: progress, faults at their moment, forced reviews resumed |
 //! | `check.rs` | counts, call logs, the DLQ, and each invariant's verdict |
 //! | `report.rs` | the report, as text and JSON |
 
 pub mod check;
+pub mod events;
 pub mod faults;
 pub mod fleet;
 pub mod proxy;
@@ -175,6 +177,12 @@ pub struct Faults {
     pub started_twice: f64,
     /// Share of positions forced into review on attempt 1 (resumed by the drill).
     pub review: f64,
+    /// When the runs wait for an event: share of runs sent theirs before they wait.
+    pub events_early: f64,
+    /// Share of runs sent their event twice (the same id and payload).
+    pub events_twice: f64,
+    /// Share of runs sent their event again with the same id and another payload.
+    pub events_conflict: f64,
     /// Commands run at chosen shares of the work (see [`Hook`]).
     pub hooks: Vec<Hook>,
 }
@@ -197,6 +205,9 @@ impl Faults {
             late_tool: 0.0,
             started_twice: 0.0,
             review: 0.0,
+            events_early: 0.0,
+            events_twice: 0.0,
+            events_conflict: 0.0,
             hooks: Vec::new(),
         }
     }
@@ -216,6 +227,9 @@ impl Faults {
             late_tool: 0.02,
             started_twice: 0.05,
             review: 0.01,
+            events_early: 0.3,
+            events_twice: 0.2,
+            events_conflict: 0.1,
             ..Self::none()
         }
     }
@@ -389,7 +403,7 @@ fn own_vhost(base: &mut Settings) -> Result<String> {
 fn replay(target: &Target, cfg: &Config) -> String {
     let f = &cfg.faults;
     format!(
-        "trailmark drill {} --input '{}' --runs {} --workers {} --relays {} --supervisors {} --seed {} --kill {}{} --pause {} --broker {} --broker-mode {} --postgres {} --postgres-mode {} --poison {} --latency {} --dup {} --model-500 {} --late-tool {} --started-twice {} --review {}",
+        "trailmark drill {} --input '{}' --runs {} --workers {} --relays {} --supervisors {} --seed {} --kill {}{} --pause {} --broker {} --broker-mode {} --postgres {} --postgres-mode {} --poison {} --latency {} --dup {} --model-500 {} --late-tool {} --started-twice {} --review {} --event-early {} --event-twice {} --event-conflict {}",
         target.workflow,
         target.input,
         cfg.runs,
@@ -420,7 +434,10 @@ fn replay(target: &Target, cfg: &Config) -> String {
         f.model_500,
         f.late_tool,
         f.started_twice,
-        f.review
+        f.review,
+        f.events_early,
+        f.events_twice,
+        f.events_conflict
     ) + &cfg
         .worker_concurrency
         .map_or(String::new(), |n| format!(" --concurrency {n}"))

@@ -41,6 +41,8 @@ pub struct Report {
     pub exits: Vec<String>,
     /// Steps committed by each process (`worker-<slot>.<restart>`): how the work was spread.
     pub commits_by_process: BTreeMap<String, i64>,
+    /// Events sent to waiting runs, when the runs wait for one.
+    pub events: Option<super::events::EventFigures>,
 }
 
 /// Where the drill's runs ended.
@@ -105,6 +107,8 @@ pub struct DeadLetters {
     pub unexpected: Vec<String>,
     /// Letters by reason code.
     pub by_reason: BTreeMap<String, u32>,
+    /// Conflicting events found as `event_conflict` (expected).
+    pub event_conflicts: u32,
 }
 
 /// One kind of fault.
@@ -236,6 +240,20 @@ impl fmt::Display for Report {
             d.unexpected.len(),
             reasons.join(", ")
         )?;
+        if let Some(ev) = &self.events {
+            writeln!(
+                f,
+                "events     {} runs sent {}  early {}  twice {}  conflicting {}  consumed once {}  conflicts refused {}  publishes retried {}",
+                ev.runs,
+                ev.name,
+                ev.early,
+                ev.twice,
+                ev.conflicting,
+                ev.consumed_once,
+                ev.conflicts_refused,
+                ev.publish_retries
+            )?;
+        }
         let s = &self.engine_seams;
         writeln!(
             f,

@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 use chrono::{DateTime, Utc};
 
 use super::check;
+use super::events::Events;
 use super::fleet::Fleet;
 use super::proxy::Proxy;
 use super::report::{EngineSeams, FaultFigures, Report};
@@ -41,6 +42,8 @@ struct Drill<'a> {
     ids: Vec<String>,
     injected: BTreeMap<Fault, u32>,
     reviews_resumed: i64,
+    /// The runs' events, when they wait for one.
+    events: Option<Events>,
 }
 
 /// Runs the whole drill in its own environment, which is removed afterwards (unless kept)
@@ -205,7 +208,13 @@ async fn drive(
         ids: Vec::new(),
         injected: BTreeMap::new(),
         reviews_resumed: 0,
+        events: None,
     };
+    drill.events = Events::new(
+        &target.input,
+        &drill.env.settings.broker,
+        drill.env.topology(),
+    );
     let result = drill.everything(target).await;
     drill.fleet.stop(Duration::from_secs(5)).await;
     match result {
@@ -251,6 +260,15 @@ impl Drill<'_> {
     /// steps and keys, and how many runs were started twice.
     async fn runs(&mut self, target: &Target) -> Result<(Vec<String>, i64, i64, i64)> {
         let control = format!("{RUN_PREFIX}control");
+        if let Some(events) = self.events.as_mut() {
+            let no_faults = super::Faults::none();
+            events.add(
+                std::slice::from_ref(&control),
+                &mut self.rng,
+                &no_faults,
+                false,
+            );
+        }
         self.start(target, std::slice::from_ref(&control), 0.0)
             .await?;
         say(
@@ -270,6 +288,9 @@ impl Drill<'_> {
             .map(|i| format!("{RUN_PREFIX}{i}"))
             .collect();
         self.ids = ids.clone();
+        if let Some(events) = self.events.as_mut() {
+            events.add(&ids, &mut self.rng, &self.cfg.faults, true);
+        }
         let twice = self
             .start(target, &ids, self.cfg.faults.started_twice)
             .await?;
@@ -327,6 +348,12 @@ impl Drill<'_> {
                 self.moments.push(Moment::at("kill at seam", Utc::now()));
             }
             self.resume_forced_reviews().await;
+            if let Some(events) = self.events.as_mut()
+                && let Err(e) = events.tick(&self.env.pool).await
+            {
+                // Postgres is down (a fault of ours): the next round sends what is due.
+                tracing::debug!(error = %e, "the drill's events wait for the next round");
+            }
             let per_run = (total / ids.len() as f64).ceil() as i64;
             let (done, unsettled) = match check::standing(&self.env.pool, ids, per_run).await {
                 Ok(standing) => standing,
@@ -491,7 +518,13 @@ impl Drill<'_> {
             None => None,
         };
         let logs = check::call_logs(&self.calls_dir)?;
-        let dead_letters = check::dead_letters(&self.env.settings.broker, &self.poison).await?;
+        let conflicts = self
+            .events
+            .as_ref()
+            .map(Events::conflicts)
+            .unwrap_or_default();
+        let dead_letters =
+            check::dead_letters(&self.env.settings.broker, &self.poison, &conflicts).await?;
         let unpublished = check::unpublished(&pool).await?;
         let mut report = Report {
             workflow: target.workflow.clone(),
@@ -529,6 +562,12 @@ impl Drill<'_> {
         };
         report.faults = self.fault_figures().await?;
         report.invariants = check::verdicts(&report, unpublished);
+        if let Some(events) = self.events.as_mut() {
+            let refused = report.dead_letters.event_conflicts;
+            let (figures, invariants) = events.check(&pool, refused).await?;
+            report.events = Some(figures);
+            report.invariants.extend(invariants);
+        }
         report.exits = self.fleet.unexpected_exits.clone();
         report.commits_by_process = check::commits_by_process(&self.calls_dir, &self.fleet.names)?;
         Ok(report)

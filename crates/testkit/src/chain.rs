@@ -7,6 +7,12 @@
 //! result after, as for any other system's store); with `"local"` it is a local write
 //! (`ctx.local_write`), inserted by the step's commit statement itself, as a workflow does with
 //! a table of trailmark's own database.
+//!
+//! Two optional parts drive the engine's waits without code: `"sleep": {"at": P, "secs": S}`
+//! (after link P the run sleeps S seconds) and `"wait": {"at": P, "event": NAME,
+//! "timeout_secs": T}` (after link P the run waits for the event NAME sent with the run's id as
+//! its key, at most T seconds, then stops in `needs_review`). The link after a wait puts the
+//! event it received (id and payload) in its output.
 
 use std::time::Duration;
 
@@ -17,7 +23,8 @@ use crate::ledger as chain_ledger;
 use trailmark::domain::{IdempotencyKey, RunId};
 use trailmark::model::{ChatMessage, ChatRequest};
 use trailmark::workflow::{
-    Input, PreviewContext, Reversal, StepContext, StepError, StepKind, StepOutcome, Workflow,
+    EventWait, Input, PreviewContext, Reversal, StepContext, StepError, StepKind, StepOutcome,
+    Workflow,
 };
 
 /// Workflow name.
@@ -38,7 +45,39 @@ pub struct ChainInput {
     /// How each link writes its ledger row (default `effect`).
     #[serde(default)]
     pub ledger: Ledger,
+    /// After which link the run sleeps, and how long.
+    #[serde(default)]
+    pub sleep: Option<SleepAt>,
+    /// After which link the run waits for an event, which one, and how long.
+    #[serde(default)]
+    pub wait: Option<WaitAt>,
 }
+
+/// `{"at": P, "secs": S}`: after link P, the run sleeps S seconds.
+#[derive(Debug, Clone, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SleepAt {
+    /// The link (position) after which the run sleeps.
+    pub at: i64,
+    /// How long, in seconds.
+    pub secs: f64,
+}
+
+/// `{"at": P, "event": NAME, "timeout_secs": T}`: after link P, the run waits for the event
+/// NAME with the run's id as its key; on timeout it stops in `needs_review`.
+#[derive(Debug, Clone, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WaitAt {
+    /// The link (position) after which the run waits.
+    pub at: i64,
+    /// The event's name.
+    pub event: String,
+    /// How long it waits at most, in seconds.
+    pub timeout_secs: f64,
+}
+
+/// The longest sleep or timeout `chain` accepts (the default `waits.max_secs`, 366 days).
+const LONGEST_WAIT_SECS: f64 = 31_622_400.0;
 
 /// How a `chain` link writes its ledger row.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Deserialize)]
@@ -69,8 +108,46 @@ impl Input for ChainInput {
                 self.step_delay_ms
             ));
         }
+        if let Some(sleep) = &self.sleep {
+            self.pause_at("sleep.at", sleep.at)?;
+            span("sleep.secs", sleep.secs)?;
+        }
+        if let Some(wait) = &self.wait {
+            self.pause_at("wait.at", wait.at)?;
+            span("wait.timeout_secs", wait.timeout_secs)?;
+            trailmark::domain::check_name(&wait.event).map_err(|e| format!("`wait.event`: {e}"))?;
+            if self.sleep.as_ref().is_some_and(|s| s.at == wait.at) {
+                return Err(format!(
+                    "`sleep.at` and `wait.at` are both {}: a link can sleep or wait, not both",
+                    wait.at
+                ));
+            }
+        }
         Ok(())
     }
+}
+
+impl ChainInput {
+    /// A link after which the run pauses must have a link after it.
+    fn pause_at(&self, field: &str, at: i64) -> Result<(), String> {
+        if (0..self.steps - 1).contains(&at) {
+            return Ok(());
+        }
+        Err(format!(
+            "`{field}` must be a link with a link after it, from 0 to {} (steps - 2), got {at}",
+            self.steps - 2
+        ))
+    }
+}
+
+/// A duration in seconds: more than 0, at most [`LONGEST_WAIT_SECS`].
+fn span(field: &str, secs: f64) -> Result<(), String> {
+    if secs > 0.0 && secs <= LONGEST_WAIT_SECS {
+        return Ok(());
+    }
+    Err(format!(
+        "`{field}` must be more than 0 and at most {LONGEST_WAIT_SECS} (366 days), got {secs}"
+    ))
 }
 
 /// The `chain` workflow definition.
@@ -129,6 +206,8 @@ struct Params {
     steps: i32,
     delay: Duration,
     ledger: Ledger,
+    sleep: Option<SleepAt>,
+    wait: Option<WaitAt>,
 }
 
 /// The run's input, checked when the run was started (a run started before inputs were checked
@@ -143,6 +222,8 @@ fn params(input: &Value) -> Result<Params, StepError> {
         steps: parsed.steps as i32,
         delay: Duration::from_millis(parsed.step_delay_ms),
         ledger: parsed.ledger,
+        sleep: parsed.sleep,
+        wait: parsed.wait,
     })
 }
 
@@ -165,7 +246,12 @@ async fn link(ctx: StepContext) -> Result<StepOutcome, StepError> {
     let payload = trailmark::domain::request_hash(&json!(answer.content));
     // The checkpoint names the answer by its hash: the journal already holds it word for word,
     // and storing it twice would double the bytes a step writes.
-    let output = json!({ "link": i, "answer_sha256": payload });
+    let mut output = json!({ "link": i, "answer_sha256": payload });
+    if p.wait.as_ref().is_some_and(|w| w.at + 1 == i as i64) {
+        // The link after the wait says what it received: the drill and the tests check it.
+        let event = ctx.event().await?;
+        output["event"] = json!(event.map(|e| json!({ "id": e.id, "payload": e.payload })));
+    }
     if p.ledger == Ledger::Local {
         let row = json!({ "reference": reference, "run_id": ctx.run_id(), "step": i, "payload": payload });
         ctx.local_write(&chain_ledger::TABLE, row)?;
@@ -181,10 +267,20 @@ async fn link(ctx: StepContext) -> Result<StepOutcome, StepError> {
     }
     ctx.failpoint("chain.after_write")?;
     if i + 1 >= p.steps {
-        Ok(StepOutcome::finish(output))
-    } else {
-        Ok(StepOutcome::goto(output, STEP))
+        return Ok(StepOutcome::finish(output));
     }
+    let next = StepOutcome::goto(output, STEP);
+    let at = i as i64;
+    Ok(match (&p.sleep, &p.wait) {
+        (Some(sleep), _) if sleep.at == at => {
+            next.sleeping_for(Duration::from_secs_f64(sleep.secs))
+        }
+        (_, Some(wait)) if wait.at == at => {
+            let timeout = Duration::from_secs_f64(wait.timeout_secs);
+            next.waiting_for(EventWait::new(wait.event.clone(), timeout))
+        }
+        _ => next,
+    })
 }
 
 /// The key of link `seq`'s ledger write (its compensation writes under `undo_of` this key).

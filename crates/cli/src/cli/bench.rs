@@ -67,6 +67,18 @@ pub struct BenchArgs {
     /// A smoke configuration: tiny sizes, one repetition, a 3 s lease.
     #[arg(long)]
     pub quick: bool,
+    /// Instead of the comparison: the step throughput of a load (--runs, --steps, --reps
+    /// [default: 1000, 10, 3], --workers) alone and beside --waiting runs that wait or sleep,
+    /// then the wake-up lag of --sleepers runs due in the same minute.
+    #[arg(long)]
+    pub waits: bool,
+    /// With --waits: runs waiting for an event or sleeping beside the load [default: 100000].
+    #[arg(long, requires = "waits")]
+    pub waiting: Option<usize>,
+    /// With --waits: runs sleeping 90 s, started at once, whose wake-ups are measured
+    /// [default: 10000].
+    #[arg(long, requires = "waits")]
+    pub sleepers: Option<usize>,
     /// Print the report as JSON instead of a table.
     #[arg(long)]
     pub json: bool,
@@ -83,6 +95,9 @@ pub struct BenchArgs {
 pub async fn run(settings: &Settings, args: BenchArgs) -> anyhow::Result<()> {
     if args.b3_worker {
         return b3_worker(settings, &args).await;
+    }
+    if args.waits {
+        return waits(settings, &args).await;
     }
     let cfg = config(&args)?;
     let report = bench::run(settings, &cfg).await?;
@@ -142,6 +157,28 @@ pub fn config(args: &BenchArgs) -> anyhow::Result<Config> {
         anyhow::bail!("--scale-workers and --scale-runs take positive numbers, e.g. 1,2,4");
     }
     Ok(cfg)
+}
+
+/// `--waits`: the load alone and beside waiting runs, then the sleepers' wake-up lag.
+async fn waits(settings: &Settings, args: &BenchArgs) -> anyhow::Result<()> {
+    let mut cfg = bench::waits::WaitsConfig::default();
+    cfg.waiting = args.waiting.unwrap_or(cfg.waiting);
+    cfg.sleepers = args.sleepers.unwrap_or(cfg.sleepers);
+    cfg.runs = args.runs.unwrap_or(cfg.runs);
+    cfg.steps = args.steps.unwrap_or(cfg.steps);
+    cfg.reps = args.reps.unwrap_or(cfg.reps);
+    cfg.workers = args.workers.unwrap_or(cfg.workers);
+    anyhow::ensure!(
+        cfg.runs > 0 && cfg.steps > 0 && cfg.reps > 0 && cfg.workers > 0,
+        "--runs, --steps, --reps and --workers must be at least 1"
+    );
+    let report = bench::waits::run(settings, &cfg).await?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        print!("{report}");
+    }
+    Ok(())
 }
 
 async fn b3_worker(settings: &Settings, args: &BenchArgs) -> anyhow::Result<()> {

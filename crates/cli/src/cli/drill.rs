@@ -98,6 +98,16 @@ pub struct DrillArgs {
     /// Share of positions forced into review on attempt 1 (the drill approves and resumes).
     #[arg(long)]
     pub review: Option<f64>,
+    /// When the input makes runs wait for an event: share of runs sent their event before
+    /// they reach their wait.
+    #[arg(long)]
+    pub event_early: Option<f64>,
+    /// Share of runs sent their event twice (the same id and payload).
+    #[arg(long)]
+    pub event_twice: Option<f64>,
+    /// Share of runs sent their event again with the same id and another payload (refused).
+    #[arg(long)]
+    pub event_conflict: Option<f64>,
     /// A command of yours run once this share of the work is done, as `AT:NAME=COMMAND`
     /// (`0.3:leader-killed=...`), measured like the drill's own faults; repeatable. It gets
     /// DRILL_STEPS_QUEUE, DRILL_PREFIX and DRILL_DATABASE in its environment.
@@ -187,6 +197,9 @@ fn faults(a: &DrillArgs) -> anyhow::Result<Faults> {
         ("--late-tool", a.late_tool, &mut f.late_tool),
         ("--started-twice", a.started_twice, &mut f.started_twice),
         ("--review", a.review, &mut f.review),
+        ("--event-early", a.event_early, &mut f.events_early),
+        ("--event-twice", a.event_twice, &mut f.events_twice),
+        ("--event-conflict", a.event_conflict, &mut f.events_conflict),
     ];
     for (flag, given, slot) in shares {
         if let Some(v) = given {

@@ -7,6 +7,7 @@ pub mod decide;
 pub mod demo;
 pub mod dlq;
 pub mod drill;
+pub mod event;
 pub mod fork;
 pub mod migrate;
 pub mod run;

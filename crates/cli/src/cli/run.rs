@@ -97,19 +97,25 @@ pub async fn start(
 
 /// The input as given: inline JSON, `@FILE`, or `-` for standard input; `{}` when absent.
 pub(crate) fn read_input(raw: Option<&str>) -> anyhow::Result<Value> {
+    read_json("--input", raw)
+}
+
+/// A JSON option (`flag`) as given: inline JSON, `@FILE`, or `-` for standard input; `{}` when
+/// absent.
+pub(crate) fn read_json(flag: &str, raw: Option<&str>) -> anyhow::Result<Value> {
     let text = match raw {
         None => return Ok(json!({})),
         Some("-") => std::io::read_to_string(std::io::stdin())
-            .context("reading --input from standard input")?,
+            .with_context(|| format!("reading {flag} from standard input"))?,
         Some(arg) => match arg.strip_prefix('@') {
             Some(path) => std::fs::read_to_string(path)
-                .with_context(|| format!("reading --input from {path}"))?,
+                .with_context(|| format!("reading {flag} from {path}"))?,
             None => arg.to_owned(),
         },
     };
     serde_json::from_str(&text).with_context(|| {
         let shown: String = text.chars().take(200).collect();
-        format!("--input is not valid JSON: {shown}")
+        format!("{flag} is not valid JSON: {shown}")
     })
 }
 
@@ -235,6 +241,7 @@ pub async fn show(settings: &Settings, run_id: &str, as_json: bool) -> anyhow::R
     if let Some(note) = &run.handover {
         print_handover(note);
     }
+    print_waits(&r.around.waits);
     for d in &r.around.decisions {
         let version = if d.version_before != d.version_after {
             format!(" (v{} -> v{})", d.version_before, d.version_after)
@@ -289,6 +296,41 @@ pub async fn show(settings: &Settings, run_id: &str, as_json: bool) -> anyhow::R
     }
     super::table::print(&steps);
     Ok(())
+}
+
+/// What the run waited for and waits for: each event or sleep with its times, how it ended, and
+/// the event it received.
+fn print_waits(waits: &[trailmark::store::waits::WaitRow]) {
+    if waits.is_empty() {
+        return;
+    }
+    let time = |t: chrono::DateTime<chrono::Utc>| t.format("%Y-%m-%d %H:%M:%S").to_string();
+    println!("waits:");
+    for w in waits {
+        let what = match (&w.event_name, &w.match_key) {
+            (Some(name), Some(key)) => format!("event {name} (key {key})"),
+            _ => "a time (sleep)".to_owned(),
+        };
+        let ended = match (&w.resolved_at, w.resolution.as_deref()) {
+            (None, _) => "WAITING NOW".to_owned(),
+            (Some(at), Some("event")) => format!("event received, moved on {}", time(*at)),
+            (Some(at), Some(how)) => format!("{how} at {}", time(*at)),
+            (Some(at), None) => format!("ended {}", time(*at)),
+        };
+        println!(
+            "  after step {} (position {}): {what}, since {} until {}: {ended}; next {}",
+            w.step,
+            w.seq,
+            time(w.since),
+            time(w.until),
+            w.next_step
+        );
+        if let (Some(id), Some(payload)) = (&w.event_id, &w.payload) {
+            let shown: String = payload.to_string().chars().take(200).collect();
+            let at = w.received_at.map(time).unwrap_or_default();
+            println!("    event {id} received {at}: {shown}");
+        }
+    }
 }
 
 /// What a step without a commit is doing, from its run's status: only a run that is moving has a
