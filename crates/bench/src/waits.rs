@@ -1,15 +1,16 @@
 //! `trailmark bench --waits`: what runs that wait cost the others, and how late sleepers wake.
 //!
-//! 1. The step throughput of `chain` runs (`--runs` runs of `--steps` steps, all started at
-//!    once) with no run waiting, `--reps` times.
-//! 2. `--waiting` runs put to wait through the engine itself (each does one step, then half
-//!    wait for an event that never comes, half sleep for 30 days), then the same load again,
-//!    `--reps` times, beside them.
+//! 1. In one of two environments (database and prefix), `--waiting` runs are put to wait
+//!    through the engine itself: each does one step, then half wait for an event that never
+//!    comes, half sleep for 30 days.
+//! 2. The step throughput of `chain` runs (`--runs` runs of `--steps` steps, all started at
+//!    once) in the empty environment and beside the waiting runs, in turn, `--reps` times each
+//!    (each on `serve` processes started for it).
 //! 3. `--sleepers` runs that each sleep 90 s after their first step, started at once so that
 //!    their due times fall within about a minute; once all woke, the lag from each due time to
 //!    the timer loop's wake-up and to the start of the woken step, p50 and p99.
 //!
-//! Everything runs on `trailmark serve` processes in a database and broker prefix of their own.
+//! Everything runs on `trailmark serve` processes in databases and broker prefixes of their own.
 
 use std::time::{Duration, Instant};
 
@@ -86,26 +87,63 @@ fn median(v: &[f64]) -> f64 {
     if s.is_empty() { 0.0 } else { s[s.len() / 2] }
 }
 
-/// Runs the waits bench on the servers of `base`, in an environment of its own removed after.
+/// Runs the waits bench on the servers of `base`, in two environments of its own (one empty,
+/// one with the waiting runs), removed after.
 pub async fn run(base: &Settings, cfg: &WaitsConfig) -> Result<WaitsReport> {
     let background = background_cores(BACKGROUND_SPAN).await?;
-    let mut env = BenchEnv::create(base, None).await?;
-    let result = phases(&mut env, cfg, background).await;
-    let left = env.teardown().await;
-    if !left.is_empty() {
-        tracing::warn!(left = ?left, "the waits bench could not remove everything it created");
+    let mut alone = BenchEnv::create(base, None).await?;
+    let mut beside = match BenchEnv::create(base, None).await {
+        Ok(env) => env,
+        Err(e) => {
+            alone.teardown().await;
+            return Err(e);
+        }
+    };
+    let result = phases(&mut alone, &mut beside, cfg, background).await;
+    for env in [alone, beside] {
+        let left = env.teardown().await;
+        if !left.is_empty() {
+            tracing::warn!(left = ?left, "the waits bench could not remove everything it created");
+        }
     }
     result
 }
 
-async fn phases(env: &mut BenchEnv, cfg: &WaitsConfig, background: f64) -> Result<WaitsReport> {
+/// `trailmark serve` processes on `env`, consuming.
+async fn serve(env: &mut BenchEnv, cfg: &WaitsConfig, tag: &str) -> Result<Vec<Proc>> {
     let pool = env.pool_for(cfg.workers).await?;
     env.set_child_pool(pool);
     let system = System::Trailmark;
-    let mut procs = system.spawn(env, cfg.workers, "waits", super::BUILTIN_ANSWER_BYTES)?;
+    let mut procs = system.spawn(env, cfg.workers, tag, super::BUILTIN_ANSWER_BYTES)?;
     system
         .wait_ready(env, &mut procs, Duration::from_secs(60))
         .await?;
+    Ok(procs)
+}
+
+async fn stop(procs: &mut [Proc]) {
+    for p in procs {
+        p.stop(Duration::from_secs(10)).await;
+    }
+}
+
+/// The load on `env`, on processes started for it and stopped after: steps per second.
+async fn load_on(env: &mut BenchEnv, cfg: &WaitsConfig, tag: &str) -> Result<f64> {
+    let mut procs = serve(env, cfg, tag).await?;
+    let rate = load(env, cfg, tag, &mut procs).await;
+    stop(&mut procs).await;
+    rate
+}
+
+/// The waiting runs put in `beside`, then the load on each environment in turn (which goes
+/// first alternates, so a machine that grows busier or quieter weighs on both alike), then the
+/// sleepers beside the waiting runs.
+async fn phases(
+    alone: &mut BenchEnv,
+    beside: &mut BenchEnv,
+    cfg: &WaitsConfig,
+    background: f64,
+) -> Result<WaitsReport> {
     let mut report = WaitsReport {
         waiting: cfg.waiting,
         load_runs: cfg.runs,
@@ -114,24 +152,35 @@ async fn phases(env: &mut BenchEnv, cfg: &WaitsConfig, background: f64) -> Resul
         background_cores: background,
         ..WaitsReport::default()
     };
-    for rep in 0..cfg.reps {
-        report
-            .alone_steps_per_s
-            .push(load(env, cfg, &format!("a{rep}"), &mut procs).await?);
-    }
+    let mut procs = serve(beside, cfg, "seed").await?;
     let started = Instant::now();
-    put_to_wait(env, cfg.waiting, &mut procs).await?;
+    let seeded = put_to_wait(beside, cfg.waiting, &mut procs).await;
+    stop(&mut procs).await;
+    seeded?;
     report.seed_secs = started.elapsed().as_secs_f64();
     for rep in 0..cfg.reps {
-        report
-            .beside_steps_per_s
-            .push(load(env, cfg, &format!("b{rep}"), &mut procs).await?);
+        let (a, b) = (format!("a{rep}"), format!("b{rep}"));
+        if rep % 2 == 0 {
+            report
+                .alone_steps_per_s
+                .push(load_on(alone, cfg, &a).await?);
+            report
+                .beside_steps_per_s
+                .push(load_on(beside, cfg, &b).await?);
+        } else {
+            report
+                .beside_steps_per_s
+                .push(load_on(beside, cfg, &b).await?);
+            report
+                .alone_steps_per_s
+                .push(load_on(alone, cfg, &a).await?);
+        }
     }
     report.ratio = median(&report.beside_steps_per_s) / median(&report.alone_steps_per_s);
-    report.sleepers = sleepers(env, cfg.sleepers, &mut procs).await?;
-    for p in &mut procs {
-        p.stop(Duration::from_secs(10)).await;
-    }
+    let mut procs = serve(beside, cfg, "sleepers").await?;
+    let lags = sleepers(beside, cfg.sleepers, &mut procs).await;
+    stop(&mut procs).await;
+    report.sleepers = lags?;
     Ok(report)
 }
 
