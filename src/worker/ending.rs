@@ -178,6 +178,12 @@ pub(super) fn decide(
         writes,
     } = pending;
     let failure = match result.and_then(StepOutcome::checked) {
+        Ok(outcome) if outcome.next == Next::Wait && outcome.pause().is_some() => {
+            StepError::Unknown(format!(
+                "step {} asked a person and asked to wait for an event or a time at once; a step does one or the other: fix the workflow and resume after the fix",
+                msg.step
+            ))
+        }
         Ok(StepOutcome {
             output,
             next: Next::Wait,
@@ -769,6 +775,8 @@ mod tests {
         let nowhere = wait(5).on_timeout_goto("nowhere");
         let nowhere = review(0, StepOutcome::wait_for_event(json!({}), nowhere));
         assert!(nowhere.contains("nowhere"), "{nowhere}");
+        let both = review(0, StepOutcome::wait(json!({})).sleeping_for(Duration::from_secs(5)));
+        assert!(both.contains("asked a person and asked to wait"), "{both}");
     }
 
     #[test]

@@ -1,15 +1,20 @@
 //! `trailmark bench --waits`: what runs that wait cost the others, and how late sleepers wake.
 //!
-//! 1. The step throughput of `chain` runs (`--runs` runs of `--steps` steps, all started at
-//!    once) with no run waiting, `--reps` times.
-//! 2. `--waiting` runs put to wait through the engine itself (each does one step, then half
-//!    wait for an event that never comes, half sleep for 30 days), then the same load again,
-//!    `--reps` times, beside them.
-//! 3. `--sleepers` runs that each sleep 90 s after their first step, started at once so that
-//!    their due times fall within about a minute; once all woke, the lag from each due time to
-//!    the timer loop's wake-up and to the start of the woken step, p50 and p99.
+//! Three environments (database and broker prefix each):
+//! - **empty**: nothing but the load;
+//! - **finished**: `--waiting` runs that did one step and ended, the load beside them;
+//! - **waiting**: `--waiting` runs that did one step and then wait (half for an event no one
+//!   sends, half sleeping 30 days), the load beside them.
 //!
-//! Everything runs on `trailmark serve` processes in a database and broker prefix of their own.
+//! The runs are put there through the engine itself, then every database is vacuumed and
+//! analysed. The load (`--runs` `chain` runs of `--steps` steps, all started at once, on
+//! `--workers` `serve` processes started for it and stopped after) runs `--reps` times in each
+//! environment, in rotating order, so that a machine that grows busier or quieter weighs on all
+//! alike. Waiting against finished is what waiting itself costs the others; waiting against
+//! empty adds what 100,000 more runs' rows cost, whatever their state. Last, `--sleepers` runs
+//! that each sleep 90 s after their first step, started at once in the waiting environment, so
+//! that their due times fall within a minute: the lag from each due time to the timer loop's
+//! wake-up and to the claim of the woken step, p50 and p99.
 
 use std::time::{Duration, Instant};
 
@@ -28,7 +33,7 @@ use trailmark::store::waits;
 /// What to run.
 #[derive(Debug, Clone)]
 pub struct WaitsConfig {
-    /// Runs put to wait beside the load (default 100,000).
+    /// Runs put to wait (and runs finished, for the control) beside the load (default 100,000).
     pub waiting: usize,
     /// Sleepers due in the same minute (default 10,000).
     pub sleepers: usize,
@@ -36,7 +41,7 @@ pub struct WaitsConfig {
     pub runs: usize,
     /// Steps per run of the load (default 10).
     pub steps: i32,
-    /// Measured repetitions of the load, without and with the waiting runs (default 3).
+    /// Measured repetitions of the load in each environment (default 5).
     pub reps: usize,
     /// `trailmark serve` processes (default 1).
     pub workers: usize,
@@ -49,7 +54,7 @@ impl Default for WaitsConfig {
             sleepers: 10_000,
             runs: 1_000,
             steps: 10,
-            reps: 3,
+            reps: 5,
             workers: 1,
         }
     }
@@ -58,20 +63,24 @@ impl Default for WaitsConfig {
 /// What the waits bench measured.
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct WaitsReport {
-    /// Runs waiting or sleeping beside the load.
+    /// Runs waiting or sleeping beside the load (and finished, in the control).
     pub waiting: usize,
     /// How long putting them to wait took (s).
     pub seed_secs: f64,
-    /// Runs and steps of the load.
+    /// Runs of the load.
     pub load_runs: usize,
     /// Steps per load run.
     pub load_steps: i32,
-    /// Steps per second of each repetition with no run waiting.
-    pub alone_steps_per_s: Vec<f64>,
+    /// Steps per second of each repetition in the empty database.
+    pub empty_steps_per_s: Vec<f64>,
+    /// Steps per second of each repetition beside the finished runs.
+    pub finished_steps_per_s: Vec<f64>,
     /// Steps per second of each repetition beside the waiting runs.
-    pub beside_steps_per_s: Vec<f64>,
-    /// Median beside / median alone.
-    pub ratio: f64,
+    pub waiting_steps_per_s: Vec<f64>,
+    /// Median beside the waiting runs / median beside the finished ones: what waiting costs.
+    pub ratio_vs_finished: f64,
+    /// Median beside the waiting runs / median in the empty database.
+    pub ratio_vs_empty: f64,
     /// The sleepers' wake-up lags.
     pub sleepers: waits::SleepLags,
     /// Cores of this machine.
@@ -86,26 +95,69 @@ fn median(v: &[f64]) -> f64 {
     if s.is_empty() { 0.0 } else { s[s.len() / 2] }
 }
 
-/// Runs the waits bench on the servers of `base`, in an environment of its own removed after.
+/// The three environments, in the order of [`WaitsReport`]'s columns.
+const SIDES: [&str; 3] = ["empty", "finished", "waiting"];
+
+/// Runs the waits bench on the servers of `base`, in environments of its own, removed after.
 pub async fn run(base: &Settings, cfg: &WaitsConfig) -> Result<WaitsReport> {
     let background = background_cores(BACKGROUND_SPAN).await?;
-    let mut env = BenchEnv::create(base, None).await?;
-    let result = phases(&mut env, cfg, background).await;
-    let left = env.teardown().await;
-    if !left.is_empty() {
-        tracing::warn!(left = ?left, "the waits bench could not remove everything it created");
+    let mut envs = Vec::with_capacity(SIDES.len());
+    let mut made = Ok(());
+    for _ in SIDES {
+        match BenchEnv::create(base, None).await {
+            Ok(env) => envs.push(env),
+            Err(e) => {
+                made = Err(e);
+                break;
+            }
+        }
+    }
+    let result = match made {
+        Ok(()) => phases(&mut envs, cfg, background).await,
+        Err(e) => Err(e),
+    };
+    for env in envs {
+        let left = env.teardown().await;
+        if !left.is_empty() {
+            tracing::warn!(left = ?left, "the waits bench could not remove everything it created");
+        }
     }
     result
 }
 
-async fn phases(env: &mut BenchEnv, cfg: &WaitsConfig, background: f64) -> Result<WaitsReport> {
+/// `trailmark serve` processes on `env`, consuming.
+async fn serve(env: &mut BenchEnv, cfg: &WaitsConfig, tag: &str) -> Result<Vec<Proc>> {
     let pool = env.pool_for(cfg.workers).await?;
     env.set_child_pool(pool);
     let system = System::Trailmark;
-    let mut procs = system.spawn(env, cfg.workers, "waits", super::BUILTIN_ANSWER_BYTES)?;
+    let mut procs = system.spawn(env, cfg.workers, tag, super::BUILTIN_ANSWER_BYTES)?;
     system
         .wait_ready(env, &mut procs, Duration::from_secs(60))
         .await?;
+    Ok(procs)
+}
+
+async fn stop(procs: &mut [Proc]) {
+    for p in procs {
+        p.stop(Duration::from_secs(10)).await;
+    }
+}
+
+/// `f` on processes started for it on `env` and stopped after, whatever it returned.
+async fn on_processes<T>(
+    env: &mut BenchEnv,
+    cfg: &WaitsConfig,
+    tag: &str,
+    f: impl AsyncFnOnce(&BenchEnv, &mut [Proc]) -> Result<T>,
+) -> Result<T> {
+    let mut procs = serve(env, cfg, tag).await?;
+    let done = f(env, &mut procs).await;
+    stop(&mut procs).await;
+    done
+}
+
+/// The runs put in place, the load in each environment in turn, then the sleepers.
+async fn phases(envs: &mut [BenchEnv], cfg: &WaitsConfig, background: f64) -> Result<WaitsReport> {
     let mut report = WaitsReport {
         waiting: cfg.waiting,
         load_runs: cfg.runs,
@@ -114,40 +166,55 @@ async fn phases(env: &mut BenchEnv, cfg: &WaitsConfig, background: f64) -> Resul
         background_cores: background,
         ..WaitsReport::default()
     };
-    for rep in 0..cfg.reps {
-        report
-            .alone_steps_per_s
-            .push(load(env, cfg, &format!("a{rep}"), &mut procs).await?);
-    }
+    let n = cfg.waiting;
+    on_processes(&mut envs[1], cfg, "finish", async |env, procs| {
+        finished(env, n, procs).await
+    })
+    .await?;
     let started = Instant::now();
-    put_to_wait(env, cfg.waiting, &mut procs).await?;
+    on_processes(&mut envs[2], cfg, "seed", async |env, procs| {
+        put_to_wait(env, n, procs).await
+    })
+    .await?;
     report.seed_secs = started.elapsed().as_secs_f64();
+    // Putting 100,000 runs in place wrote as many rows into several tables at once; autovacuum
+    // would work through them during the first measurements beside them. Every database is
+    // vacuumed and analysed now instead, as it would be long before that many runs had come to
+    // rest one by one.
+    for env in envs.iter() {
+        sqlx::raw_sql("VACUUM ANALYZE").execute(&env.pool).await?;
+    }
+    let mut rates: [Vec<f64>; 3] = Default::default();
     for rep in 0..cfg.reps {
-        report
-            .beside_steps_per_s
-            .push(load(env, cfg, &format!("b{rep}"), &mut procs).await?);
+        for k in 0..SIDES.len() {
+            let side = (rep + k) % SIDES.len();
+            let tag = format!("{}{rep}", &SIDES[side][..1]);
+            let rate = on_processes(&mut envs[side], cfg, &tag, async |env, procs| {
+                load(env, cfg, &tag, procs).await
+            })
+            .await?;
+            rates[side].push(rate);
+        }
     }
-    report.ratio = median(&report.beside_steps_per_s) / median(&report.alone_steps_per_s);
-    report.sleepers = sleepers(env, cfg.sleepers, &mut procs).await?;
-    for p in &mut procs {
-        p.stop(Duration::from_secs(10)).await;
-    }
+    let [empty, finished_rates, waiting_rates] = rates;
+    report.ratio_vs_empty = median(&waiting_rates) / median(&empty);
+    report.ratio_vs_finished = median(&waiting_rates) / median(&finished_rates);
+    report.empty_steps_per_s = empty;
+    report.finished_steps_per_s = finished_rates;
+    report.waiting_steps_per_s = waiting_rates;
+    let sleepers = cfg.sleepers;
+    report.sleepers = on_processes(&mut envs[2], cfg, "sleepers", async |env, procs| {
+        wake_lags(env, sleepers, procs).await
+    })
+    .await?;
     Ok(report)
 }
 
 /// One repetition of the load: steps per second.
 async fn load(env: &BenchEnv, cfg: &WaitsConfig, tag: &str, procs: &mut [Proc]) -> Result<f64> {
     let label = format!("load {tag}");
-    let w = measured(
-        env,
-        System::Trailmark,
-        &ids(&format!("l{tag}"), cfg.runs),
-        cfg.steps,
-        &label,
-        procs,
-        None,
-    )
-    .await?;
+    let ids = ids(&format!("l{tag}"), cfg.runs);
+    let w = measured(env, System::Trailmark, &ids, cfg.steps, &label, procs, None).await?;
     let rate = (cfg.runs as f64 * cfg.steps as f64) / w.secs;
     progress(&format!("{label}: {rate:.0} steps/s"));
     Ok(rate)
@@ -165,43 +232,41 @@ async fn start(env: &BenchEnv, ids: &[String], input: &Value) -> Result<()> {
             Ok(topology.run_start(&event))
         })
         .collect::<Result<Vec<_>>>()?;
-    env.publish(&msgs).await
+    for chunk in msgs.chunks(10_000) {
+        env.publish(chunk).await?;
+    }
+    Ok(())
 }
 
-/// Puts `n` runs to wait through the engine: each does one step, then half wait for an event
-/// no one sends (timeout a day), half sleep 30 days.
-async fn put_to_wait(env: &BenchEnv, n: usize, procs: &mut [Proc]) -> Result<()> {
-    let (events, sleeps) = (ids("we", n / 2), ids("ws", n - n / 2));
-    let wait = json!({"steps": 2, "ledger": "local",
-        "wait": {"at": 0, "event": "bench.never", "timeout_secs": 86_400}});
-    let sleep = json!({"steps": 2, "ledger": "local", "sleep": {"at": 0, "secs": 2_592_000}});
-    for chunk in events.chunks(10_000) {
-        start(env, chunk, &wait).await?;
-    }
-    for chunk in sleeps.chunks(10_000) {
-        start(env, chunk, &sleep).await?;
-    }
+/// Waits (at most an hour) until `done` says `n` runs are in place, saying how far it is.
+async fn until_in_place<F, Fut>(
+    env: &BenchEnv,
+    n: usize,
+    what: &str,
+    procs: &mut [Proc],
+    done: F,
+) -> Result<()>
+where
+    F: Fn() -> Fut,
+    Fut: std::future::Future<Output = Result<usize>>,
+{
     let deadline = Instant::now() + Duration::from_secs(3_600);
     let mut said = Instant::now();
     loop {
-        let open: i64 = waits::open_counts(&env.pool)
-            .await?
-            .iter()
-            .map(|(_, c)| c)
-            .sum();
-        if open as usize >= n {
-            progress(&format!("{n} runs wait"));
+        let have = done().await?;
+        if have >= n {
+            progress(&format!("{n} runs {what}"));
             return Ok(());
         }
         if Instant::now() > deadline {
             return Err(Error::Failed(format!(
-                "only {open} of {n} runs waited after an hour; logs in {}",
+                "only {have} of {n} runs {what} after an hour; logs in {}",
                 env.log_dir.display()
             )));
         }
         if said.elapsed() > Duration::from_secs(5) {
             said = Instant::now();
-            progress(&format!("putting runs to wait: {open}/{n}"));
+            progress(&format!("{have}/{n} runs {what}"));
             for p in procs.iter_mut() {
                 p.check_alive()?;
             }
@@ -210,37 +275,44 @@ async fn put_to_wait(env: &BenchEnv, n: usize, procs: &mut [Proc]) -> Result<()>
     }
 }
 
+/// `n` runs that do one step and end: the control of the waiting runs.
+async fn finished(env: &BenchEnv, n: usize, procs: &mut [Proc]) -> Result<()> {
+    start(env, &ids("f", n), &json!({"steps": 1, "ledger": "local"})).await?;
+    until_in_place(env, n, "finished", procs, || async {
+        let p = trailmark::inspect::progress(&env.pool, "f-").await?;
+        Ok(p.succeeded as usize)
+    })
+    .await
+}
+
+/// `n` runs that do one step, then half wait for an event no one sends (timeout a day), half
+/// sleep 30 days.
+async fn put_to_wait(env: &BenchEnv, n: usize, procs: &mut [Proc]) -> Result<()> {
+    let wait = json!({"steps": 2, "ledger": "local",
+        "wait": {"at": 0, "event": "bench.never", "timeout_secs": 86_400}});
+    let sleep = json!({"steps": 2, "ledger": "local", "sleep": {"at": 0, "secs": 2_592_000}});
+    start(env, &ids("we", n / 2), &wait).await?;
+    start(env, &ids("ws", n - n / 2), &sleep).await?;
+    until_in_place(env, n, "wait", procs, || async {
+        let open = waits::open_counts(&env.pool).await?;
+        Ok(open.iter().map(|(_, c)| *c as usize).sum())
+    })
+    .await
+}
+
 /// `n` runs sleeping 90 s after their first step, started at once; their lags once all woke.
-async fn sleepers(env: &BenchEnv, n: usize, procs: &mut [Proc]) -> Result<waits::SleepLags> {
+async fn wake_lags(env: &BenchEnv, n: usize, procs: &mut [Proc]) -> Result<waits::SleepLags> {
     if n == 0 {
         return Ok(waits::SleepLags::default());
     }
     let sleep = json!({"steps": 2, "ledger": "local", "sleep": {"at": 0, "secs": 90}});
     start(env, &ids("z", n), &sleep).await?;
-    // Not `wait_all`: a sleeping run is a run at rest to it, and stopped.
-    let deadline = Instant::now() + Duration::from_secs(600);
-    let mut said = Instant::now();
-    loop {
+    // Not `load::wait_all`: to it a sleeping run is one that stopped.
+    until_in_place(env, n, "slept and finished", procs, || async {
         let p = trailmark::inspect::progress(&env.pool, "z-").await?;
-        if p.succeeded >= n as i64 {
-            break;
-        }
-        if Instant::now() > deadline {
-            return Err(Error::Failed(format!(
-                "only {} of {n} sleepers finished within 10 minutes; logs in {}",
-                p.succeeded,
-                env.log_dir.display()
-            )));
-        }
-        if said.elapsed() > Duration::from_secs(5) {
-            said = Instant::now();
-            progress(&format!("sleepers: {}/{n} done", p.succeeded));
-            for proc in procs.iter_mut() {
-                proc.check_alive()?;
-            }
-        }
-        tokio::time::sleep(Duration::from_millis(250)).await;
-    }
+        Ok(p.succeeded as usize)
+    })
+    .await?;
     let lags = waits::sleep_lags(&env.pool, "z-").await?;
     progress(&format!(
         "{} sleepers due over {:.0} s: woken p50 {:.0} ms p99 {:.0} ms; step started p50 {:.0} ms p99 {:.0} ms",
@@ -264,35 +336,34 @@ impl std::fmt::Display for WaitsReport {
         };
         writeln!(
             f,
-            "machine            {} cores, {:.2} busy with other work before the bench",
+            "machine      {} cores, {:.2} busy with other work before the bench",
             self.cores, self.background_cores
         )?;
         writeln!(
             f,
-            "load               {} chain runs x {} steps, started at once",
-            self.load_runs, self.load_steps
+            "load         {} chain runs x {} steps, started at once; {} runs beside it ({:.0} s to put them to wait)",
+            self.load_runs, self.load_steps, self.waiting, self.seed_secs
+        )?;
+        writeln!(f, "empty        {} steps/s", rates(&self.empty_steps_per_s))?;
+        writeln!(
+            f,
+            "finished     {} steps/s",
+            rates(&self.finished_steps_per_s)
         )?;
         writeln!(
             f,
-            "alone              {} steps/s",
-            rates(&self.alone_steps_per_s)
+            "waiting      {} steps/s",
+            rates(&self.waiting_steps_per_s)
         )?;
         writeln!(
             f,
-            "beside {:>7} waiting runs (put to wait in {:.0} s): {} steps/s",
-            self.waiting,
-            self.seed_secs,
-            rates(&self.beside_steps_per_s)
-        )?;
-        writeln!(
-            f,
-            "ratio              {:.3} (median beside / median alone; target >= 0.90)",
-            self.ratio
+            "ratio        waiting/finished {:.3} (what waiting costs; target >= 0.90), waiting/empty {:.3}",
+            self.ratio_vs_finished, self.ratio_vs_empty
         )?;
         let s = &self.sleepers;
         writeln!(
             f,
-            "sleepers           {} due over {:.0} s: woken p50 {:.0} ms, p99 {:.0} ms, max {:.0} ms; woken step started p50 {:.0} ms, p99 {:.0} ms, max {:.0} ms; early {}",
+            "sleepers     {} due over {:.0} s: woken p50 {:.0} ms, p99 {:.0} ms, max {:.0} ms; woken step started p50 {:.0} ms, p99 {:.0} ms, max {:.0} ms; early {}",
             s.sleeps,
             s.due_spread_secs,
             s.woken_p50 * 1e3,

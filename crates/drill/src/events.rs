@@ -209,6 +209,37 @@ impl Events {
         confirmed
     }
 
+    /// Once the runs have settled: sends what is still due, then waits (at most a minute) until
+    /// every conflicting copy sent has been refused into the DLQ: a run settles as soon as its
+    /// event resumed it, and a copy sent after that may still be on its way.
+    pub async fn settle(&mut self, pool: &PgPool) -> Result<()> {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        while std::time::Instant::now() < deadline {
+            self.tick(pool).await?;
+            let sent = self.conflicts();
+            let dlq = trailmark::dlq::Dlq::connect(&self.broker).await?;
+            let listing = dlq
+                .list(&trailmark::dlq::Page::all(), &trailmark::dlq::quiet)
+                .await;
+            dlq.close().await;
+            let refused = listing?
+                .letters
+                .iter()
+                .filter(|l| l.reason == "event_conflict" && sent.contains(&l.id))
+                .count();
+            if refused >= sent.len()
+                && self
+                    .todo
+                    .values()
+                    .all(|t| !t.sent || (!t.twice && !t.conflict))
+            {
+                return Ok(());
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+        }
+        Ok(())
+    }
+
     /// The runs among `reached` some planned copy of whose event has not gone out.
     fn unsent(&self, reached: &[&str]) -> Vec<String> {
         reached

@@ -247,6 +247,12 @@ impl Drill<'_> {
         {
             outcome = Err(e);
         }
+        if outcome.is_ok()
+            && let Some(events) = self.events.as_mut()
+            && let Err(e) = events.settle(&self.env.pool).await
+        {
+            outcome = Err(e);
+        }
         let copies = match tap {
             Some(tap) => tap.stop().await,
             None => 0,

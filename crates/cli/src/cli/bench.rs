@@ -68,7 +68,7 @@ pub struct BenchArgs {
     #[arg(long)]
     pub quick: bool,
     /// Instead of the comparison: the step throughput of a load (--runs, --steps, --reps
-    /// [default: 1000, 10, 3], --workers) alone and beside --waiting runs that wait or sleep,
+    /// [default: 1000, 10, 5], --workers) alone and beside --waiting runs that wait or sleep,
     /// then the wake-up lag of --sleepers runs due in the same minute.
     #[arg(long)]
     pub waits: bool,
