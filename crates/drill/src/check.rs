@@ -265,10 +265,13 @@ pub async fn dead_letters(
     };
     let poison_ids: HashSet<&str> = poison.iter().map(String::as_str).collect();
     let mut found = HashSet::new();
+    // A conflicting copy may be dead-lettered twice (at least once: redelivered after a broker
+    // fault cut the ack of its first refusal); each counts once.
+    let mut refused = HashSet::new();
     for letter in &listing.letters {
         *d.by_reason.entry(letter.reason.clone()).or_default() += 1;
         if letter.reason == "event_conflict" && conflicts.contains(&letter.id) {
-            d.event_conflicts += 1;
+            refused.insert(letter.id.as_str());
         } else if poison_ids.contains(letter.id.as_str()) {
             if !letter.reason.is_empty() && letter.reason != "unknown" {
                 found.insert(letter.id.clone());
@@ -278,6 +281,7 @@ pub async fn dead_letters(
                 .push(format!("{} ({})", letter.id, letter.reason));
         }
     }
+    d.event_conflicts = refused.len() as u32;
     d.poison_found = found.len() as u32;
     d.poison_missing = poison
         .iter()

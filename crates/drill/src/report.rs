@@ -107,7 +107,7 @@ pub struct DeadLetters {
     pub unexpected: Vec<String>,
     /// Letters by reason code.
     pub by_reason: BTreeMap<String, u32>,
-    /// Conflicting events found as `event_conflict` (expected).
+    /// Conflicting events found as `event_conflict` (expected), each id once.
     pub event_conflicts: u32,
 }
 
