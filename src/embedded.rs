@@ -343,7 +343,7 @@ impl Trailmark {
                     Error::Refused(format!("run {run_id}: {refused}; nothing was started"))
                 })?;
         if let Some(run) = self.row(run_id.as_str()).await? {
-            if run.workflow != event.workflow || run.input != event.input {
+            if !run.started_with(&event.workflow, &event.input) {
                 return Err(Error::Refused(format!(
                     "run {run_id} exists with workflow {} and another input (status {}); use another run id",
                     run.workflow, run.status

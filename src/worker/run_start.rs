@@ -95,7 +95,7 @@ pub(super) async fn process(
         Created::Exists(existing) => {
             tx.rollback().await?;
             return Ok(
-                if existing.workflow == event.workflow && existing.input == event.input {
+                if existing.started_with(&event.workflow, &event.input) {
                     Disposition::Duplicate(
                         "the run exists, started with the same workflow and input",
                     )

@@ -60,7 +60,7 @@ pub async fn start(
     if let Some(pool) = &pool
         && let Some(run) = runs::get(pool, run_id.as_str()).await?
     {
-        if run.workflow != event.workflow || run.input != event.input {
+        if !run.started_with(&event.workflow, &event.input) {
             bail!(
                 "run {run_id} exists with workflow {} and another input (status {}); a second start would be refused as run_conflict. Use another run id",
                 run.workflow,
