@@ -5,7 +5,7 @@ use chrono::{DateTime, Utc};
 use sqlx::PgConnection;
 
 use super::{Error, Overlap, Spec};
-use crate::domain::{RunStartEvent, RunStatus};
+use crate::domain::{RunId, RunStartEvent, RunStatus};
 use crate::engine::Engine;
 use crate::store::{runs, schedules};
 use crate::worker::run_start::{self, Created};
@@ -27,12 +27,12 @@ pub struct Fired {
 /// Fires every due tick of up to [`SCAN_LIMIT`] schedules, in one transaction.
 pub async fn fire_due(engine: &Engine) -> Result<Fired, Error> {
     let mut tx = engine.pool.begin().await?;
-    let now = schedules::now(&mut *tx).await?;
     let mut fired = Fired::default();
     let due = schedules::due(&mut *tx, SCAN_LIMIT).await?;
     if due.is_empty() {
         return Ok(fired);
     }
+    let now = schedules::now(&mut *tx).await?;
     for row in due {
         let spec = match Spec::from_row(&row) {
             Ok(spec) => spec,
@@ -68,7 +68,7 @@ async fn fire_one(
     now: DateTime<Utc>,
 ) -> Result<Fired, Error> {
     let mut fired = Fired::default();
-    let mut last: Option<(DateTime<Utc>, String)> = None;
+    let mut last: Option<(DateTime<Utc>, RunId)> = None;
     let mut busy = match &row.last_run_id {
         Some(id) => unfinished(tx, id).await?,
         None => false,
@@ -135,7 +135,7 @@ pub(super) async fn start(
     spec: &Spec,
     tick: DateTime<Utc>,
 ) -> Result<bool, Error> {
-    create(engine, tx, spec, spec.run_of_id(tick)).await
+    create(engine, tx, spec, spec.run_of(tick)).await
 }
 
 /// Creates a run of the schedule under `run_id`; `false` when it exists.
@@ -143,7 +143,7 @@ pub(super) async fn create(
     engine: &Engine,
     tx: &mut PgConnection,
     spec: &Spec,
-    run_id: crate::domain::RunId,
+    run_id: RunId,
 ) -> Result<bool, Error> {
     let workflow = engine
         .registry

@@ -187,13 +187,8 @@ impl Spec {
     }
 
     /// The run id of `tick`.
-    pub fn run_of_id(&self, tick: DateTime<Utc>) -> RunId {
+    pub fn run_of(&self, tick: DateTime<Utc>) -> RunId {
         run_id(&self.name, tick)
-    }
-
-    /// The run id of `tick`, as text.
-    pub fn run_of(&self, tick: DateTime<Utc>) -> String {
-        self.run_of_id(tick).as_str().to_owned()
     }
 }
 

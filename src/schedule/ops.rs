@@ -76,7 +76,7 @@ pub async fn create(
     who: &Decider,
 ) -> Result<(ScheduleRow, bool), Error> {
     check_name(&c.name)?;
-    check_input(engine, &c.workflow, &c.input)?;
+    check_input(engine, &c.name, &c.workflow, &c.input)?;
     if c.catch_up > LONGEST {
         return Err(invalid("catch_up", "must be at most 366d"));
     }
@@ -232,7 +232,7 @@ pub async fn backfill(
     }
     let mut done = Started::default();
     for tick in ticks {
-        let id = spec.run_of(tick);
+        let id = spec.run_of(tick).to_string();
         match fire::start(engine, &mut tx, &spec, tick).await? {
             true => done.started.push(id),
             false => done.existed.push(id),
@@ -254,17 +254,14 @@ pub async fn delete(engine: &Engine, name: &str, who: &Decider) -> Result<(), Er
     Ok(())
 }
 
-/// The input must be an object the workflow accepts, as for any run start.
-fn check_input(engine: &Engine, workflow: &str, input: &Value) -> Result<(), Error> {
+/// The input must be an object the workflow accepts, in a start event that fits the message
+/// limit with the run id a tick gets (their ids all have the same length), as for any run start.
+fn check_input(engine: &Engine, name: &str, workflow: &str, input: &Value) -> Result<(), Error> {
     if !input.is_object() {
         return Err(invalid("input", "must be a JSON object"));
     }
     let limit = engine.settings.worker.max_message_bytes;
-    let event = crate::domain::RunStartEvent::new(
-        run_id("size-check", DateTime::<Utc>::MIN_UTC),
-        workflow,
-        input.clone(),
-    );
+    let event = crate::domain::RunStartEvent::new(run_id(name, Utc::now()), workflow, input.clone());
     crate::worker::start_message(&engine.registry, &engine.topology, limit, &event).map_err(
         |refused| match refused {
             crate::workflow::StartRefused::UnknownWorkflow { .. } => {
