@@ -189,6 +189,18 @@ impl From<dlq::Error> for Shown {
     }
 }
 
+impl From<crate::schedule::Error> for Shown {
+    fn from(e: crate::schedule::Error) -> Self {
+        use crate::schedule::Error as E;
+        match e {
+            E::NotFound(_) => Self::not_found(e.to_string()),
+            E::Invalid { .. } => Self::bad_request(e.to_string()),
+            E::Conflict(_) => Self::new(StatusCode::CONFLICT, "Conflict", e.to_string()),
+            E::Store(s) => Self::from(s),
+        }
+    }
+}
+
 /// What a refused decision answers: 404 for a missing run, 409 for one it does not fit.
 fn refusal(e: &operator::Error) -> StatusCode {
     match e {

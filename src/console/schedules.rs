@@ -12,6 +12,7 @@ use super::once::Once;
 use super::session::Me;
 use super::{ConsoleState, Shown};
 use crate::config::tokens::Role;
+use crate::operator::Decider;
 use crate::schedule::{self, ops};
 
 /// `GET /schedules` options.
@@ -26,7 +27,7 @@ pub async fn list(
     me: Me,
     Query(q): Query<ListQuery>,
 ) -> Result<Markup, Shown> {
-    let rows = ops::list(&state.engine).await.map_err(shown)?;
+    let rows = ops::list(&state.engine).await?;
     Ok(page(
         "Schedules",
         Some(&me),
@@ -87,14 +88,13 @@ pub async fn act(
     Path((name, action)): Path<(String, String)>,
     Form(f): Form<ActForm>,
 ) -> Result<Response, Shown> {
-    if !me.may(Role::Operator) {
-        return Err(Shown::new(
-            axum::http::StatusCode::FORBIDDEN,
-            "Not allowed",
-            "changing a schedule needs the operator role",
-        ));
+    me.require(Role::Operator, "changing a schedule")?;
+    if !["pause", "resume", "trigger"].contains(&action.as_str()) {
+        return Err(Shown::not_found(format!(
+            "there is no schedule action {action:?}; pause, resume and trigger are"
+        )));
     }
-    schedule::check_name(&name).map_err(shown)?;
+    schedule::check_name(&name)?;
     if f.reason.trim().is_empty() {
         return Err(Shown::bad_request("say why: it is recorded in the audit trail"));
     }
@@ -103,30 +103,41 @@ pub async fn act(
         return Ok(replay);
     }
     let who = me.decider(&f.reason);
-    let engine = &state.engine;
-    let said = match action.as_str() {
-        "pause" => ops::set_paused(engine, &name, true, &who).await.map(|_| format!("paused {name}")),
-        "resume" => ops::set_paused(engine, &name, false, &who).await.map(|r| format!("resumed {name}; next tick {}", r.next_tick)),
-        "trigger" => ops::trigger(engine, &name, &who).await.map(|d| {
-            format!("triggered {name}: {}", d.started.first().or(d.existed.first()).cloned().unwrap_or_default())
-        }),
-        other => return Err(Shown::not_found(format!("there is no schedule action {other:?}; pause, resume and trigger are"))),
-    }
-    .map_err(shown)?;
-    let q = url::form_urlencoded::Serializer::new(String::new())
-        .append_pair("done", &said)
-        .finish();
-    let response = Redirect::to(&format!("/schedules?{q}")).into_response();
+    let response = match carry_out(&state, &who, &name, &action).await {
+        Ok(said) => {
+            let q = url::form_urlencoded::Serializer::new(String::new())
+                .append_pair("done", &said)
+                .finish();
+            Redirect::to(&format!("/schedules?{q}")).into_response()
+        }
+        Err(shown) => shown.into_response(),
+    };
+    // A failure lets the form key go, so the same form can be sent again.
     once.keep(&state, &response).await?;
     Ok(response)
 }
 
-/// A schedule error as the console shows it.
-fn shown(e: schedule::Error) -> Shown {
-    match e {
-        schedule::Error::NotFound(_) => Shown::not_found(e.to_string()),
-        schedule::Error::Invalid { .. } => Shown::bad_request(e.to_string()),
-        schedule::Error::Conflict(_) => Shown::new(axum::http::StatusCode::CONFLICT, "Conflict", e.to_string()),
-        schedule::Error::Store(s) => Shown::from(s),
-    }
+/// Does `action` and says what was done.
+async fn carry_out(
+    state: &ConsoleState,
+    who: &Decider,
+    name: &str,
+    action: &str,
+) -> Result<String, Shown> {
+    let engine = &state.engine;
+    Ok(match action {
+        "pause" => {
+            ops::set_paused(engine, name, true, who).await?;
+            format!("paused {name}")
+        }
+        "resume" => {
+            let row = ops::set_paused(engine, name, false, who).await?;
+            format!("resumed {name}; next tick {}", row.next_tick)
+        }
+        _ => {
+            let done = ops::trigger(engine, name, who).await?;
+            let run = done.started.first().or(done.existed.first());
+            format!("triggered {name}: {}", run.cloned().unwrap_or_default())
+        }
+    })
 }
