@@ -377,3 +377,51 @@ async fn bad_input_is_refused_naming_the_field_and_creates_nothing() {
     );
     assert_eq!(runs_of(&env, "ok").await.len(), 0, "nothing half-created");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_schedule_whose_input_the_workflow_now_refuses_fires_nothing_and_stops_no_other() {
+    let env = TestEnv::new().await;
+    assert!(env.command(&["migrate"]).output().unwrap().status.success());
+    for name in ["broken", "fine"] {
+        schedule(
+            &env,
+            &[
+                "create",
+                name,
+                "--workflow",
+                "chain",
+                "--every",
+                "1s",
+                "--input",
+                r#"{"steps": 1}"#,
+            ],
+        );
+    }
+    // A deploy whose workflow is stricter than the one the schedule was created against: its
+    // input is now refused. Before the scheduler runs, so no tick of it can start.
+    sqlx::query("UPDATE trailmark.schedules SET input = '{\"steps\": 0}' WHERE name = 'broken'")
+        .execute(&env.pool)
+        .await
+        .unwrap();
+    let _serve = env.spawn_process(None);
+    env.wait_until("three runs of the fine schedule", WAIT, || async {
+        runs_of(&env, "fine").await.len() >= 3
+    })
+    .await;
+    assert_eq!(
+        runs_of(&env, "broken").await.len(),
+        0,
+        "a refused input started a run"
+    );
+    let (started, next_tick_passed): (i64, bool) = sqlx::query_as(
+        "SELECT started, next_tick < now() FROM trailmark.schedules WHERE name = 'broken'",
+    )
+    .fetch_one(&env.pool)
+    .await
+    .unwrap();
+    assert_eq!(started, 0);
+    assert!(
+        next_tick_passed,
+        "the refused schedule is left due, not moved on"
+    );
+}

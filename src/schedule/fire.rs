@@ -4,11 +4,14 @@
 use chrono::{DateTime, Utc};
 use sqlx::PgConnection;
 
+use std::sync::Arc;
+
 use super::{Error, Overlap, Spec};
-use crate::domain::{RunId, RunStartEvent, RunStatus};
+use crate::domain::{RunId, RunStartEvent, RunStatus, StepAddress};
 use crate::engine::Engine;
 use crate::store::{runs, schedules};
 use crate::worker::run_start::{self, Created};
+use crate::workflow::Workflow;
 
 /// Most schedules one scan takes; the next scan takes the rest.
 const SCAN_LIMIT: i64 = 100;
@@ -34,19 +37,18 @@ pub async fn fire_due(engine: &Engine) -> Result<Fired, Error> {
     }
     let now = schedules::now(&mut *tx).await?;
     for row in due {
-        let spec = match Spec::from_row(&row) {
-            Ok(spec) => spec,
+        // A schedule this process cannot start (unreadable, its workflow not deployed here or
+        // refusing its input) is left due and the others fire: one bad schedule must not
+        // roll back every schedule's scan.
+        let starter = Spec::from_row(&row).and_then(|spec| Starter::of(engine, spec));
+        let starter = match starter {
+            Ok(starter) => starter,
             Err(e) => {
-                tracing::warn!(schedule = %row.name, error = %e, "schedule cannot be read; it fires nothing until it is recreated");
+                tracing::warn!(schedule = %row.name, error = %e, "schedule cannot start a run in this process; it is left due (another process may run its workflow)");
                 continue;
             }
         };
-        if engine.registry.get(&spec.workflow).is_none() {
-            // Left due for a process that runs the workflow (a rolling upgrade).
-            tracing::warn!(schedule = %row.name, workflow = %spec.workflow, "schedule's workflow is not deployed in this process; another process may fire it");
-            continue;
-        }
-        let one = fire_one(engine, &mut tx, &spec, &row, now).await?;
+        let one = fire_one(engine, &mut tx, &starter, &row, now).await?;
         fired.started += one.started;
         fired.skipped += one.skipped;
     }
@@ -63,21 +65,28 @@ pub async fn fire_due(engine: &Engine) -> Result<Fired, Error> {
 async fn fire_one(
     engine: &Engine,
     tx: &mut PgConnection,
-    spec: &Spec,
+    starter: &Starter,
     row: &schedules::ScheduleRow,
     now: DateTime<Utc>,
 ) -> Result<Fired, Error> {
+    let spec = &starter.spec;
     let mut fired = Fired::default();
-    let mut last: Option<(DateTime<Utc>, RunId)> = None;
-    let mut busy = match &row.last_run_id {
-        Some(id) => unfinished(tx, id).await?,
+    let mut last = None;
+    let mut busy = match row.last_tick {
+        Some(tick) => unfinished(tx, &spec.run_of(tick)).await?,
         None => false,
     };
     let mut buffered = row.buffered_tick;
+    let start = async |tx: &mut PgConnection, tick: DateTime<Utc>, fired: &mut Fired| {
+        // A run a backfill or an earlier scan made already is not counted again.
+        if starter.start(engine, tx, spec.run_of(tick)).await? {
+            fired.started += 1;
+        }
+        Ok::<_, Error>(Some(tick))
+    };
     if let Some(tick) = buffered.filter(|_| !busy) {
-        start(engine, tx, spec, tick).await?;
-        (buffered, busy, last) = (None, true, Some((tick, spec.run_of(tick))));
-        fired.started += 1;
+        last = start(tx, tick, &mut fired).await?;
+        (buffered, busy) = (None, true);
     }
     let oldest = now - chrono::Duration::from_std(spec.catch_up).unwrap_or_default();
     let mut next = Some(row.next_tick);
@@ -96,12 +105,15 @@ async fn fire_one(
                 _ => false,
             };
         if runs_now {
-            start(engine, tx, spec, tick).await?;
-            (busy, last) = (true, Some((tick, spec.run_of(tick))));
-            fired.started += 1;
+            last = start(tx, tick, &mut fired).await?;
+            busy = true;
         } else if buffered != Some(tick) {
             fired.skipped += 1;
         }
+    }
+    // Held behind a busy run with no tick due: nothing changed, nothing to write.
+    if looked == 0 && buffered == row.buffered_tick {
+        return Ok(fired);
     }
     // A cron expression with no further tick (a year field in the past) parks the schedule far
     // ahead rather than firing again.
@@ -112,7 +124,7 @@ async fn fire_one(
             name: &spec.name,
             next_tick,
             buffered_tick: buffered,
-            last: last.as_ref().map(|(t, id)| (*t, id.as_str())),
+            last_tick: last,
             started: fired.started.into(),
             skipped: fired.skipped.into(),
         },
@@ -122,37 +134,54 @@ async fn fire_one(
 }
 
 /// Whether the run has not ended (a run waiting for a person or in review has not).
-async fn unfinished(tx: &mut PgConnection, run_id: &str) -> Result<bool, Error> {
-    Ok(runs::get(&mut *tx, run_id)
+async fn unfinished(tx: &mut PgConnection, run_id: &RunId) -> Result<bool, Error> {
+    Ok(runs::standing(&mut *tx, run_id)
         .await?
-        .is_some_and(|r| !r.status.is_terminal() && r.status != RunStatus::Shadowed))
+        .is_some_and(|(status, _)| !status.is_terminal() && status != RunStatus::Shadowed))
 }
 
-/// Creates the tick's run (nothing when it exists: a backfill or a trigger made it already).
-pub(super) async fn start(
-    engine: &Engine,
-    tx: &mut PgConnection,
-    spec: &Spec,
-    tick: DateTime<Utc>,
-) -> Result<bool, Error> {
-    create(engine, tx, spec, spec.run_of(tick)).await
+/// What starts a schedule's runs: its workflow, accepting its input, and the first step,
+/// checked once per schedule rather than per tick.
+pub(super) struct Starter {
+    spec: Spec,
+    workflow: Arc<Workflow>,
+    first: StepAddress,
 }
 
-/// Creates a run of the schedule under `run_id`; `false` when it exists.
-pub(super) async fn create(
-    engine: &Engine,
-    tx: &mut PgConnection,
-    spec: &Spec,
-    run_id: RunId,
-) -> Result<bool, Error> {
-    let workflow = engine
-        .registry
-        .accepting(&spec.workflow, &spec.input)
-        .map_err(|refused| super::invalid("workflow", refused.to_string()))?;
-    let Some(first) = workflow.first_step() else {
-        return Err(super::invalid("workflow", "it has no steps"));
-    };
-    let event = RunStartEvent::new(run_id, spec.workflow.clone(), spec.input.clone());
-    let created = run_start::create(tx, &engine.topology, &workflow, &first, &event, |_| {}).await?;
-    Ok(matches!(created, Created::New { .. }))
+impl Starter {
+    /// The schedule's starter, or why this process cannot start its runs.
+    pub(super) fn of(engine: &Engine, spec: Spec) -> Result<Self, Error> {
+        let workflow = engine
+            .registry
+            .accepting(&spec.workflow, &spec.input)
+            .map_err(|refused| super::invalid("workflow", refused.to_string()))?;
+        let first = workflow
+            .first_step()
+            .ok_or_else(|| super::invalid("workflow", "it has no steps"))?;
+        Ok(Self {
+            spec,
+            workflow,
+            first,
+        })
+    }
+
+    /// The schedule.
+    pub(super) fn spec(&self) -> &Spec {
+        &self.spec
+    }
+
+    /// Creates a run of the schedule under `run_id` (through the one run-creation path);
+    /// `false` when it exists (a backfill, a trigger or an earlier scan made it).
+    pub(super) async fn start(
+        &self,
+        engine: &Engine,
+        tx: &mut PgConnection,
+        run_id: RunId,
+    ) -> Result<bool, Error> {
+        let event = RunStartEvent::new(run_id, self.spec.workflow.clone(), self.spec.input.clone());
+        let created =
+            run_start::create(tx, &engine.topology, &self.workflow, &self.first, &event, |_| {})
+                .await?;
+        Ok(matches!(created, Created::New { .. }))
+    }
 }

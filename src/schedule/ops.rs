@@ -187,15 +187,9 @@ pub async fn set_paused(
 /// run id `<name>:<now>`.
 pub async fn trigger(engine: &Engine, name: &str, who: &Decider) -> Result<Started, Error> {
     let mut tx = engine.pool.begin().await?;
-    let row = locked(&mut tx, name).await?;
-    let spec = Spec::from_row(&row)?;
+    let starter = starter(engine, &mut tx, name).await?;
     let now = schedules::now(&mut *tx).await?;
-    let id = run_id(name, now);
-    let mut done = Started::default();
-    match fire::create(engine, &mut tx, &spec, id.clone()).await? {
-        true => done.started.push(id.to_string()),
-        false => done.existed.push(id.to_string()),
-    }
+    let done = start_all(engine, &mut tx, &starter, vec![run_id(name, now)]).await?;
     audited(&mut tx, who, "schedule.trigger", name, json!(done)).await?;
     tx.commit().await?;
     Ok(done)
@@ -211,8 +205,8 @@ pub async fn backfill(
     who: &Decider,
 ) -> Result<Started, Error> {
     let mut tx = engine.pool.begin().await?;
-    let row = locked(&mut tx, name).await?;
-    let spec = Spec::from_row(&row)?;
+    let starter = starter(engine, &mut tx, name).await?;
+    let spec = starter.spec();
     let now = schedules::now(&mut *tx).await?;
     if to > now {
         return Err(invalid("to", format!("{to} is in the future; a backfill starts ticks that have passed (now is {now})")));
@@ -230,14 +224,8 @@ pub async fn backfill(
             format!("the range holds more than {MAX_BACKFILL_TICKS} ticks; backfill it in parts"),
         ));
     }
-    let mut done = Started::default();
-    for tick in ticks {
-        let id = spec.run_of(tick).to_string();
-        match fire::start(engine, &mut tx, &spec, tick).await? {
-            true => done.started.push(id),
-            false => done.existed.push(id),
-        }
-    }
+    let ids = ticks.into_iter().map(|t| spec.run_of(t)).collect();
+    let done = start_all(engine, &mut tx, &starter, ids).await?;
     let details = json!({ "from": from, "to": to, "started": done.started.len(), "existed": done.existed.len() });
     audited(&mut tx, who, "schedule.backfill", name, details).await?;
     tx.commit().await?;
@@ -271,6 +259,34 @@ fn check_input(engine: &Engine, name: &str, workflow: &str, input: &Value) -> Re
         },
     )?;
     Ok(())
+}
+
+/// The locked schedule's starter: its runs can be started from this process.
+async fn starter(
+    engine: &Engine,
+    tx: &mut sqlx::PgConnection,
+    name: &str,
+) -> Result<fire::Starter, Error> {
+    let row = locked(tx, name).await?;
+    fire::Starter::of(engine, Spec::from_row(&row)?)
+}
+
+/// Starts a run under each id that has none.
+async fn start_all(
+    engine: &Engine,
+    tx: &mut sqlx::PgConnection,
+    starter: &fire::Starter,
+    ids: Vec<crate::domain::RunId>,
+) -> Result<Started, Error> {
+    let mut done = Started::default();
+    for id in ids {
+        let shown = id.to_string();
+        match starter.start(engine, tx, id).await? {
+            true => done.started.push(shown),
+            false => done.existed.push(shown),
+        }
+    }
+    Ok(done)
 }
 
 async fn locked(tx: &mut sqlx::PgConnection, name: &str) -> Result<ScheduleRow, Error> {

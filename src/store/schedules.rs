@@ -34,10 +34,8 @@ pub struct ScheduleRow {
     pub next_tick: DateTime<Utc>,
     /// A tick held back by `buffer-one` until the previous run ends.
     pub buffered_tick: Option<DateTime<Utc>>,
-    /// The newest tick that started a run.
+    /// The newest tick that started a run (its run is `<name>:<tick>`).
     pub last_tick: Option<DateTime<Utc>>,
-    /// That run.
-    pub last_run_id: Option<String>,
     /// Runs started by ticks.
     pub started: i64,
     /// Ticks that started nothing (overlap or missed beyond the catch-up window).
@@ -53,7 +51,7 @@ macro_rules! select {
     ($rest:literal) => {
         concat!(
             "SELECT name, workflow, input, cron, tz, every_secs, overlap, catch_up_secs, paused,
-                    next_tick, buffered_tick, last_tick, last_run_id, started, skipped, created_at,
+                    next_tick, buffered_tick, last_tick, started, skipped, created_at,
                     updated_at
                FROM trailmark.schedules ",
             $rest
@@ -142,8 +140,8 @@ pub struct Advanced<'a> {
     pub next_tick: DateTime<Utc>,
     /// A tick held back, if any.
     pub buffered_tick: Option<DateTime<Utc>>,
-    /// The newest tick that started a run, and the run.
-    pub last: Option<(DateTime<Utc>, &'a str)>,
+    /// The newest tick that started a run, if this scan started one.
+    pub last_tick: Option<DateTime<Utc>>,
     /// Runs started by this scan.
     pub started: i64,
     /// Ticks this scan skipped.
@@ -155,15 +153,14 @@ pub async fn advance(db: impl PgExecutor<'_>, a: &Advanced<'_>) -> Result<()> {
     sqlx::query(
         "UPDATE trailmark.schedules
             SET next_tick = $2, buffered_tick = $3,
-                last_tick = COALESCE($4, last_tick), last_run_id = COALESCE($5, last_run_id),
-                started = started + $6, skipped = skipped + $7, updated_at = now()
+                last_tick = COALESCE($4, last_tick),
+                started = started + $5, skipped = skipped + $6, updated_at = now()
           WHERE name = $1",
     )
     .bind(a.name)
     .bind(a.next_tick)
     .bind(a.buffered_tick)
-    .bind(a.last.map(|l| l.0))
-    .bind(a.last.map(|l| l.1))
+    .bind(a.last_tick)
     .bind(a.started)
     .bind(a.skipped)
     .execute(db)
