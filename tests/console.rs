@@ -1,7 +1,8 @@
 //! The ops console in a real browser (headless Chromium through WebDriver) against trailmark on
 //! the real servers: a run stopped for review found, read and resumed; a dead letter revealed,
 //! fixed and requeued; what each role may see and send; the scoped undo of one supplier previewed
-//! exactly and then done; a run of 10,000 positions opened a page at a time.
+//! exactly and then done; a run of 10,000 positions opened a page at a time; a run waiting for
+//! an event shown waiting, then with the event it received; a schedule paused, resumed, triggered.
 
 mod common;
 mod console_support;
@@ -490,5 +491,65 @@ async fn an_operator_pauses_resumes_and_triggers_a_schedule_from_the_console() {
             .await
             .unwrap();
     assert_eq!(triggered, 1, "one run triggered");
+    running.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_waiting_for_an_event_shows_what_it_waits_for_then_the_event_it_received() {
+    let env = common::TestEnv::new().await;
+    let tokens = Tokens::new();
+    let (base, running) = serve(&env, &tokens, registry_with(vec![])).await;
+    let input = json!({"steps": 3, "wait": {"at": 1, "event": "go", "timeout_secs": 3600}});
+    env.start_run("chain", "r-event", input).await;
+    env.wait_status("r-event", RunStatus::Waiting, WAIT).await;
+
+    let env = &env;
+    Browser::open(&base, "waits")
+        .await
+        .run(|b| async move {
+            b.login(&tokens.operator).await;
+            b.goto("/runs/r-event").await;
+            let row = b.text("#waits + table tbody tr").await;
+            assert!(
+                row.contains("event go (key r-event)") && row.contains("waiting now"),
+                "{row}"
+            );
+            // Waiting for an event is not waiting for a person: no approve to be refused.
+            let moves_on = b.text("#moves-on").await;
+            assert!(
+                moves_on.contains("trailmark event send go --key r-event"),
+                "{moves_on}"
+            );
+            assert!(b.all("form[data-action=approve]").await.is_empty());
+
+            let out = env
+                .command(&[
+                    "event",
+                    "send",
+                    "go",
+                    "--key",
+                    "r-event",
+                    "--id",
+                    "ev-1",
+                    "--payload",
+                    r#"{"reply": "yes"}"#,
+                ])
+                .output()
+                .unwrap();
+            assert!(out.status.success(), "{:?}", common::text(&out));
+            b.wait_text("#live-status", "succeeded").await;
+            b.goto("/runs/r-event").await;
+            let row = b.text("#waits + table tbody tr").await;
+            assert!(
+                row.contains(r#"ev-1: {"reply":"yes"}"#) && !row.contains("waiting now"),
+                "{row}"
+            );
+        })
+        .await;
+    assert_eq!(
+        env.chain_ledger("r-event").await,
+        (3, 3),
+        "ledger rows, distinct keys"
+    );
     running.stop().await;
 }

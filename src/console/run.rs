@@ -270,7 +270,14 @@ fn decisions(me: &Person, o: &Overview) -> Markup {
                     p.muted { "Resets the step's attempts; continues on the version deployed now." }
                 }, false))
             }
-            @if s == RunStatus::Waiting {
+            // A run waiting for an event or a time is not waiting for a person: approve and
+            // reject would be refused, so the page says what moves it on instead.
+            @if let Some(w) = o.around.waits.last().filter(|w| s == RunStatus::Waiting && w.resolved_at.is_none()) {
+                p.muted #moves-on { @match (&w.event_name, &w.match_key) {
+                    (Some(name), Some(key)) => { "It goes on when event " (name) " with key " (key) " arrives (trailmark event send " (name) " --key " (key) "); it times out at " (time(w.until)) "." },
+                    _ => { "It wakes by itself at " (time(w.until)) "." },
+                } }
+            } @else if s == RunStatus::Waiting {
                 (form("approve", "Approve", html! {}, false))
                 (form("reject", "Reject", html! {}, true))
             }
@@ -345,7 +352,8 @@ impl<'a> Live<'a> {
 
 fn live_part(l: &Live) -> Markup {
     let (r, attempts) = (l.run, l.attempts);
-    let moving = r.status.accepts_steps();
+    // A waiting run moves by itself too (an event, its timer, another person's decision).
+    let moving = r.status.accepts_steps() || r.status == RunStatus::Waiting;
     let shown = l.progress.len().saturating_sub(PROGRESS_SHOWN);
     let lines = &l.progress[shown..];
     html! {
@@ -406,7 +414,7 @@ pub async fn live(
     Path(run_id): Path<String>,
     Query(q): Query<LiveQuery>,
 ) -> Result<Response, Shown> {
-    // Polled every 2 s by every open page of a moving run: three indexed reads, not the page's.
+    // Polled every 2 s by every open page of a moving or waiting run: three indexed reads, not the page's.
     let pool = &state.engine.pool;
     let Some(run) = runs::get(pool, &run_id).await? else {
         return Err(Shown::not_found(format!("run {run_id} not found")));
