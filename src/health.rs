@@ -24,9 +24,17 @@ pub enum Loop {
     Supervisor,
     /// The supervisor's timer loop (wake-ups and event timeouts of waiting runs).
     Timers,
+    /// The pruner (retention), beside the supervisor.
+    Pruner,
 }
 
-const LOOPS: [Loop; 4] = [Loop::Worker, Loop::Relay, Loop::Supervisor, Loop::Timers];
+const LOOPS: [Loop; 5] = [
+    Loop::Worker,
+    Loop::Relay,
+    Loop::Supervisor,
+    Loop::Timers,
+    Loop::Pruner,
+];
 
 /// A loop that has not come round for this long is stuck.
 const STUCK_AFTER: Duration = Duration::from_secs(60);
@@ -37,8 +45,8 @@ const SCHEMA_CHECK_FRESH: Duration = Duration::from_secs(1);
 /// The process's health, updated by its loops and read by the health endpoints.
 #[derive(Debug, Default)]
 pub struct Health {
-    running: [AtomicBool; 4],
-    beats: [AtomicU64; 4],
+    running: [AtomicBool; 5],
+    beats: [AtomicU64; 5],
     consuming: AtomicBool,
     /// Why the worker's last broker session ended, until it consumes again.
     broker_problem: std::sync::Mutex<Option<String>>,
@@ -186,6 +194,7 @@ fn name(l: Loop) -> &'static str {
         Loop::Relay => "relay",
         Loop::Supervisor => "supervisor",
             Loop::Timers => "timers",
+        Loop::Pruner => "pruner",
     }
 }
 

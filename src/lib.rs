@@ -25,6 +25,7 @@
 //! | `workflow` | the API for writing workflows: steps, kinds, context, next-step choice |
 //! | `worker` | delivery -> dedup -> lease -> handler -> one commit -> ack; owns the step transaction |
 //! | `relay` | outbox -> RabbitMQ with publisher confirms |
+//! | `retention` | finished runs removed after their keep time (archived first), tombstones, aged inbox ids and audit rows; `trailmark prune` |
 //! | `supervisor` | expired leases -> the step re-queued through the outbox; late decisions escalated |
 //! | `wait` | runs that wait for an event or sleep: events sent to them, the wait's registration, the timer loop |
 //! | `process` | the components one process runs (`serve`) and how they stop |
@@ -99,6 +100,7 @@ inner! {
     reaction;
     redact;
     relay;
+    retention;
     schedule;
     seams;
     startup;

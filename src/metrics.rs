@@ -56,6 +56,13 @@ pub const WAITS_OPEN: &str = "trailmark_waits_open";
 pub const EVENTS_RECEIVED: &str = "trailmark_events_received_total";
 /// Events that expired without a wait taking them.
 pub const EVENTS_EXPIRED: &str = "trailmark_events_expired_total";
+/// Rows removed by retention, by what: `runs`, `steps`, `journal`, `effects`, `other` (the
+/// rest of a run's rows), `tombstones`, `inbox`, `audit`.
+pub const PRUNED: &str = "trailmark_pruned_rows_total";
+/// Runs written to the archive directory before their removal.
+pub const ARCHIVED: &str = "trailmark_runs_archived_total";
+/// When the last prune pass of this process ended without an error (gauge, Unix seconds).
+pub const PRUNE_LAST: &str = "trailmark_prune_last_success_timestamp_seconds";
 /// Waiting runs moved on, by what moved them: `event`, `woke` (a sleep ended), `timeout`.
 pub const WAITS_ENDED: &str = "trailmark_waits_ended_total";
 /// How late a due wait (a wake-up or an event timeout) was moved on after its time (histogram,
@@ -165,6 +172,30 @@ pub fn wait_ended(by: &'static str, late_secs: Option<f64>) {
     if let Some(late) = late_secs {
         histogram!(WAKE_LAG).record(late.max(0.0));
     }
+}
+
+/// A batch of runs removed (and how many of them archived).
+pub fn pruned(r: &store::retention::Removed, archived: u64) {
+    for (what, n) in [
+        ("runs", r.runs),
+        ("steps", r.steps),
+        ("journal", r.journal),
+        ("effects", r.effects),
+        ("other", r.other),
+    ] {
+        counter!(PRUNED, "what" => what).increment(n.max(0) as u64);
+    }
+    counter!(ARCHIVED).increment(archived);
+}
+
+/// Rows of `what` aged out.
+pub fn aged_out(what: &'static str, n: i64) {
+    counter!(PRUNED, "what" => what).increment(n.max(0) as u64);
+}
+
+/// A prune pass ended without an error.
+pub fn prune_finished() {
+    gauge!(PRUNE_LAST).set(chrono::Utc::now().timestamp() as f64);
 }
 
 /// Sets whether `tool`'s breaker is open.

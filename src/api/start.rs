@@ -167,7 +167,8 @@ fn checked(state: &AppState, b: StartBody) -> Result<(RunStartEvent, Arc<Workflo
         (status = 201, description = "the run was made (status running; its first step is queued)", body = StartedRun,
             headers(("location" = String, description = "the run's path"))),
         (status = 200, description = "the run existed, started with this workflow and input: nothing new was started", body = StartedRun),
-        (status = 409, description = "run_conflict: a run with this id exists with another workflow or input; it was not changed", body = ErrorBody),
+        (status = 409, description = "run_conflict: a run with this id exists (or existed and was removed by retention) with another workflow or input; it was not changed", body = ErrorBody),
+        (status = 410, description = "run_pruned: the run existed with this workflow and input, finished and was removed by retention; nothing was started", body = ErrorBody),
         (status = 413, description = "oversized: the run-start event would be over worker.max_message_bytes (pass large inputs by reference)", body = ErrorBody),
         (status = 422, description = "unknown_workflow: no such workflow here; bad_input: the workflow's input check refused the input", body = ErrorBody),
         (status = 503, description = "Postgres is unreachable; try again (the same body is safe to send again)", body = ErrorBody),
@@ -201,6 +202,10 @@ pub async fn start(
             tx.rollback().await.map_err(store::Error::from)?;
             return again(&event, None);
         }
+        Created::Pruned(gone) => {
+            tx.rollback().await.map_err(store::Error::from)?;
+            return Err(pruned(&event, &gone));
+        }
     }
     audited(&mut tx, &caller.decider(&reason), &event, &workflow).await?;
     let run = runs::get(&mut *tx, event.run_id.as_str())
@@ -230,6 +235,26 @@ fn again(event: &RunStartEvent, existing: Option<runs::RunRow>) -> Result<Respon
             event.run_id
         ))),
     }
+}
+
+/// A start of a run that finished and was removed by retention: nothing starts, whether it
+/// repeats the start (`run_pruned`) or asks for something else (`run_conflict`).
+fn pruned(event: &RunStartEvent, gone: &crate::store::retention::Tombstone) -> ApiError {
+    let what = format!(
+        "run {} ran workflow {} (it ended {} and was removed by retention at {})",
+        event.run_id, gone.workflow, gone.status, gone.pruned_at
+    );
+    if gone.same {
+        return ApiError::new(
+            StatusCode::GONE,
+            "run_pruned",
+            format!("{what}; this start repeats it, so nothing was started. Its archive, if any, is named by `trailmark prune` and the log"),
+        );
+    }
+    ApiError::new(StatusCode::CONFLICT, "run_conflict", format!(
+        "{what}; this start asks for workflow {} with other input, so nothing was started. Start the new work under another run id",
+        event.workflow
+    ))
 }
 
 /// The start's audit row, in the start's transaction.

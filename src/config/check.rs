@@ -16,7 +16,8 @@ pub(super) fn known_keys(built: &config::Config, file: Option<&str>) -> Result<(
         .try_deserialize::<Value>()
         .map_err(|e| Error(e.to_string()))?;
     for key in keys_of(&given) {
-        if known.contains(&key) {
+        // Keep times of single workflows are keyed by workflow name.
+        if known.contains(&key) || key.starts_with("retention.workflows.") {
             continue;
         }
         let env_name = env_name(&key);
@@ -87,7 +88,7 @@ fn distance(a: &str, b: &str) -> usize {
 }
 
 /// The whole-number settings and their ranges (inclusive).
-const LIMITS: [(&str, i128, i128); 33] = [
+const LIMITS: [(&str, i128, i128); 39] = [
     ("database.max_connections", 1, 10_000),
     ("database.connect_timeout_ms", 1, 3_600_000),
     ("broker.delivery_limit", 1, 1_000_000),
@@ -114,6 +115,12 @@ const LIMITS: [(&str, i128, i128); 33] = [
     ("waits.max_secs", 1, 315_360_000),
     ("waits.event_keep_secs", 1, 315_360_000),
     ("waits.event_retention_secs", 0, 315_360_000),
+    ("retention.keep_secs", 0, 315_360_000),
+    ("retention.tombstone_secs", 3_600, 315_360_000),
+    ("retention.inbox_secs", 3_600, 315_360_000),
+    ("retention.audit_secs", 0, 315_360_000),
+    ("retention.interval_secs", 1, 86_400),
+    ("retention.batch", 1, 10_000),
     ("guards.breaker_open_secs", 1, 86_400),
     ("guards.repeat_limit", 0, 1_000_000),
     ("model.timeout_ms", 1, 3_600_000),
@@ -160,6 +167,13 @@ pub(super) fn ranges(s: &Settings) -> Result<(), Error> {
             "worker.heartbeat_secs ({}) must be below worker.lease_secs ({}), or the lease expires between heartbeats",
             w.heartbeat_secs, w.lease_secs
         )));
+    }
+    for (workflow, secs) in &s.retention.workflows {
+        if *secs > 315_360_000 {
+            return Err(Error(format!(
+                "retention.workflows.{workflow} is {secs}; it must be from 0 (keep for ever) to 315360000 (ten years) (see config/default.toml)"
+            )));
+        }
     }
     super::tokens::parse_tokens(&s.api.tokens).map_err(Error)?;
     database_scheme(&s.database.url)?;

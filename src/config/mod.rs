@@ -43,6 +43,8 @@ pub struct Settings {
     pub supervisor: SupervisorSettings,
     /// Runs waiting for events or sleeping: timers, limits, how long events are kept.
     pub waits: WaitSettings,
+    /// How long finished runs, tombstones, inbox ids and audit rows are kept; archival.
+    pub retention: RetentionSettings,
     /// How a long-running process starts and stops.
     pub process: ProcessSettings,
     /// The HTTP API, health endpoints and metrics.
@@ -208,6 +210,31 @@ pub struct WaitSettings {
     /// How long an event that expired without a wait taking it stays in sight (and its id
     /// refuses a repeat), in seconds, before it is removed.
     pub event_retention_secs: u64,
+}
+
+/// What is removed, and when (`docs/OPERATIONS.md`, "Retention"). Every keep time is in seconds;
+/// 0 keeps for ever.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct RetentionSettings {
+    /// How long a finished run (succeeded, failed, compensated, cancelled, shadowed) is kept
+    /// after it finished, for workflows without a keep time of their own. 0: for ever.
+    pub keep_secs: u64,
+    /// Keep times of single workflows, by name (`chain = 86400`); 0 keeps that one for ever.
+    #[serde(default)]
+    pub workflows: std::collections::BTreeMap<String, u64>,
+    /// A directory each run is exported to (the `trailmark run export` format) before it is
+    /// removed; empty: runs are removed without an archive.
+    pub archive_dir: String,
+    /// How long a removed run's tombstone keeps a late start of its id from starting it again.
+    pub tombstone_secs: u64,
+    /// How long a processed message id is kept in the inbox (the dedup window).
+    pub inbox_secs: u64,
+    /// How long audit rows are kept.
+    pub audit_secs: u64,
+    /// How often the pruner looks for what to remove.
+    pub interval_secs: u64,
+    /// Most runs (or rows, for the inbox and the audit trail) one transaction removes.
+    pub batch: u64,
 }
 
 /// How a long-running process (`serve`, `worker`, `relay`, `supervisor`, `api`) starts and stops.

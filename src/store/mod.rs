@@ -16,6 +16,7 @@ pub mod outbox;
 pub mod parked;
 pub mod progress;
 pub mod records;
+pub mod retention;
 pub mod runs;
 pub mod schedules;
 pub mod shadow;

@@ -18,7 +18,7 @@ use crate::domain::{MessageId, OutgoingMessage, RunStartEvent, StepAddress, requ
 use crate::engine::{Engine, Stats};
 use crate::store::inbox::{self, Recorded};
 use crate::broker::{Outgoing, Topology};
-use crate::store::{self, outbox, runs};
+use crate::store::{retention, self, outbox, runs};
 use crate::workflow::{Registry, StartRefused, Workflow};
 
 /// The run-start message for `event`, when a worker here would start the run: its workflow is
@@ -104,6 +104,10 @@ pub(super) async fn process(
                 },
             );
         }
+        Created::Pruned(gone) => {
+            tx.rollback().await?;
+            return Ok(pruned(event, &gone));
+        }
         // Removed between the insert and the read: the redelivery starts it.
         Created::Vanished => {
             tx.rollback().await?;
@@ -132,6 +136,9 @@ pub(crate) enum Created {
     Exists(Box<runs::RunRow>),
     /// A run had the id at the insert and was gone at the read (removed meanwhile).
     Vanished,
+    /// A run had the id, finished, and was removed by retention: its tombstone, compared with
+    /// this start.
+    Pruned(retention::Tombstone),
 }
 
 /// Creates the run of `event` with its first step queued in the outbox, in `tx`, unless a run
@@ -153,10 +160,12 @@ pub(crate) async fn create(
         input: &event.input,
     };
     if !runs::insert(&mut *tx, &new).await? {
-        return Ok(match runs::get(&mut *tx, event.run_id.as_str()).await? {
-            Some(run) => Created::Exists(Box::new(run)),
-            None => Created::Vanished,
-        });
+        let id = event.run_id.as_str();
+        if let Some(run) = runs::get(&mut *tx, id).await? {
+            return Ok(Created::Exists(Box::new(run)));
+        }
+        let tombstone = retention::tombstone(&mut *tx, id, &event.workflow, &event.input).await?;
+        return Ok(tombstone.map_or(Created::Vanished, Created::Pruned));
     }
     let mut message =
         topology.step_message(&event.run_id, &workflow.name, workflow.version, first, 0);
@@ -179,6 +188,26 @@ fn conflict(event: &RunStartEvent, run: &runs::RunRow) -> Disposition {
             (h::STORED_INPUT_HASH.to_owned(), stored),
             (h::EVENT_INPUT_HASH.to_owned(), new),
         ]),
+    }
+}
+
+/// A start of a run that finished and was removed: a repeat is dropped, another workflow or
+/// input is a conflict, as if the run were still there.
+fn pruned(event: &RunStartEvent, gone: &retention::Tombstone) -> Disposition {
+    if gone.same {
+        return Disposition::Duplicate(
+            "the run ran with the same workflow and input and was removed by retention (its tombstone stands)",
+        );
+    }
+    let new = request_hash(&event.input);
+    tracing::warn!(event_input = %new, "a start of a removed run's id with another workflow or input; dead-lettered as run_conflict");
+    Disposition::DeadLetter {
+        reason: "run_conflict",
+        detail: format!(
+            "run {} ran workflow {} (it ended {} and was removed by retention at {}); this event asks for workflow {} with input {new}, not what it ran. Start the new work under another run id",
+            event.run_id, gone.workflow, gone.status, gone.pruned_at, event.workflow
+        ),
+        evidence: BTreeMap::from([(h::EVENT_INPUT_HASH.to_owned(), new)]),
     }
 }
 

@@ -367,6 +367,7 @@ async fn claim(
         };
         match (why, pauses.next()) {
             (runs::Refusal::Busy, Some(ms)) => tokio::time::sleep(Duration::from_millis(*ms)).await,
+            (runs::Refusal::UnknownRun, _) => return Ok(Err(no_run(engine, &msg.run_id).await?)),
             (why, _) => return Ok(Err(not_claimed(engine, msg, why))),
         }
     }
@@ -375,10 +376,7 @@ async fn claim(
 /// What becomes of a delivery whose claim was refused.
 fn not_claimed(engine: &Engine, msg: &StepMessage, why: runs::Refusal) -> Disposition {
     match why {
-        runs::Refusal::UnknownRun => dead(
-            "unknown_run",
-            format!("run {} does not exist in this database", msg.run_id),
-        ),
+        runs::Refusal::UnknownRun => unknown_run(&msg.run_id),
         runs::Refusal::Status(status) => Disposition::Stale(format!("run is {status}")),
         runs::Refusal::Position(seq) => Disposition::Stale(format!(
             "run is at position {seq}, message is for {}",
@@ -389,6 +387,24 @@ fn not_claimed(engine: &Engine, msg: &StepMessage, why: runs::Refusal) -> Dispos
             Disposition::Delay(Duration::from_millis(engine.settings.worker.busy_retry_ms))
         }
     }
+}
+
+/// A step of a run that is not in the database: stale when the run finished and was removed
+/// by retention (its tombstone stands), else dead-lettered as `unknown_run`.
+pub(super) async fn no_run(engine: &Engine, run_id: &crate::domain::RunId) -> store::Result<Disposition> {
+    Ok(
+        match store::retention::gone(&engine.pool, run_id.as_str()).await? {
+            Some(g) => Disposition::Stale(format!("run {}, then removed by retention", g.status)),
+            None => unknown_run(run_id),
+        },
+    )
+}
+
+fn unknown_run(run_id: &crate::domain::RunId) -> Disposition {
+    dead(
+        "unknown_run",
+        format!("run {run_id} does not exist in this database"),
+    )
 }
 
 /// Evidence of doubt before a frozen step: parked items and effects of unknown outcome, unless a

@@ -67,12 +67,7 @@ pub(super) async fn process(
     waited: Option<Waited>,
 ) -> store::Result<Disposition> {
     match runs::standing(&engine.pool, &msg.run_id).await? {
-        None => {
-            return Ok(dead(
-                "unknown_run",
-                format!("run {} does not exist in this database", msg.run_id),
-            ));
-        }
+        None => return super::step::no_run(engine, &msg.run_id).await,
         Some((status, _)) if !status.accepts_steps() => {
             return Ok(Disposition::Stale(format!("run is {status}")));
         }

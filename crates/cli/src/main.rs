@@ -76,6 +76,9 @@ enum Command {
         #[command(subcommand)]
         command: cli::dlq::DlqCommand,
     },
+    /// Remove finished runs past their keep time (archived first when retention.archive_dir
+    /// is set), and aged tombstones, inbox ids and audit rows: what the background pruner does.
+    Prune(cli::prune::PruneArgs),
     /// Start runs on a cadence: create, list, show, pause, resume, trigger, backfill, delete.
     Schedule {
         #[command(subcommand)]
@@ -181,6 +184,7 @@ async fn dispatch(cli: Cli) -> anyhow::Result<()> {
         }
         Command::Dlq { command } => cli::dlq::run(&settings, command).await,
         Command::Schedule { command } => cli::schedule::run(settings, registry, command).await,
+        Command::Prune(args) => cli::prune::prune(settings, registry, args).await,
         Command::Bench(args) => cli::bench::run(&settings, args).await,
         Command::Drill(args) => cli::drill::run(&settings, registry, *args).await,
         Command::ModelServer { .. } | Command::Token { .. } => unreachable!("handled above"),

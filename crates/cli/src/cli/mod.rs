@@ -10,6 +10,7 @@ pub mod drill;
 pub mod event;
 pub mod fork;
 pub mod migrate;
+pub mod prune;
 pub mod run;
 pub mod runs;
 pub mod schedule;

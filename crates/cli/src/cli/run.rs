@@ -157,11 +157,28 @@ async fn wait_for_run(
 /// What `run show` and `run watch` say of a run id no run has: where to look, and what the start
 /// queue holds.
 pub async fn not_found(settings: &Settings, run_id: &str) -> String {
+    if let Some(gone) = removed(settings, run_id).await {
+        return gone;
+    }
     let note = waiting_start(settings)
         .await
         .map(|n| format!("; {n}"))
         .unwrap_or_default();
     format!("run {run_id} not found: list runs with `trailmark run list`{note}")
+}
+
+/// What retention left of a removed run (its tombstone), in words.
+async fn removed(settings: &Settings, run_id: &str) -> Option<String> {
+    let pool = store::connect(&settings.database).await.ok()?;
+    let g = store::retention::gone(&pool, run_id).await.ok()??;
+    let archive = match g.archived_to {
+        Some(path) => format!("its archive is {path}"),
+        None => "no archive was written (retention.archive_dir was empty)".into(),
+    };
+    Some(format!(
+        "run {run_id} {} and was removed by retention at {}; {archive}",
+        g.status, g.pruned_at
+    ))
 }
 
 /// What the start queue says about a run that does not exist yet: events waiting, and whether

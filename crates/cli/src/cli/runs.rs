@@ -20,6 +20,12 @@ pub enum RunCommand {
         #[arg(long)]
         json: bool,
     },
+    /// Print the run's whole record as JSON (`trailmark.run.v1`, the archive's format): the
+    /// run, its steps, journal, outside writes, decisions, waits and events received.
+    Export {
+        /// Run id.
+        run_id: String,
+    },
     /// Follow a run: its step and attempt, its progress lines and status changes, until it
     /// ends (exit 0 when it succeeded, 1 when it failed, was cancelled or needs review).
     Watch {
@@ -143,6 +149,7 @@ pub async fn dispatch(
     match command {
         RunCommand::Start(args) => super::run::start(&settings, &registry, args).await,
         RunCommand::Show { run_id, json } => super::run::show(&settings, &run_id, json).await,
+        RunCommand::Export { run_id } => super::prune::export(&settings, &run_id).await,
         RunCommand::Watch { run_id, wait_secs } => {
             let pool = trailmark::store::connect(&settings.database).await?;
             // Said at once, not after the wait: a mistyped id should not look like a quiet run.
