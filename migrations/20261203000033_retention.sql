@@ -34,8 +34,9 @@ $$;
 CREATE TRIGGER runs_skip_pruned BEFORE INSERT ON trailmark.runs
     FOR EACH ROW EXECUTE FUNCTION trailmark.skip_pruned_run();
 
--- Finished runs by when they finished: what the pruner reads, oldest first.
-CREATE INDEX runs_finished_idx ON trailmark.runs (finished_at)
+-- Finished runs of a workflow by when they finished: what the pruner reads, oldest first, one
+-- workflow (one keep time) at a time.
+CREATE INDEX runs_finished_idx ON trailmark.runs (workflow, finished_at)
     WHERE status IN ('succeeded', 'failed', 'compensated', 'cancelled', 'shadowed');
 -- The inbox and the audit trail are pruned by age.
 CREATE INDEX inbox_processed_idx ON trailmark.inbox (processed_at);
