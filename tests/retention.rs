@@ -2,9 +2,10 @@
 //! keep time, with every row of theirs, after writing each to the archive in the `run export`
 //! format; runs in review or waiting stay whatever their age; a removed run leaves a tombstone,
 //! so its late duplicate start starts nothing and a conflicting one is dead-lettered; audit
-//! rows stay. Two `serve` processes prune in the background without removing or archiving a
-//! run twice.
+//! rows stay; over HTTP the same start is `410` and another `409`. Two `serve` processes prune
+//! in the background without removing or archiving a run twice.
 
+mod api_support;
 mod common;
 mod dlq_support;
 
@@ -13,8 +14,11 @@ use std::time::Duration;
 
 use common::servers::TempDir;
 use common::{TestEnv, text};
+use reqwest::{Method, StatusCode};
 use serde_json::{Value, json};
+use trailmark::api::Role;
 use trailmark::domain::{RunId, RunStartEvent, RunStatus};
+use trailmark::retention::Policy;
 
 const WAIT: Duration = Duration::from_secs(90);
 
@@ -237,4 +241,63 @@ async fn two_serve_processes_prune_in_the_background_each_run_once() {
         // Each ran its two links once before it was removed (the ledger is outside trailmark).
         assert_eq!(env.chain_ledger(id).await, (2, 2), "{id}");
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_removed_run_started_again_over_http_is_gone_or_a_conflict_and_nothing_starts() {
+    let api = api_support::Api::start_with(trailmark_testkit::registry(), |_| {}).await;
+    let env = &api.env;
+    let body = json!({"workflow": "chain", "run_id": "r-gone", "input": {"steps": 1}});
+    let token = Some(api.token(Role::Operator));
+    let (status, run) = api
+        .call(
+            Method::POST,
+            "/api/v1/runs",
+            token,
+            Some(body.clone()),
+            None,
+        )
+        .await;
+    assert_eq!(status, StatusCode::CREATED, "{run}");
+    env.wait_status("r-gone", RunStatus::Succeeded, WAIT).await;
+    env.wait_until("the run to be 2 s old", WAIT, || async {
+        db_seconds_since_last_finish(env).await >= 2.0
+    })
+    .await;
+    let policy = Policy::from_settings(&env.settings.retention).older_than(Duration::from_secs(1));
+    let pruned = trailmark::retention::prune(&env.engine(), &policy, false, |_| {})
+        .await
+        .unwrap();
+    assert_eq!(pruned.run_ids, ["r-gone"]);
+
+    let (status, why) = api
+        .call(Method::POST, "/api/v1/runs", token, Some(body), None)
+        .await;
+    assert_eq!(
+        (status, why["error"].as_str()),
+        (StatusCode::GONE, Some("run_pruned")),
+        "{why}"
+    );
+    let other = json!({"workflow": "chain", "run_id": "r-gone", "input": {"steps": 2}});
+    let (status, why) = api
+        .call(Method::POST, "/api/v1/runs", token, Some(other), None)
+        .await;
+    assert_eq!(
+        (status, why["error"].as_str()),
+        (StatusCode::CONFLICT, Some("run_conflict")),
+        "{why}"
+    );
+    assert!(
+        why["message"]
+            .as_str()
+            .unwrap()
+            .contains("removed by retention"),
+        "{why}"
+    );
+    assert_eq!(rows_of(env, "r-gone").await, [0, 0, 0, 0]);
+    assert_eq!(
+        env.chain_ledger("r-gone").await,
+        (1, 1),
+        "the one run's one write"
+    );
 }
