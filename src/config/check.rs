@@ -375,6 +375,29 @@ mod tests {
     }
 
     #[test]
+    fn keep_times_of_single_workflows_are_read_by_name_and_checked() {
+        let path = std::env::temp_dir().join(format!("tm-retention-{}.toml", std::process::id()));
+        let load = |text: &str| {
+            std::fs::write(&path, text).unwrap();
+            Settings::load_from(Some(path.to_str().unwrap())).map_err(|e| e.to_string())
+        };
+        let s = load("[retention]\nworkflows = { chain = 86400, reconcile = 0 }\n").unwrap();
+        assert_eq!(s.retention.workflows["chain"], 86_400);
+        assert_eq!(s.retention.workflows["reconcile"], 0);
+        let refused = load("[retention]\nworkflows = { chain = 999999999999 }\n").unwrap_err();
+        assert!(
+            refused.contains("retention.workflows.chain is 999999999999"),
+            "{refused}"
+        );
+        let refused = load("[retention]\nkeep_sec = 10\n").unwrap_err();
+        assert!(
+            refused.contains("did you mean retention.keep_secs?"),
+            "{refused}"
+        );
+        let _ = std::fs::remove_file(&path);
+    }
+
+    #[test]
     fn tls_settings_that_cannot_work_are_refused_naming_the_setting_and_the_file() {
         let dir = std::env::temp_dir().join(format!("tm-check-tls-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
