@@ -308,9 +308,9 @@ async fn bulk_action(
     let which = bulk.selection()?;
     let dlq = Dlq::connect(&state.engine.settings.broker).await?;
     if bulk.preview {
-        let listing = dlq.list(&Page::all(), &quiet).await;
+        let count = dlq.count(&which).await;
         dlq.close().await;
-        let selected = listing?.letters.iter().filter(|l| which.matches(l)).count();
+        let selected = count?.selected;
         return Ok(Json(json!({ "preview": true, "would_touch": selected })));
     }
     idempotency::required(&headers)?;

@@ -230,19 +230,15 @@ pub async fn confirm(
     action_of(&action, &me)?;
     let selection = which.selection()?;
     let dlq = Dlq::connect(&state.engine.settings.broker).await?;
-    let listing = dlq.list(&Page::all(), &quiet).await;
+    let count = dlq.count(&selection).await;
     dlq.close().await;
-    let listing = listing?;
-    let touched = listing
-        .letters
-        .iter()
-        .filter(|l| selection.matches(l))
-        .count();
+    let count = count?;
+    let touched = count.selected;
     Ok(page(
         &format!("{} dead letters?", capitalised(&action)),
         Some(&me),
         html! {
-            p #will-touch { "This will " (action) " " strong #count { (touched) } " of the " (listing.depth)
+            p #will-touch { "This will " (action) " " strong #count { (touched) } " of the " (count.depth)
                 " dead letters (" code { (selection.target()) } ")." }
             @if action == "purge" { (error_box("Purged letters are deleted for good.")) }
             @if touched > 0 {
