@@ -245,16 +245,8 @@ async fn audited(
         "input_hash": request_hash(&event.input),
     });
     let entry = audit::NewEntry {
-        actor: &who.actor,
-        role: &who.role,
-        via: who.via,
-        action: "run.start",
-        target: event.run_id.as_str(),
-        reason: &who.reason,
-        request_id: who.request_id.as_deref(),
-        status_before: None,
         status_after: Some(RunStatus::Running.as_str()),
-        details: &details,
+        ..who.audit_entry("run.start", event.run_id.as_str(), &details)
     };
     audit::insert(tx, &entry).await?;
     Ok(())

@@ -166,19 +166,7 @@ async fn audited(
         "name": event.name, "key": event.key, "payload_hash": event.payload_hash(),
         "resumed": resumed,
     });
-    let entry = audit::NewEntry {
-        actor: &who.actor,
-        role: &who.role,
-        via: who.via,
-        action: "event.send",
-        target: &event.id,
-        reason: &who.reason,
-        request_id: who.request_id.as_deref(),
-        status_before: None,
-        status_after: None,
-        details: &details,
-    };
-    audit::insert(tx, &entry).await
+    audit::insert(tx, &who.audit_entry("event.send", &event.id, &details)).await
 }
 
 fn interrupted(e: crate::failpoint::Injected) -> SendError {
