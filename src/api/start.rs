@@ -42,15 +42,11 @@ pub struct StartBody {
     #[schema(example = "night-2026-10-13")]
     run_id: String,
     /// The workflow's input: any JSON its input check accepts (default `{}`).
-    #[serde(default = "empty_object")]
+    #[serde(default = "super::extract::empty_object")]
     #[schema(example = json!({"steps": 3}))]
     input: Value,
     /// Why, in the starter's words; kept in the audit trail (optional).
     reason: Option<String>,
-}
-
-fn empty_object() -> Value {
-    json!({})
 }
 
 /// Where to read a run.
