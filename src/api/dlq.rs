@@ -115,7 +115,7 @@ pub async fn list(
         .after
         .as_deref()
         .map(|a| {
-            Cursor::parse(a).ok_or_else(|| {
+            a.parse::<Cursor>().map_err(|_| {
                 ApiError::bad_request(
                     "after is not a cursor this API handed out (the `next` of a listing)",
                 )

@@ -39,7 +39,7 @@ pub async fn list(
         .after
         .as_deref()
         .map(|a| {
-            Cursor::parse(a).ok_or_else(|| {
+            a.parse::<Cursor>().map_err(|_| {
                 Shown::bad_request("this page link is broken (its `after` is not one the console made); start from the first page of dead letters")
             })
         })

@@ -22,7 +22,7 @@ pub enum DlqCommand {
         #[arg(long, default_value_t = 100)]
         limit: usize,
         /// The page after this cursor (printed at the end of the previous page, `next` in JSON).
-        #[arg(long, value_parser = parse_cursor)]
+        #[arg(long)]
         after: Option<Cursor>,
     },
     /// Show one dead letter: every header, and the body when it is JSON.
@@ -152,12 +152,6 @@ fn selection(id: Option<String>, all: bool, reason: Option<String>) -> Selection
 /// Progress of long passes, on stderr so that stdout stays parseable.
 fn progress(taken: u32, depth: u32) {
     eprintln!("dlq: {taken} of {depth} messages looked at");
-}
-
-fn parse_cursor(text: &str) -> Result<Cursor, String> {
-    Cursor::parse(text).ok_or_else(|| {
-        "not a cursor `dlq list` printed; copy the one after `--after` at the end of the previous page (or `next` in its --json)".to_owned()
-    })
 }
 
 async fn list(dlq: &Dlq, json: bool, page: &Page) -> anyhow::Result<()> {
