@@ -142,12 +142,9 @@ fn checked(state: &AppState, b: StartBody) -> Result<(RunStartEvent, Arc<Workflo
     let event = RunStartEvent::new(run_id, &b.workflow, b.input);
     let engine = &state.engine;
     let limit = engine.settings.worker.max_message_bytes;
-    crate::worker::start_message(&engine.registry, &engine.topology, limit, &event)
-        .map_err(|why| refused(&event.run_id, why))?;
-    let workflow = engine
-        .registry
-        .accepting(&event.workflow, &event.input)
-        .map_err(|why| refused(&event.run_id, why))?;
+    let (_, workflow) =
+        crate::worker::start_message(&engine.registry, &engine.topology, limit, &event)
+            .map_err(|why| refused(&event.run_id, why))?;
     Ok((event, workflow))
 }
 
