@@ -23,6 +23,7 @@ use serde_json::{Value, json};
 
 use super::env::{BenchEnv, Proc};
 use super::load::ids;
+use super::measure::Spread;
 use super::systems::System;
 use super::window::{BACKGROUND_SPAN, background_cores, measured};
 use super::{Error, Result, progress};
@@ -87,12 +88,6 @@ pub struct WaitsReport {
     pub cores: usize,
     /// Cores other work kept busy before the bench.
     pub background_cores: f64,
-}
-
-fn median(v: &[f64]) -> f64 {
-    let mut s = v.to_vec();
-    s.sort_by(f64::total_cmp);
-    if s.is_empty() { 0.0 } else { s[s.len() / 2] }
 }
 
 /// The three environments, in the order of [`WaitsReport`]'s columns.
@@ -197,6 +192,7 @@ async fn phases(envs: &mut [BenchEnv], cfg: &WaitsConfig, background: f64) -> Re
         }
     }
     let [empty, finished_rates, waiting_rates] = rates;
+    let median = |v: &[f64]| Spread::of(v).median;
     report.ratio_vs_empty = median(&waiting_rates) / median(&empty);
     report.ratio_vs_finished = median(&waiting_rates) / median(&finished_rates);
     report.empty_steps_per_s = empty;

@@ -222,13 +222,7 @@ impl Events {
                 .list(&trailmark::dlq::Page::all(), &trailmark::dlq::quiet)
                 .await;
             dlq.close().await;
-            let refused: std::collections::HashSet<String> = listing?
-                .letters
-                .into_iter()
-                .filter(|l| l.reason == "event_conflict" && sent.contains(&l.id))
-                .map(|l| l.id)
-                .collect();
-            let refused = refused.len();
+            let refused = crate::check::refused_conflicts(&listing?.letters, &sent);
             if refused >= sent.len()
                 && self
                     .todo
