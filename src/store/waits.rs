@@ -246,8 +246,11 @@ pub async fn move_on(conn: &mut PgConnection, moves: &[Move<'_>]) -> Result<Vec<
 /// What the store knew of an event's id when the event arrived.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Received {
-    /// A new event, recorded.
-    New,
+    /// A new event, recorded; kept for a wait until `expires_at` if none takes it now.
+    New {
+        /// When it stops waiting for a wait (database clock).
+        expires_at: DateTime<Utc>,
+    },
     /// The same event was received before (same name, key and payload).
     Repeat(SignalRow),
     /// The id was received before with another name, key or payload.
@@ -262,12 +265,13 @@ pub async fn receive(
     via: &str,
     (keep_secs, retention_secs): (u64, u64),
 ) -> Result<Received> {
-    let new = sqlx::query(
+    let new: Option<DateTime<Utc>> = sqlx::query_scalar(
         "INSERT INTO trailmark.signals (signal_id, name, match_key, payload, payload_hash, via,
                                         expires_at, forget_at)
          VALUES ($1, $2, $3, $4, $5, $6, now() + make_interval(secs => $7::float8),
                  now() + make_interval(secs => $7::float8 + $8::float8))
-         ON CONFLICT (signal_id) DO NOTHING",
+         ON CONFLICT (signal_id) DO NOTHING
+         RETURNING expires_at",
     )
     .bind(&event.id)
     .bind(&event.name)
@@ -277,10 +281,10 @@ pub async fn receive(
     .bind(via)
     .bind(keep_secs as f64)
     .bind(retention_secs as f64)
-    .execute(&mut *conn)
+    .fetch_optional(&mut *conn)
     .await?;
-    if new.rows_affected() == 1 {
-        return Ok(Received::New);
+    if let Some(expires_at) = new {
+        return Ok(Received::New { expires_at });
     }
     let stored = signal(&mut *conn, &event.id).await?.ok_or_else(|| {
         super::Error::unavailable(
