@@ -163,22 +163,25 @@ pub async fn due(conn: &mut PgConnection, limit: i64) -> Result<Vec<Waiting>> {
         .await?)
 }
 
-/// Closes due waits whose run no longer waits at their position (an operator moved it in a way
-/// that did not close them): left open, the timer loop would read them on every round.
-pub async fn close_orphans(db: impl PgExecutor<'_>, limit: i64) -> Result<u64> {
-    let done = sqlx::query(
+/// Closes due waits whose run no longer waits at their position, and returns them (run,
+/// position). Every move of a waiting run closes its wait in the same transaction, so this
+/// should find none; left open, one would stay among the earliest due waits that the timer loop
+/// reads on every round. Cheap when there are none: it reads the due waits through their
+/// partial index, and writes nothing.
+pub async fn close_orphans(db: impl PgExecutor<'_>, limit: i64) -> Result<Vec<(String, i32)>> {
+    Ok(sqlx::query_as(
         "UPDATE trailmark.waits w SET resolved_at = now(), resolution = 'decision'
            FROM (SELECT o.run_id, o.seq FROM trailmark.waits o
                   WHERE o.resolved_at IS NULL AND o.due_at <= now()
                     AND NOT EXISTS (SELECT 1 FROM trailmark.runs r WHERE r.run_id = o.run_id
                                        AND r.status = 'waiting' AND r.step_seq = o.seq)
                   LIMIT $1 FOR UPDATE SKIP LOCKED) x
-          WHERE w.run_id = x.run_id AND w.seq = x.seq",
+          WHERE w.run_id = x.run_id AND w.seq = x.seq
+      RETURNING w.run_id, w.seq",
     )
     .bind(limit)
-    .execute(db)
-    .await?;
-    Ok(done.rows_affected())
+    .fetch_all(db)
+    .await?)
 }
 
 /// How a waiting run goes on, for [`move_on`].
