@@ -14,7 +14,7 @@ use super::decisions::{ReasonBody, decider};
 use super::error::{ApiError, ErrorBody};
 use super::extract::{Body, Path};
 use super::input::{self, Kind};
-use crate::schedule::{self, Cadence, ops};
+use crate::schedule::{self, ops};
 use crate::store::schedules::ScheduleRow;
 
 /// What a schedule change's reason is recorded with.
@@ -111,27 +111,16 @@ pub async fn create(
     Body(b): Body<CreateBody>,
 ) -> Result<(StatusCode, Json<ScheduleRow>), ApiError> {
     let who = decider(&caller, &b.reason, AUDITED)?;
-    name_of(&b.name)?;
+    // The name's own rule is checked by ops::create; here only as text from outside.
+    input::check("name", &b.name, Kind::Id)?;
     input::check("workflow", &b.workflow, Kind::Id)?;
-    let cadence = match (&b.cron, &b.every) {
-        (Some(expr), None) => Cadence::cron(expr, b.tz.as_deref())?,
-        (None, Some(every)) => Cadence::every(every)?,
-        _ => {
-            return Err(ApiError::bad_request("give exactly one of cron and every").with_field("every"));
-        }
-    };
-    let create = ops::Create {
-        name: b.name.clone(),
-        workflow: b.workflow,
-        input: b.input,
-        cadence,
-        cron_text: b.cron.map(|c| (c, b.tz.unwrap_or_else(|| "UTC".into()))),
-        overlap: b.overlap.as_deref().unwrap_or("skip").parse()?,
-        catch_up: match &b.catch_up {
-            Some(text) => schedule::duration("catch_up", text)?,
-            None => schedule::DEFAULT_CATCH_UP,
-        },
-    };
+    let mut create = ops::Create::new(b.name, b.workflow, b.input, b.cron, b.tz, b.every)?;
+    if let Some(overlap) = &b.overlap {
+        create = create.overlap(overlap)?;
+    }
+    if let Some(catch_up) = &b.catch_up {
+        create = create.catch_up(catch_up)?;
+    }
     let (row, created) = ops::create(&state.engine, &create, &who).await?;
     let status = match created {
         true => StatusCode::CREATED,

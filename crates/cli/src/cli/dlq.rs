@@ -66,7 +66,8 @@ pub enum DlqCommand {
     },
 }
 
-/// Who requeues or purges, and why (`--reason` already selects letters by their reason code).
+/// Who makes an audited change (a requeue or purge, a schedule's change), and why: `--why`,
+/// since `--reason` already selects dead letters by their reason code.
 #[derive(Debug, clap::Args)]
 pub struct Audited {
     /// Why, in your words (recorded in the audit trail).
@@ -78,11 +79,19 @@ pub struct Audited {
 }
 
 impl Audited {
-    fn decider(self) -> Decider {
+    fn decider(&self) -> Decider {
         Decider::cli(
-            self.actor.unwrap_or_else(super::decide::default_actor),
-            self.why,
+            self.actor
+                .clone()
+                .unwrap_or_else(super::decide::default_actor),
+            self.why.clone(),
         )
+    }
+
+    /// The decider, its `--why` checked first as text from outside (before the change is made).
+    pub(super) fn checked(&self) -> anyhow::Result<Decider> {
+        trailmark::api::input::check("--why", &self.why, trailmark::api::input::Kind::Reason)?;
+        Ok(self.decider())
     }
 }
 
