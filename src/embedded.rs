@@ -337,7 +337,7 @@ impl Trailmark {
         let event = RunStartEvent::new(run_id.clone(), workflow, input);
         let engine = &self.engine;
         let limit = engine.settings.worker.max_message_bytes;
-        let message =
+        let (message, _) =
             crate::worker::start_message(&engine.registry, &engine.topology, limit, &event)
                 .map_err(|refused| {
                     Error::Refused(format!("run {run_id}: {refused}; nothing was started"))

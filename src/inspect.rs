@@ -1,7 +1,7 @@
 //! What the project's own tools (the bench, the drill) and operators read about many runs at
-//! once: statuses, progress, commit times, leases, outbox and effect counts. They read the
-//! engine through these functions, never through its tables, so that a schema change is made
-//! and compiled in one crate (the SQL is in `store::inspect`).
+//! once: statuses, progress, commit times, leases, outbox and effect counts, waits and events.
+//! They read the engine through these functions, never through its tables, so that a schema
+//! change is made and compiled in one crate (the SQL is in `store::inspect`).
 //!
 //! Runs are chosen by an id list or by an id prefix; a prefix matches ids that start with it and
 //! nothing else (a `_` or `%` in it is no wildcard). Every function takes an executor: a pool, a
@@ -310,3 +310,30 @@ pub async fn runs_in_review_mentioning(db: impl PgExecutor<'_>, text: &str) -> R
 
 /// The `LIKE` pattern for ids starting with a prefix, for other tools' tables of the same runs.
 pub use crate::store::inspect::like_prefix;
+
+/// How one event wait ended, and how late sleepers woke.
+pub use crate::store::inspect::{SleepLags, WaitOutcome};
+
+/// Those of `ids` that wait for an event now (status `waiting`, an open event wait).
+pub async fn waiting_for_events(db: impl PgExecutor<'_>, ids: &[String]) -> Result<Vec<String>> {
+    sql::waiting_for_events(db, ids).await
+}
+
+/// Every event wait of `ids`, by run and position: how each ended.
+pub async fn wait_outcomes(db: impl PgExecutor<'_>, ids: &[String]) -> Result<Vec<WaitOutcome>> {
+    sql::outcomes(db, ids).await
+}
+
+/// Each of `ids` (event ids) as stored: id, state (`pending`, `consumed`, `expired`) and the
+/// runs it resumed.
+pub async fn signal_states(
+    db: impl PgExecutor<'_>,
+    ids: &[String],
+) -> Result<Vec<(String, String, i32)>> {
+    sql::signal_states(db, ids).await
+}
+
+/// How late the sleeps of runs whose id starts with `prefix` were ended (see [`SleepLags`]).
+pub async fn sleep_lags(db: impl PgExecutor<'_>, prefix: &str) -> Result<SleepLags> {
+    sql::sleep_lags(db, prefix).await
+}

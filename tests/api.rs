@@ -348,9 +348,11 @@ async fn a_run_started_over_http_runs_to_its_end_and_a_second_start_is_the_same_
     ] {
         let run_id = trailmark::domain::RunId::parse("r-refused").unwrap();
         let event = trailmark::domain::RunStartEvent::new(run_id, workflow, input.clone());
-        let words = trailmark::worker::start_message(&registry, &topology, 4096, &event)
-            .unwrap_err()
-            .to_string();
+        let Err(refused) = trailmark::worker::start_message(&registry, &topology, 4096, &event)
+        else {
+            panic!("{workflow}: the start is refused");
+        };
+        let words = refused.to_string();
         let body = json!({"workflow": workflow, "run_id": "r-refused", "input": input});
         let (s, _, why) = start_over_http(&api, Role::Operator, body).await;
         assert_eq!(

@@ -20,7 +20,8 @@ use super::idempotency;
 use crate::operator::{self, Decider, UndoOptions};
 use crate::store::decisions;
 
-/// `POST /api/v1/runs/{run_id}/cancel` (and the reason of a dead letter's reveal).
+/// `POST /api/v1/runs/{run_id}/cancel` (and the reason of a dead letter's reveal and of a
+/// schedule's pause, resume, trigger or delete).
 #[derive(Debug, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ReasonBody {
@@ -80,9 +81,11 @@ pub(super) fn reason(text: &str, recorded_with: &str) -> Result<(), ApiError> {
     Ok(())
 }
 
-fn decider(caller: &Caller, why: &str) -> Result<Decider, ApiError> {
+/// An operator who said why: the decider of a decision (or of a schedule's change, whose reason
+/// is `recorded_with` the audit trail).
+pub(super) fn decider(caller: &Caller, why: &str, recorded_with: &str) -> Result<Decider, ApiError> {
     caller.require(Role::Operator)?;
-    reason(why, "the decision")?;
+    reason(why, recorded_with)?;
     Ok(caller.decider(why))
 }
 
@@ -130,7 +133,7 @@ pub async fn resume(
     Path(run_id): Path<String>,
     Body(b): Body<ResumeBody>,
 ) -> Result<Json<operator::Outcome>, ApiError> {
-    let who = decider(&caller, &b.reason)?;
+    let who = decider(&caller, &b.reason, "the decision")?;
     let how = operator::Resume::from_flags(b.after_fix, b.ask_again).ok_or_else(|| {
         ApiError::bad_request(
             "ask_again needs after_fix: a plain resume replays the answers the step already has",
@@ -164,7 +167,7 @@ pub async fn undo(
     headers: HeaderMap,
     Body(b): Body<UndoBody>,
 ) -> Result<Json<operator::Outcome>, ApiError> {
-    let who = decider(&caller, &b.reason)?;
+    let who = decider(&caller, &b.reason, "the decision")?;
     idempotency::required(&headers)?;
     let opts = undo_options(b.scope, b.leave_partial)?;
     Ok(Json(
@@ -193,7 +196,7 @@ pub async fn cancel(
     Path(run_id): Path<String>,
     Body(b): Body<ReasonBody>,
 ) -> Result<Json<operator::Outcome>, ApiError> {
-    let who = decider(&caller, &b.reason)?;
+    let who = decider(&caller, &b.reason, "the decision")?;
     Ok(Json(operator::cancel(&state.engine, &run_id, &who).await?))
 }
 
@@ -218,7 +221,7 @@ pub async fn approve(
     Path(run_id): Path<String>,
     Body(b): Body<StepBody>,
 ) -> Result<Json<operator::Outcome>, ApiError> {
-    let who = decider(&caller, &b.reason)?;
+    let who = decider(&caller, &b.reason, "the decision")?;
     let step = step_of(b.step.as_deref())?;
     Ok(Json(
         operator::approve(&state.engine, &run_id, step, &who).await?,
@@ -246,7 +249,7 @@ pub async fn reject(
     Path(run_id): Path<String>,
     Body(b): Body<StepBody>,
 ) -> Result<Json<operator::Outcome>, ApiError> {
-    let who = decider(&caller, &b.reason)?;
+    let who = decider(&caller, &b.reason, "the decision")?;
     let step = step_of(b.step.as_deref())?;
     Ok(Json(
         operator::reject(&state.engine, &run_id, step, &who).await?,

@@ -115,7 +115,7 @@ pub async fn list(
         .after
         .as_deref()
         .map(|a| {
-            Cursor::parse(a).ok_or_else(|| {
+            a.parse::<Cursor>().map_err(|_| {
                 ApiError::bad_request(
                     "after is not a cursor this API handed out (the `next` of a listing)",
                 )
@@ -308,9 +308,9 @@ async fn bulk_action(
     let which = bulk.selection()?;
     let dlq = Dlq::connect(&state.engine.settings.broker).await?;
     if bulk.preview {
-        let listing = dlq.list(&Page::all(), &quiet).await;
+        let count = dlq.count(&which).await;
         dlq.close().await;
-        let selected = listing?.letters.iter().filter(|l| which.matches(l)).count();
+        let selected = count?.selected;
         return Ok(Json(json!({ "preview": true, "would_touch": selected })));
     }
     idempotency::required(&headers)?;

@@ -3,7 +3,8 @@
 //! and a console form's body (with [`super::input::check`]) before any handler, log line or
 //! Postgres sees it; [`documented`] turns whatever answer of the API is not yet the documented
 //! JSON (axum's own 404 and 405, the body limit's 413, the timeout's 504, a panic's 500) into
-//! it; [`secure`] adds the security headers.
+//! it; [`secure`] adds the security headers; [`strip_unreadable_id`] takes an unreadable
+//! `x-request-id` off before the id layers and the log see it.
 
 use axum::body::{Body, to_bytes};
 use axum::extract::{Request, State};
@@ -14,8 +15,8 @@ use axum::response::{IntoResponse, Response};
 use super::error::ApiError;
 use super::input::{self, BadText};
 
-/// Headers the API and the console read, checked as ids.
-const READ_HEADERS: &[&str] = &["idempotency-key", "x-request-id"];
+/// The request id's header (an unreadable one is taken off by [`strip_unreadable_id`]).
+const REQUEST_ID: &str = "x-request-id";
 
 fn is_api(path: &str) -> bool {
     path == "/api" || path.starts_with("/api/")
@@ -29,19 +30,25 @@ fn refuse(api: bool, bad: BadText) -> Response {
     }
 }
 
-/// Whether a request's `x-request-id` may go into a log line as it is.
-pub fn readable_id(value: &HeaderValue) -> bool {
-    input::check_header("x-request-id", value).is_ok()
-}
+/// Marks a request whose `x-request-id` was unreadable and removed, so that [`guard`] still
+/// answers 400 naming the header.
+#[derive(Debug, Clone)]
+struct UnreadableRequestId(BadText);
 
-/// A refused request's own id is not echoed (it may be the bad text): the answer, and the log
-/// line that names it, carry a fresh one.
-fn with_fresh_request_id(mut response: Response) -> Response {
-    let fresh = uuid::Uuid::new_v4().to_string();
-    if let Ok(id) = HeaderValue::from_str(&fresh) {
-        response.headers_mut().insert("x-request-id", id);
+/// Middleware, outermost: an `x-request-id` that is not a readable id is removed before anything
+/// (the span, the id layers, the answer) sees it, so the request gets a fresh id like one that
+/// sent none; the mark it leaves makes [`guard`] refuse the request all the same.
+pub async fn strip_unreadable_id(mut request: Request, next: Next) -> Response {
+    let bad = request
+        .headers()
+        .get_all(REQUEST_ID)
+        .iter()
+        .find_map(|v| input::check_header(REQUEST_ID, v).err());
+    if let Some(bad) = bad {
+        request.headers_mut().remove(REQUEST_ID);
+        request.extensions_mut().insert(UnreadableRequestId(bad));
     }
-    response
+    next.run(request).await
 }
 
 /// Middleware: the text of a request, checked where it enters.
@@ -64,11 +71,12 @@ pub async fn guard(State(limit): State<usize>, request: Request, next: Next) -> 
     {
         return refuse(api, bad);
     }
-    for name in READ_HEADERS {
-        for value in request.headers().get_all(*name) {
-            if let Err(bad) = input::check_header(name, value) {
-                return with_fresh_request_id(refuse(api, bad));
-            }
+    if let Some(UnreadableRequestId(bad)) = request.extensions().get() {
+        return refuse(api, bad.clone());
+    }
+    for value in request.headers().get_all("idempotency-key") {
+        if let Err(bad) = input::check_header("idempotency-key", value) {
+            return refuse(api, bad);
         }
     }
     if request

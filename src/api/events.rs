@@ -12,7 +12,7 @@ use axum::extract::State;
 use axum::http::StatusCode;
 use axum::Extension;
 use serde::{Deserialize, Serialize};
-use serde_json::{Value, json};
+use serde_json::Value;
 
 use super::AppState;
 use super::auth::{Caller, Role};
@@ -40,15 +40,11 @@ pub struct EventBody {
     #[schema(example = "evt-2026-10-13-0042")]
     id: Option<String>,
     /// What the resumed step reads (any JSON; default `{}`).
-    #[serde(default = "empty_object")]
+    #[serde(default = "super::extract::empty_object")]
     #[schema(value_type = Object, example = json!({"price": 41.5}))]
     payload: Value,
     /// Why, in the sender's words; kept in the audit trail (optional).
     reason: Option<String>,
-}
-
-fn empty_object() -> Value {
-    json!({})
 }
 
 /// A field the event check refused: 400 naming it.

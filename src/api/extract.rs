@@ -127,3 +127,8 @@ where
             })
     }
 }
+
+/// `{}`: the default of a body's optional JSON object (a run's input, an event's payload).
+pub(super) fn empty_object() -> serde_json::Value {
+    serde_json::json!({})
+}

@@ -119,9 +119,8 @@ pub fn router(engine: Arc<Engine>) -> Result<Router, Error> {
         let id = req
             .headers()
             .get("x-request-id")
-            .filter(|v| edge::readable_id(v))
             .and_then(|v| v.to_str().ok())
-            .unwrap_or("refused");
+            .unwrap_or_default();
         tracing::debug_span!("http", method = %req.method(), path = %req.uri().path(), request.id = %id)
     });
     let console = crate::console::router(state.engine.clone(), state.tokens.clone());
@@ -146,7 +145,8 @@ pub fn router(engine: Arc<Engine>) -> Result<Router, Error> {
         .layer(middleware::from_fn(edge::secure))
         .layer(PropagateRequestIdLayer::x_request_id())
         .layer(trace)
-        .layer(SetRequestIdLayer::x_request_id(MakeRequestUuid)))
+        .layer(SetRequestIdLayer::x_request_id(MakeRequestUuid))
+        .layer(middleware::from_fn(edge::strip_unreadable_id)))
 }
 
 /// Binds `api.listen`; `None` when it is empty (nothing is served).

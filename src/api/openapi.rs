@@ -317,9 +317,13 @@ struct Generated;
     tag = "meta",
     responses((status = 200, description = "this OpenAPI document", body = Object)),
 )]
-pub async fn openapi_json() -> axum::Json<Value> {
-    axum::Json(document())
+pub async fn openapi_json() -> axum::Json<&'static Value> {
+    axum::Json(&DOCUMENT)
 }
+
+/// The document, built on the first GET: it depends only on the code, so every later GET
+/// answers the same value.
+static DOCUMENT: std::sync::LazyLock<Value> = std::sync::LazyLock::new(document);
 
 /// A refusal the door or the middleware can answer, with the endpoints it applies to.
 struct Refusal {

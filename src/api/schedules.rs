@@ -9,14 +9,16 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
 use super::AppState;
-use super::auth::{Caller, Role};
-use super::decisions::reason;
+use super::auth::Caller;
+use super::decisions::{ReasonBody, decider};
 use super::error::{ApiError, ErrorBody};
 use super::extract::{Body, Path};
 use super::input::{self, Kind};
-use crate::operator::Decider;
-use crate::schedule::{self, Cadence, ops};
+use crate::schedule::{self, ops};
 use crate::store::schedules::ScheduleRow;
+
+/// What a schedule change's reason is recorded with.
+const AUDITED: &str = "the audit trail";
 
 /// `POST /api/v1/schedules`.
 #[derive(Debug, Deserialize, utoipa::ToSchema)]
@@ -29,7 +31,7 @@ pub struct CreateBody {
     #[schema(example = "chain")]
     workflow: String,
     /// The runs' input (default `{}`).
-    #[serde(default = "empty_object")]
+    #[serde(default = "super::extract::empty_object")]
     #[schema(value_type = Object)]
     input: Value,
     /// A cron expression (five fields, or six with seconds); give it or `every`.
@@ -44,18 +46,6 @@ pub struct CreateBody {
     /// How far back missed ticks are still started (default `1m`).
     catch_up: Option<String>,
     /// Why, in the creator's words (required; audited).
-    reason: String,
-}
-
-fn empty_object() -> Value {
-    json!({})
-}
-
-/// A reason for a change of a schedule.
-#[derive(Debug, Deserialize, utoipa::ToSchema)]
-#[serde(deny_unknown_fields)]
-pub struct WhyBody {
-    /// Why, in the operator's words (required; audited).
     reason: String,
 }
 
@@ -76,12 +66,6 @@ pub struct BackfillBody {
 pub struct ScheduleList {
     /// By name.
     schedules: Vec<ScheduleRow>,
-}
-
-fn who(caller: &Caller, why: &str) -> Result<Decider, ApiError> {
-    caller.require(Role::Operator)?;
-    reason(why, "the audit trail")?;
-    Ok(caller.decider(why))
 }
 
 fn name_of(name: &str) -> Result<(), ApiError> {
@@ -126,28 +110,17 @@ pub async fn create(
     Extension(caller): Extension<Caller>,
     Body(b): Body<CreateBody>,
 ) -> Result<(StatusCode, Json<ScheduleRow>), ApiError> {
-    let who = who(&caller, &b.reason)?;
-    name_of(&b.name)?;
+    let who = decider(&caller, &b.reason, AUDITED)?;
+    // The name's own rule is checked by ops::create; here only as text from outside.
+    input::check("name", &b.name, Kind::Id)?;
     input::check("workflow", &b.workflow, Kind::Id)?;
-    let cadence = match (&b.cron, &b.every) {
-        (Some(expr), None) => Cadence::cron(expr, b.tz.as_deref())?,
-        (None, Some(every)) => Cadence::every(every)?,
-        _ => {
-            return Err(ApiError::bad_request("give exactly one of cron and every").with_field("every"));
-        }
-    };
-    let create = ops::Create {
-        name: b.name.clone(),
-        workflow: b.workflow,
-        input: b.input,
-        cadence,
-        cron_text: b.cron.map(|c| (c, b.tz.unwrap_or_else(|| "UTC".into()))),
-        overlap: b.overlap.as_deref().unwrap_or("skip").parse()?,
-        catch_up: match &b.catch_up {
-            Some(text) => schedule::duration("catch_up", text)?,
-            None => schedule::DEFAULT_CATCH_UP,
-        },
-    };
+    let mut create = ops::Create::new(b.name, b.workflow, b.input, b.cron, b.tz, b.every)?;
+    if let Some(overlap) = &b.overlap {
+        create = create.overlap(overlap)?;
+    }
+    if let Some(catch_up) = &b.catch_up {
+        create = create.catch_up(catch_up)?;
+    }
     let (row, created) = ops::create(&state.engine, &create, &who).await?;
     let status = match created {
         true => StatusCode::CREATED,
@@ -183,7 +156,7 @@ pub async fn show(
     operation_id = "pause_schedule",
     tag = "schedules",
     params(("name" = String, Path, description = "the schedule")),
-    request_body = WhyBody,
+    request_body = ReasonBody,
     responses(
         (status = 200, description = "the schedule, paused", body = ScheduleRow),
         (status = 404, description = "no such schedule", body = ErrorBody),
@@ -193,7 +166,7 @@ pub async fn pause(
     State(state): State<AppState>,
     Extension(caller): Extension<Caller>,
     Path(name): Path<String>,
-    Body(b): Body<WhyBody>,
+    Body(b): Body<ReasonBody>,
 ) -> Result<Json<ScheduleRow>, ApiError> {
     paused(state, caller, name, b, true).await
 }
@@ -205,7 +178,7 @@ pub async fn pause(
     operation_id = "resume_schedule",
     tag = "schedules",
     params(("name" = String, Path, description = "the schedule")),
-    request_body = WhyBody,
+    request_body = ReasonBody,
     responses(
         (status = 200, description = "the schedule, resumed", body = ScheduleRow),
         (status = 404, description = "no such schedule", body = ErrorBody),
@@ -215,7 +188,7 @@ pub async fn resume(
     State(state): State<AppState>,
     Extension(caller): Extension<Caller>,
     Path(name): Path<String>,
-    Body(b): Body<WhyBody>,
+    Body(b): Body<ReasonBody>,
 ) -> Result<Json<ScheduleRow>, ApiError> {
     paused(state, caller, name, b, false).await
 }
@@ -224,10 +197,10 @@ async fn paused(
     state: AppState,
     caller: Caller,
     name: String,
-    b: WhyBody,
+    b: ReasonBody,
     pause: bool,
 ) -> Result<Json<ScheduleRow>, ApiError> {
-    let who = who(&caller, &b.reason)?;
+    let who = decider(&caller, &b.reason, AUDITED)?;
     name_of(&name)?;
     Ok(Json(ops::set_paused(&state.engine, &name, pause, &who).await?))
 }
@@ -239,7 +212,7 @@ async fn paused(
     operation_id = "trigger_schedule",
     tag = "schedules",
     params(("name" = String, Path, description = "the schedule")),
-    request_body = WhyBody,
+    request_body = ReasonBody,
     responses(
         (status = 200, description = "the run started (or found)", body = ops::Started),
         (status = 404, description = "no such schedule", body = ErrorBody),
@@ -249,9 +222,9 @@ pub async fn trigger(
     State(state): State<AppState>,
     Extension(caller): Extension<Caller>,
     Path(name): Path<String>,
-    Body(b): Body<WhyBody>,
+    Body(b): Body<ReasonBody>,
 ) -> Result<Json<ops::Started>, ApiError> {
-    let who = who(&caller, &b.reason)?;
+    let who = decider(&caller, &b.reason, AUDITED)?;
     name_of(&name)?;
     Ok(Json(ops::trigger(&state.engine, &name, &who).await?))
 }
@@ -275,7 +248,7 @@ pub async fn backfill(
     Path(name): Path<String>,
     Body(b): Body<BackfillBody>,
 ) -> Result<Json<ops::Started>, ApiError> {
-    let who = who(&caller, &b.reason)?;
+    let who = decider(&caller, &b.reason, AUDITED)?;
     name_of(&name)?;
     Ok(Json(
         ops::backfill(&state.engine, &name, b.from, b.to, &who).await?,
@@ -289,7 +262,7 @@ pub async fn backfill(
     operation_id = "delete_schedule",
     tag = "schedules",
     params(("name" = String, Path, description = "the schedule")),
-    request_body = WhyBody,
+    request_body = ReasonBody,
     responses(
         (status = 200, description = "deleted", body = Object),
         (status = 404, description = "no such schedule", body = ErrorBody),
@@ -299,9 +272,9 @@ pub async fn delete(
     State(state): State<AppState>,
     Extension(caller): Extension<Caller>,
     Path(name): Path<String>,
-    Body(b): Body<WhyBody>,
+    Body(b): Body<ReasonBody>,
 ) -> Result<Json<Value>, ApiError> {
-    let who = who(&caller, &b.reason)?;
+    let who = decider(&caller, &b.reason, AUDITED)?;
     name_of(&name)?;
     ops::delete(&state.engine, &name, &who).await?;
     Ok(Json(json!({ "deleted": name })))

@@ -42,15 +42,11 @@ pub struct StartBody {
     #[schema(example = "night-2026-10-13")]
     run_id: String,
     /// The workflow's input: any JSON its input check accepts (default `{}`).
-    #[serde(default = "empty_object")]
+    #[serde(default = "super::extract::empty_object")]
     #[schema(example = json!({"steps": 3}))]
     input: Value,
     /// Why, in the starter's words; kept in the audit trail (optional).
     reason: Option<String>,
-}
-
-fn empty_object() -> Value {
-    json!({})
 }
 
 /// Where to read a run.
@@ -146,12 +142,9 @@ fn checked(state: &AppState, b: StartBody) -> Result<(RunStartEvent, Arc<Workflo
     let event = RunStartEvent::new(run_id, &b.workflow, b.input);
     let engine = &state.engine;
     let limit = engine.settings.worker.max_message_bytes;
-    crate::worker::start_message(&engine.registry, &engine.topology, limit, &event)
-        .map_err(|why| refused(&event.run_id, why))?;
-    let workflow = engine
-        .registry
-        .accepting(&event.workflow, &event.input)
-        .map_err(|why| refused(&event.run_id, why))?;
+    let (_, workflow) =
+        crate::worker::start_message(&engine.registry, &engine.topology, limit, &event)
+            .map_err(|why| refused(&event.run_id, why))?;
     Ok((event, workflow))
 }
 
@@ -270,16 +263,8 @@ async fn audited(
         "input_hash": request_hash(&event.input),
     });
     let entry = audit::NewEntry {
-        actor: &who.actor,
-        role: &who.role,
-        via: who.via,
-        action: "run.start",
-        target: event.run_id.as_str(),
-        reason: &who.reason,
-        request_id: who.request_id.as_deref(),
-        status_before: None,
         status_after: Some(RunStatus::Running.as_str()),
-        details: &details,
+        ..who.audit_entry("run.start", event.run_id.as_str(), &details)
     };
     audit::insert(tx, &entry).await?;
     Ok(())

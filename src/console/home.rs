@@ -9,7 +9,7 @@ use serde::Deserialize;
 use super::layout::{error_box, maybe_time, one_line, page, status, time};
 use super::session::Me;
 use super::{ConsoleState, Shown};
-use crate::dlq::{Dlq, Listing, Page, quiet};
+use crate::dlq::Dlq;
 use crate::domain::RunStatus;
 use crate::store::runs::{self, Filter, Summary};
 
@@ -122,7 +122,7 @@ fn counts_view(counts: &[runs::Count]) -> Markup {
 async fn letters_by_reason(state: &ConsoleState) -> Markup {
     let listing = match Dlq::connect(&state.engine.settings.broker).await {
         Ok(dlq) => {
-            let listing = grouped(&dlq).await;
+            let listing = dlq.grouped(HOME_GROUPS_UP_TO).await;
             dlq.close().await;
             listing.map_err(super::Shown::from)
         }
@@ -139,23 +139,6 @@ async fn letters_by_reason(state: &ConsoleState) -> Markup {
             ul { @for (reason, n) in &listing.by_reason { li { code { (reason) } ": " (n) } } }
         }
     }
-}
-
-/// The DLQ's depth, and its letters by reason unless there are too many to read for every visit
-/// of the home page (the dead-letters page groups them all).
-async fn grouped(dlq: &Dlq) -> Result<Listing, crate::dlq::Error> {
-    let depth = dlq.depth().await?;
-    if depth > HOME_GROUPS_UP_TO {
-        return Ok(Listing {
-            queue: dlq.queue(),
-            depth,
-            by_reason: Default::default(),
-            letters: Vec::new(),
-            next: None,
-            unseen: 0,
-        });
-    }
-    dlq.list(&Page::first(0), &quiet).await
 }
 
 /// `GET /runs` filters.

@@ -39,7 +39,7 @@ pub async fn list(
         .after
         .as_deref()
         .map(|a| {
-            Cursor::parse(a).ok_or_else(|| {
+            a.parse::<Cursor>().map_err(|_| {
                 Shown::bad_request("this page link is broken (its `after` is not one the console made); start from the first page of dead letters")
             })
         })
@@ -230,19 +230,15 @@ pub async fn confirm(
     action_of(&action, &me)?;
     let selection = which.selection()?;
     let dlq = Dlq::connect(&state.engine.settings.broker).await?;
-    let listing = dlq.list(&Page::all(), &quiet).await;
+    let count = dlq.count(&selection).await;
     dlq.close().await;
-    let listing = listing?;
-    let touched = listing
-        .letters
-        .iter()
-        .filter(|l| selection.matches(l))
-        .count();
+    let count = count?;
+    let touched = count.selected;
     Ok(page(
         &format!("{} dead letters?", capitalised(&action)),
         Some(&me),
         html! {
-            p #will-touch { "This will " (action) " " strong #count { (touched) } " of the " (listing.depth)
+            p #will-touch { "This will " (action) " " strong #count { (touched) } " of the " (count.depth)
                 " dead letters (" code { (selection.target()) } ")." }
             @if action == "purge" { (error_box("Purged letters are deleted for good.")) }
             @if touched > 0 {

@@ -19,8 +19,8 @@ use std::time::Duration;
 use lapin::Connection;
 
 pub use letter::{BodyView, DELIVERY_LIMIT, DeadLetter, DeadLetteredBy, REQUEUED, headers_json};
-pub use ops::{Failure, Listing, Purged, Requeued, Shown};
-pub use page::{Cursor, Page};
+pub use ops::{Count, Failure, Listing, Purged, Requeued, Shown};
+pub use page::{Cursor, NotACursor, Page};
 
 use crate::broker::{self, Topology};
 use crate::config::BrokerSettings;

@@ -32,6 +32,15 @@ pub struct Listing {
     pub unseen: u32,
 }
 
+/// What a requeue or purge would touch (see [`Dlq::count`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct Count {
+    /// Letters selected.
+    pub selected: u32,
+    /// Messages in the DLQ.
+    pub depth: u32,
+}
+
 /// One dead letter in full.
 #[derive(Debug, Clone, Serialize)]
 pub struct Shown {
@@ -97,7 +106,57 @@ impl Dlq {
     /// One page of the dead letters in a stable oldest-first order (see [`super::page`]).
     /// Nothing is removed: the pass reads the whole DLQ and hands every message back together.
     pub async fn list(&self, page: &Page, progress: Progress<'_>) -> Result<Listing> {
-        let mut scan = Scan::open(&self.conn, &self.queue(), progress).await?;
+        let scan = Scan::open(&self.conn, &self.queue(), progress).await?;
+        self.read(scan, page).await
+    }
+
+    /// The letters counted by reason (none listed), or only the depth when more than `up_to`
+    /// letters are in the DLQ: a summary cheap enough for every visit of a page. The depth is
+    /// read once, by the pass itself.
+    pub async fn grouped(&self, up_to: u32) -> Result<Listing> {
+        let scan = Scan::open(&self.conn, &self.queue(), &super::quiet).await?;
+        let depth = scan.depth();
+        if depth <= up_to {
+            return self.read(scan, &Page::first(0)).await;
+        }
+        scan.finish().await;
+        Ok(Listing {
+            queue: self.queue(),
+            depth,
+            by_reason: BTreeMap::new(),
+            letters: Vec::new(),
+            next: None,
+            unseen: 0,
+        })
+    }
+
+    /// How many letters `which` selects, and the DLQ's depth: what a requeue or purge would
+    /// touch. `All` is the depth, read without taking a letter; otherwise one pass counts.
+    pub async fn count(&self, which: &Selection) -> Result<Count> {
+        if *which == Selection::All {
+            let depth = self.depth().await?;
+            return Ok(Count {
+                selected: depth,
+                depth,
+            });
+        }
+        let mut scan = Scan::open(&self.conn, &self.queue(), &super::quiet).await?;
+        let mut selected = 0;
+        let taken = async {
+            while let Some(d) = scan.next().await? {
+                selected += u32::from(which.matches(&self.letter(&d)));
+            }
+            Ok::<_, Error>(())
+        }
+        .await;
+        let depth = scan.depth();
+        scan.finish().await;
+        taken?;
+        Ok(Count { selected, depth })
+    }
+
+    /// Reads every letter of an open pass, hands them all back, and cuts `page` from them.
+    async fn read(&self, mut scan: Scan<'_>, page: &Page) -> Result<Listing> {
         let mut letters = Vec::new();
         let taken = async {
             while let Some(d) = scan.next().await? {

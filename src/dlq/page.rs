@@ -53,12 +53,28 @@ impl Cursor {
         }
     }
 
-    /// Reads a cursor a listing handed out; `None` when the text is not one.
-    pub fn parse(text: &str) -> Option<Self> {
-        let (micros, id) = text.split_once('.')?;
-        (!id.is_empty()).then_some(())?;
-        Some(Self {
-            micros: micros.parse().ok()?,
+}
+
+/// Text that is not a cursor a listing handed out (forged, cut short, or from elsewhere); its
+/// words are the CLI's, the API and the console say it their way.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "not a cursor `dlq list` printed; copy the one after `--after` at the end of the previous page (or `next` in its --json)"
+)]
+pub struct NotACursor;
+
+/// Reads a cursor a listing handed out (`<micros>.<id>`): the CLI's `--after`, the API's and
+/// the console's `after`.
+impl std::str::FromStr for Cursor {
+    type Err = NotACursor;
+
+    fn from_str(text: &str) -> Result<Self, NotACursor> {
+        let (micros, id) = text.split_once('.').ok_or(NotACursor)?;
+        if id.is_empty() {
+            return Err(NotACursor);
+        }
+        Ok(Self {
+            micros: micros.parse().map_err(|_| NotACursor)?,
             id: id.to_owned(),
         })
     }
@@ -118,7 +134,7 @@ mod tests {
     fn pages_follow_the_time_of_death_then_the_id_whatever_the_queue_order() {
         let (page, next) = cut(three(), &Page::first(2));
         assert_eq!(ids(&page), ["a", "b"]);
-        let after = Cursor::parse(&next.expect("a third letter follows").to_string());
+        let after = next.expect("a third letter follows").to_string().parse().ok();
         let (rest, next) = cut(three(), &Page { after, limit: 2 });
         assert_eq!(ids(&rest), ["c"]);
         assert_eq!(next, None);
@@ -142,13 +158,13 @@ mod tests {
     }
 
     #[test]
-    fn a_forged_cursor_is_none() {
+    fn a_forged_cursor_is_not_a_cursor() {
         for bad in ["", "abc", "12", "12.", "x.id"] {
-            assert_eq!(Cursor::parse(bad), None, "{bad:?}");
+            assert_eq!(bad.parse::<Cursor>(), Err(NotACursor), "{bad:?}");
         }
         assert_eq!(
-            Cursor::parse("-5.m.1").map(|c| c.to_string()),
-            Some("-5.m.1".to_owned())
+            "-5.m.1".parse::<Cursor>().map(|c| c.to_string()),
+            Ok("-5.m.1".to_owned())
         );
     }
 }

@@ -94,6 +94,29 @@ impl Decider {
             request_id: None,
         }
     }
+
+    /// The audit row of `action` on `target` by this decider, with no run status: the one
+    /// place that copies who, why and the request id into an audit row (a caller that changes a
+    /// run's status adds it).
+    pub fn audit_entry<'a>(
+        &'a self,
+        action: &'a str,
+        target: &'a str,
+        details: &'a Value,
+    ) -> audit::NewEntry<'a> {
+        audit::NewEntry {
+            actor: &self.actor,
+            role: &self.role,
+            via: self.via,
+            action,
+            target,
+            reason: &self.reason,
+            request_id: self.request_id.as_deref(),
+            status_before: None,
+            status_after: None,
+            details,
+        }
+    }
 }
 
 /// Records an action that changes no run (a dead letter requeued, purged or revealed) in the
@@ -106,19 +129,7 @@ pub async fn record_action(
     target: &str,
     details: &Value,
 ) -> Result<()> {
-    let entry = audit::NewEntry {
-        actor: &who.actor,
-        role: &who.role,
-        via: who.via,
-        action,
-        target,
-        reason: &who.reason,
-        request_id: who.request_id.as_deref(),
-        status_before: None,
-        status_after: None,
-        details,
-    };
-    audit::insert(db, &entry).await?;
+    audit::insert(db, &who.audit_entry(action, target, details)).await?;
     Ok(())
 }
 
@@ -238,16 +249,9 @@ async fn record(
     };
     decisions::insert(&mut *tx, &d).await?;
     let entry = audit::NewEntry {
-        actor: &who.actor,
-        role: &who.role,
-        via: who.via,
-        action,
-        target: &run.run_id,
-        reason: &who.reason,
-        request_id: who.request_id.as_deref(),
         status_before: Some(run.status.as_str()),
         status_after: Some(after.as_str()),
-        details: &details,
+        ..who.audit_entry(action, &run.run_id, &details)
     };
     audit::insert(&mut *tx, &entry).await?;
     // Whoever watches the run sees the decision among its progress lines.

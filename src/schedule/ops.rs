@@ -35,6 +35,48 @@ pub struct Create {
     pub catch_up: Duration,
 }
 
+impl Create {
+    /// A schedule of `workflow` with `input`, ticking on exactly one of `cron` (in `tz`, UTC when
+    /// absent) and `every`, with the default overlap (`skip`) and catch-up window
+    /// ([`super::DEFAULT_CATCH_UP`]) until [`Create::overlap`] and [`Create::catch_up`] say
+    /// otherwise: the one reading of what the CLI's flags and the API's body ask for.
+    pub fn new(
+        name: String,
+        workflow: String,
+        input: Value,
+        cron: Option<String>,
+        tz: Option<String>,
+        every: Option<String>,
+    ) -> Result<Self, Error> {
+        let cadence = match (&cron, &every) {
+            (Some(expr), None) => Cadence::cron(expr, tz.as_deref())?,
+            (None, Some(every)) => Cadence::every(every)?,
+            _ => return Err(invalid("every", "give exactly one of cron and every")),
+        };
+        Ok(Self {
+            name,
+            workflow,
+            input,
+            cadence,
+            cron_text: cron.map(|c| (c, tz.unwrap_or_else(|| "UTC".into()))),
+            overlap: Overlap::Skip,
+            catch_up: super::DEFAULT_CATCH_UP,
+        })
+    }
+
+    /// With the overlap policy named `text` (`skip`, `buffer-one`, `allow`).
+    pub fn overlap(mut self, text: &str) -> Result<Self, Error> {
+        self.overlap = text.parse()?;
+        Ok(self)
+    }
+
+    /// With the catch-up window `text` (`90s`, `15m`, ...).
+    pub fn catch_up(mut self, text: &str) -> Result<Self, Error> {
+        self.catch_up = super::duration("catch_up", text)?;
+        Ok(self)
+    }
+}
+
 /// A schedule as `show` and `list` present it: the row, its next ticks and its newest runs.
 #[derive(Debug, Clone, Serialize)]
 #[cfg_attr(feature = "ops-http", derive(utoipa::ToSchema))]

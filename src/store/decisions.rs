@@ -109,9 +109,10 @@ pub async fn approved(db: impl PgExecutor<'_>, run_id: &str, seq: i32) -> Result
     .await?)
 }
 
-/// The operator resume whose first attempt is `attempt` of position `seq`: who resumed it and
-/// why. A resume keeps the attempt count (the next claim is one more) unless it came after a fix,
-/// which starts it again at one. `None` when that attempt follows a crash or a retry instead.
+/// The operator resume whose first attempt is `attempt` (more than one) of position `seq`: who
+/// resumed it and why. A resume keeps the attempt count (the next claim is one more); one after a
+/// fix starts it again at one, so it is never the answer, but as the latest resume it still hides
+/// the plain resumes before it. `None` when that attempt follows a crash or a retry instead.
 pub async fn resumed_into(
     db: impl PgExecutor<'_>,
     run_id: &str,
@@ -120,11 +121,11 @@ pub async fn resumed_into(
 ) -> Result<Option<(String, String)>> {
     Ok(sqlx::query_as(
         "SELECT actor, reason FROM (
-             SELECT actor, reason, details FROM trailmark.decisions
+             SELECT actor, reason, action, details FROM trailmark.decisions
               WHERE run_id = $1 AND seq = $2 AND action IN ('resume', 'resume_after_fix')
               ORDER BY id DESC LIMIT 1) latest
-          WHERE CASE WHEN (details->>'attempts_reset')::boolean THEN 1
-                     ELSE COALESCE((details->>'attempts_before')::int, 0) + 1 END = $3",
+          WHERE action = 'resume'
+            AND COALESCE((details->>'attempts_before')::int, 0) + 1 = $3",
     )
     .bind(run_id)
     .bind(seq)

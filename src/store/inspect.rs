@@ -3,10 +3,16 @@
 //! (emptying the run tables, and a NOTIFY when a run finishes). Kept here so that a schema change
 //! is made, and checked, in one crate; the typed face is [`crate::inspect`].
 //!
+//! The waits' questions (which runs wait for an event, how their waits ended, what became of
+//! the events, how late sleepers woke) are the drill's and the bench's, so they are here too
+//! rather than beside the statements that move waiting runs on (`store::waits`).
+//!
 //! Runs are chosen either by id list (`= ANY($1)`) or by id prefix: a prefix is bound as a
 //! `LIKE` pattern that [`like_prefix`] escaped, so a `_` or `%` in it matches only itself.
 
 use chrono::{DateTime, Utc};
+use serde::Serialize;
+use serde_json::Value;
 use sqlx::PgExecutor;
 
 use super::Result;
@@ -337,4 +343,97 @@ mod tests {
         assert_eq!(like_prefix("l0-"), "l0-%");
         assert_eq!(like_prefix("a_b%c\\"), "a\\_b\\%c\\\\%");
     }
+}
+
+/// Those of `ids` that wait for an event now (status `waiting`, an open event wait).
+pub async fn waiting_for_events(db: impl PgExecutor<'_>, ids: &[String]) -> Result<Vec<String>> {
+    Ok(sqlx::query_scalar(
+        "SELECT w.run_id FROM trailmark.waits w JOIN trailmark.runs r ON r.run_id = w.run_id
+          WHERE w.run_id = ANY($1) AND w.resolved_at IS NULL AND w.kind = 'event'
+            AND r.status = 'waiting' AND r.step_seq = w.seq",
+    )
+    .bind(ids)
+    .fetch_all(db)
+    .await?)
+}
+
+/// How each event wait of `ids` ended: run, position, resolution (`None`: open), the event's
+/// id, and the event's payload.
+pub type WaitOutcome = (String, i32, Option<String>, Option<String>, Option<Value>);
+
+/// Every event wait of `ids`, by run and position.
+pub async fn outcomes(db: impl PgExecutor<'_>, ids: &[String]) -> Result<Vec<WaitOutcome>> {
+    Ok(sqlx::query_as(
+        "SELECT w.run_id, w.seq, w.resolution, w.signal_id, s.payload
+           FROM trailmark.waits w LEFT JOIN trailmark.signals s ON s.signal_id = w.signal_id
+          WHERE w.run_id = ANY($1) AND w.kind = 'event' ORDER BY w.run_id, w.seq",
+    )
+    .bind(ids)
+    .fetch_all(db)
+    .await?)
+}
+
+/// Each of `ids` (event ids) as stored: id, state (`pending`, `consumed`, `expired`) and the
+/// runs it resumed.
+pub async fn signal_states(
+    db: impl PgExecutor<'_>,
+    ids: &[String],
+) -> Result<Vec<(String, String, i32)>> {
+    Ok(sqlx::query_as(
+        "SELECT signal_id,
+                CASE WHEN consumed_at IS NOT NULL THEN 'consumed'
+                     WHEN expired_at IS NOT NULL THEN 'expired' ELSE 'pending' END,
+                resumed
+           FROM trailmark.signals WHERE signal_id = ANY($1)",
+    )
+    .bind(ids)
+    .fetch_all(db)
+    .await?)
+}
+
+/// How late the sleeps of runs whose id starts with `prefix` were ended, from their due time:
+/// by the timer loop (`resolved_at`), and to the start of the step after them (the claim of
+/// the woken step), in seconds, each as (p50, p99, max); with how many and over how many
+/// seconds their due times were spread. For the bench.
+pub async fn sleep_lags(db: impl PgExecutor<'_>, prefix: &str) -> Result<SleepLags> {
+    Ok(sqlx::query_as(
+        "SELECT count(*) AS sleeps,
+                COALESCE(EXTRACT(EPOCH FROM max(w.due_at) - min(w.due_at)), 0)::float8 AS due_spread_secs,
+                COALESCE(percentile_cont(0.5) WITHIN GROUP (ORDER BY EXTRACT(EPOCH FROM w.resolved_at - w.due_at)), 0)::float8 AS woken_p50,
+                COALESCE(percentile_cont(0.99) WITHIN GROUP (ORDER BY EXTRACT(EPOCH FROM w.resolved_at - w.due_at)), 0)::float8 AS woken_p99,
+                COALESCE(max(EXTRACT(EPOCH FROM w.resolved_at - w.due_at)), 0)::float8 AS woken_max,
+                COALESCE(percentile_cont(0.5) WITHIN GROUP (ORDER BY EXTRACT(EPOCH FROM s.started_at - w.due_at)), 0)::float8 AS started_p50,
+                COALESCE(percentile_cont(0.99) WITHIN GROUP (ORDER BY EXTRACT(EPOCH FROM s.started_at - w.due_at)), 0)::float8 AS started_p99,
+                COALESCE(max(EXTRACT(EPOCH FROM s.started_at - w.due_at)), 0)::float8 AS started_max,
+                count(*) FILTER (WHERE w.resolved_at < w.due_at OR s.started_at < w.due_at) AS early
+           FROM trailmark.waits w
+           JOIN trailmark.steps s ON s.run_id = w.run_id AND s.seq = w.seq + 1
+          WHERE w.run_id LIKE $1 AND w.kind = 'sleep' AND w.resolution = 'woke'",
+    )
+    .bind(like_prefix(prefix))
+    .fetch_one(db)
+    .await?)
+}
+
+/// What [`sleep_lags`] measured.
+#[derive(Debug, Clone, Copy, Default, Serialize, sqlx::FromRow)]
+pub struct SleepLags {
+    /// Sleeps ended.
+    pub sleeps: i64,
+    /// From the first due time to the last (s).
+    pub due_spread_secs: f64,
+    /// Due time to the timer loop's wake-up: p50 (s).
+    pub woken_p50: f64,
+    /// p99 (s).
+    pub woken_p99: f64,
+    /// Worst (s).
+    pub woken_max: f64,
+    /// Due time to the claim of the woken step: p50 (s).
+    pub started_p50: f64,
+    /// p99 (s).
+    pub started_p99: f64,
+    /// Worst (s).
+    pub started_max: f64,
+    /// Sleeps ended, or steps started, before their time (must be 0).
+    pub early: i64,
 }

@@ -65,12 +65,17 @@ pub async fn silent_workers(
 /// there a lease after it became available is held: by a frozen relay's lock, or by the broker's
 /// refusals). Their step message is then in a queue, in a delay queue, held unacknowledged by a
 /// consumer that does not run, or in the outbox beyond reach;
-/// the caller queues a copy of it in the same transaction. Rows other sweepers hold are skipped,
-/// and a run marked here waits `secs` again before it can be marked again.
+/// the caller queues a copy of it in the same transaction. Only runs of a workflow in
+/// `deployed` (names and versions, as [`crate::workflow::Registry::deployed`]) at that version
+/// or older are taken: a copy the caller cannot run would only wait (a newer version) or be
+/// dead-lettered (an unknown workflow) beside the original, and a run marked but not re-queued
+/// would be skipped by every sweeper for `secs`. Rows other sweepers hold are skipped, and a run
+/// marked here waits `secs` again before it can be marked again.
 pub async fn take_stranded(
     db: impl PgExecutor<'_>,
     secs: f64,
     limit: i64,
+    deployed: &(Vec<String>, Vec<i32>),
 ) -> Result<Vec<ExpiredLease>> {
     Ok(sqlx::query_as(
         "UPDATE trailmark.runs r SET updated_at = now()
@@ -78,6 +83,8 @@ pub async fn take_stranded(
                   WHERE u.status = ANY($1::text[]) AND u.step IS NOT NULL
                     AND u.updated_at < now() - make_interval(secs => $2)
                     AND (u.lease_owner IS NULL OR u.lease_expires_at IS NULL)
+                    AND EXISTS (SELECT 1 FROM unnest($4::text[], $5::int[]) AS d(name, version)
+                                 WHERE d.name = u.workflow AND d.version >= u.workflow_version)
                     AND NOT EXISTS (SELECT 1 FROM trailmark.steps s
                                      WHERE s.run_id = u.run_id AND s.seq = u.step_seq
                                        AND s.retry_at > now())
@@ -92,6 +99,8 @@ pub async fn take_stranded(
     .bind(&RunStatus::EXECUTING[..])
     .bind(secs)
     .bind(limit)
+    .bind(&deployed.0)
+    .bind(&deployed.1)
     .fetch_all(db)
     .await?)
 }

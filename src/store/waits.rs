@@ -163,31 +163,24 @@ pub async fn due(conn: &mut PgConnection, limit: i64) -> Result<Vec<Waiting>> {
         .await?)
 }
 
-/// Closes due waits whose run no longer waits at their position (an operator moved it in a way
-/// that did not close them): left open, the timer loop would read them on every round.
-pub async fn close_orphans(db: impl PgExecutor<'_>, limit: i64) -> Result<u64> {
-    let done = sqlx::query(
+/// Closes due waits whose run no longer waits at their position, and returns them (run,
+/// position). Every move of a waiting run closes its wait in the same transaction, so this
+/// should find none; left open, one would stay among the earliest due waits that the timer loop
+/// reads on every round. Cheap when there are none: it reads the due waits through their
+/// partial index, and writes nothing.
+pub async fn close_orphans(db: impl PgExecutor<'_>, limit: i64) -> Result<Vec<(String, i32)>> {
+    Ok(sqlx::query_as(
         "UPDATE trailmark.waits w SET resolved_at = now(), resolution = 'decision'
            FROM (SELECT o.run_id, o.seq FROM trailmark.waits o
                   WHERE o.resolved_at IS NULL AND o.due_at <= now()
                     AND NOT EXISTS (SELECT 1 FROM trailmark.runs r WHERE r.run_id = o.run_id
                                        AND r.status = 'waiting' AND r.step_seq = o.seq)
                   LIMIT $1 FOR UPDATE SKIP LOCKED) x
-          WHERE w.run_id = x.run_id AND w.seq = x.seq",
+          WHERE w.run_id = x.run_id AND w.seq = x.seq
+      RETURNING w.run_id, w.seq",
     )
     .bind(limit)
-    .execute(db)
-    .await?;
-    Ok(done.rows_affected())
-}
-
-/// When the earliest open wait is due, if any wait is open.
-pub async fn next_due(db: impl PgExecutor<'_>) -> Result<Option<f64>> {
-    Ok(sqlx::query_scalar(
-        "SELECT EXTRACT(EPOCH FROM min(due_at) - now())::float8 FROM trailmark.waits
-          WHERE resolved_at IS NULL",
-    )
-    .fetch_one(db)
+    .fetch_all(db)
     .await?)
 }
 
@@ -256,8 +249,11 @@ pub async fn move_on(conn: &mut PgConnection, moves: &[Move<'_>]) -> Result<Vec<
 /// What the store knew of an event's id when the event arrived.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Received {
-    /// A new event, recorded.
-    New,
+    /// A new event, recorded; kept for a wait until `expires_at` if none takes it now.
+    New {
+        /// When it stops waiting for a wait (database clock).
+        expires_at: DateTime<Utc>,
+    },
     /// The same event was received before (same name, key and payload).
     Repeat(SignalRow),
     /// The id was received before with another name, key or payload.
@@ -272,12 +268,13 @@ pub async fn receive(
     via: &str,
     (keep_secs, retention_secs): (u64, u64),
 ) -> Result<Received> {
-    let new = sqlx::query(
+    let new: Option<DateTime<Utc>> = sqlx::query_scalar(
         "INSERT INTO trailmark.signals (signal_id, name, match_key, payload, payload_hash, via,
                                         expires_at, forget_at)
          VALUES ($1, $2, $3, $4, $5, $6, now() + make_interval(secs => $7::float8),
                  now() + make_interval(secs => $7::float8 + $8::float8))
-         ON CONFLICT (signal_id) DO NOTHING",
+         ON CONFLICT (signal_id) DO NOTHING
+         RETURNING expires_at",
     )
     .bind(&event.id)
     .bind(&event.name)
@@ -287,10 +284,10 @@ pub async fn receive(
     .bind(via)
     .bind(keep_secs as f64)
     .bind(retention_secs as f64)
-    .execute(&mut *conn)
+    .fetch_optional(&mut *conn)
     .await?;
-    if new.rows_affected() == 1 {
-        return Ok(Received::New);
+    if let Some(expires_at) = new {
+        return Ok(Received::New { expires_at });
     }
     let stored = signal(&mut *conn, &event.id).await?.ok_or_else(|| {
         super::Error::unavailable(
@@ -554,97 +551,4 @@ pub async fn open_counts(db: impl PgExecutor<'_>) -> Result<Vec<(String, i64)>> 
     )
     .fetch_all(db)
     .await?)
-}
-
-/// Those of `ids` that wait for an event now (status `waiting`, an open event wait).
-pub async fn waiting_for_events(db: impl PgExecutor<'_>, ids: &[String]) -> Result<Vec<String>> {
-    Ok(sqlx::query_scalar(
-        "SELECT w.run_id FROM trailmark.waits w JOIN trailmark.runs r ON r.run_id = w.run_id
-          WHERE w.run_id = ANY($1) AND w.resolved_at IS NULL AND w.kind = 'event'
-            AND r.status = 'waiting' AND r.step_seq = w.seq",
-    )
-    .bind(ids)
-    .fetch_all(db)
-    .await?)
-}
-
-/// How each event wait of `ids` ended: run, position, resolution (`None`: open), the event's
-/// id, and the event's payload.
-pub type WaitOutcome = (String, i32, Option<String>, Option<String>, Option<Value>);
-
-/// Every event wait of `ids`, by run and position.
-pub async fn outcomes(db: impl PgExecutor<'_>, ids: &[String]) -> Result<Vec<WaitOutcome>> {
-    Ok(sqlx::query_as(
-        "SELECT w.run_id, w.seq, w.resolution, w.signal_id, s.payload
-           FROM trailmark.waits w LEFT JOIN trailmark.signals s ON s.signal_id = w.signal_id
-          WHERE w.run_id = ANY($1) AND w.kind = 'event' ORDER BY w.run_id, w.seq",
-    )
-    .bind(ids)
-    .fetch_all(db)
-    .await?)
-}
-
-/// Each of `ids` (event ids) as stored: id, state (`pending`, `consumed`, `expired`) and the
-/// runs it resumed.
-pub async fn signal_states(
-    db: impl PgExecutor<'_>,
-    ids: &[String],
-) -> Result<Vec<(String, String, i32)>> {
-    Ok(sqlx::query_as(
-        "SELECT signal_id,
-                CASE WHEN consumed_at IS NOT NULL THEN 'consumed'
-                     WHEN expired_at IS NOT NULL THEN 'expired' ELSE 'pending' END,
-                resumed
-           FROM trailmark.signals WHERE signal_id = ANY($1)",
-    )
-    .bind(ids)
-    .fetch_all(db)
-    .await?)
-}
-
-/// How late the sleeps of runs whose id starts with `prefix` were ended, from their due time:
-/// by the timer loop (`resolved_at`), and to the start of the step after them (the claim of
-/// the woken step), in seconds, each as (p50, p99, max); with how many and over how many
-/// seconds their due times were spread. For the bench.
-pub async fn sleep_lags(db: impl PgExecutor<'_>, prefix: &str) -> Result<SleepLags> {
-    Ok(sqlx::query_as(
-        "SELECT count(*) AS sleeps,
-                COALESCE(EXTRACT(EPOCH FROM max(w.due_at) - min(w.due_at)), 0)::float8 AS due_spread_secs,
-                COALESCE(percentile_cont(0.5) WITHIN GROUP (ORDER BY EXTRACT(EPOCH FROM w.resolved_at - w.due_at)), 0)::float8 AS woken_p50,
-                COALESCE(percentile_cont(0.99) WITHIN GROUP (ORDER BY EXTRACT(EPOCH FROM w.resolved_at - w.due_at)), 0)::float8 AS woken_p99,
-                COALESCE(max(EXTRACT(EPOCH FROM w.resolved_at - w.due_at)), 0)::float8 AS woken_max,
-                COALESCE(percentile_cont(0.5) WITHIN GROUP (ORDER BY EXTRACT(EPOCH FROM s.started_at - w.due_at)), 0)::float8 AS started_p50,
-                COALESCE(percentile_cont(0.99) WITHIN GROUP (ORDER BY EXTRACT(EPOCH FROM s.started_at - w.due_at)), 0)::float8 AS started_p99,
-                COALESCE(max(EXTRACT(EPOCH FROM s.started_at - w.due_at)), 0)::float8 AS started_max,
-                count(*) FILTER (WHERE w.resolved_at < w.due_at OR s.started_at < w.due_at) AS early
-           FROM trailmark.waits w
-           JOIN trailmark.steps s ON s.run_id = w.run_id AND s.seq = w.seq + 1
-          WHERE w.run_id LIKE $1 AND w.kind = 'sleep' AND w.resolution = 'woke'",
-    )
-    .bind(super::inspect::like_prefix(prefix))
-    .fetch_one(db)
-    .await?)
-}
-
-/// What [`sleep_lags`] measured.
-#[derive(Debug, Clone, Copy, Default, Serialize, sqlx::FromRow)]
-pub struct SleepLags {
-    /// Sleeps ended.
-    pub sleeps: i64,
-    /// From the first due time to the last (s).
-    pub due_spread_secs: f64,
-    /// Due time to the timer loop's wake-up: p50 (s).
-    pub woken_p50: f64,
-    /// p99 (s).
-    pub woken_p99: f64,
-    /// Worst (s).
-    pub woken_max: f64,
-    /// Due time to the claim of the woken step: p50 (s).
-    pub started_p50: f64,
-    /// p99 (s).
-    pub started_p99: f64,
-    /// Worst (s).
-    pub started_max: f64,
-    /// Sleeps ended, or steps started, before their time (must be 0).
-    pub early: i64,
 }

@@ -102,8 +102,8 @@ pub async fn send(
         kept_until,
         first: first.map(str::to_owned),
     };
-    match waits::receive(&mut tx, &event, &via, keep).await? {
-        waits::Received::New => {}
+    let expires_at = match waits::receive(&mut tx, &event, &via, keep).await? {
+        waits::Received::New { expires_at } => expires_at,
         waits::Received::Repeat(first) => {
             tx.rollback().await.map_err(store::Error::from)?;
             crate::metrics::event_received("duplicate");
@@ -126,7 +126,7 @@ pub async fn send(
                 new_hash,
             });
         }
-    }
+    };
     let waiting = waits::waiting_for(&mut tx, &event.name, &event.key).await?;
     let runs = waiting
         .into_iter()
@@ -145,10 +145,8 @@ pub async fn send(
     fp.hit("event.after_commit").map_err(interrupted)?;
     if resumed.is_empty() {
         crate::metrics::event_received("kept");
-        let kept = waits::signal(&engine.pool, &event.id).await?;
-        let until = kept.map(|k| k.expires_at);
         tracing::info!(event.id = %event.id, event = %event.name, key = %event.key, "no run waits for the event yet; kept for the first wait that comes");
-        return Ok(sent("kept", Vec::new(), until, None));
+        return Ok(sent("kept", Vec::new(), Some(expires_at), None));
     }
     crate::metrics::event_received("resumed");
     tracing::info!(event.id = %event.id, event = %event.name, key = %event.key, runs = resumed.len(), "the event moved waiting runs on");
@@ -166,19 +164,7 @@ async fn audited(
         "name": event.name, "key": event.key, "payload_hash": event.payload_hash(),
         "resumed": resumed,
     });
-    let entry = audit::NewEntry {
-        actor: &who.actor,
-        role: &who.role,
-        via: who.via,
-        action: "event.send",
-        target: &event.id,
-        reason: &who.reason,
-        request_id: who.request_id.as_deref(),
-        status_before: None,
-        status_after: None,
-        details: &details,
-    };
-    audit::insert(tx, &entry).await
+    audit::insert(tx, &who.audit_entry("event.send", &event.id, &details)).await
 }
 
 fn interrupted(e: crate::failpoint::Injected) -> SendError {

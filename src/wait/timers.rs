@@ -75,7 +75,8 @@ pub async fn wake_due(engine: &Engine) -> store::Result<usize> {
 }
 
 /// Marks events no wait took in time as expired (each logged, never dropped silently), removes
-/// those past `waits.event_retention_secs`, and closes waits whose run an operator moved on.
+/// those past `waits.event_retention_secs`, and, as a guard, closes (with a warning) waits whose
+/// run was moved on without closing them.
 async fn housekeeping(engine: &Engine) -> store::Result<()> {
     let expired = waits::expire(&engine.pool, BATCH).await?;
     for e in &expired {
@@ -90,6 +91,10 @@ async fn housekeeping(engine: &Engine) -> store::Result<()> {
             "expired events removed after waits.event_retention_secs"
         );
     }
-    waits::close_orphans(&engine.pool, BATCH).await?;
+    let orphans = waits::close_orphans(&engine.pool, BATCH).await?;
+    if !orphans.is_empty() {
+        tracing::warn!(waits = orphans.len(), first = ?orphans.first(),
+            "closed open waits whose run no longer waits there; whatever moved the run on should have closed them: report this with the run ids (`trailmark run show`) so the path that left them is fixed");
+    }
     Ok(())
 }

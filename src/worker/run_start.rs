@@ -21,23 +21,24 @@ use crate::broker::{Outgoing, Topology};
 use crate::store::{retention, self, outbox, runs};
 use crate::workflow::{Registry, StartRefused, Workflow};
 
-/// The run-start message for `event`, when a worker here would start the run: its workflow is
-/// registered and accepts the input ([`Registry::accepting`]), and the message fits `limit`
-/// bytes (checked first). `trailmark run start` and the embedded handle ask this before they publish.
+/// The run-start message for `event` and its workflow, when a worker here would start the run:
+/// the workflow is registered and accepts the input ([`Registry::accepting`]), and the message
+/// fits `limit` bytes (checked first). `trailmark run start` and the embedded handle ask this
+/// before they publish; the API starts the run with the workflow it hands back.
 pub fn start_message(
     registry: &Registry,
     topology: &Topology,
     limit: usize,
     event: &RunStartEvent,
-) -> Result<Outgoing, StartRefused> {
+) -> Result<(Outgoing, Arc<Workflow>), StartRefused> {
     // Size first, as a worker meets it: an oversized event is refused before it is decoded.
     let message = topology.run_start(event);
     let bytes = message.body.len();
     if bytes > limit {
         return Err(StartRefused::TooLarge { bytes, limit });
     }
-    registry.accepting(&event.workflow, &event.input)?;
-    Ok(message)
+    let workflow = registry.accepting(&event.workflow, &event.input)?;
+    Ok((message, workflow))
 }
 
 /// Creates the run unless it exists; `Err` means infrastructure failed and the delivery is retried.

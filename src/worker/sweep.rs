@@ -25,7 +25,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::domain::RunId;
 use crate::engine::Engine;
-use crate::store::{self, outbox, runs::ExpiredLease, stranded};
+use crate::store::{self, outbox, stranded};
 
 /// How often a worker looks for frozen workers.
 const EVERY: Duration = Duration::from_secs(1);
@@ -103,10 +103,10 @@ fn silence(w: &crate::config::WorkerSettings) -> f64 {
 /// in the transaction that marks them; returns how many.
 async fn requeue(engine: &Engine, lease: f64) -> store::Result<usize> {
     let mut tx = engine.pool.begin().await?;
-    let stranded = stranded::take_stranded(&mut *tx, lease, LIMIT).await?;
+    let deployed = engine.registry.deployed();
+    let stranded = stranded::take_stranded(&mut *tx, lease, LIMIT, &deployed).await?;
     let messages: Vec<_> = stranded
         .iter()
-        .filter(|run| runs_here(engine, run))
         .filter_map(|run| {
             let run_id = RunId::parse(&run.run_id).ok()?;
             tracing::debug!(run.id = %run_id, step = %run.step, seq = run.step_seq, "run did not move for a lease while a worker is frozen; re-queueing its step");
@@ -122,13 +122,4 @@ async fn requeue(engine: &Engine, lease: f64) -> store::Result<usize> {
     outbox::insert(&mut *tx, &messages).await?;
     tx.commit().await?;
     Ok(messages.len())
-}
-
-/// Whether this worker runs the run's workflow at its version: a copy it cannot run would only
-/// wait (a newer version) or be dead-lettered (a workflow it does not know) beside the original.
-fn runs_here(engine: &Engine, run: &ExpiredLease) -> bool {
-    engine
-        .registry
-        .get(&run.workflow)
-        .is_some_and(|w| w.version >= run.workflow_version)
 }

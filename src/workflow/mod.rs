@@ -251,6 +251,15 @@ impl Registry {
         Ok(found)
     }
 
+    /// Every registered workflow's name and version, as two matching lists: what a query
+    /// filters by to touch only the runs this process can execute.
+    pub fn deployed(&self) -> (Vec<String>, Vec<i32>) {
+        self.workflows
+            .values()
+            .map(|w| (w.name.clone(), w.version))
+            .unzip()
+    }
+
     /// Registered names, sorted, for error messages.
     pub fn names(&self) -> Vec<String> {
         let mut names: Vec<String> = self.workflows.keys().cloned().collect();

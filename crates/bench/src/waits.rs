@@ -23,11 +23,13 @@ use serde_json::{Value, json};
 
 use super::env::{BenchEnv, Proc};
 use super::load::ids;
+use super::measure::Spread;
 use super::systems::System;
 use super::window::{BACKGROUND_SPAN, background_cores, measured};
 use super::{Error, Result, progress};
 use trailmark::config::Settings;
 use trailmark::domain::{RunId, RunStartEvent};
+use trailmark::inspect;
 use trailmark::store::waits;
 
 /// What to run.
@@ -82,17 +84,11 @@ pub struct WaitsReport {
     /// Median beside the waiting runs / median in the empty database.
     pub ratio_vs_empty: f64,
     /// The sleepers' wake-up lags.
-    pub sleepers: waits::SleepLags,
+    pub sleepers: inspect::SleepLags,
     /// Cores of this machine.
     pub cores: usize,
     /// Cores other work kept busy before the bench.
     pub background_cores: f64,
-}
-
-fn median(v: &[f64]) -> f64 {
-    let mut s = v.to_vec();
-    s.sort_by(f64::total_cmp);
-    if s.is_empty() { 0.0 } else { s[s.len() / 2] }
 }
 
 /// The three environments, in the order of [`WaitsReport`]'s columns.
@@ -197,6 +193,7 @@ async fn phases(envs: &mut [BenchEnv], cfg: &WaitsConfig, background: f64) -> Re
         }
     }
     let [empty, finished_rates, waiting_rates] = rates;
+    let median = |v: &[f64]| Spread::of(v).median;
     report.ratio_vs_empty = median(&waiting_rates) / median(&empty);
     report.ratio_vs_finished = median(&waiting_rates) / median(&finished_rates);
     report.empty_steps_per_s = empty;
@@ -301,9 +298,9 @@ async fn put_to_wait(env: &BenchEnv, n: usize, procs: &mut [Proc]) -> Result<()>
 }
 
 /// `n` runs sleeping 90 s after their first step, started at once; their lags once all woke.
-async fn wake_lags(env: &BenchEnv, n: usize, procs: &mut [Proc]) -> Result<waits::SleepLags> {
+async fn wake_lags(env: &BenchEnv, n: usize, procs: &mut [Proc]) -> Result<inspect::SleepLags> {
     if n == 0 {
-        return Ok(waits::SleepLags::default());
+        return Ok(inspect::SleepLags::default());
     }
     let sleep = json!({"steps": 2, "ledger": "local", "sleep": {"at": 0, "secs": 90}});
     start(env, &ids("z", n), &sleep).await?;
@@ -313,7 +310,7 @@ async fn wake_lags(env: &BenchEnv, n: usize, procs: &mut [Proc]) -> Result<waits
         Ok(p.succeeded as usize)
     })
     .await?;
-    let lags = waits::sleep_lags(&env.pool, "z-").await?;
+    let lags = inspect::sleep_lags(&env.pool, "z-").await?;
     progress(&format!(
         "{} sleepers due over {:.0} s: woken p50 {:.0} ms p99 {:.0} ms; step started p50 {:.0} ms p99 {:.0} ms",
         lags.sleeps,

@@ -248,6 +248,24 @@ pub fn parse_logs(text: &str) -> CallLogs {
     out
 }
 
+/// Whether `letter` is one of the `conflicts` (events sent again with another payload), refused
+/// as `event_conflict`.
+fn is_refused_conflict(letter: &dlq::DeadLetter, conflicts: &[String]) -> bool {
+    letter.reason == "event_conflict" && conflicts.contains(&letter.id)
+}
+
+/// How many of the `conflicts` are in `letters` as `event_conflict`. A conflicting copy may be
+/// dead-lettered twice (at least once: redelivered after a broker fault cut the ack of its first
+/// refusal); each counts once.
+pub fn refused_conflicts(letters: &[dlq::DeadLetter], conflicts: &[String]) -> usize {
+    let refused: HashSet<&str> = letters
+        .iter()
+        .filter(|l| is_refused_conflict(l, conflicts))
+        .map(|l| l.id.as_str())
+        .collect();
+    refused.len()
+}
+
 /// The DLQ's letters: poison found with a reason, poison missing, letters that are not poison.
 /// `conflicts`: ids of events sent again with another payload, expected as `event_conflict`.
 pub async fn dead_letters(
@@ -265,14 +283,12 @@ pub async fn dead_letters(
     };
     let poison_ids: HashSet<&str> = poison.iter().map(String::as_str).collect();
     let mut found = HashSet::new();
-    // A conflicting copy may be dead-lettered twice (at least once: redelivered after a broker
-    // fault cut the ack of its first refusal); each counts once.
-    let mut refused = HashSet::new();
     for letter in &listing.letters {
         *d.by_reason.entry(letter.reason.clone()).or_default() += 1;
-        if letter.reason == "event_conflict" && conflicts.contains(&letter.id) {
-            refused.insert(letter.id.as_str());
-        } else if poison_ids.contains(letter.id.as_str()) {
+        if is_refused_conflict(letter, conflicts) {
+            continue;
+        }
+        if poison_ids.contains(letter.id.as_str()) {
             if !letter.reason.is_empty() && letter.reason != "unknown" {
                 found.insert(letter.id.clone());
             }
@@ -281,7 +297,7 @@ pub async fn dead_letters(
                 .push(format!("{} ({})", letter.id, letter.reason));
         }
     }
-    d.event_conflicts = refused.len() as u32;
+    d.event_conflicts = refused_conflicts(&listing.letters, conflicts) as u32;
     d.poison_found = found.len() as u32;
     d.poison_missing = poison
         .iter()

@@ -19,7 +19,7 @@ use super::{Faults, Result};
 use trailmark::broker::{self, Outgoing, Publisher, Topology};
 use trailmark::config::BrokerSettings;
 use trailmark::domain::InboundEvent;
-use trailmark::store::waits;
+use trailmark::inspect;
 
 /// What was sent and what came of it.
 #[derive(Debug, Clone, Default, Serialize)]
@@ -140,7 +140,7 @@ impl Events {
         let waiting = if unsent.is_empty() {
             Vec::new()
         } else {
-            waits::waiting_for_events(pool, &unsent).await?
+            inspect::waiting_for_events(pool, &unsent).await?
         };
         // A conflicting copy goes out once the first is recorded: sent at once, a worker could
         // take it first, and then the first copy would be the one refused.
@@ -153,7 +153,7 @@ impl Events {
         let recorded: Vec<String> = if to_conflict.is_empty() {
             Vec::new()
         } else {
-            let states = waits::signal_states(pool, &to_conflict).await?;
+            let states = inspect::signal_states(pool, &to_conflict).await?;
             states.into_iter().map(|(id, _, _)| id).collect()
         };
         let mut out: Vec<(String, &str, Outgoing)> = Vec::new();
@@ -222,13 +222,7 @@ impl Events {
                 .list(&trailmark::dlq::Page::all(), &trailmark::dlq::quiet)
                 .await;
             dlq.close().await;
-            let refused: std::collections::HashSet<String> = listing?
-                .letters
-                .into_iter()
-                .filter(|l| l.reason == "event_conflict" && sent.contains(&l.id))
-                .map(|l| l.id)
-                .collect();
-            let refused = refused.len();
+            let refused = crate::check::refused_conflicts(&listing?.letters, &sent);
             if refused >= sent.len()
                 && self
                     .todo
@@ -277,10 +271,10 @@ impl Events {
         refused: u32,
     ) -> Result<(EventFigures, Vec<Invariant>)> {
         let ids = &self.counted;
-        let outcomes = waits::outcomes(pool, ids).await?;
+        let outcomes = inspect::wait_outcomes(pool, ids).await?;
         let event_ids: Vec<String> = ids.iter().map(|id| event_id(id)).collect();
-        let states = waits::signal_states(pool, &event_ids).await?;
-        let mut by_run: BTreeMap<&str, Vec<&waits::WaitOutcome>> = BTreeMap::new();
+        let states = inspect::signal_states(pool, &event_ids).await?;
+        let mut by_run: BTreeMap<&str, Vec<&inspect::WaitOutcome>> = BTreeMap::new();
         for o in &outcomes {
             by_run.entry(o.0.as_str()).or_default().push(o);
         }

@@ -22,7 +22,7 @@ pub enum DlqCommand {
         #[arg(long, default_value_t = 100)]
         limit: usize,
         /// The page after this cursor (printed at the end of the previous page, `next` in JSON).
-        #[arg(long, value_parser = parse_cursor)]
+        #[arg(long)]
         after: Option<Cursor>,
     },
     /// Show one dead letter: every header, and the body when it is JSON.
@@ -66,7 +66,8 @@ pub enum DlqCommand {
     },
 }
 
-/// Who requeues or purges, and why (`--reason` already selects letters by their reason code).
+/// Who makes an audited change (a requeue or purge, a schedule's change), and why: `--why`,
+/// since `--reason` already selects dead letters by their reason code.
 #[derive(Debug, clap::Args)]
 pub struct Audited {
     /// Why, in your words (recorded in the audit trail).
@@ -78,11 +79,19 @@ pub struct Audited {
 }
 
 impl Audited {
-    fn decider(self) -> Decider {
+    fn decider(&self) -> Decider {
         Decider::cli(
-            self.actor.unwrap_or_else(super::decide::default_actor),
-            self.why,
+            self.actor
+                .clone()
+                .unwrap_or_else(super::decide::default_actor),
+            self.why.clone(),
         )
+    }
+
+    /// The decider, its `--why` checked first as text from outside (before the change is made).
+    pub(super) fn checked(&self) -> anyhow::Result<Decider> {
+        trailmark::api::input::check("--why", &self.why, trailmark::api::input::Kind::Reason)?;
+        Ok(self.decider())
     }
 }
 
@@ -152,12 +161,6 @@ fn selection(id: Option<String>, all: bool, reason: Option<String>) -> Selection
 /// Progress of long passes, on stderr so that stdout stays parseable.
 fn progress(taken: u32, depth: u32) {
     eprintln!("dlq: {taken} of {depth} messages looked at");
-}
-
-fn parse_cursor(text: &str) -> Result<Cursor, String> {
-    Cursor::parse(text).ok_or_else(|| {
-        "not a cursor `dlq list` printed; copy the one after `--after` at the end of the previous page (or `next` in its --json)".to_owned()
-    })
 }
 
 async fn list(dlq: &Dlq, json: bool, page: &Page) -> anyhow::Result<()> {

@@ -46,7 +46,7 @@ pub async fn start(
     let event = RunStartEvent::new(run_id.clone(), &args.workflow, input);
     let topology = broker::Topology::new(&settings.broker.prefix, settings.broker.delivery_limit);
     let limit = settings.worker.max_message_bytes;
-    let message = trailmark::worker::start_message(registry, &topology, limit, &event)
+    let (message, _) = trailmark::worker::start_message(registry, &topology, limit, &event)
         .map_err(|refused| anyhow::anyhow!("{refused}; nothing was published"))?;
     let pool = match store::connect(&settings.database).await {
         Ok(pool) => Some(pool),

@@ -1,14 +1,15 @@
 //! `trailmark schedule create | list | show | pause | resume | trigger | backfill | delete`.
 
-use anyhow::{Context, bail};
+use anyhow::Context;
 use chrono::{DateTime, Utc};
 use clap::{ArgGroup, Subcommand};
 
 use trailmark::config::Settings;
 use trailmark::engine::Engine;
-use trailmark::operator::Decider;
-use trailmark::schedule::{self, Cadence, Overlap, ops};
+use trailmark::schedule::ops;
 use trailmark::workflow::Registry;
+
+use super::dlq::Audited;
 
 /// The `schedule` subcommands.
 #[derive(Debug, Subcommand)]
@@ -42,7 +43,7 @@ pub enum ScheduleCommand {
         catch_up: String,
         /// Who does it, and why: recorded in the audit trail.
         #[command(flatten)]
-        who: Who,
+        who: Audited,
     },
     /// Every schedule: cadence, next tick, paused, runs started and ticks skipped.
     List {
@@ -64,7 +65,7 @@ pub enum ScheduleCommand {
         name: String,
         /// Who does it, and why.
         #[command(flatten)]
-        who: Who,
+        who: Audited,
     },
     /// Resume from the next tick after now (ticks while paused are not made up).
     Resume {
@@ -72,7 +73,7 @@ pub enum ScheduleCommand {
         name: String,
         /// Who does it, and why.
         #[command(flatten)]
-        who: Who,
+        who: Audited,
     },
     /// Start one run now, whatever the overlap policy.
     Trigger {
@@ -80,7 +81,7 @@ pub enum ScheduleCommand {
         name: String,
         /// Who does it, and why.
         #[command(flatten)]
-        who: Who,
+        who: Audited,
     },
     /// Start the run of every past tick in a range that has none (run twice, it starts none).
     Backfill {
@@ -94,7 +95,7 @@ pub enum ScheduleCommand {
         to: String,
         /// Who does it, and why.
         #[command(flatten)]
-        who: Who,
+        who: Audited,
     },
     /// Delete the schedule; the runs it started stay.
     Delete {
@@ -102,31 +103,8 @@ pub enum ScheduleCommand {
         name: String,
         /// Who does it, and why.
         #[command(flatten)]
-        who: Who,
+        who: Audited,
     },
-}
-
-/// Who changes a schedule and why.
-#[derive(Debug, clap::Args)]
-pub struct Who {
-    /// Why, in your words (recorded in the audit trail).
-    #[arg(long, default_value = "no reason given")]
-    why: String,
-    /// Who does it (default: $USER).
-    #[arg(long, env = "TRAILMARK_ACTOR")]
-    actor: Option<String>,
-}
-
-impl Who {
-    fn decider(&self) -> anyhow::Result<Decider> {
-        trailmark::api::input::check("--why", &self.why, trailmark::api::input::Kind::Reason)?;
-        Ok(Decider::cli(
-            self.actor
-                .clone()
-                .unwrap_or_else(super::decide::default_actor),
-            self.why.clone(),
-        ))
-    }
 }
 
 /// Runs one `schedule` subcommand.
@@ -148,21 +126,11 @@ pub async fn run(
             catch_up,
             who,
         } => {
-            let cadence = match (&cron, &every) {
-                (Some(expr), _) => Cadence::cron(expr, tz.as_deref())?,
-                (None, Some(every)) => Cadence::every(every)?,
-                (None, None) => bail!("give --cron EXPR or --every DURATION"),
-            };
-            let create = ops::Create {
-                name,
-                workflow,
-                input: super::run::read_input(Some(&input))?,
-                cadence,
-                cron_text: cron.map(|c| (c, tz.unwrap_or_else(|| "UTC".into()))),
-                overlap: overlap.parse::<Overlap>()?,
-                catch_up: schedule::duration("catch_up", &catch_up)?,
-            };
-            let (row, _) = ops::create(&engine, &create, &who.decider()?).await?;
+            let input = super::run::read_input(Some(&input))?;
+            let create = ops::Create::new(name, workflow, input, cron, tz, every)?
+                .overlap(&overlap)?
+                .catch_up(&catch_up)?;
+            let (row, _) = ops::create(&engine, &create, &who.checked()?).await?;
             println!(
                 "schedule {} starts {} {}; next tick {}",
                 row.name,
@@ -174,18 +142,18 @@ pub async fn run(
         ScheduleCommand::List { json } => list(&engine, json).await?,
         ScheduleCommand::Show { name, json } => show(&engine, &name, json).await?,
         ScheduleCommand::Pause { name, who } => {
-            let row = ops::set_paused(&engine, &name, true, &who.decider()?).await?;
+            let row = ops::set_paused(&engine, &name, true, &who.checked()?).await?;
             println!(
                 "schedule {} is paused; nothing starts until `trailmark schedule resume {}`",
                 row.name, row.name
             );
         }
         ScheduleCommand::Resume { name, who } => {
-            let row = ops::set_paused(&engine, &name, false, &who.decider()?).await?;
+            let row = ops::set_paused(&engine, &name, false, &who.checked()?).await?;
             println!("schedule {} resumed; next tick {}", row.name, row.next_tick);
         }
         ScheduleCommand::Trigger { name, who } => {
-            let done = ops::trigger(&engine, &name, &who.decider()?).await?;
+            let done = ops::trigger(&engine, &name, &who.checked()?).await?;
             print_started(&done);
         }
         ScheduleCommand::Backfill {
@@ -195,11 +163,11 @@ pub async fn run(
             who,
         } => {
             let (from, to) = (time("--from", &from)?, time("--to", &to)?);
-            let done = ops::backfill(&engine, &name, from, to, &who.decider()?).await?;
+            let done = ops::backfill(&engine, &name, from, to, &who.checked()?).await?;
             print_started(&done);
         }
         ScheduleCommand::Delete { name, who } => {
-            ops::delete(&engine, &name, &who.decider()?).await?;
+            ops::delete(&engine, &name, &who.checked()?).await?;
             println!("schedule {name} deleted; the runs it started stay");
         }
     }
