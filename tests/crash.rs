@@ -477,3 +477,45 @@ async fn ready(env: &TestEnv, queue: &str) -> u32 {
     let _ = conn.close(200, "done".into()).await;
     q.message_count()
 }
+
+/// The frozen-worker sweep takes only runs a worker here can execute: a run of a workflow not
+/// deployed here, or of a newer version, is neither re-queued nor marked, so no sweeper skips it
+/// for a lease (a worker that can run it takes it on its next round).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_stranded_sweep_takes_and_marks_only_runs_of_workflows_deployed_here() {
+    use trailmark::store::{runs, stranded};
+    let env = TestEnv::new().await;
+    let first: trailmark::domain::StepAddress = "a".into();
+    for (run, workflow, version) in [
+        ("r-here", "chain", 1),
+        ("r-newer", "chain", 2),
+        ("r-other", "elsewhere", 1),
+    ] {
+        let run_id = trailmark::domain::RunId::parse(run).unwrap();
+        let new = runs::NewRun {
+            run_id: &run_id,
+            workflow,
+            version,
+            first_step: &first,
+            input: &json!({}),
+        };
+        assert!(runs::insert(&env.pool, &new).await.unwrap());
+    }
+    sqlx::query("UPDATE trailmark.runs SET updated_at = now() - interval '1 hour'")
+        .execute(&env.pool)
+        .await
+        .unwrap();
+    let deployed = (vec!["chain".to_owned()], vec![1]);
+    let taken = stranded::take_stranded(&env.pool, 60.0, 10, &deployed)
+        .await
+        .unwrap();
+    let taken: Vec<&str> = taken.iter().map(|r| r.run_id.as_str()).collect();
+    assert_eq!(taken, ["r-here"]);
+    let marked: Vec<String> = sqlx::query_scalar(
+        "SELECT run_id FROM trailmark.runs WHERE updated_at > now() - interval '1 minute' ORDER BY run_id",
+    )
+    .fetch_all(&env.pool)
+    .await
+    .unwrap();
+    assert_eq!(marked, ["r-here"], "only the run taken is marked");
+}
