@@ -75,13 +75,16 @@ pub struct NewRun<'a> {
     pub first_step: &'a StepAddress,
     /// Input.
     pub input: &'a Value,
+    /// The run whose step started it, for a child run.
+    pub parent: Option<&'a str>,
 }
 
 /// Inserts the run unless it exists; returns whether it was created.
 pub async fn insert(db: impl PgExecutor<'_>, run: &NewRun<'_>) -> Result<bool> {
     let done = sqlx::query(
-        "INSERT INTO trailmark.runs (run_id, workflow, workflow_version, status, step, input)
-         VALUES ($1, $2, $3, $6, $4, $5) ON CONFLICT (run_id) DO NOTHING",
+        "INSERT INTO trailmark.runs (run_id, workflow, workflow_version, status, step, input,
+                                     parent_run_id)
+         VALUES ($1, $2, $3, $6, $4, $5, $7) ON CONFLICT (run_id) DO NOTHING",
     )
     .bind(run.run_id.as_str())
     .bind(run.workflow)
@@ -89,6 +92,7 @@ pub async fn insert(db: impl PgExecutor<'_>, run: &NewRun<'_>) -> Result<bool> {
     .bind(run.first_step)
     .bind(run.input)
     .bind(RunStatus::Running)
+    .bind(run.parent)
     .execute(db)
     .await?;
     Ok(done.rows_affected() == 1)
@@ -155,6 +159,8 @@ pub struct Claim {
     /// Made by the previous step's commit (a pre-claim), not by a claim statement: the step's
     /// commit is synchronous (`StepTx::commit`).
     pub preclaimed: bool,
+    /// For a child run, its parent: the commit that ends it counts it in its fan-out.
+    pub parent: Option<String>,
 }
 
 /// A worker asking for a run's lease to execute one step delivery (owned, so a group-commit task
@@ -216,6 +222,7 @@ struct ClaimRow {
     age_secs: Option<f64>,
     undo: Option<sqlx::types::Json<UndoPlan>>,
     shadow: Option<bool>,
+    parent_run_id: Option<String>,
     attempts: Option<i32>,
     journaled: i32,
     run_status: Option<RunStatus>,
@@ -258,7 +265,8 @@ const CLAIM: &str = "WITH req AS (
            AND (u.lease_owner IS NULL OR u.lease_expires_at IS NULL OR u.lease_expires_at < now()
                 OR u.lease_owner = r.owner OR trailmark.process_gone(u.lease_pid))
         RETURNING r.n, r.run_id, r.seq, r.step, u.fence, u.status, u.input,
-                  EXTRACT(EPOCH FROM now() - u.created_at)::float8 AS age_secs, u.undo, u.shadow
+                  EXTRACT(EPOCH FROM now() - u.created_at)::float8 AS age_secs, u.undo, u.shadow,
+                  u.parent_run_id
     ), attempt AS (
         INSERT INTO trailmark.steps (run_id, seq, step, attempts)
         SELECT c.run_id, c.seq, c.step,
@@ -269,7 +277,7 @@ const CLAIM: &str = "WITH req AS (
     )
     SELECT r.n IN (SELECT n FROM seen) AS seen,
            r.n IN (SELECT n FROM lease WHERE NOT first_on_preclaim) AS took_over,
-           c.fence, c.status, c.input, c.age_secs, c.undo, c.shadow, a.attempts,
+           c.fence, c.status, c.input, c.age_secs, c.undo, c.shadow, c.parent_run_id, a.attempts,
            (SELECT count(*) FROM trailmark.journal j WHERE j.run_id = r.run_id AND j.seq = r.seq)::int4 AS journaled,
            o.status AS run_status, o.step_seq AS run_seq
       FROM req r LEFT JOIN claimed c ON c.n = r.n LEFT JOIN attempt a ON a.run_id = c.run_id AND a.seq = c.seq
@@ -341,6 +349,7 @@ fn outcome(row: ClaimRow, asked_seq: i32) -> ClaimOutcome {
         took_over: row.took_over,
         shadow: row.shadow.unwrap_or(false),
         preclaimed: false,
+        parent: row.parent_run_id,
     })
 }
 

@@ -19,7 +19,7 @@ use crate::engine::{Engine, Stats};
 use crate::store::inbox::{self, Recorded};
 use crate::broker::{Outgoing, Topology};
 use crate::store::{self, outbox, runs};
-use crate::workflow::{Registry, StartRefused, Workflow};
+use crate::workflow::{Registry, StartRefused};
 
 /// The run-start message for `event`, when a worker here would start the run: its workflow is
 /// registered and accepts the input ([`Registry::accepting`]), and the message fits `limit`
@@ -86,7 +86,7 @@ pub(super) async fn process(
             }
         }
     }
-    let created = create(&mut tx, &engine.topology, &workflow, &first, event, |messages| {
+    let created = create(&mut tx, (&engine.topology, None), (&workflow.name, workflow.version), &first, event, |messages| {
         super::published::hold_for_eager_publish(engine, messages)
     })
     .await?;
@@ -136,21 +136,23 @@ pub(crate) enum Created {
 
 /// Creates the run of `event` with its first step queued in the outbox, in `tx`, unless a run
 /// has its id. One path for every start: the run-start consumer, schedules' ticks and
-/// backfills. `hold` may mark the first message for the caller's own publish.
+/// backfills, the API, and child runs (whose `parent` is the run whose step starts them).
+/// `hold` may mark the first message for the caller's own publish.
 pub(crate) async fn create(
     tx: &mut sqlx::PgConnection,
-    topology: &Topology,
-    workflow: &Workflow,
+    (topology, parent): (&Topology, Option<&str>),
+    (workflow, version): (&str, i32),
     first: &StepAddress,
     event: &RunStartEvent,
     hold: impl FnOnce(&mut [OutgoingMessage]),
 ) -> store::Result<Created> {
     let new = runs::NewRun {
         run_id: &event.run_id,
-        workflow: &workflow.name,
-        version: workflow.version,
+        workflow,
+        version,
         first_step: first,
         input: &event.input,
+        parent,
     };
     if !runs::insert(&mut *tx, &new).await? {
         return Ok(match runs::get(&mut *tx, event.run_id.as_str()).await? {
@@ -158,8 +160,7 @@ pub(crate) async fn create(
             None => Created::Vanished,
         });
     }
-    let mut message =
-        topology.step_message(&event.run_id, &workflow.name, workflow.version, first, 0);
+    let mut message = topology.step_message(&event.run_id, workflow, version, first, 0);
     hold(std::slice::from_mut(&mut message));
     let rows = outbox::insert(&mut *tx, std::slice::from_ref(&message)).await?;
     Ok(Created::New { message, rows })
