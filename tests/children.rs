@@ -299,3 +299,106 @@ async fn a_fan_out_the_engine_cannot_keep_is_refused_before_any_child_starts() {
     );
     running.stop().await;
 }
+
+/// The children rows of a parent by state.
+async fn children_by_state(env: &TestEnv, parent: &str) -> Vec<(String, i64)> {
+    sqlx::query_as(
+        "SELECT state, count(*) FROM trailmark.children WHERE parent_run_id = $1
+          GROUP BY state ORDER BY state",
+    )
+    .bind(parent)
+    .fetch_all(&env.pool)
+    .await
+    .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancelling_a_parent_cancels_its_running_children_and_starts_no_more() {
+    let env = TestEnv::new().await;
+    let engine = env.engine();
+    let running = env.spawn_all(engine.clone());
+    let children = json!({"at": 0, "count": 6, "steps": 50, "max_in_flight": 3});
+    env.start_run("chain", "cx", parent(children)).await;
+    env.wait_until("three children to run", WAIT, || async {
+        children_by_status(&env, "cx").await == [("running".into(), 3)]
+    })
+    .await;
+    let who = Decider::cli("tester", "wrong batch");
+    let outcome = trailmark::operator::cancel(&engine, "cx", &who)
+        .await
+        .unwrap();
+    assert!(outcome.next.contains("3 child run(s)"), "{}", outcome.next);
+    assert_eq!(
+        children_by_status(&env, "cx").await,
+        [("cancelled".into(), 3)]
+    );
+    assert_eq!(
+        children_by_state(&env, "cx").await,
+        [("cancelled".into(), 3), ("skipped".into(), 3)],
+        "the three never started stay unstarted"
+    );
+    // A child's step in flight when the cancel came commits nothing: every child stays where
+    // the cancel left it, and no fourth child starts.
+    let steps: i64 = env
+        .scalar(
+            "SELECT count(*) FROM trailmark.steps s JOIN trailmark.runs r USING (run_id)
+              WHERE r.parent_run_id = $1 AND s.finished_at IS NOT NULL",
+            "cx",
+        )
+        .await;
+    running.stop().await;
+    let after: i64 = env
+        .scalar(
+            "SELECT count(*) FROM trailmark.steps s JOIN trailmark.runs r USING (run_id)
+              WHERE r.parent_run_id = $1 AND s.finished_at IS NOT NULL",
+            "cx",
+        )
+        .await;
+    assert_eq!(after, steps, "no child step committed after the cancel");
+    assert_eq!(
+        children_by_status(&env, "cx").await,
+        [("cancelled".into(), 3)]
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn undoing_a_parent_undoes_its_children_and_the_ledger_nets_to_zero() {
+    let env = TestEnv::new().await;
+    let engine = env.engine();
+    let running = env.spawn_all(engine.clone());
+    env.start_run(
+        "chain",
+        "ux",
+        parent(json!({"at": 0, "count": 5, "steps": 2})),
+    )
+    .await;
+    env.wait_status("ux", RunStatus::Succeeded, WAIT).await;
+    let opts = trailmark::operator::UndoOptions::everything();
+    let preview = trailmark::operator::undo_preview(&engine, "ux", opts.clone())
+        .await
+        .unwrap();
+    assert_eq!(preview.compensations.len(), 2, "the parent's two links");
+    assert_eq!(preview.children.len(), 5, "{preview:?}");
+    assert!(preview.children.iter().all(|c| c.compensations.len() == 2));
+    let who = Decider::cli("tester", "the batch was wrong");
+    let outcome = trailmark::operator::undo(&engine, "ux", &who, opts)
+        .await
+        .unwrap();
+    assert!(outcome.next.contains("5 child run(s)"), "{}", outcome.next);
+    env.wait_status("ux", RunStatus::Compensated, WAIT).await;
+    env.wait_until("every child to be compensated", WAIT, || async {
+        children_by_status(&env, "ux").await == [("compensated".into(), 5)]
+    })
+    .await;
+    let (written, reversed): (i64, i64) = sqlx::query_as(
+        "SELECT count(*) FILTER (WHERE reference NOT LIKE 'undo:%'),
+                count(*) FILTER (WHERE reference LIKE 'undo:%'
+                                   AND substr(reference, 6) IN (SELECT reference FROM trailmark.chain_ledger))
+           FROM trailmark.chain_ledger WHERE run_id = 'ux' OR run_id LIKE 'ux:%'",
+    )
+    .fetch_one(&env.pool)
+    .await
+    .unwrap();
+    assert_eq!((written, reversed), (12, 12), "each write reversed once");
+    running.stop().await;
+}

@@ -393,3 +393,69 @@ pub async fn reopen_child(
     }
     Ok(found)
 }
+
+/// Cancels every run below `run_id` (its children, theirs, ...) that has not ended, in the
+/// caller's transaction (which holds `run_id`'s row): fence + 1, no lease, open waits closed;
+/// their `children` rows become `cancelled` (started) or `skipped` (never started). Returns the
+/// runs cancelled (id, workflow, step, position), for their events.
+pub async fn cancel_below(
+    conn: &mut PgConnection,
+    run_id: &str,
+    reason: &str,
+) -> Result<Vec<(String, String, Option<StepAddress>, i32)>> {
+    let cancelled: Vec<(String, String, Option<StepAddress>, i32)> = sqlx::query_as(
+        "WITH RECURSIVE below(run_id, depth) AS (
+            SELECT run_id, 1 FROM trailmark.runs WHERE parent_run_id = $1
+            UNION ALL
+            SELECT r.run_id, b.depth + 1 FROM below b
+              JOIN trailmark.runs r ON r.parent_run_id = b.run_id WHERE b.depth < 32
+         ), closed AS (
+            UPDATE trailmark.waits w SET resolved_at = now(), resolution = 'decision'
+              FROM below b WHERE w.run_id = b.run_id AND w.resolved_at IS NULL
+         )
+         UPDATE trailmark.runs r
+            SET status = 'cancelled', fence = r.fence + 1, lease_owner = NULL,
+                lease_expires_at = NULL, lease_pid = NULL, updated_at = now(),
+                finished_at = now(), error = $2
+           FROM below b
+          WHERE r.run_id = b.run_id
+            AND r.status IN ('running', 'waiting', 'needs_review', 'compensating')
+         RETURNING r.run_id, r.workflow, r.step, r.step_seq",
+    )
+    .bind(run_id)
+    .bind(reason)
+    .fetch_all(&mut *conn)
+    .await?;
+    sqlx::query(
+        "WITH RECURSIVE fan(run_id, depth) AS (
+            SELECT $1::text, 0
+            UNION ALL
+            SELECT c.run_id, f.depth + 1 FROM fan f
+              JOIN trailmark.children c ON c.parent_run_id = f.run_id WHERE f.depth < 32
+         )
+         UPDATE trailmark.children c
+            SET state = CASE c.state WHEN 'pending' THEN 'skipped' ELSE 'cancelled' END,
+                reason = $2, ended_at = now()
+           FROM fan f
+          WHERE c.parent_run_id = f.run_id AND c.state IN ('pending', 'running')",
+    )
+    .bind(run_id)
+    .bind(reason)
+    .execute(conn)
+    .await?;
+    Ok(cancelled)
+}
+
+/// The started children of `run_id` (every fan-out of it) with their runs' statuses, newest
+/// first (last ended, then highest index).
+pub async fn started(db: impl PgExecutor<'_>, run_id: &str) -> Result<Vec<(String, RunStatus)>> {
+    Ok(sqlx::query_as(
+        "SELECT c.run_id, r.status FROM trailmark.children c
+           JOIN trailmark.runs r ON r.run_id = c.run_id
+          WHERE c.parent_run_id = $1
+          ORDER BY c.ended_at DESC NULLS FIRST, c.seq DESC, c.idx DESC",
+    )
+    .bind(run_id)
+    .fetch_all(db)
+    .await?)
+}

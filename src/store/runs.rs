@@ -53,6 +53,9 @@ pub struct RunRow {
     pub finished_at: Option<DateTime<Utc>>,
     /// A shadow fork: outside writes recorded, never made.
     pub shadow: bool,
+    /// The run whose step started it (a child run).
+    #[sqlx(default)]
+    pub parent_run_id: Option<String>,
 }
 
 impl RunRow {

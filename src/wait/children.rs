@@ -92,6 +92,42 @@ pub(crate) async fn commit_end(
     Ok(committed)
 }
 
+/// Counts a child that an operator's decision ended (cancel) in its fan-out, in the decision's
+/// transaction (which locked the parent's row before the child's).
+pub(crate) async fn ended_by_decision(
+    tx: &mut PgConnection,
+    topology: &Topology,
+    child: &str,
+    reason: &str,
+) -> store::Result<()> {
+    if let Some(row) = children::ended(tx, child, "cancelled", Some(reason)).await? {
+        settle(tx, (topology, &Failpoints::default()), row).await?;
+    }
+    Ok(())
+}
+
+/// Cancels every run below `run_id` that has not ended (its children, theirs, ...), in the
+/// transaction of the decision that cancels `run_id`, and queues their `run.cancelled` events.
+pub(crate) async fn cancel_below(
+    tx: &mut PgConnection,
+    topology: &Topology,
+    run_id: &str,
+    reason: &str,
+) -> store::Result<usize> {
+    let cancelled = children::cancel_below(&mut *tx, run_id, reason).await?;
+    let events: Vec<_> = cancelled
+        .iter()
+        .filter_map(|(id, workflow, step, seq)| {
+            let id = RunId::parse(id).ok()?;
+            let at = step.as_ref().map(|s| (s, *seq));
+            Event::run(&id, workflow, RunStatus::Cancelled, at)
+        })
+        .map(|e| topology.event_message(&e))
+        .collect();
+    outbox::insert(&mut *tx, &events).await?;
+    Ok(cancelled.len())
+}
+
 /// What the join says of a fan-out as it stands.
 #[derive(Debug, PartialEq)]
 enum Join {
