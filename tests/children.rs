@@ -185,6 +185,11 @@ async fn past_the_threshold_the_parent_stops_naming_the_failed_children_and_a_re
     env.start_run("chain", "thr", input).await;
     let stopped = env.wait_status("thr", RunStatus::NeedsReview, WAIT).await;
     assert_eq!(stopped.step_seq, 0, "stopped at the fan-out's step");
+    let (shown, _) = common::text(&env.command(&["run", "show", "thr"]).output().unwrap());
+    assert!(
+        shown.contains("stopped for review") && shown.contains("thr:0:"),
+        "{shown}"
+    );
     let note = stopped.handover.expect("a handover note");
     let failed: Vec<String> = note["failed"]
         .as_array()
@@ -373,6 +378,22 @@ async fn undoing_a_parent_undoes_its_children_and_the_ledger_nets_to_zero() {
     )
     .await;
     env.wait_status("ux", RunStatus::Succeeded, WAIT).await;
+    // The tree, both ways: the parent counts its children and says how to list them; each
+    // child names its parent.
+    let (shown, err) = common::text(&env.command(&["run", "show", "ux"]).output().unwrap());
+    assert!(
+        shown.contains("children of position 0 (joined") && shown.contains("5 in all, 5 succeeded"),
+        "{shown}{err}"
+    );
+    assert!(shown.contains("trailmark run list --parent ux"), "{shown}");
+    let (listed, _) = common::text(
+        &env.command(&["run", "list", "--parent", "ux"])
+            .output()
+            .unwrap(),
+    );
+    assert_eq!(listed.matches("ux:0:").count(), 5, "{listed}");
+    let (child, _) = common::text(&env.command(&["run", "show", "ux:0:3"]).output().unwrap());
+    assert!(child.contains("child of run ux"), "{child}");
     let opts = trailmark::operator::UndoOptions::everything();
     let preview = trailmark::operator::undo_preview(&engine, "ux", opts.clone())
         .await

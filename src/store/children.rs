@@ -459,3 +459,101 @@ pub async fn started(db: impl PgExecutor<'_>, run_id: &str) -> Result<Vec<(Strin
     .fetch_all(db)
     .await?)
 }
+
+/// A run's place among runs started by steps: the run that started it, and the fan-outs its
+/// own steps started, each with its children counted by state.
+#[derive(Debug, Clone, Default, serde::Serialize)]
+#[cfg_attr(feature = "ops-http", derive(utoipa::ToSchema))]
+pub struct Family {
+    /// The run whose step started this one (a child run).
+    pub parent: Option<String>,
+    /// The fan-outs of its steps, in position order.
+    pub fan_outs: Vec<FanOutView>,
+}
+
+/// One fan-out as a run's views show it.
+#[derive(Debug, Clone, serde::Serialize)]
+#[cfg_attr(feature = "ops-http", derive(utoipa::ToSchema))]
+pub struct FanOutView {
+    /// The position of the step that started the children.
+    pub seq: i32,
+    /// `all`, or `first N`.
+    pub join: String,
+    /// Failures allowed before the run stops for review.
+    pub max_failures: i32,
+    /// Children running at once at most.
+    pub max_in_flight: i32,
+    /// When the join held and the run went on.
+    pub joined_at: Option<chrono::DateTime<chrono::Utc>>,
+    /// When the run stopped for review past the threshold (cleared by a resume).
+    pub stopped_at: Option<chrono::DateTime<chrono::Utc>>,
+    /// The children by state.
+    pub children: ChildrenSummary,
+}
+
+/// A fan-out as [`family`] reads it.
+#[derive(sqlx::FromRow)]
+struct FanOutCounts {
+    seq: i32,
+    join: String,
+    max_failures: i32,
+    max_in_flight: i32,
+    joined_at: Option<chrono::DateTime<chrono::Utc>>,
+    stopped_at: Option<chrono::DateTime<chrono::Utc>>,
+    total: i32,
+    pending: i32,
+    running: i32,
+    succeeded: i32,
+    failed: i32,
+    skipped: i32,
+}
+
+impl From<FanOutCounts> for FanOutView {
+    fn from(f: FanOutCounts) -> Self {
+        Self {
+            seq: f.seq,
+            join: f.join,
+            max_failures: f.max_failures,
+            max_in_flight: f.max_in_flight,
+            joined_at: f.joined_at,
+            stopped_at: f.stopped_at,
+            children: ChildrenSummary {
+                total: f.total,
+                pending: f.pending,
+                running: f.running,
+                succeeded: f.succeeded,
+                failed: f.failed,
+                skipped: f.skipped,
+            },
+        }
+    }
+}
+
+/// The family of `run_id` (see [`Family`]).
+pub async fn family(db: &sqlx::PgPool, run_id: &str) -> Result<Family> {
+    let parent: Option<Option<String>> =
+        sqlx::query_scalar("SELECT parent_run_id FROM trailmark.runs WHERE run_id = $1")
+            .bind(run_id)
+            .fetch_optional(db)
+            .await?;
+    let fan_outs: Vec<FanOutCounts> = sqlx::query_as(
+        "SELECT f.seq, COALESCE('first ' || f.first_n, 'all') AS join, f.max_failures,
+                f.max_in_flight, f.joined_at, f.stopped_at, f.total,
+                (count(*) FILTER (WHERE c.state = 'pending'))::int4 AS pending,
+                (count(*) FILTER (WHERE c.state = 'running'))::int4 AS running,
+                (count(*) FILTER (WHERE c.state = 'succeeded'))::int4 AS succeeded,
+                (count(*) FILTER (WHERE c.state IN ('failed', 'cancelled')))::int4 AS failed,
+                (count(*) FILTER (WHERE c.state = 'skipped'))::int4 AS skipped
+           FROM trailmark.fan_outs f
+           LEFT JOIN trailmark.children c ON c.parent_run_id = f.run_id AND c.seq = f.seq
+          WHERE f.run_id = $1
+          GROUP BY f.run_id, f.seq ORDER BY f.seq",
+    )
+    .bind(run_id)
+    .fetch_all(db)
+    .await?;
+    Ok(Family {
+        parent: parent.flatten(),
+        fan_outs: fan_outs.into_iter().map(FanOutView::from).collect(),
+    })
+}

@@ -124,15 +124,17 @@ pub async fn standing(db: impl PgExecutor<'_>, run_id: &RunId) -> Result<Option<
 /// Lists runs, newest first, optionally by status.
 pub async fn list(
     db: impl PgExecutor<'_>,
-    status: Option<RunStatus>,
+    (status, parent): (Option<RunStatus>, Option<&str>),
     limit: i64,
 ) -> Result<Vec<RunRow>> {
     Ok(sqlx::query_as(
         "SELECT * FROM trailmark.runs WHERE ($1::text IS NULL OR status = $1)
+            AND ($3::text IS NULL OR parent_run_id = $3)
          ORDER BY created_at DESC, run_id LIMIT $2",
     )
     .bind(status)
     .bind(limit)
+    .bind(parent)
     .fetch_all(db)
     .await?)
 }
@@ -635,6 +637,8 @@ pub struct Filter {
     pub stuck: bool,
     /// Continue after this run (the previous page's last), newest first.
     pub after: Option<(DateTime<Utc>, String)>,
+    /// Only the child runs of this run.
+    pub parent: Option<String>,
 }
 
 /// A run as a listing shows it, with the state of its current step.
@@ -669,6 +673,8 @@ pub struct Summary {
     pub created_at: DateTime<Utc>,
     /// Last change.
     pub updated_at: DateTime<Utc>,
+    /// The run whose step started it (a child run).
+    pub parent_run_id: Option<String>,
 }
 
 impl Summary {
@@ -708,7 +714,7 @@ pub async fn page(db: impl PgExecutor<'_>, f: &Filter, limit: i64) -> Result<Vec
     Ok(sqlx::query_as(
         "SELECT r.run_id, r.workflow, r.workflow_version, r.status, r.step, r.step_seq,
                 COALESCE(s.attempts, 0) AS attempts, s.retry_at, s.last_error, r.error,
-                r.lease_owner, r.lease_expires_at, r.created_at, r.updated_at
+                r.lease_owner, r.lease_expires_at, r.created_at, r.updated_at, r.parent_run_id
            FROM trailmark.runs r
            LEFT JOIN trailmark.steps s ON s.run_id = r.run_id AND s.seq = r.step_seq
           WHERE ($1::text IS NULL OR r.status = $1)
@@ -719,6 +725,7 @@ pub async fn page(db: impl PgExecutor<'_>, f: &Filter, limit: i64) -> Result<Vec
             AND (NOT $7 OR (r.status = ANY($8::text[]) AND (
                     COALESCE(s.attempts, 0) > 1 OR r.lease_expires_at < now()
                  OR (r.lease_owner IS NULL AND s.finished_at IS NULL AND s.attempts >= 1))))
+            AND ($10::text IS NULL OR r.parent_run_id = $10)
           ORDER BY r.created_at DESC, r.run_id DESC LIMIT $9",
     )
     .bind(f.status)
@@ -730,6 +737,7 @@ pub async fn page(db: impl PgExecutor<'_>, f: &Filter, limit: i64) -> Result<Vec
     .bind(f.stuck)
     .bind(&RunStatus::EXECUTING[..])
     .bind(limit)
+    .bind(f.parent.as_deref())
     .fetch_all(db)
     .await?)
 }
