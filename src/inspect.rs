@@ -293,6 +293,32 @@ pub async fn succeeded_runs(db: impl PgExecutor<'_>, ids: &[String]) -> Result<V
     sql::succeeded(db, ids).await
 }
 
+/// What the fan-outs of `ids` did, for the drill's invariants (no child started twice, no
+/// parent joined twice).
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct FanOuts {
+    /// Fan-outs the runs' steps made.
+    pub fan_outs: i64,
+    /// Of them, joined (the parent went on).
+    pub joined: i64,
+    /// Fan-outs (`run:position`) that counted more children started than they have, or have
+    /// child runs they did not count.
+    pub started_twice: Vec<String>,
+    /// Positions (`run:position`) a join moved a parent to more than once.
+    pub joined_twice: Vec<String>,
+}
+
+/// The fan-outs of `ids` (see [`FanOuts`]).
+pub async fn fan_outs(db: &sqlx::PgPool, ids: &[String]) -> Result<FanOuts> {
+    let (fan_outs, joined, started_twice, joined_twice) = sql::fan_outs(db, ids).await?;
+    Ok(FanOuts {
+        fan_outs,
+        joined,
+        started_twice,
+        joined_twice,
+    })
+}
+
 /// Outside writes (effects) completed by `runs`, one per key and run.
 pub async fn completed_effects(db: impl PgExecutor<'_>, runs: &[String]) -> Result<i64> {
     sql::completed_effects(db, runs).await

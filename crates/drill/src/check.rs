@@ -378,6 +378,34 @@ pub fn verdicts(r: &Report, unpublished: i64) -> Vec<Invariant> {
     ]
 }
 
+/// The fan-out invariants: no child started twice (each fan-out counted as many children
+/// started as it has started rows and child runs), no parent joined twice (one join line per
+/// position a join moved a parent to).
+pub fn fan_out_verdicts(f: &inspect::FanOuts) -> Vec<Invariant> {
+    vec![
+        Invariant {
+            name: "no child run started twice".into(),
+            ok: f.started_twice.is_empty(),
+            detail: format!(
+                "{} fan-outs; {} counted children they do not have{}",
+                f.fan_outs,
+                f.started_twice.len(),
+                f.started_twice.first().map_or(String::new(), |x| format!(" (e.g. {x})"))
+            ),
+        },
+        Invariant {
+            name: "no parent joined twice".into(),
+            ok: f.joined_twice.is_empty(),
+            detail: format!(
+                "{} joined; {} positions reached by more than one join{}",
+                f.joined,
+                f.joined_twice.len(),
+                f.joined_twice.first().map_or(String::new(), |x| format!(" (e.g. {x})"))
+            ),
+        },
+    ]
+}
+
 /// What a stopped worker may hold a run back for: noticing it takes a lease (its presence
 /// falls silent, its leases expire), re-queueing a second or two more; the rest is slack for a
 /// loaded machine.
