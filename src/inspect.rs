@@ -319,6 +319,18 @@ pub async fn fan_outs(db: &sqlx::PgPool, ids: &[String]) -> Result<FanOuts> {
     })
 }
 
+/// Seconds from the commit of the step at `seq` of `run_id` that started children to the join
+/// that moved the run on (database clock); `None` until it joined.
+pub async fn fan_out_span(db: impl PgExecutor<'_>, run_id: &str, seq: i32) -> Result<Option<f64>> {
+    sql::fan_out_span(db, run_id, seq).await
+}
+
+/// Of the runs whose ids start with `prefix`: how many succeeded, and the seconds from the
+/// first one's creation to the last one's end (database clock).
+pub async fn runs_span(db: impl PgExecutor<'_>, prefix: &str) -> Result<(i64, Option<f64>)> {
+    sql::runs_span(db, prefix).await
+}
+
 /// Outside writes (effects) completed by `runs`, one per key and run.
 pub async fn completed_effects(db: impl PgExecutor<'_>, runs: &[String]) -> Result<i64> {
     sql::completed_effects(db, runs).await

@@ -247,6 +247,19 @@ async fn past_the_threshold_the_parent_stops_naming_the_failed_children_and_a_re
         [Some("children".into())],
         "stopped once, then joined once"
     );
+    let (ran_before_resume,): (bool,) = sqlx::query_as(
+        "SELECT s.finished_at < d.created_at FROM trailmark.steps s
+           JOIN trailmark.decisions d ON d.run_id = s.run_id AND d.action = 'resume_after_fix'
+          WHERE s.run_id = 'thr' AND s.seq = 0",
+    )
+    .fetch_one(&env.pool)
+    .await
+    .unwrap();
+    assert!(
+        ran_before_resume,
+        "the fan-out step did not run again after the resume"
+    );
+    assert_eq!(env.chain_ledger("thr").await, (2, 2));
     running.stop().await;
 }
 

@@ -161,6 +161,19 @@ pub async fn take_pending(
     Ok(taken)
 }
 
+/// Whether the fan-out at `seq` of `run_id` stopped its run for review (past its failure
+/// threshold) and has not joined.
+pub async fn stopped_at(db: impl PgExecutor<'_>, run_id: &str, seq: i32) -> Result<bool> {
+    Ok(sqlx::query_scalar(
+        "SELECT EXISTS (SELECT 1 FROM trailmark.fan_outs WHERE run_id = $1 AND seq = $2
+                          AND stopped_at IS NOT NULL AND joined_at IS NULL)",
+    )
+    .bind(run_id)
+    .bind(seq)
+    .fetch_one(db)
+    .await?)
+}
+
 /// The parent of a child run and the position that started it.
 pub async fn parent_of(db: impl PgExecutor<'_>, child: &str) -> Result<Option<(String, i32)>> {
     Ok(

@@ -332,6 +332,35 @@ pub(crate) async fn fan_outs(
     Ok((total, joined, twice, joined_twice))
 }
 
+/// Seconds from the commit of the step at `seq` of `run_id` (which started children) to the
+/// join that moved it on, database clock; `None` until it joined.
+pub(crate) async fn fan_out_span(db: impl PgExecutor<'_>, run_id: &str, seq: i32) -> Result<Option<f64>> {
+    Ok(sqlx::query_scalar(
+        "SELECT EXTRACT(EPOCH FROM f.joined_at - s.finished_at)::float8
+           FROM trailmark.fan_outs f
+           JOIN trailmark.steps s ON s.run_id = f.run_id AND s.seq = f.seq
+          WHERE f.run_id = $1 AND f.seq = $2 AND f.joined_at IS NOT NULL",
+    )
+    .bind(run_id)
+    .bind(seq)
+    .fetch_optional(db)
+    .await?
+    .flatten())
+}
+
+/// Of the runs whose ids start with `prefix`: how many succeeded, and the seconds from the
+/// first one's creation to the last one's end (database clock).
+pub(crate) async fn runs_span(db: impl PgExecutor<'_>, prefix: &str) -> Result<(i64, Option<f64>)> {
+    Ok(sqlx::query_as(
+        "SELECT count(*) FILTER (WHERE status = 'succeeded'),
+                EXTRACT(EPOCH FROM max(finished_at) - min(created_at))::float8
+           FROM trailmark.runs WHERE run_id LIKE $1",
+    )
+    .bind(like_prefix(prefix))
+    .fetch_one(db)
+    .await?)
+}
+
 /// Effects (one per key and run) completed by `runs`.
 pub(crate) async fn completed_effects(db: impl PgExecutor<'_>, runs: &[String]) -> Result<i64> {
     Ok(sqlx::query_scalar(

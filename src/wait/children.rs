@@ -4,8 +4,8 @@
 //!
 //! A child that stops in `needs_review` counts as failed (with its error as the reason): a
 //! person may resume it, and if it then succeeds it is counted again as succeeded, never twice.
-//! A resume of the parent after its threshold was crossed runs the fan-out step again; its
-//! commit finds the fan-out recorded and retries only the failed children ([`register`]).
+//! A resume of the parent after its threshold was crossed does not run the fan-out step again:
+//! the parent waits again and only the failed children run again ([`reopen`]).
 
 use std::fmt::Write;
 
@@ -26,30 +26,19 @@ use crate::worker::run_start::{self, Created};
 const NOTE_NAMES: i64 = 50;
 
 /// Registers the fan-out of the step at `seq` of `parent` in its commit's transaction and
-/// starts its first `max_in_flight` children. A fan-out recorded before (the parent stopped
-/// for review and was resumed) is reopened instead: its failed children run again and its
-/// pending ones start; the children are the ones first recorded.
+/// starts its first `max_in_flight` children. A fan-out recorded there already is kept as it is
+/// (its step cannot commit twice: a resume past the threshold reopens it without running the
+/// step, [`reopen`]).
 pub(super) async fn register(
     tx: &mut PgConnection,
     (topology, failpoints): (&Topology, &Failpoints),
     (parent, seq): (&RunId, i32),
     fan: &FanOut,
 ) -> store::Result<()> {
-    let at = (parent.as_str(), seq);
-    let row = match children::fan_out(&mut *tx, at.0, seq).await? {
-        Some(_) => {
-            let again = children::retry_failed(tx, at).await?;
-            for child in &again {
-                resume_child(tx, topology, child).await?;
-            }
-            tracing::info!(run.id = %parent, retried = again.len(), "fan-out reopened: its failed children run again");
-            children::fan_out(&mut *tx, at.0, seq).await?
-        }
-        None => {
-            children::record(tx, parent, seq, fan).await?;
-            children::fan_out(&mut *tx, at.0, seq).await?
-        }
-    };
+    if children::fan_out(&mut *tx, parent.as_str(), seq).await?.is_none() {
+        children::record(tx, parent, seq, fan).await?;
+    }
+    let row = children::fan_out(&mut *tx, parent.as_str(), seq).await?;
     let row = row.ok_or_else(|| {
         store::Error::unavailable(
             format!("the fan-out of run {parent} at position {seq} vanished in its transaction"),
@@ -57,6 +46,26 @@ pub(super) async fn register(
         )
     })?;
     settle(tx, (topology, failpoints), row).await
+}
+
+/// Opens again the fan-out of a parent stopped past its failure threshold at `seq`, in the
+/// transaction of the decision that resumes it (which moved it back to `waiting` there): its
+/// wait is reopened, its failed children run again from where they stopped, and its pending
+/// ones start; the fan-out step itself does not run again. Returns the children run again.
+pub(crate) async fn reopen(
+    tx: &mut PgConnection,
+    topology: &Topology,
+    (parent, seq): (&str, i32),
+) -> store::Result<usize> {
+    waits::reopen(&mut *tx, parent, seq).await?;
+    let again = children::retry_failed(&mut *tx, (parent, seq)).await?;
+    for child in &again {
+        resume_child(tx, topology, child).await?;
+    }
+    if let Some(row) = children::fan_out(&mut *tx, parent, seq).await? {
+        settle(tx, (topology, &Failpoints::default()), row).await?;
+    }
+    Ok(again.len())
 }
 
 /// Commits the step that ends a child run, and counts the child in its parent's fan-out, in one
@@ -269,7 +278,7 @@ async fn stop(
             "index": idx, "run_id": id, "state": state, "reason": reason,
         })).collect::<Vec<_>>(),
         "on_resume": format!(
-            "fix the cause, then `trailmark run resume {} --after-fix`: step {} runs again and retries only the failed children (each from where it stopped); cancel or undo otherwise",
+            "fix the cause, then `trailmark run resume {} --after-fix`: the run waits for its children again and only the failed ones run again, each from where it stopped (step {} does not run again); cancel or undo otherwise",
             w.run_id, w.step
         ),
     });

@@ -390,7 +390,9 @@ pub fn fan_out_verdicts(f: &inspect::FanOuts) -> Vec<Invariant> {
                 "{} fan-outs; {} counted children they do not have{}",
                 f.fan_outs,
                 f.started_twice.len(),
-                f.started_twice.first().map_or(String::new(), |x| format!(" (e.g. {x})"))
+                f.started_twice
+                    .first()
+                    .map_or(String::new(), |x| format!(" (e.g. {x})"))
             ),
         },
         Invariant {
@@ -400,7 +402,9 @@ pub fn fan_out_verdicts(f: &inspect::FanOuts) -> Vec<Invariant> {
                 "{} joined; {} positions reached by more than one join{}",
                 f.joined,
                 f.joined_twice.len(),
-                f.joined_twice.first().map_or(String::new(), |x| format!(" (e.g. {x})"))
+                f.joined_twice
+                    .first()
+                    .map_or(String::new(), |x| format!(" (e.g. {x})"))
             ),
         },
     ]
