@@ -183,7 +183,8 @@ async fn settle(
     };
     match join(&f) {
         Join::Wait => {
-            let room = f.max_in_flight - f.in_flight();
+            // Room for more, and more to start (none once every child has started).
+            let room = (f.max_in_flight - f.in_flight()).min(f.total - f.started);
             let next = children::take_pending(&mut *tx, (&f.run_id, f.seq), room).await?;
             start(tx, (topology, failpoints), &f.run_id, next).await
         }

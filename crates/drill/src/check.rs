@@ -445,6 +445,24 @@ mod tests {
     use super::*;
 
     #[test]
+    fn a_fan_out_that_counted_a_child_twice_or_a_parent_joined_twice_fails_its_invariant() {
+        let clean = inspect::FanOuts {
+            fan_outs: 3,
+            joined: 3,
+            ..Default::default()
+        };
+        assert!(fan_out_verdicts(&clean).iter().all(|v| v.ok));
+        let broken = inspect::FanOuts {
+            started_twice: vec!["p:0".into()],
+            joined_twice: vec!["q:1".into()],
+            ..clean
+        };
+        let verdicts = fan_out_verdicts(&broken);
+        assert!(verdicts.iter().all(|v| !v.ok));
+        assert!(verdicts[0].detail.contains("e.g. p:0") && verdicts[1].detail.contains("e.g. q:1"));
+    }
+
+    #[test]
     fn a_run_held_back_by_a_stopped_worker_past_twice_the_lease_breaks_the_pause_invariant() {
         let with = |ms: Option<f64>| Report {
             lease_secs: 4,
