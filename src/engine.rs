@@ -120,12 +120,15 @@ impl Engine {
         };
         let guards = &settings.guards;
         let topology = Topology::from_settings(&settings.broker);
-        let step_tx = Arc::new(StepTx::new(
-            &pool,
-            &settings.database,
-            topology.clone(),
-            settings.worker.max_batch,
-        ));
+        let step_tx = Arc::new(
+            StepTx::new(
+                &pool,
+                &settings.database,
+                topology.clone(),
+                settings.worker.max_batch,
+            )
+            .with_failpoints(failpoints.clone()),
+        );
         let tools = Arc::new(Tools {
             pool: pool.clone(),
             records: step_tx.clone(),

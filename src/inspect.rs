@@ -293,6 +293,44 @@ pub async fn succeeded_runs(db: impl PgExecutor<'_>, ids: &[String]) -> Result<V
     sql::succeeded(db, ids).await
 }
 
+/// What the fan-outs of `ids` did, for the drill's invariants (no child started twice, no
+/// parent joined twice).
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct FanOuts {
+    /// Fan-outs the runs' steps made.
+    pub fan_outs: i64,
+    /// Of them, joined (the parent went on).
+    pub joined: i64,
+    /// Fan-outs (`run:position`) that counted more children started than they have, or have
+    /// child runs they did not count.
+    pub started_twice: Vec<String>,
+    /// Positions (`run:position`) a join moved a parent to more than once.
+    pub joined_twice: Vec<String>,
+}
+
+/// The fan-outs of `ids` (see [`FanOuts`]).
+pub async fn fan_outs(db: &sqlx::PgPool, ids: &[String]) -> Result<FanOuts> {
+    let (fan_outs, joined, started_twice, joined_twice) = sql::fan_outs(db, ids).await?;
+    Ok(FanOuts {
+        fan_outs,
+        joined,
+        started_twice,
+        joined_twice,
+    })
+}
+
+/// Seconds from the commit of the step at `seq` of `run_id` that started children to the join
+/// that moved the run on (database clock); `None` until it joined.
+pub async fn fan_out_span(db: impl PgExecutor<'_>, run_id: &str, seq: i32) -> Result<Option<f64>> {
+    sql::fan_out_span(db, run_id, seq).await
+}
+
+/// Of the runs whose ids start with `prefix`: how many succeeded, and the seconds from the
+/// first one's creation to the last one's end (database clock).
+pub async fn runs_span(db: impl PgExecutor<'_>, prefix: &str) -> Result<(i64, Option<f64>)> {
+    sql::runs_span(db, prefix).await
+}
+
 /// Outside writes (effects) completed by `runs`, one per key and run.
 pub async fn completed_effects(db: impl PgExecutor<'_>, runs: &[String]) -> Result<i64> {
     sql::completed_effects(db, runs).await

@@ -27,7 +27,7 @@
 //! | `relay` | outbox -> RabbitMQ with publisher confirms |
 //! | `retention` | finished runs removed after their keep time (archived first), tombstones, aged inbox ids and audit rows; `trailmark prune` |
 //! | `supervisor` | expired leases -> the step re-queued through the outbox; late decisions escalated |
-//! | `wait` | runs that wait for an event or sleep: events sent to them, the wait's registration, the timer loop |
+//! | `wait` | runs that wait for an event, a time or child runs: events sent to them, the wait's registration, the timer loop, fan-outs and their joins |
 //! | `process` | the components one process runs (`serve`) and how they stop |
 //! | `startup` | what a process checks before it says it started: servers reachable, logins accepted, schema current |
 //! | `operator` | operator decisions: resume, resume after fix, undo, cancel, approve, reject, fork |

@@ -77,13 +77,13 @@
 pub use tokio_util::sync::CancellationToken;
 
 pub use crate::config::Settings;
-pub use crate::domain::{IdError, IdempotencyKey, LocalTable, RunId, RunStatus};
+pub use crate::domain::{IdError, IdempotencyKey, LocalTable, RunId, RunStatus, Threshold};
 pub use crate::embedded::{RunView, Trailmark};
 pub use crate::guard::Budget;
 pub use crate::model::{ChatAnswer, ChatMessage, ChatRequest};
 pub use crate::wait::EventSent;
 pub use crate::workflow::{
-    Compensation, EventWait, IDEMPOTENCY_KEY_HEADER, Input, Lookup, Next, OnTimeout, Parked,
-    PreviewContext, ReceivedEvent, Registry, ResultExt, Reversal, StepContext, StepError, StepKind,
-    StepOutcome, Tool, UndoTarget, Workflow,
+    ChildResult, Children, ChildrenSummary, Compensation, EventWait, IDEMPOTENCY_KEY_HEADER, Input,
+    Lookup, Next, OnTimeout, Parked, PreviewContext, ReceivedEvent, Registry, ResultExt, Reversal,
+    StepContext, StepError, StepKind, StepOutcome, Tool, UndoTarget, Workflow,
 };

@@ -8,7 +8,7 @@ use sqlx::PgPool;
 
 use crate::domain::ShadowWrite;
 use crate::store::{
-    self, decisions, effects, forks, journal, parked, progress, runs, shadow, steps, waits,
+    self, children, decisions, effects, forks, journal, parked, progress, runs, shadow, steps, waits,
 };
 
 /// A run as an operator reads it: the run row, its steps with attempts and timings, journal
@@ -50,6 +50,8 @@ pub struct Around {
     /// What it waited for and waits for now (events and sleeps), oldest first, each with the
     /// event that ended it; the last one is open (`resolved_at` empty) while it waits.
     pub waits: Vec<waits::WaitRow>,
+    /// The run that started it, and the child runs its steps started.
+    pub family: children::Family,
 }
 
 async fn around(pool: &PgPool, run_id: &str) -> store::Result<Around> {
@@ -64,6 +66,7 @@ async fn around(pool: &PgPool, run_id: &str) -> store::Result<Around> {
         progress: progress::list(pool, run_id, 0).await?,
         lineage: forks::lineage(pool, run_id).await?,
         waits: waits::for_run(pool, run_id).await?,
+        family: children::family(pool, run_id).await?,
     })
 }
 

@@ -498,6 +498,7 @@ async fn the_stranded_sweep_takes_and_marks_only_runs_of_workflows_deployed_here
             version,
             first_step: &first,
             input: &json!({}),
+            parent: None,
         };
         assert!(runs::insert(&env.pool, &new).await.unwrap());
     }

@@ -936,6 +936,7 @@ async fn queue_run_of_version(env: &TestEnv, run: &str, version: i32) {
         version,
         first_step: &first,
         input: &json!({}),
+        parent: None,
     };
     assert!(runs::insert(&env.pool, &new).await.unwrap());
     let msg = env

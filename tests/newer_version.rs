@@ -100,6 +100,7 @@ async fn a_newer_version_step_its_run_waits_for_ends_in_the_dlq_after_the_wait_s
         version: 2,
         first_step: &"link".into(),
         input: &input,
+        parent: None,
     };
     assert!(runs::insert(&env.pool, &new).await.unwrap());
     let (id, message) = v2_step(&env, &run_id, 0);

@@ -69,6 +69,10 @@ fn timeless(mut doc: Value) -> Value {
     doc
 }
 
+async fn count(env: &TestEnv, sql: &'static str) -> i64 {
+    sqlx::query_scalar(sql).fetch_one(&env.pool).await.unwrap()
+}
+
 async fn db_seconds_since_last_finish(env: &TestEnv) -> f64 {
     sqlx::query_scalar(
         "SELECT extract(epoch FROM now() - max(finished_at))::float8 FROM trailmark.runs
@@ -300,4 +304,36 @@ async fn a_removed_run_started_again_over_http_is_gone_or_a_conflict_and_nothing
         (1, 1),
         "the one run's one write"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_parent_and_its_children_are_removed_together_children_after_their_parent() {
+    let env = TestEnv::new().await;
+    let running = env.spawn_all(env.engine());
+    let input = json!({"steps": 2, "children": {"at": 0, "count": 3, "steps": 1}});
+    env.start_run("chain", "fam", input).await;
+    env.wait_status("fam", RunStatus::Succeeded, WAIT).await;
+    assert_eq!(
+        count(
+            &env,
+            "SELECT count(*) FROM trailmark.runs WHERE parent_run_id = 'fam'"
+        )
+        .await,
+        3
+    );
+    env.wait_until("the family to be 2 s old", WAIT, || async {
+        db_seconds_since_last_finish(&env).await >= 2.0
+    })
+    .await;
+    let (code, said, stderr) = trailmark(&env, &["prune", "--older-than", "1s"], &[]);
+    assert_eq!(code, Some(0), "{stderr}");
+    assert!(said.contains("4 runs removed"), "{said}");
+    assert_eq!(count(&env, "SELECT count(*) FROM trailmark.runs").await, 0);
+    assert_eq!(
+        count(&env, "SELECT count(*) FROM trailmark.pruned_runs").await,
+        4
+    );
+    let left = count(&env, "SELECT (SELECT count(*) FROM trailmark.fan_outs) + (SELECT count(*) FROM trailmark.children)").await;
+    assert_eq!(left, 0, "fan-out rows left behind");
+    running.stop().await;
 }

@@ -38,6 +38,8 @@ pub struct ListQuery {
     /// Only runs retrying or stuck (attempt > 1, lease expired, or waiting in a delay queue).
     #[serde(default)]
     stuck: bool,
+    /// Only the child runs of this run.
+    parent: Option<String>,
     /// Where the page starts: a `next_cursor` this API handed out.
     cursor: Option<String>,
     /// Runs in the page (default 100, at most 500).
@@ -83,6 +85,7 @@ pub async fn list(
         until: q.until,
         stuck: q.stuck,
         after,
+        parent: q.parent,
     };
     let limit = page_size(q.limit);
     let page = runs::page(&state.engine.pool, &filter, limit).await?;

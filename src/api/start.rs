@@ -185,7 +185,7 @@ pub async fn start(
     })?;
     let mut tx = state.engine.pool.begin().await.map_err(store::Error::from)?;
     let engine = &state.engine;
-    match run_start::create(&mut tx, &engine.topology, &workflow, &first, &event, |_| {}).await? {
+    match run_start::create(&mut tx, (&engine.topology, None), (&workflow.name, workflow.version), &first, &event, |_| {}).await? {
         Created::New { .. } => {}
         Created::Exists(existing) => {
             tx.rollback().await.map_err(store::Error::from)?;

@@ -84,6 +84,10 @@ async fn render(
     let from = o.steps.first().map_or(-1, |s| s.seq - 1);
     let calls = journal::page(pool, run_id, from, PAGE).await?;
     let writes = effects::page(pool, run_id, from, PAGE).await?;
+    let mut children = Vec::with_capacity(o.around.family.fan_outs.len());
+    for f in &o.around.family.fan_outs {
+        children.push(crate::store::children::page(pool, (run_id, f.seq), 0, CHILDREN_LISTED).await?);
+    }
     let body = html! {
         @match &notice {
             Notice::Done(done) => (done_box(done)),
@@ -127,6 +131,7 @@ async fn render(
             }
         }
         (waits_part(&o.around.waits))
+        (children_part(run_id, &o.around.family, &children))
         @if !o.around.parked.is_empty() {
             h2 { "Parked items" }
             table {
@@ -170,6 +175,44 @@ fn summary(o: &Overview) -> Markup {
             p.muted { "last error: " (error) }
         }
         (lineage(&o.around.lineage))
+        @if let Some(parent) = &o.around.family.parent {
+            p #parent { "child run of " a href={ "/runs/" (parent) } { (parent) } }
+        }
+    }
+}
+
+/// The children a run page lists per fan-out (the CLI and the API page through all of them).
+const CHILDREN_LISTED: i64 = 50;
+
+/// The child runs the run's steps started: per fan-out, the counts by state and the first
+/// children with links.
+fn children_part(
+    run_id: &str,
+    family: &crate::store::children::Family,
+    pages: &[Vec<crate::domain::ChildResult>],
+) -> Markup {
+    html! {
+        @for (f, listed) in family.fan_outs.iter().zip(pages) {
+            h2 #children { "Children of position " (f.seq) }
+            p {
+                (f.children.total) " in all: " (f.children.succeeded) " succeeded, "
+                (f.children.failed) " failed, " (f.children.running) " running, "
+                (f.children.pending) " not started, " (f.children.skipped) " skipped · join "
+                (f.join) ", " (f.max_failures) " failure(s) allowed, " (f.max_in_flight) " at once"
+            }
+            table {
+                thead { tr { th.num { "index" } th { "run" } th { "state" } th { "why" } } }
+                tbody { @for c in listed { tr {
+                    td.num { (c.index) }
+                    td { a href={ "/runs/" (c.run_id) } { (c.run_id) } }
+                    td { (c.state) } td { (c.reason.as_deref().unwrap_or("")) }
+                } } }
+            }
+            @if i64::from(f.children.total) > CHILDREN_LISTED {
+                p.muted { "The first " (CHILDREN_LISTED) " are listed; all of them: "
+                    code { "trailmark run list --parent " (run_id) } }
+            }
+        }
     }
 }
 

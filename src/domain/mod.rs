@@ -1,7 +1,9 @@
 //! The vocabulary of the engine as types, with no I/O: ids, run status and its allowed moves,
 //! step addresses and undo plans, journal entries, effect records and local writes, and the
-//! messages that travel through RabbitMQ, events sent to runs and what a run waits for.
+//! messages that travel through RabbitMQ, events sent to runs and what a run waits for (an event,
+//! a time, or child runs).
 
+mod children;
 mod envelope;
 mod event;
 mod ids;
@@ -12,6 +14,9 @@ mod status;
 mod step;
 mod wait;
 
+pub use children::{
+    ChildResult, ChildStart, ChildrenSummary, FanOut, MAX_CHILDREN, Threshold, allowed_failures, child_run_id, never,
+};
 pub use envelope::{
     DecodeError, OutgoingMessage, RUN_START_ROUTING_KEY, RunStartEvent, STEP_ROUTING_KEY,
     StepMessage,

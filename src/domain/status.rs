@@ -66,10 +66,11 @@ const MOVES: [(RunStatus, &[RunStatus]); 9] = [
             Compensated,
         ],
     ),
-    // A person resumes (forward or undo), cancels, or undoes.
+    // A person resumes (forward or undo; a run stopped past its children's failure threshold
+    // waits for them again), cancels, or undoes.
     (
         NeedsReview,
-        &[Running, Compensating, Cancelled, Compensated],
+        &[Running, Waiting, Compensating, Cancelled, Compensated],
     ),
     // Ended runs can only be undone.
     (Succeeded, &[Compensating, Compensated]),

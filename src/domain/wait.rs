@@ -32,6 +32,8 @@ pub enum WaitFor {
     },
     /// A time.
     Sleep(Due),
+    /// Child runs, started by the same commit, until the join's condition holds.
+    Children(super::FanOut),
 }
 
 /// When a sleep ends.
@@ -50,6 +52,7 @@ impl NewWait {
         match &self.what {
             WaitFor::Event { timeout_secs, .. } => Due::In(*timeout_secs),
             WaitFor::Sleep(due) => *due,
+            WaitFor::Children(_) => Due::At(super::never()),
         }
     }
 
@@ -57,7 +60,7 @@ impl NewWait {
     pub fn event(&self) -> Option<(&str, &str)> {
         match &self.what {
             WaitFor::Event { name, key, .. } => Some((name, key)),
-            WaitFor::Sleep(_) => None,
+            WaitFor::Sleep(_) | WaitFor::Children(_) => None,
         }
     }
 
@@ -77,6 +80,12 @@ impl NewWait {
             WaitFor::Sleep(due) => serde_json::json!({
                 "waiting_for": "time", "sleep": due, "step": step, "seq": seq,
                 "next": self.next_step,
+            }),
+            WaitFor::Children(fan) => serde_json::json!({
+                "waiting_for": "children", "children": fan.children.len(),
+                "join": fan.first_n.map_or("all".to_owned(), |n| format!("first {n}")),
+                "max_failures": fan.max_failures, "max_in_flight": fan.max_in_flight,
+                "step": step, "seq": seq, "next": self.next_step,
             }),
         }
     }

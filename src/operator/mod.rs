@@ -14,7 +14,7 @@ use sqlx::{PgConnection, Postgres, Transaction};
 pub use fork::{ForkPlan, ForkPoint, ForkRequest, fork, plan as fork_plan};
 pub use human::{approve, reject};
 pub use resume::{Resume, resume};
-pub use undo::{Preview, PreviewStep, UndoOptions, preview as undo_preview, undo};
+pub use undo::{Preview, PreviewChild, PreviewStep, UndoOptions, preview as undo_preview, undo};
 
 use crate::domain::{Event, IllegalMove, RunId, RunStatus, StepAddress};
 use crate::engine::Engine;
@@ -217,11 +217,25 @@ struct Decided<'a> {
     next: String,
 }
 
-/// Records the decision (a decision row, an audit row, and the lifecycle event when the run
-/// ended or stopped for a person) and commits; returns the outcome.
+/// Records the decision (see [`record_in`]) and commits; returns the outcome.
 async fn record(
     engine: &Engine,
     mut tx: Transaction<'_, Postgres>,
+    run: &runs::RunRow,
+    who: &Decider,
+    decided: Decided<'_>,
+) -> Result<Outcome> {
+    let outcome = record_in(engine, &mut tx, run, who, decided).await?;
+    tx.commit().await?;
+    tracing::info!(run.id = %run.run_id, action = %outcome.action, actor = %who.actor, before = %run.status, after = %outcome.status_after, "operator decision recorded");
+    Ok(outcome)
+}
+
+/// Records the decision in the caller's transaction: a decision row, an audit row, a progress
+/// line, and the lifecycle event when the run ended or stopped for a person.
+async fn record_in(
+    engine: &Engine,
+    tx: &mut PgConnection,
     run: &runs::RunRow,
     who: &Decider,
     decided: Decided<'_>,
@@ -266,14 +280,12 @@ async fn record(
             who.reason
         ),
     };
-    progress::record(&mut tx, &[said]).await?;
+    progress::record(&mut *tx, &[said]).await?;
     if let Ok(run_id) = RunId::parse(&run.run_id)
         && let Some(event) = Event::run(&run_id, &run.workflow, after, step)
     {
         outbox::insert(&mut *tx, &[engine.topology.event_message(&event)]).await?;
     }
-    tx.commit().await?;
-    tracing::info!(run.id = %run.run_id, action, actor = %who.actor, before = %run.status, after = %after, "operator decision recorded");
     Ok(Outcome {
         run_id: run.run_id.clone(),
         action: action.into(),
@@ -284,8 +296,15 @@ async fn record(
 }
 
 /// Stops a run for good; an in-flight step is fenced out and commits nothing.
+/// A run's running children (and theirs) are cancelled with it; a child cancelled alone counts
+/// as failed in its parent's fan-out.
 pub async fn cancel(engine: &Engine, run_id: &str, who: &Decider) -> Result<Outcome> {
     let mut tx = engine.pool.begin().await?;
+    // A child's parent is locked before the child, as a child's ending locks them.
+    let parent = store::children::parent_of(&mut *tx, run_id).await?;
+    if let Some((parent, _)) = &parent {
+        store::children::lock_run(&mut tx, parent).await?;
+    }
     let run = lock(&mut tx, run_id).await?;
     if run.status.is_terminal() {
         return Err(refused(
@@ -303,9 +322,19 @@ pub async fn cancel(engine: &Engine, run_id: &str, who: &Decider) -> Result<Outc
         run.workflow_version,
     )
     .await?;
-    let details = json!({ "handover": run.handover, "error": run.error });
-    let next =
-        "nothing: the run is cancelled; `trailmark run undo` can still reverse its writes".into();
+    let why = format!("cancelled by {}: {}", who.actor, who.reason);
+    if parent.is_some() {
+        crate::wait::children::ended_by_decision(&mut tx, &engine.topology, run_id, &why).await?;
+    }
+    let below = crate::wait::children::cancel_below(&mut tx, &engine.topology, run_id, &why).await?;
+    let details = json!({ "handover": run.handover, "error": run.error, "children_cancelled": below });
+    let children = match below {
+        0 => String::new(),
+        n => format!(" with {n} child run(s) that had not ended"),
+    };
+    let next = format!(
+        "nothing: the run is cancelled{children}; `trailmark run undo` can still reverse its writes"
+    );
     record(
         engine,
         tx,

@@ -5,7 +5,7 @@ use serde_json::json;
 use super::{Decided, Decider, Outcome, Result, enqueue, lock, record, refused, set_run};
 use crate::domain::RunStatus;
 use crate::engine::Engine;
-use crate::store::{journal, steps};
+use crate::store::{self, journal, steps};
 
 /// How a run in `needs_review` goes on.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -72,6 +72,9 @@ pub async fn resume(engine: &Engine, run_id: &str, who: &Decider, how: Resume) -
         .clone()
         .ok_or_else(|| refused(&run, action, "it has no step to resume at"))?;
     let attempts = steps::attempts_at(&mut *tx, &run.run_id, run.step_seq).await?;
+    // Stopped past its children's failure threshold: the finished fan-out step does not run
+    // again (its attempts stay as they are); its failed children do.
+    let fan_out = store::children::stopped_at(&mut *tx, &run.run_id, run.step_seq).await?;
     let max = engine.settings.worker.max_attempts;
     let mut version = run.workflow_version;
     if after_fix {
@@ -79,8 +82,10 @@ pub async fn resume(engine: &Engine, run_id: &str, who: &Decider, how: Resume) -
             refused(&run, action, format!("workflow {} is not deployed in this build; run the command from a build that has the fix", run.workflow))
         })?;
         version = deployed.version;
-        steps::reset_attempts(&mut *tx, &run.run_id, run.step_seq).await?;
-    } else if attempts >= max {
+        if !fan_out {
+            steps::reset_attempts(&mut *tx, &run.run_id, run.step_seq).await?;
+        }
+    } else if attempts >= max && !fan_out {
         return Err(refused(
             &run,
             action,
@@ -92,10 +97,31 @@ pub async fn resume(engine: &Engine, run_id: &str, who: &Decider, how: Resume) -
     }
     let status = if step.is_undo() {
         RunStatus::Compensating
+    } else if fan_out {
+        RunStatus::Waiting
     } else {
         RunStatus::Running
     };
     set_run(&mut tx, &run, status, Some(&step), run.step_seq, version).await?;
+    if fan_out {
+        // The fan-out step finished: it does not run again; its failed children do.
+        let at = (run.run_id.as_str(), run.step_seq);
+        let again = crate::wait::children::reopen(&mut tx, &engine.topology, at).await?;
+        let details = json!({ "handover": run.handover, "error": run.error, "children_run_again": again });
+        let next = format!(
+            "the run waits again for the children of step {step} (position {}); its {again} failed child run(s) run again from where they stopped",
+            run.step_seq
+        );
+        let decided = Decided {
+            action,
+            after: status,
+            step: Some((&step, run.step_seq)),
+            version_after: version,
+            details,
+            next,
+        };
+        return record(engine, tx, &run, who, decided).await;
+    }
     enqueue(&mut tx, engine, &run, &step, run.step_seq, version).await?;
     let set_aside = if how == Resume::AfterFixAskAgain {
         journal::set_aside(&mut *tx, &run.run_id, run.step_seq).await?

@@ -5,7 +5,12 @@ use std::sync::Arc;
 
 use serde_json::{Value, json};
 
-use super::{Decided, Decider, Outcome, Result, enqueue, lock, record, refused, set_run};
+use std::future::Future;
+use std::pin::Pin;
+
+use sqlx::PgConnection;
+
+use super::{Decided, Decider, Outcome, Result, enqueue, lock, record_in, refused, set_run};
 use crate::domain::{PlannedUndo, RunId, RunStatus, UndoPlan};
 use crate::engine::Engine;
 use crate::store::{self, effects, runs, steps};
@@ -38,7 +43,9 @@ impl UndoOptions {
 }
 
 /// Starts undoing `run_id`. Refused while a step that stopped halfway has recorded writes,
-/// unless `opts.leave_partial`: undo would silently leave them standing.
+/// unless `opts.leave_partial`: undo would silently leave them standing. The run's child runs
+/// (and theirs) are undone with it, newest first, each by its own plan and decision, in the same
+/// transaction; refused while one of them still runs (cancel the run first, which cancels them).
 pub async fn undo(
     engine: &Engine,
     run_id: &str,
@@ -46,8 +53,68 @@ pub async fn undo(
     opts: UndoOptions,
 ) -> Result<Outcome> {
     let mut tx = engine.pool.begin().await?;
-    let run = lock(&mut tx, run_id).await?;
-    let plan = plan(engine, &mut tx, &run, opts).await?;
+    let outcome = undo_in(engine, &mut tx, run_id, who, opts).await?;
+    tx.commit().await?;
+    tracing::info!(run.id = %run_id, actor = %who.actor, after = %outcome.status_after, "undo decided");
+    Ok(outcome)
+}
+
+/// [`undo`] in the caller's transaction, for a run and then, below it, each of its children.
+fn undo_in<'a>(
+    engine: &'a Engine,
+    tx: &'a mut PgConnection,
+    run_id: &'a str,
+    who: &'a Decider,
+    opts: UndoOptions,
+) -> Pin<Box<dyn Future<Output = Result<Outcome>> + Send + 'a>> {
+    Box::pin(async move {
+        let run = lock(&mut *tx, run_id).await?;
+        let plan = plan(engine, &mut *tx, &run, opts.clone()).await?;
+        let children = undoable_children(&mut *tx, &run).await?;
+        let mut outcome = undo_run(engine, &mut *tx, &run, who, plan).await?;
+        for child in &children {
+            undo_in(engine, &mut *tx, child, who, opts.clone()).await?;
+        }
+        if !children.is_empty() {
+            outcome.next = format!(
+                "{}; its {} child run(s) are undone with it, newest first",
+                outcome.next,
+                children.len()
+            );
+        }
+        Ok(outcome)
+    })
+}
+
+/// The child runs an undo of `run` undoes too, newest first: every child that was started and
+/// is not undone already. Refused while one of them has not ended.
+async fn undoable_children(tx: &mut PgConnection, run: &runs::RunRow) -> Result<Vec<String>> {
+    let children = store::children::started(&mut *tx, &run.run_id).await?;
+    if let Some((id, status)) = children.iter().find(|(_, s)| !s.is_terminal() && *s != RunStatus::NeedsReview) {
+        return Err(refused(
+            run,
+            "undo",
+            format!(
+                "its child run {id} is {status}; cancel the run first (`trailmark run cancel {}` cancels its children too), then undo",
+                run.run_id
+            ),
+        ));
+    }
+    Ok(children
+        .into_iter()
+        .filter(|(_, s)| *s != RunStatus::Compensated)
+        .map(|(id, _)| id)
+        .collect())
+}
+
+/// Moves one locked run to compensating with its plan, and records the decision.
+async fn undo_run(
+    engine: &Engine,
+    tx: &mut PgConnection,
+    run: &runs::RunRow,
+    who: &Decider,
+    plan: UndoPlan,
+) -> Result<Outcome> {
     let next_seq = steps::next_position(&mut *tx, &run.run_id).await?;
     let left_standing = &plan.left_standing;
     let left_note = match left_standing.len() {
@@ -61,8 +128,8 @@ pub async fn undo(
     runs::set_undo_plan(&mut *tx, &run.run_id, &plan).await?;
     let Some(step) = plan.first() else {
         set_run(
-            &mut tx,
-            &run,
+            &mut *tx,
+            run,
             RunStatus::Compensated,
             None,
             next_seq,
@@ -70,51 +137,39 @@ pub async fn undo(
         )
         .await?;
         let next = format!("nothing to undo: no completed step declares a compensation{left_note}");
-        return record(
-            engine,
-            tx,
-            &run,
-            who,
-            Decided {
-                action: "undo",
-                after: RunStatus::Compensated,
-                step: None,
-                version_after: run.workflow_version,
-                details,
-                next,
-            },
-        )
-        .await;
+        let decided = Decided {
+            action: "undo",
+            after: RunStatus::Compensated,
+            step: None,
+            version_after: run.workflow_version,
+            details,
+            next,
+        };
+        return record_in(engine, tx, run, who, decided).await;
     };
     set_run(
-        &mut tx,
-        &run,
+        &mut *tx,
+        run,
         RunStatus::Compensating,
         Some(&step),
         next_seq,
         run.workflow_version,
     )
     .await?;
-    enqueue(&mut tx, engine, &run, &step, next_seq, run.workflow_version).await?;
+    enqueue(&mut *tx, engine, run, &step, next_seq, run.workflow_version).await?;
     let next = format!(
         "{} compensations run newest first, each keyed undo:<original key>{left_note}",
         plan.targets.len()
     );
-    record(
-        engine,
-        tx,
-        &run,
-        who,
-        Decided {
-            action: "undo",
-            after: RunStatus::Compensating,
-            step: None,
-            version_after: run.workflow_version,
-            details,
-            next,
-        },
-    )
-    .await
+    let decided = Decided {
+        action: "undo",
+        after: RunStatus::Compensating,
+        step: None,
+        version_after: run.workflow_version,
+        details,
+        next,
+    };
+    record_in(engine, tx, run, who, decided).await
 }
 
 /// What an undo of the run would do: its plan (refused when the run may not be undone, or when
@@ -175,6 +230,19 @@ pub struct Preview {
     pub compensations: Vec<PreviewStep>,
     /// Writes of a stopped step no compensation reverses (only with `leave_partial`).
     pub left_standing: Vec<String>,
+    /// The child runs undone with it, newest first.
+    pub children: Vec<PreviewChild>,
+}
+
+/// A child run an undo of its parent undoes too.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct PreviewChild {
+    /// The child run.
+    pub run_id: String,
+    /// Its status.
+    pub status: RunStatus,
+    /// The steps it would compensate, newest first.
+    pub compensations: Vec<PlannedUndo>,
 }
 
 /// Previews an undo: the compensations it would run, newest first, the writes of each step and
@@ -184,7 +252,8 @@ pub async fn preview(engine: &Engine, run_id: &str, opts: UndoOptions) -> Result
     let run = runs::get(&mut *tx, run_id)
         .await?
         .ok_or_else(|| super::Error::NotFound(run_id.to_owned()))?;
-    let plan = plan(engine, &mut tx, &run, opts).await?;
+    let plan = plan(engine, &mut tx, &run, opts.clone()).await?;
+    let children = preview_children(engine, &mut tx, &run, opts).await?;
     let wf = undoable(engine, &run)?;
     let written = effects::list(&mut *tx, run_id).await?;
     let seqs: Vec<i32> = plan.targets.iter().map(|t| t.seq).collect();
@@ -220,7 +289,31 @@ pub async fn preview(engine: &Engine, run_id: &str, opts: UndoOptions) -> Result
         scope: plan.scope,
         compensations,
         left_standing: plan.left_standing,
+        children,
     })
+}
+
+/// The child runs an undo would undo with the run, newest first, each with the steps it would
+/// compensate (their children are listed under them when they are undone in turn).
+async fn preview_children(
+    engine: &Engine,
+    tx: &mut PgConnection,
+    run: &runs::RunRow,
+    opts: UndoOptions,
+) -> Result<Vec<PreviewChild>> {
+    let mut listed = Vec::new();
+    for id in undoable_children(&mut *tx, run).await? {
+        let Some(child) = runs::get(&mut *tx, &id).await? else {
+            continue;
+        };
+        let plan = plan(engine, &mut *tx, &child, opts.clone()).await?;
+        listed.push(PreviewChild {
+            run_id: id,
+            status: child.status,
+            compensations: plan.targets,
+        });
+    }
+    Ok(listed)
 }
 
 /// Runs one declared lister; its refusal is returned as text, a store failure as an error.

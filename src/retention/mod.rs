@@ -148,7 +148,9 @@ pub async fn prune(
         loop {
             let n = batch(engine, policy, scope, keep, dry_run, &mut done).await?;
             on_batch(&done);
-            if dry_run || n < policy.batch as usize {
+            // Not only a full batch calls for another: a removed parent makes its children
+            // due, which the next batch takes.
+            if dry_run || n == 0 {
                 break;
             }
         }

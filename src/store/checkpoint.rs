@@ -65,6 +65,9 @@ pub struct StepCommit {
     /// What the run waits for after the step (an event or a time): registered in the commit's
     /// own transaction (`crate::wait`, through [`commit_in`]), never by [`commit_all`].
     pub wait: Option<NewWait>,
+    /// For the commit that ends a child run, its parent: the child is counted in its fan-out
+    /// in the commit's own transaction (`crate::wait::children`), never by [`commit_all`].
+    pub ends_child_of: Option<String>,
 }
 
 /// The committer's claim on the run's next position, made by the commit itself so that the

@@ -301,6 +301,72 @@ pub(crate) async fn succeeded(db: impl PgExecutor<'_>, ids: &[String]) -> Result
     .await?)
 }
 
+/// The fan-outs of `ids`: how many, how many joined, the fan-outs (`run:position`) whose
+/// started count differs from their started children rows or child runs (a child started
+/// twice), and those moved on by more than one join.
+pub(crate) async fn fan_outs(
+    db: &sqlx::PgPool,
+    ids: &[String],
+) -> Result<(i64, i64, Vec<String>, Vec<String>)> {
+    let (total, joined): (i64, i64) = sqlx::query_as(
+        "SELECT count(*), count(joined_at) FROM trailmark.fan_outs WHERE run_id = ANY($1)",
+    )
+    .bind(ids)
+    .fetch_one(db)
+    .await?;
+    let twice: Vec<String> = sqlx::query_scalar(
+        "SELECT f.run_id || ':' || f.seq FROM trailmark.fan_outs f
+          WHERE f.run_id = ANY($1)
+            AND (f.started <> (SELECT count(*) FROM trailmark.children c
+                                WHERE c.parent_run_id = f.run_id AND c.seq = f.seq
+                                  AND c.state NOT IN ('pending', 'skipped'))
+              OR f.started <> (SELECT count(*) FROM trailmark.children c
+                                 JOIN trailmark.runs r ON r.run_id = c.run_id
+                                WHERE c.parent_run_id = f.run_id AND c.seq = f.seq))",
+    )
+    .bind(ids)
+    .fetch_all(db)
+    .await?;
+    let joined_twice: Vec<String> = sqlx::query_scalar(
+        "SELECT run_id || ':' || seq FROM trailmark.progress
+          WHERE run_id = ANY($1) AND line LIKE 'children joined:%'
+          GROUP BY run_id, seq HAVING count(*) > 1",
+    )
+    .bind(ids)
+    .fetch_all(db)
+    .await?;
+    Ok((total, joined, twice, joined_twice))
+}
+
+/// Seconds from the commit of the step at `seq` of `run_id` (which started children) to the
+/// join that moved it on, database clock; `None` until it joined.
+pub(crate) async fn fan_out_span(db: impl PgExecutor<'_>, run_id: &str, seq: i32) -> Result<Option<f64>> {
+    Ok(sqlx::query_scalar(
+        "SELECT EXTRACT(EPOCH FROM f.joined_at - s.finished_at)::float8
+           FROM trailmark.fan_outs f
+           JOIN trailmark.steps s ON s.run_id = f.run_id AND s.seq = f.seq
+          WHERE f.run_id = $1 AND f.seq = $2 AND f.joined_at IS NOT NULL",
+    )
+    .bind(run_id)
+    .bind(seq)
+    .fetch_optional(db)
+    .await?
+    .flatten())
+}
+
+/// Of the runs whose ids start with `prefix`: how many succeeded, and the seconds from the
+/// first one's creation to the last one's end (database clock).
+pub(crate) async fn runs_span(db: impl PgExecutor<'_>, prefix: &str) -> Result<(i64, Option<f64>)> {
+    Ok(sqlx::query_as(
+        "SELECT count(*) FILTER (WHERE status = 'succeeded'),
+                EXTRACT(EPOCH FROM max(finished_at) - min(created_at))::float8
+           FROM trailmark.runs WHERE run_id LIKE $1",
+    )
+    .bind(like_prefix(prefix))
+    .fetch_one(db)
+    .await?)
+}
+
 /// Effects (one per key and run) completed by `runs`.
 pub(crate) async fn completed_effects(db: impl PgExecutor<'_>, runs: &[String]) -> Result<i64> {
     Ok(sqlx::query_scalar(

@@ -3,6 +3,7 @@
 
 pub mod audit;
 pub mod checkpoint;
+pub mod children;
 pub mod console_sessions;
 pub mod decisions;
 pub mod effects;

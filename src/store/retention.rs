@@ -50,7 +50,9 @@ pub async fn take_turn(tx: &mut PgConnection) -> Result<bool> {
 
 /// Up to `limit` runs in `scope` that finished more than `keep_secs` ago, oldest first, locked
 /// (`SKIP LOCKED`: a run an operator is forking now waits for the next batch). A run with a
-/// fork that has not finished stays: the fork reads its parent's positions.
+/// fork or a child run that has not finished stays (the fork reads its parent's positions, a
+/// child's ending counts in its parent's join), and a child run stays as long as its parent
+/// (an undo of the parent undoes its children, and its next step read them).
 pub async fn due(
     tx: &mut PgConnection,
     scope: Scope<'_>,
@@ -73,6 +75,13 @@ pub async fn due(
                  WHERE f.parent_run_id = r.run_id AND c.status NOT IN ",
         finished!(),
         ")
+            AND NOT EXISTS (
+                SELECT 1 FROM trailmark.runs c
+                 WHERE c.parent_run_id = r.run_id AND c.status NOT IN ",
+        finished!(),
+        ")
+            AND (r.parent_run_id IS NULL OR NOT EXISTS (
+                SELECT 1 FROM trailmark.runs p WHERE p.run_id = r.parent_run_id))
           ORDER BY r.finished_at
           LIMIT $4
           FOR UPDATE OF r SKIP LOCKED"
@@ -115,7 +124,11 @@ pub async fn export(db: impl PgExecutor<'_>, run_ids: &[String]) -> Result<Vec<(
                         WHERE s.signal_id IN (SELECT w.signal_id FROM trailmark.waits w WHERE w.run_id = r.run_id)),
             'shadow_writes', (SELECT coalesce(jsonb_agg(to_jsonb(x) - 'run_id' ORDER BY x.seq, x.created_at), '[]')
                                 FROM trailmark.shadow_writes x WHERE x.run_id = r.run_id),
-            'forked_from', (SELECT to_jsonb(x) - 'run_id' FROM trailmark.forks x WHERE x.run_id = r.run_id))
+            'forked_from', (SELECT to_jsonb(x) - 'run_id' FROM trailmark.forks x WHERE x.run_id = r.run_id),
+            'fan_outs', (SELECT coalesce(jsonb_agg(to_jsonb(x) - 'run_id' ORDER BY x.seq), '[]')
+                           FROM trailmark.fan_outs x WHERE x.run_id = r.run_id),
+            'children', (SELECT coalesce(jsonb_agg(to_jsonb(x) - 'parent_run_id' ORDER BY x.seq, x.idx), '[]')
+                           FROM trailmark.children x WHERE x.parent_run_id = r.run_id))
            FROM trailmark.runs r
           WHERE r.run_id = ANY($1)",
     )
@@ -135,7 +148,8 @@ pub struct Removed {
     pub journal: i64,
     /// Outside-write records.
     pub effects: i64,
-    /// Decisions, parked items, progress lines, waits, events, shadow writes and fork links.
+    /// Decisions, parked items, progress lines, waits, events, shadow writes, fork links,
+    /// fan-outs and their children's rows.
     pub other: i64,
 }
 
@@ -168,6 +182,8 @@ pub async fn remove(
          pr AS (DELETE FROM trailmark.progress WHERE run_id IN (SELECT run_id FROM gone) RETURNING 1),
          sw AS (DELETE FROM trailmark.shadow_writes WHERE run_id IN (SELECT run_id FROM gone) RETURNING 1),
          f  AS (DELETE FROM trailmark.forks WHERE run_id IN (SELECT run_id FROM gone) RETURNING 1),
+         fo AS (DELETE FROM trailmark.fan_outs WHERE run_id IN (SELECT run_id FROM gone) RETURNING 1),
+         ch AS (DELETE FROM trailmark.children WHERE parent_run_id IN (SELECT run_id FROM gone) RETURNING 1),
          w  AS (DELETE FROM trailmark.waits WHERE run_id IN (SELECT run_id FROM gone) RETURNING signal_id),
          -- An event goes with the last run it resumed.
          ev AS (DELETE FROM trailmark.signals sg
@@ -190,6 +206,7 @@ pub async fn remove(
                 (SELECT count(*) FROM e) AS effects,
                 (SELECT count(*) FROM d) + (SELECT count(*) FROM p) + (SELECT count(*) FROM pr)
                   + (SELECT count(*) FROM sw) + (SELECT count(*) FROM f) + (SELECT count(*) FROM w)
+                  + (SELECT count(*) FROM fo) + (SELECT count(*) FROM ch)
                   + (SELECT count(*) FROM ev) AS other",
     )
     .bind(run_ids)

@@ -53,6 +53,9 @@ pub struct RunRow {
     pub finished_at: Option<DateTime<Utc>>,
     /// A shadow fork: outside writes recorded, never made.
     pub shadow: bool,
+    /// The run whose step started it (a child run).
+    #[sqlx(default)]
+    pub parent_run_id: Option<String>,
 }
 
 impl RunRow {
@@ -75,13 +78,16 @@ pub struct NewRun<'a> {
     pub first_step: &'a StepAddress,
     /// Input.
     pub input: &'a Value,
+    /// The run whose step started it, for a child run.
+    pub parent: Option<&'a str>,
 }
 
 /// Inserts the run unless it exists; returns whether it was created.
 pub async fn insert(db: impl PgExecutor<'_>, run: &NewRun<'_>) -> Result<bool> {
     let done = sqlx::query(
-        "INSERT INTO trailmark.runs (run_id, workflow, workflow_version, status, step, input)
-         VALUES ($1, $2, $3, $6, $4, $5) ON CONFLICT (run_id) DO NOTHING",
+        "INSERT INTO trailmark.runs (run_id, workflow, workflow_version, status, step, input,
+                                     parent_run_id)
+         VALUES ($1, $2, $3, $6, $4, $5, $7) ON CONFLICT (run_id) DO NOTHING",
     )
     .bind(run.run_id.as_str())
     .bind(run.workflow)
@@ -89,6 +95,7 @@ pub async fn insert(db: impl PgExecutor<'_>, run: &NewRun<'_>) -> Result<bool> {
     .bind(run.first_step)
     .bind(run.input)
     .bind(RunStatus::Running)
+    .bind(run.parent)
     .execute(db)
     .await?;
     Ok(done.rows_affected() == 1)
@@ -117,15 +124,17 @@ pub async fn standing(db: impl PgExecutor<'_>, run_id: &RunId) -> Result<Option<
 /// Lists runs, newest first, optionally by status.
 pub async fn list(
     db: impl PgExecutor<'_>,
-    status: Option<RunStatus>,
+    (status, parent): (Option<RunStatus>, Option<&str>),
     limit: i64,
 ) -> Result<Vec<RunRow>> {
     Ok(sqlx::query_as(
         "SELECT * FROM trailmark.runs WHERE ($1::text IS NULL OR status = $1)
+            AND ($3::text IS NULL OR parent_run_id = $3)
          ORDER BY created_at DESC, run_id LIMIT $2",
     )
     .bind(status)
     .bind(limit)
+    .bind(parent)
     .fetch_all(db)
     .await?)
 }
@@ -155,6 +164,8 @@ pub struct Claim {
     /// Made by the previous step's commit (a pre-claim), not by a claim statement: the step's
     /// commit is synchronous (`StepTx::commit`).
     pub preclaimed: bool,
+    /// For a child run, its parent: the commit that ends it counts it in its fan-out.
+    pub parent: Option<String>,
 }
 
 /// A worker asking for a run's lease to execute one step delivery (owned, so a group-commit task
@@ -216,6 +227,7 @@ struct ClaimRow {
     age_secs: Option<f64>,
     undo: Option<sqlx::types::Json<UndoPlan>>,
     shadow: Option<bool>,
+    parent_run_id: Option<String>,
     attempts: Option<i32>,
     journaled: i32,
     run_status: Option<RunStatus>,
@@ -258,7 +270,8 @@ const CLAIM: &str = "WITH req AS (
            AND (u.lease_owner IS NULL OR u.lease_expires_at IS NULL OR u.lease_expires_at < now()
                 OR u.lease_owner = r.owner OR trailmark.process_gone(u.lease_pid))
         RETURNING r.n, r.run_id, r.seq, r.step, u.fence, u.status, u.input,
-                  EXTRACT(EPOCH FROM now() - u.created_at)::float8 AS age_secs, u.undo, u.shadow
+                  EXTRACT(EPOCH FROM now() - u.created_at)::float8 AS age_secs, u.undo, u.shadow,
+                  u.parent_run_id
     ), attempt AS (
         INSERT INTO trailmark.steps (run_id, seq, step, attempts)
         SELECT c.run_id, c.seq, c.step,
@@ -269,7 +282,7 @@ const CLAIM: &str = "WITH req AS (
     )
     SELECT r.n IN (SELECT n FROM seen) AS seen,
            r.n IN (SELECT n FROM lease WHERE NOT first_on_preclaim) AS took_over,
-           c.fence, c.status, c.input, c.age_secs, c.undo, c.shadow, a.attempts,
+           c.fence, c.status, c.input, c.age_secs, c.undo, c.shadow, c.parent_run_id, a.attempts,
            (SELECT count(*) FROM trailmark.journal j WHERE j.run_id = r.run_id AND j.seq = r.seq)::int4 AS journaled,
            o.status AS run_status, o.step_seq AS run_seq
       FROM req r LEFT JOIN claimed c ON c.n = r.n LEFT JOIN attempt a ON a.run_id = c.run_id AND a.seq = c.seq
@@ -341,6 +354,7 @@ fn outcome(row: ClaimRow, asked_seq: i32) -> ClaimOutcome {
         took_over: row.took_over,
         shadow: row.shadow.unwrap_or(false),
         preclaimed: false,
+        parent: row.parent_run_id,
     })
 }
 
@@ -623,6 +637,8 @@ pub struct Filter {
     pub stuck: bool,
     /// Continue after this run (the previous page's last), newest first.
     pub after: Option<(DateTime<Utc>, String)>,
+    /// Only the child runs of this run.
+    pub parent: Option<String>,
 }
 
 /// A run as a listing shows it, with the state of its current step.
@@ -657,6 +673,8 @@ pub struct Summary {
     pub created_at: DateTime<Utc>,
     /// Last change.
     pub updated_at: DateTime<Utc>,
+    /// The run whose step started it (a child run).
+    pub parent_run_id: Option<String>,
 }
 
 impl Summary {
@@ -696,7 +714,7 @@ pub async fn page(db: impl PgExecutor<'_>, f: &Filter, limit: i64) -> Result<Vec
     Ok(sqlx::query_as(
         "SELECT r.run_id, r.workflow, r.workflow_version, r.status, r.step, r.step_seq,
                 COALESCE(s.attempts, 0) AS attempts, s.retry_at, s.last_error, r.error,
-                r.lease_owner, r.lease_expires_at, r.created_at, r.updated_at
+                r.lease_owner, r.lease_expires_at, r.created_at, r.updated_at, r.parent_run_id
            FROM trailmark.runs r
            LEFT JOIN trailmark.steps s ON s.run_id = r.run_id AND s.seq = r.step_seq
           WHERE ($1::text IS NULL OR r.status = $1)
@@ -707,6 +725,7 @@ pub async fn page(db: impl PgExecutor<'_>, f: &Filter, limit: i64) -> Result<Vec
             AND (NOT $7 OR (r.status = ANY($8::text[]) AND (
                     COALESCE(s.attempts, 0) > 1 OR r.lease_expires_at < now()
                  OR (r.lease_owner IS NULL AND s.finished_at IS NULL AND s.attempts >= 1))))
+            AND ($10::text IS NULL OR r.parent_run_id = $10)
           ORDER BY r.created_at DESC, r.run_id DESC LIMIT $9",
     )
     .bind(f.status)
@@ -718,6 +737,7 @@ pub async fn page(db: impl PgExecutor<'_>, f: &Filter, limit: i64) -> Result<Vec
     .bind(f.stuck)
     .bind(&RunStatus::EXECUTING[..])
     .bind(limit)
+    .bind(f.parent.as_deref())
     .fetch_all(db)
     .await?)
 }

@@ -51,6 +51,7 @@ pub async fn insert(
             ..
         } => ("event", Some(name), Some(key), on_timeout.as_ref()),
         WaitFor::Sleep(_) => ("sleep", None, None, None),
+        WaitFor::Children(_) => ("children", None, None, None),
     };
     Ok(sqlx::query_scalar(
         "INSERT INTO trailmark.waits (run_id, seq, step, kind, event_name, match_key, next_step,
@@ -71,6 +72,21 @@ pub async fn insert(
     .bind(at)
     .fetch_one(conn)
     .await?)
+}
+
+/// Opens again the closed wait of `run_id` at `seq` (a fan-out step that runs again after its
+/// parent was resumed); `false` when there is none.
+pub async fn reopen(conn: &mut PgConnection, run_id: &str, seq: i32) -> Result<bool> {
+    let done = sqlx::query(
+        "UPDATE trailmark.waits SET resolved_at = NULL, resolution = NULL, signal_id = NULL,
+                since = now()
+          WHERE run_id = $1 AND seq = $2 AND kind = 'children'",
+    )
+    .bind(run_id)
+    .bind(seq)
+    .execute(conn)
+    .await?;
+    Ok(done.rows_affected() == 1)
 }
 
 /// A waiting run, found by its wait and locked for the caller's transaction.

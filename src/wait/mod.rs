@@ -16,6 +16,7 @@
 //! for each other (`store::waits::lock_pair`), so the second sees the first's commit; an event
 //! that comes first is kept ([`send`]) and taken by the wait when it comes ([`commit`]).
 
+pub(crate) mod children;
 mod send;
 pub mod timers;
 
@@ -27,7 +28,7 @@ use sqlx::{PgConnection, PgPool};
 pub use send::{EventSent, SendError, Sender, send};
 
 use crate::broker::Topology;
-use crate::domain::{Event, RunId, RunStatus, StepAddress};
+use crate::domain::{Event, RunId, RunStatus, StepAddress, WaitFor};
 use crate::store::checkpoint::{self, Committed, StepCommit};
 use crate::store::waits::{self, Move, Waiting};
 use crate::store::{self, outbox, progress};
@@ -37,7 +38,7 @@ use crate::store::{self, outbox, progress};
 /// at once: the run then goes on in this same transaction.
 pub(crate) async fn commit(
     pool: &PgPool,
-    topology: &Topology,
+    (topology, failpoints): (&Topology, &crate::failpoint::Failpoints),
     step: StepCommit,
 ) -> store::Result<Committed> {
     let wait = step.wait.as_ref().expect("a commit that registers a wait");
@@ -57,6 +58,16 @@ pub(crate) async fn commit(
         }
     };
     let at = (step.run_id.as_str(), step.to.seq, &step.step);
+    if let WaitFor::Children(fan) = &wait.what {
+        // A resumed fan-out step reopens the wait it registered the first time.
+        if !waits::reopen(&mut tx, at.0, at.1).await? {
+            waits::insert(&mut tx, at, wait).await?;
+        }
+        let parent = (&step.run_id, at.1);
+        children::register(&mut tx, (topology, failpoints), parent, fan).await?;
+        tx.commit().await?;
+        return Ok(committed);
+    }
     waits::insert(&mut tx, at, wait).await?;
     if let Some((name, key)) = wait.event()
         && let Some(id) = waits::take_pending(&mut tx, name, key).await?
@@ -76,6 +87,8 @@ enum How {
     Event(String),
     /// Its due time: a sleep's wake-up, or an event wait's timeout.
     Due,
+    /// Its children's join held (what the progress line says of them).
+    Joined(String),
 }
 
 /// Where one waiting run goes, and what it says about it.
@@ -133,7 +146,9 @@ async fn go_on(
             at: chrono::Utc::now(),
             line: g.line.clone(),
         });
-        let late = (g.resolution != "event").then_some(g.waiting.late_secs);
+        // An event or a join is not due at a time: no lateness to measure.
+        let timed = !matches!(g.resolution, "event" | "children");
+        let late = timed.then_some(g.waiting.late_secs);
         crate::metrics::wait_ended(g.resolution, late);
     }
     outbox::insert(&mut *tx, &messages).await?;
@@ -155,6 +170,7 @@ fn announce(topology: &Topology, run_id: &RunId, g: &Going) -> Vec<crate::domain
             let by = match &g.signal_id {
                 Some(id) => format!("event {id}"),
                 None if w.kind == "sleep" => "wake-up".to_owned(),
+                None if w.kind == "children" => "children".to_owned(),
                 None => "timeout".to_owned(),
             };
             let resumed = Event::resumed(run_id, &w.workflow, g.status, at, &by);
@@ -187,6 +203,10 @@ fn where_to(w: Waiting, how: How) -> Going {
                 w.next_step
             );
             ("event", Some(id), RunStatus::Running, w.next_step.clone(), None)
+        }
+        How::Joined(said) => {
+            let _ = write!(line, "{said}; going on with step {}", w.next_step);
+            ("children", None, RunStatus::Running, w.next_step.clone(), None)
         }
         How::Due if w.kind == "sleep" => {
             let _ = write!(

@@ -10,11 +10,14 @@ use serde_json::{Value, json};
 use super::STEP_CONSUMER;
 use crate::broker::Topology;
 use crate::domain::{
-    Due, Event, Fence, IllegalMove, LocalWrite, NewWait, OutgoingMessage, RunStatus, StepAddress,
-    StepMessage, UndoPlan, WaitFor,
+    ChildStart, Due, Event, FanOut, Fence, IllegalMove, LocalWrite, MAX_CHILDREN, NewWait,
+    OutgoingMessage, RunStatus, StepAddress, StepMessage, UndoPlan, WaitFor, allowed_failures,
+    child_run_id,
 };
 use crate::store::checkpoint::{Advance, StepCommit};
-use crate::workflow::{Next, OnTimeout, Parked, Pause, Pending, StepError, StepOutcome, Workflow};
+use crate::workflow::{
+    Children, Next, OnTimeout, Parked, Pause, Pending, Registry, StepError, StepOutcome, Workflow,
+};
 
 /// What the claim found about the step, as far as its ending depends on it.
 #[derive(Debug, Clone, Copy)]
@@ -165,7 +168,7 @@ pub(super) fn refuse_older_version(msg: &StepMessage, deployed: i32) -> Option<S
 /// messages, parked items and local writes, committed only with an ending that keeps the
 /// step's work).
 pub(super) fn decide(
-    workflow: &Workflow,
+    (workflow, registry): (&Workflow, &Registry),
     msg: &StepMessage,
     claimed: Claimed<'_>,
     limits: Limits,
@@ -208,7 +211,7 @@ pub(super) fn decide(
                         writes,
                     });
                 }
-                Some(pause) => match wait_of(workflow, msg, next, &pause, limits) {
+                Some(pause) => match wait_of((workflow, registry), msg, next, &pause, limits) {
                     Ok(wait) => {
                         return Verdict::Commit(Ending::Pause {
                             output: outcome.output,
@@ -249,7 +252,7 @@ pub(super) fn decide(
 /// event can carry, and its duration more than zero and at most `waits.max_secs`. Refused, the
 /// run stops for review naming what to fix.
 fn wait_of(
-    workflow: &Workflow,
+    (workflow, registry): (&Workflow, &Registry),
     msg: &StepMessage,
     next: Option<StepAddress>,
     pause: &Pause,
@@ -298,6 +301,7 @@ fn wait_of(
             }
         }
         Pause::SleepFor(d) => WaitFor::Sleep(Due::In(span("sleep", d.as_secs_f64())?)),
+        Pause::Children(children) => WaitFor::Children(fan_out(registry, msg, children)?),
         Pause::SleepUntil(at) => {
             let ahead = (*at - chrono::Utc::now()).num_milliseconds() as f64 / 1000.0;
             if ahead > max {
@@ -307,6 +311,64 @@ fn wait_of(
         }
     };
     Ok(NewWait { next_step, what })
+}
+
+/// The fan-out a step's outcome asks for, checked before anything is written: at most
+/// [`MAX_CHILDREN`] children, each of a workflow registered here that accepts its input, ids
+/// that fit, a join and a threshold within range. Refused, the step fails as a permanent error
+/// naming the reason, and no child is started.
+fn fan_out(registry: &Registry, msg: &StepMessage, c: &Children) -> Result<FanOut, StepError> {
+    let total = c.children.len();
+    let refuse = |why: String| {
+        StepError::Unknown(format!(
+            "step {} asked to start {total} child runs, but {why}; no child was started: fix the workflow and resume after the fix",
+            msg.step
+        ))
+    };
+    if let Some(why) = &c.unserializable {
+        return Err(refuse(why.clone()));
+    }
+    if total > MAX_CHILDREN {
+        return Err(refuse(format!("the most one step may start is {MAX_CHILDREN}")));
+    }
+    if total > 0 {
+        child_run_id(&msg.run_id, msg.seq, total - 1).map_err(|e| {
+            refuse(format!("the children's run ids (<run>:<position>:<index>) would not be valid: {e}"))
+        })?;
+    }
+    let mut children = Vec::with_capacity(total);
+    for (index, (name, input)) in c.children.iter().enumerate() {
+        let found = registry
+            .accepting(name, input)
+            .map_err(|e| refuse(format!("child {index}: {e}")))?;
+        let first_step = found
+            .first_step()
+            .ok_or_else(|| refuse(format!("child {index}: workflow {name} has no steps")))?;
+        children.push(ChildStart {
+            workflow: found.name.clone(),
+            version: found.version,
+            first_step,
+            input: input.clone(),
+        });
+    }
+    let max_failures = allowed_failures(c.threshold, total).map_err(refuse)?;
+    let first_n = match c.first {
+        Some(n) if n == 0 || n > total => {
+            return Err(refuse(format!("it waits for the first {n}: it must be from 1 to {total}")));
+        }
+        n => n.map(|n| n as i32),
+    };
+    let max_in_flight = match c.max_in_flight {
+        Some(0) => return Err(refuse("its max_in_flight is 0: it must be at least 1".into())),
+        Some(n) => n.min(total.max(1)),
+        None => total.max(1),
+    };
+    Ok(FanOut {
+        children,
+        first_n,
+        max_failures,
+        max_in_flight: max_in_flight as i32,
+    })
 }
 
 /// The step after this one: the next compensation while undoing, else the workflow's choice.
@@ -448,6 +510,7 @@ pub(super) fn to_commit(
         local_writes,
         preclaim: None,
         wait,
+        ends_child_of: None,
     })
 }
 
@@ -514,7 +577,7 @@ mod tests {
             writes: vec![row.clone()],
             ..Pending::default()
         };
-        let Verdict::Commit(ending) = decide(&workflow(), &msg, running(1), LIMITS, out, pending)
+        let Verdict::Commit(ending) = decide((&workflow(), &Registry::new()), &msg, running(1), LIMITS, out, pending)
         else {
             panic!("not committed");
         };
@@ -543,7 +606,7 @@ mod tests {
     fn the_last_step_ends_the_run_and_a_compensation_ends_the_undo() {
         let msg = message(StepAddress::step("b"), 1);
         let out = Ok(StepOutcome::next(json!("done")));
-        let Verdict::Commit(ending) = decide(&workflow(), &msg, running(1), LIMITS, out, none())
+        let Verdict::Commit(ending) = decide((&workflow(), &Registry::new()), &msg, running(1), LIMITS, out, none())
         else {
             panic!("not committed");
         };
@@ -582,13 +645,13 @@ mod tests {
         let first = message(StepAddress::undo("b", 1), 2);
         let out = || Ok(StepOutcome::next(json!({})));
         let Verdict::Commit(Ending::Advance { next, .. }) =
-            decide(&workflow(), &first, undoing, LIMITS, out(), none())
+            decide((&workflow(), &Registry::new()), &first, undoing, LIMITS, out(), none())
         else {
             panic!("not advanced");
         };
         assert_eq!(next, Some(StepAddress::undo("a", 0)), "newest first");
         let last = message(StepAddress::undo("a", 0), 3);
-        let Verdict::Commit(ending) = decide(&workflow(), &last, undoing, LIMITS, out(), none())
+        let Verdict::Commit(ending) = decide((&workflow(), &Registry::new()), &last, undoing, LIMITS, out(), none())
         else {
             panic!("not committed");
         };
@@ -609,7 +672,7 @@ mod tests {
         let msg = message(StepAddress::step("a"), 0);
         let fail = || Err(StepError::temporary("429"));
         let delay =
-            |attempt| match decide(&workflow(), &msg, running(attempt), LIMITS, fail(), none()) {
+            |attempt| match decide((&workflow(), &Registry::new()), &msg, running(attempt), LIMITS, fail(), none()) {
                 Verdict::Retry { delay, .. } => Some(delay),
                 _ => None,
             };
@@ -617,7 +680,7 @@ mod tests {
         assert_eq!(delay(2), Some(Duration::from_millis(2000)));
         assert_eq!(delay(3), None, "the last attempt goes to review");
         let Verdict::Review(StepError::Guard(why)) =
-            decide(&workflow(), &msg, running(3), LIMITS, fail(), none())
+            decide((&workflow(), &Registry::new()), &msg, running(3), LIMITS, fail(), none())
         else {
             panic!("not reviewed");
         };
@@ -630,7 +693,7 @@ mod tests {
             retry_after: Some(Duration::from_secs(9)),
         });
         assert!(matches!(
-            decide(&workflow(), &msg, running(1), LIMITS, asked, none()),
+            decide((&workflow(), &Registry::new()), &msg, running(1), LIMITS, asked, none()),
             Verdict::Retry { delay, .. } if delay == Duration::from_secs(9)
         ));
     }
@@ -653,7 +716,7 @@ mod tests {
             writes,
             ..Pending::default()
         };
-        let verdict = decide(&workflow(), &msg, running(1), LIMITS, unknown, pending);
+        let verdict = decide((&workflow(), &Registry::new()), &msg, running(1), LIMITS, unknown, pending);
         let Verdict::Review(failure) = verdict else {
             panic!("not reviewed");
         };
@@ -702,12 +765,12 @@ mod tests {
         let msg = message(StepAddress::step("a"), 0);
         let out = Ok(StepOutcome::goto(json!({}), "nowhere"));
         assert!(matches!(
-            decide(&workflow(), &msg, running(1), LIMITS, out, none()),
+            decide((&workflow(), &Registry::new()), &msg, running(1), LIMITS, out, none()),
             Verdict::Review(StepError::Unknown(_))
         ));
         assert!(matches!(
             decide(
-                &workflow(),
+                (&workflow(), &Registry::new()),
                 &msg,
                 running(1),
                 LIMITS,
@@ -723,7 +786,7 @@ mod tests {
         let msg = message(StepAddress::step("a"), 2);
         let wait = crate::workflow::EventWait::new("reply", Duration::from_secs(60));
         let out = Ok(StepOutcome::wait_for_event(json!({"asked": 1}), wait));
-        let Verdict::Commit(ending) = decide(&workflow(), &msg, running(1), LIMITS, out, none())
+        let Verdict::Commit(ending) = decide((&workflow(), &Registry::new()), &msg, running(1), LIMITS, out, none())
         else {
             panic!("not committed");
         };
@@ -757,7 +820,7 @@ mod tests {
     fn a_wait_that_cannot_be_kept_stops_for_review_naming_what_to_fix() {
         let review = |seq, out: StepOutcome| {
             let msg = message(StepAddress::step(if seq == 1 { "b" } else { "a" }), seq);
-            match decide(&workflow(), &msg, running(1), LIMITS, Ok(out), none()) {
+            match decide((&workflow(), &Registry::new()), &msg, running(1), LIMITS, Ok(out), none()) {
                 Verdict::Review(e) => e.to_string(),
                 other => panic!("not reviewed: {other:?}"),
             }
@@ -777,6 +840,42 @@ mod tests {
         assert!(nowhere.contains("nowhere"), "{nowhere}");
         let both = review(0, StepOutcome::wait(json!({})).sleeping_for(Duration::from_secs(5)));
         assert!(both.contains("asked a person and asked to wait"), "{both}");
+    }
+
+    #[derive(serde::Deserialize)]
+    struct Item {
+        #[allow(dead_code)]
+        n: u32,
+    }
+    impl crate::workflow::Input for Item {}
+
+    #[test]
+    fn a_fan_out_is_checked_against_the_registry_and_refused_whole_naming_the_child() {
+        let mut registry = Registry::new();
+        registry.register(workflow().input::<Item>());
+        let msg = message(StepAddress::step("a"), 0);
+        let decide_fan = |children: Children| {
+            let out = Ok(StepOutcome::start_children(json!({}), children));
+            decide((&workflow(), &registry), &msg, running(1), LIMITS, out, none())
+        };
+        let fan = Children::map("wf", [json!({"n": 1}), json!({"n": 2})]).max_in_flight(9);
+        let Verdict::Commit(Ending::Pause { wait, .. }) = decide_fan(fan) else {
+            panic!("not committed");
+        };
+        let WaitFor::Children(fan) = wait.what else {
+            panic!("not a fan-out");
+        };
+        assert_eq!((fan.children.len(), fan.max_in_flight, fan.max_failures), (2, 2, 0));
+        assert_eq!(fan.children[1].first_step, StepAddress::step("a"));
+        let refused = |children: Children| match decide_fan(children) {
+            Verdict::Review(e) => e.to_string(),
+            other => panic!("not refused: {other:?}"),
+        };
+        let unknown = refused(Children::new().child("wf", json!({"n": 1})).child("nope", json!({})));
+        assert!(unknown.contains("child 1: workflow \"nope\" is not registered"), "{unknown}");
+        assert!(unknown.contains("no child was started"), "{unknown}");
+        let bad = refused(Children::map("wf", [json!({"n": -1})]));
+        assert!(bad.contains("child 0: workflow wf does not accept this input"), "{bad}");
     }
 
     #[test]

@@ -18,7 +18,7 @@ use crate::domain::{MessageId, OutgoingMessage, RunStartEvent, StepAddress, requ
 use crate::engine::{Engine, Stats};
 use crate::store::inbox::{self, Recorded};
 use crate::broker::{Outgoing, Topology};
-use crate::store::{retention, self, outbox, runs};
+use crate::store::{self, outbox, retention, runs};
 use crate::workflow::{Registry, StartRefused, Workflow};
 
 /// The run-start message for `event` and its workflow, when a worker here would start the run:
@@ -87,7 +87,7 @@ pub(super) async fn process(
             }
         }
     }
-    let created = create(&mut tx, &engine.topology, &workflow, &first, event, |messages| {
+    let created = create(&mut tx, (&engine.topology, None), (&workflow.name, workflow.version), &first, event, |messages| {
         super::published::hold_for_eager_publish(engine, messages)
     })
     .await?;
@@ -144,21 +144,23 @@ pub(crate) enum Created {
 
 /// Creates the run of `event` with its first step queued in the outbox, in `tx`, unless a run
 /// has its id. One path for every start: the run-start consumer, schedules' ticks and
-/// backfills. `hold` may mark the first message for the caller's own publish.
+/// backfills, the API, and child runs (whose `parent` is the run whose step starts them).
+/// `hold` may mark the first message for the caller's own publish.
 pub(crate) async fn create(
     tx: &mut sqlx::PgConnection,
-    topology: &Topology,
-    workflow: &Workflow,
+    (topology, parent): (&Topology, Option<&str>),
+    (workflow, version): (&str, i32),
     first: &StepAddress,
     event: &RunStartEvent,
     hold: impl FnOnce(&mut [OutgoingMessage]),
 ) -> store::Result<Created> {
     let new = runs::NewRun {
         run_id: &event.run_id,
-        workflow: &workflow.name,
-        version: workflow.version,
+        workflow,
+        version,
         first_step: first,
         input: &event.input,
+        parent,
     };
     if !runs::insert(&mut *tx, &new).await? {
         let id = event.run_id.as_str();
@@ -168,8 +170,7 @@ pub(crate) async fn create(
         let tombstone = retention::tombstone(&mut *tx, id, &event.workflow, &event.input).await?;
         return Ok(tombstone.map_or(Created::Vanished, Created::Pruned));
     }
-    let mut message =
-        topology.step_message(&event.run_id, &workflow.name, workflow.version, first, 0);
+    let mut message = topology.step_message(&event.run_id, workflow, version, first, 0);
     hold(std::slice::from_mut(&mut message));
     let rows = outbox::insert(&mut *tx, std::slice::from_ref(&message)).await?;
     Ok(Created::New { message, rows })

@@ -244,7 +244,7 @@ async fn run_step(
                 shadow_writes(engine, msg, would_send, would_write).await?;
             }
         }
-        ending::decide(workflow, msg, claimed, limits, result, pending)
+        ending::decide((workflow, &engine.registry), msg, claimed, limits, result, pending)
     };
     Ok((verdict, answers_flushed))
 }
@@ -550,6 +550,9 @@ async fn commit(
     let mut step = ending::to_commit(&engine.topology, msg, fence, status, claim.shadow, ending)
         .map_err(|e| store::Error::unavailable("the step's ending is not a legal move", e))?;
     let to = step.to.status;
+    if to.to != to.from && CHILD_ENDS.contains(&to.to) {
+        step.ends_child_of = claim.parent.clone();
+    }
     published::hold_for_eager_publish(engine, &mut step.outbox);
     let eagerly = published::publishes_eagerly(engine);
     // Copied only when the worker publishes them itself; the originals go into the commit.
@@ -597,6 +600,15 @@ async fn commit(
     log_lifecycle(to);
     Ok(Disposition::Committed(eager))
 }
+
+/// The statuses in which a child run counts as ended for its parent's join: succeeded, or
+/// failed (stopped for review, failed, cancelled).
+const CHILD_ENDS: [RunStatus; 4] = [
+    RunStatus::Succeeded,
+    RunStatus::NeedsReview,
+    RunStatus::Failed,
+    RunStatus::Cancelled,
+];
 
 /// Asks the commit to claim the run's next position for this worker when it may
 /// (`step_tx::preclaimable`; not while an undo plan is in force); the next message's id and the

@@ -46,6 +46,9 @@ pub(crate) struct StepTx {
     pub preclaims: super::preclaim::PreClaims,
     /// Progress lines, written in batches by a task of their own.
     progress: OnceLock<tokio::sync::mpsc::UnboundedSender<progress::NewLine>>,
+    /// The process's failpoints, for the spots inside a commit's transaction (a fan-out's
+    /// children being started).
+    failpoints: crate::failpoint::Failpoints,
 }
 
 impl StepTx {
@@ -69,7 +72,14 @@ impl StepTx {
             advances: OnceLock::new(),
             preclaims: Default::default(),
             progress: OnceLock::new(),
+            failpoints: Default::default(),
         }
+    }
+
+    /// With the process's failpoints armed inside its commits' transactions.
+    pub fn with_failpoints(mut self, failpoints: crate::failpoint::Failpoints) -> Self {
+        self.failpoints = failpoints;
+        self
     }
 
     /// The pool whose commits do not wait for their WAL flush.
@@ -120,7 +130,12 @@ impl StepTx {
     ) -> store::Result<Committed> {
         if step.wait.is_some() {
             // Registered in the commit's own transaction, never batched (`crate::wait`).
-            return crate::wait::commit(&self.pool, &self.topology, step).await;
+            let with = (&self.topology, &self.failpoints);
+            return crate::wait::commit(&self.pool, with, step).await;
+        }
+        if step.ends_child_of.is_some() {
+            // Counted in its parent's fan-out in the commit's own transaction, never batched.
+            return crate::wait::children::commit_end(&self.pool, &self.topology, step).await;
         }
         let relaxed = answers_flushed && !preclaimed && step.local_writes.is_empty();
         let (cell, pool) = if relaxed && only_advances(&step) {
@@ -266,6 +281,25 @@ impl Records for StepTx {
             Ok(found.map(|(id, name, key, payload, at)| {
                 crate::workflow::ReceivedEvent::new(id, name, key, payload, at)
             }))
+        })
+    }
+
+    fn children_summary<'a>(
+        &'a self,
+        run: &'a RunId,
+        seq: i32,
+    ) -> BoxFuture<'a, Result<Option<crate::domain::ChildrenSummary>, StepError>> {
+        Box::pin(async move { Ok(store::children::summary(&self.pool, run.as_str(), seq).await?) })
+    }
+
+    fn children_page<'a>(
+        &'a self,
+        run: &'a RunId,
+        seq: i32,
+        (from, limit): (i32, i64),
+    ) -> BoxFuture<'a, Result<Vec<crate::domain::ChildResult>, StepError>> {
+        Box::pin(async move {
+            Ok(store::children::page(&self.pool, (run.as_str(), seq), from, limit).await?)
         })
     }
 

@@ -61,6 +61,9 @@ pub(crate) struct Position {
     pub shadow: bool,
 }
 
+/// The most children [`StepContext::children`] reads at once.
+pub const MAX_CHILDREN_PAGE: usize = 1000;
+
 /// The handle a step handler works through. Cheap to clone.
 #[derive(Clone)]
 pub struct StepContext {
@@ -193,6 +196,32 @@ impl StepContext {
         };
         (self.inner.tools.records)
             .received_event(self.run_id(), before)
+            .await
+    }
+    /// How the children started by the previous step stand (it ended with
+    /// [`super::StepOutcome::start_children`]); `None` when it started none.
+    pub async fn children_summary(&self) -> Result<Option<super::ChildrenSummary>, StepError> {
+        let Some(before) = self.seq().checked_sub(1) else {
+            return Ok(None);
+        };
+        (self.inner.tools.records)
+            .children_summary(self.run_id(), before)
+            .await
+    }
+    /// Up to `limit` (at most [`MAX_CHILDREN_PAGE`]) children started by the previous step, from
+    /// index `from`, each with its state and, once it succeeded, its output. Read from the
+    /// database when asked, page by page, so a large fan-out never travels in one message.
+    pub async fn children(
+        &self,
+        from: usize,
+        limit: usize,
+    ) -> Result<Vec<super::ChildResult>, StepError> {
+        let Some(before) = self.seq().checked_sub(1) else {
+            return Ok(Vec::new());
+        };
+        let page = (from.min(i32::MAX as usize) as i32, limit.min(MAX_CHILDREN_PAGE) as i64);
+        (self.inner.tools.records)
+            .children_page(self.run_id(), before, page)
             .await
     }
     /// For a compensation: the step being undone and the undo's scope.

@@ -79,6 +79,21 @@ pub(crate) trait Records: Send + Sync {
         seq: i32,
     ) -> BoxFuture<'a, Result<Option<super::ReceivedEvent>, StepError>>;
 
+    /// How the children started by the step at position `seq` stand, if it started any.
+    fn children_summary<'a>(
+        &'a self,
+        run: &'a RunId,
+        seq: i32,
+    ) -> BoxFuture<'a, Result<Option<crate::domain::ChildrenSummary>, StepError>>;
+
+    /// Up to `limit` children started by the step at `seq`, from index `from`.
+    fn children_page<'a>(
+        &'a self,
+        run: &'a RunId,
+        seq: i32,
+        page: (i32, i64),
+    ) -> BoxFuture<'a, Result<Vec<crate::domain::ChildResult>, StepError>>;
+
     /// The newest committed output of `step` before position `before`.
     fn output_of<'a>(
         &'a self,

@@ -5,6 +5,7 @@
 //!
 //! [`crate::prelude`] shows a whole workflow run by an embedded engine.
 
+mod children;
 mod context;
 pub mod contract;
 mod definition;
@@ -25,8 +26,9 @@ use serde_json::Value;
 
 pub(crate) use context::Pending;
 pub(crate) use context::Position;
+pub use children::{ChildResult, Children, ChildrenSummary};
 pub use context::UndoTarget;
-pub use context::{IDEMPOTENCY_KEY_HEADER, Parked, StepContext};
+pub use context::{IDEMPOTENCY_KEY_HEADER, MAX_CHILDREN_PAGE, Parked, StepContext};
 pub use definition::{Compensation, Input, StepDef, Workflow};
 pub use effect::{Lookup, Tool};
 pub use error::{ResultExt, StepError};
@@ -145,6 +147,17 @@ impl StepOutcome {
     /// This outcome, with the run sleeping until `time` before its next step.
     pub fn sleeping_until(mut self, time: chrono::DateTime<chrono::Utc>) -> Self {
         self.pause = Some(Pause::SleepUntil(time));
+        self
+    }
+    /// Output, then the step's commit starts `children` and the run waits for them (holding no
+    /// lease and no message) before the next declared step, which reads them with
+    /// `StepContext::children`.
+    pub fn start_children(output: impl Serialize, children: Children) -> Self {
+        Self::next(output).with_children(children)
+    }
+    /// This outcome, with the run starting `children` and waiting for them before its next step.
+    pub fn with_children(mut self, children: Children) -> Self {
+        self.pause = Some(Pause::Children(children));
         self
     }
     /// What the run waits for before its next step, if anything.

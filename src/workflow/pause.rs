@@ -70,6 +70,8 @@ pub(crate) enum Pause {
     SleepFor(Duration),
     /// A time.
     SleepUntil(DateTime<Utc>),
+    /// Child runs, started by the step's commit.
+    Children(super::Children),
 }
 
 /// The event that resumed the run before this step, as `StepContext::event` hands it over.

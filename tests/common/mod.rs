@@ -138,6 +138,7 @@ impl TestEnv {
             version: 1,
             first_step: &"link".into(),
             input: &input,
+            parent: None,
         };
         assert!(
             trailmark::store::runs::insert(&self.pool, &new)
@@ -547,5 +548,6 @@ pub fn first_step_commit(
         local_writes: Vec::new(),
         preclaim: None,
         wait: None,
+        ends_child_of: None,
     }
 }

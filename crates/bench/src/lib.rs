@@ -18,9 +18,11 @@
 //! | `report.rs` | the table, the JSON, the targets |
 //! | `window.rs` | a measured window: wall time and CPU by who used it |
 //! | `waits.rs` | `--waits`: throughput beside 100k waiting runs, wake-up lag of sleepers |
+//! | `children.rs` | `--children`: a fan-out of 1,000 children against 1,000 independent runs |
 
 pub mod baseline;
 pub mod breakdown;
+pub mod children;
 pub mod env;
 pub mod load;
 pub mod measure;

@@ -394,6 +394,38 @@ pub fn verdicts(r: &Report, unpublished: i64) -> Vec<Invariant> {
     ]
 }
 
+/// The fan-out invariants: no child started twice (each fan-out counted as many children
+/// started as it has started rows and child runs), no parent joined twice (one join line per
+/// position a join moved a parent to).
+pub fn fan_out_verdicts(f: &inspect::FanOuts) -> Vec<Invariant> {
+    vec![
+        Invariant {
+            name: "no child run started twice".into(),
+            ok: f.started_twice.is_empty(),
+            detail: format!(
+                "{} fan-outs; {} counted children they do not have{}",
+                f.fan_outs,
+                f.started_twice.len(),
+                f.started_twice
+                    .first()
+                    .map_or(String::new(), |x| format!(" (e.g. {x})"))
+            ),
+        },
+        Invariant {
+            name: "no parent joined twice".into(),
+            ok: f.joined_twice.is_empty(),
+            detail: format!(
+                "{} joined; {} positions reached by more than one join{}",
+                f.joined,
+                f.joined_twice.len(),
+                f.joined_twice
+                    .first()
+                    .map_or(String::new(), |x| format!(" (e.g. {x})"))
+            ),
+        },
+    ]
+}
+
 /// What a stopped worker may hold a run back for: noticing it takes a lease (its presence
 /// falls silent, its leases expire), re-queueing a second or two more; the rest is slack for a
 /// loaded machine.
@@ -427,6 +459,24 @@ fn paused(r: &Report) -> Invariant {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_fan_out_that_counted_a_child_twice_or_a_parent_joined_twice_fails_its_invariant() {
+        let clean = inspect::FanOuts {
+            fan_outs: 3,
+            joined: 3,
+            ..Default::default()
+        };
+        assert!(fan_out_verdicts(&clean).iter().all(|v| v.ok));
+        let broken = inspect::FanOuts {
+            started_twice: vec!["p:0".into()],
+            joined_twice: vec!["q:1".into()],
+            ..clean
+        };
+        let verdicts = fan_out_verdicts(&broken);
+        assert!(verdicts.iter().all(|v| !v.ok));
+        assert!(verdicts[0].detail.contains("e.g. p:0") && verdicts[1].detail.contains("e.g. q:1"));
+    }
 
     #[test]
     fn a_run_held_back_by_a_stopped_worker_past_twice_the_lease_breaks_the_pause_invariant() {

@@ -43,6 +43,8 @@ pub struct Report {
     pub commits_by_process: BTreeMap<String, i64>,
     /// Events sent to waiting runs, when the runs wait for one.
     pub events: Option<super::events::EventFigures>,
+    /// The fan-outs the runs' steps made (child runs), when they make any.
+    pub fan_outs: Option<trailmark::inspect::FanOuts>,
 }
 
 /// Where the drill's runs ended.

@@ -574,6 +574,11 @@ impl Drill<'_> {
             report.events = Some(figures);
             report.invariants.extend(invariants);
         }
+        let fan_outs = inspect::fan_outs(&pool, ids).await?;
+        if fan_outs.fan_outs > 0 {
+            report.invariants.extend(check::fan_out_verdicts(&fan_outs));
+            report.fan_outs = Some(fan_outs);
+        }
         report.exits = self.fleet.unexpected_exits.clone();
         report.commits_by_process = check::commits_by_process(&self.calls_dir, &self.fleet.names)?;
         Ok(report)

@@ -13,6 +13,15 @@
 //! "timeout_secs": T}` (after link P the run waits for the event NAME sent with the run's id as
 //! its key, at most T seconds, then stops in `needs_review`). The link after a wait puts the
 //! event it received (id and payload) in its output.
+//!
+//! Fan-outs too: `"children": {"at": P, "count": N, "steps": K, "max_in_flight": M,
+//! "fail_threshold": F, "fail": [indexes], "first": n}` (all but `at` and `count` optional):
+//! after link P the run starts N child `chain` runs of K links (default 1), at most M at once,
+//! and waits for them (all, or the first n to succeed; F failures allowed: an integer is a
+//! count, a fraction a share). The children at the listed indexes are started with `"fail":
+//! true`: their first link stops for review, until a process started with the failpoint
+//! `chain.fixed=error` (standing for the deployed fix) runs it again. The link after the fan-out
+//! puts the children's counts in its output.
 
 use std::time::Duration;
 
@@ -20,11 +29,12 @@ use serde_json::{Value, json};
 use sqlx::PgPool;
 
 use crate::ledger as chain_ledger;
+use trailmark::Threshold;
 use trailmark::domain::{IdempotencyKey, RunId};
 use trailmark::model::{ChatMessage, ChatRequest};
 use trailmark::workflow::{
-    EventWait, Input, PreviewContext, Reversal, StepContext, StepError, StepKind, StepOutcome,
-    Workflow,
+    Children, EventWait, Input, PreviewContext, Reversal, StepContext, StepError, StepKind,
+    StepOutcome, Workflow,
 };
 
 /// Workflow name.
@@ -51,6 +61,63 @@ pub struct ChainInput {
     /// After which link the run waits for an event, which one, and how long.
     #[serde(default)]
     pub wait: Option<WaitAt>,
+    /// After which link the run starts child runs, and how it waits for them.
+    #[serde(default)]
+    pub children: Option<ChildrenAt>,
+    /// The first link stops for review (until the fix: see the module's docs).
+    #[serde(default)]
+    pub fail: bool,
+}
+
+/// `{"at": P, "count": N, ...}`: after link P, the run starts N child `chain` runs.
+#[derive(Debug, Clone, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ChildrenAt {
+    /// The link (position) after which the run starts them.
+    pub at: i64,
+    /// How many.
+    pub count: usize,
+    /// Links in each child (default 1).
+    #[serde(default = "one")]
+    pub steps: i64,
+    /// Children running at once at most (default: all).
+    #[serde(default)]
+    pub max_in_flight: Option<usize>,
+    /// Failures allowed: an integer is a count, a fraction a share (default 0).
+    #[serde(default)]
+    pub fail_threshold: Option<serde_json::Number>,
+    /// The indexes of the children that fail.
+    #[serde(default)]
+    pub fail: Vec<usize>,
+    /// The run goes on once this many children succeeded (default: it waits for all).
+    #[serde(default)]
+    pub first: Option<usize>,
+}
+
+impl ChildrenAt {
+    /// The fan-out this asks for.
+    fn children(&self) -> Children {
+        let inputs =
+            (0..self.count).map(|i| json!({ "steps": self.steps, "fail": self.fail.contains(&i) }));
+        let mut children = Children::map(NAME, inputs);
+        if let Some(m) = self.max_in_flight {
+            children = children.max_in_flight(m);
+        }
+        if let Some(n) = self.first {
+            children = children.first(n);
+        }
+        match &self.fail_threshold {
+            Some(f) if f.is_u64() => {
+                children.fail_threshold(Threshold::Count(f.as_u64().unwrap_or(0) as usize))
+            }
+            Some(f) => children.fail_threshold(Threshold::Share(f.as_f64().unwrap_or(-1.0))),
+            None => children,
+        }
+    }
+}
+
+fn one() -> i64 {
+    1
 }
 
 /// `{"at": P, "secs": S}`: after link P, the run sleeps S seconds.
@@ -120,6 +187,32 @@ impl Input for ChainInput {
                 return Err(format!(
                     "`sleep.at` and `wait.at` are both {}: a link can sleep or wait, not both",
                     wait.at
+                ));
+            }
+        }
+        if let Some(c) = &self.children {
+            self.pause_at("children.at", c.at)?;
+            let paused = [
+                self.sleep.as_ref().map(|s| s.at),
+                self.wait.as_ref().map(|w| w.at),
+            ];
+            if paused.contains(&Some(c.at)) {
+                return Err(format!(
+                    "`children.at` is {}, where the run already sleeps or waits: a link does one",
+                    c.at
+                ));
+            }
+            if !(1..=1_000_000).contains(&c.steps) {
+                return Err(format!(
+                    "`children.steps` must be from 1 to 1000000, got {}",
+                    c.steps
+                ));
+            }
+            if let Some(i) = c.fail.iter().find(|i| **i >= c.count) {
+                return Err(format!(
+                    "`children.fail` names child {i}, but there are {} (0 to {})",
+                    c.count,
+                    c.count.saturating_sub(1)
                 ));
             }
         }
@@ -208,6 +301,8 @@ struct Params {
     ledger: Ledger,
     sleep: Option<SleepAt>,
     wait: Option<WaitAt>,
+    children: Option<ChildrenAt>,
+    fail: bool,
 }
 
 /// The run's input, checked when the run was started (a run started before inputs were checked
@@ -224,6 +319,8 @@ fn params(input: &Value) -> Result<Params, StepError> {
         ledger: parsed.ledger,
         sleep: parsed.sleep,
         wait: parsed.wait,
+        children: parsed.children,
+        fail: parsed.fail,
     })
 }
 
@@ -241,6 +338,14 @@ async fn link(ctx: StepContext) -> Result<StepOutcome, StepError> {
         max_tokens: Some(64),
         temperature: Some(0.0),
     };
+    // A failing child stops at its first link until the fix is deployed (the failpoint
+    // `chain.fixed` armed with `error` in the process that runs it again).
+    if p.fail && i == 0 && ctx.failpoint("chain.fixed").is_ok() {
+        return Err(StepError::Unknown(format!(
+            "chain run {} was started with `fail`: its first link stops for review",
+            ctx.run_id()
+        )));
+    }
     let answer = ctx.model(&request).await?;
     let reference = reference(ctx.run_id(), i);
     let payload = trailmark::domain::request_hash(&json!(answer.content));
@@ -251,6 +356,10 @@ async fn link(ctx: StepContext) -> Result<StepOutcome, StepError> {
         // The link after the wait says what it received: the drill and the tests check it.
         let event = ctx.event().await?;
         output["event"] = json!(event.map(|e| json!({ "id": e.id, "payload": e.payload })));
+    }
+    if p.children.as_ref().is_some_and(|c| c.at + 1 == i as i64) {
+        // The link after the fan-out says how its children ended.
+        output["children"] = json!(ctx.children_summary().await?);
     }
     if p.ledger == Ledger::Local {
         let row = json!({ "reference": reference, "run_id": ctx.run_id(), "step": i, "payload": payload });
@@ -279,7 +388,10 @@ async fn link(ctx: StepContext) -> Result<StepOutcome, StepError> {
             let timeout = Duration::from_secs_f64(wait.timeout_secs);
             next.waiting_for(EventWait::new(wait.event.clone(), timeout))
         }
-        _ => next,
+        _ => match &p.children {
+            Some(c) if c.at == at => next.with_children(c.children()),
+            _ => next,
+        },
     })
 }
 

@@ -79,6 +79,11 @@ pub struct BenchArgs {
     /// [default: 10000].
     #[arg(long, requires = "waits")]
     pub sleepers: Option<usize>,
+    /// Instead of the comparison: one run that starts --runs child runs of --steps links
+    /// [default: 1000, 3] and waits for them, against as many independent runs started at
+    /// once, --reps times [default: 3] on --workers processes.
+    #[arg(long, conflicts_with = "waits")]
+    pub children: bool,
     /// Print the report as JSON instead of a table.
     #[arg(long)]
     pub json: bool,
@@ -98,6 +103,9 @@ pub async fn run(settings: &Settings, args: BenchArgs) -> anyhow::Result<()> {
     }
     if args.waits {
         return waits(settings, &args).await;
+    }
+    if args.children {
+        return children(settings, &args).await;
     }
     let cfg = config(&args)?;
     let report = bench::run(settings, &cfg).await?;
@@ -173,6 +181,31 @@ async fn waits(settings: &Settings, args: &BenchArgs) -> anyhow::Result<()> {
         "--runs, --steps, --reps and --workers must be at least 1"
     );
     let report = bench::waits::run(settings, &cfg).await?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        print!("{report}");
+    }
+    Ok(())
+}
+
+/// `--children`: a fan-out against as many independent runs.
+async fn children(settings: &Settings, args: &BenchArgs) -> anyhow::Result<()> {
+    let mut cfg = bench::children::ChildrenConfig::default();
+    cfg.children = args.runs.unwrap_or(cfg.children);
+    cfg.steps = args.steps.unwrap_or(cfg.steps);
+    cfg.reps = args.reps.unwrap_or(cfg.reps);
+    cfg.workers = args.workers.unwrap_or(cfg.workers);
+    anyhow::ensure!(
+        cfg.children > 0
+            && cfg.children <= trailmark::domain::MAX_CHILDREN
+            && cfg.steps > 0
+            && cfg.reps > 0
+            && cfg.workers > 0,
+        "--runs must be from 1 to {}, --steps, --reps and --workers at least 1",
+        trailmark::domain::MAX_CHILDREN
+    );
+    let report = bench::children::run(settings, &cfg).await?;
     if args.json {
         println!("{}", serde_json::to_string_pretty(&report)?);
     } else {

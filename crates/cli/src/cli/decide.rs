@@ -120,8 +120,26 @@ fn print_preview(p: &operator::Preview) -> String {
     for key in &p.left_standing {
         eprintln!("left standing (reverse by hand): {key}");
     }
+    for c in p.children.iter().take(PREVIEW_LINES) {
+        eprintln!(
+            "child run {} ({}): {} compensation(s), newest first",
+            c.run_id,
+            c.status,
+            c.compensations.len()
+        );
+    }
+    if p.children.len() > PREVIEW_LINES {
+        eprintln!(
+            "... and {} more child runs",
+            p.children.len() - PREVIEW_LINES
+        );
+    }
+    let children = match p.children.len() {
+        0 => String::new(),
+        n => format!(" and undo {n} child run(s)"),
+    };
     format!(
-        "run {} compensations ({listed} listed reversals) for scope {}",
+        "run {} compensations ({listed} listed reversals) for scope {}{children}",
         p.compensations.len(),
         p.scope
     )

@@ -252,6 +252,7 @@ pub async fn show(settings: &Settings, run_id: &str, as_json: bool) -> anyhow::R
         );
     }
     super::fork::print_lineage(&r.around.lineage, &r.shadow_writes);
+    print_family(&run.run_id, &r.around.family);
     if let Some(error) = &run.error {
         println!("error: {error}");
     }
@@ -315,6 +316,37 @@ pub async fn show(settings: &Settings, run_id: &str, as_json: bool) -> anyhow::R
     Ok(())
 }
 
+/// The run that started this one, and the child runs its steps started, counted by state.
+fn print_family(run_id: &str, family: &trailmark::store::children::Family) {
+    if let Some(parent) = &family.parent {
+        println!("child of run {parent} (`trailmark run show {parent}`)");
+    }
+    for f in &family.fan_outs {
+        let c = &f.children;
+        let ended = match (f.joined_at, f.stopped_at) {
+            (Some(at), _) => format!("joined {}", at.format("%Y-%m-%d %H:%M:%S")),
+            (None, Some(at)) => format!("stopped for review {}", at.format("%Y-%m-%d %H:%M:%S")),
+            (None, None) => "waiting".to_owned(),
+        };
+        println!(
+            "children of position {} ({ended}; join {}, {} failure(s) allowed, {} at once): {} in all, {} succeeded, {} failed, {} running, {} not started, {} skipped",
+            f.seq,
+            f.join,
+            f.max_failures,
+            f.max_in_flight,
+            c.total,
+            c.succeeded,
+            c.failed,
+            c.running,
+            c.pending,
+            c.skipped
+        );
+    }
+    if !family.fan_outs.is_empty() {
+        println!("  list them: `trailmark run list --parent {run_id}`");
+    }
+}
+
 /// What the run waited for and waits for: each event or sleep with its times, how it ended, and
 /// the event it received.
 fn print_waits(waits: &[trailmark::store::waits::WaitRow]) {
@@ -362,25 +394,28 @@ fn unfinished(run: &runs::RunRow, seq: i32) -> &'static str {
     }
 }
 
-/// `run list [--status S] [--json]`.
+/// `run list [--status S] [--parent ID] [--json]`.
 pub async fn list(
     settings: &Settings,
-    status: Option<&str>,
+    (status, parent): (Option<&str>, Option<&str>),
     as_json: bool,
     limit: i64,
 ) -> anyhow::Result<()> {
     let status: Option<RunStatus> = status.map(str::parse).transpose()?;
     let pool = store::connect(&settings.database).await?;
-    let rows = runs::list(&pool, status, limit).await?;
+    let rows = runs::list(&pool, (status, parent), limit).await?;
     if as_json {
         println!("{}", serde_json::to_string_pretty(&rows)?);
         return Ok(());
     }
     if rows.is_empty() {
         println!(
-            "no runs{}",
+            "no runs{}{}",
             status
                 .map(|s| format!(" with status {s}"))
+                .unwrap_or_default(),
+            parent
+                .map(|p| format!(" started by run {p}"))
                 .unwrap_or_default()
         );
         return Ok(());
@@ -424,6 +459,20 @@ fn print_handover(note: &Value) {
             format!("{} ({})", list.len(), list.join(", "))
         }
     };
+    if note["error_class"] == "children_failed" {
+        println!("handover note: {}", text("error"));
+        for c in note["failed"].as_array().into_iter().flatten() {
+            println!(
+                "  child {} {} ({}): {}",
+                c["index"],
+                c["run_id"].as_str().unwrap_or("-"),
+                c["state"].as_str().unwrap_or("-"),
+                c["reason"].as_str().unwrap_or("-")
+            );
+        }
+        println!("  next          {}", text("on_resume"));
+        return;
+    }
     println!("handover note (written {}):", text("written_at"));
     println!(
         "  failed step   {} (position {}, attempt {})",

@@ -40,6 +40,9 @@ pub enum RunCommand {
         /// Only runs with this status.
         #[arg(long)]
         status: Option<String>,
+        /// Only the child runs of this run.
+        #[arg(long)]
+        parent: Option<String>,
         /// Print JSON.
         #[arg(long)]
         json: bool,
@@ -202,9 +205,13 @@ pub async fn dispatch(
         }
         RunCommand::List {
             status,
+            parent,
             json,
             limit,
-        } => super::run::list(&settings, status.as_deref(), json, limit).await,
+        } => {
+            let filter = (status.as_deref(), parent.as_deref());
+            super::run::list(&settings, filter, json, limit).await
+        }
     }
 }
 

@@ -1,0 +1,238 @@
+//! `trailmark bench --children`: one run whose step starts `--runs` child `chain` runs of
+//! `--steps` links and waits for them all, against as many independent `chain` runs of the
+//! same length started at once as `trailmark run start` starts one (a run-start event each),
+//! on the same `--workers` `serve` processes, `--reps` times in turn.
+//!
+//! The fan-out's time is from the commit of the parent's step that started the children to the
+//! join that moved it on; the independent runs' is from the first one's creation to the last
+//! one's end; both on the database clock.
+
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+use serde_json::json;
+
+use super::env::{BenchEnv, Proc};
+use super::load::ids;
+use super::systems::System;
+use super::window::{BACKGROUND_SPAN, background_cores};
+use super::{Error, Result, progress};
+use trailmark::config::Settings;
+use trailmark::domain::{RunId, RunStartEvent};
+use trailmark::inspect;
+
+/// What to run.
+#[derive(Debug, Clone)]
+pub struct ChildrenConfig {
+    /// Children of the fan-out, and independent runs (default 1,000).
+    pub children: usize,
+    /// Links of each (default 3).
+    pub steps: i32,
+    /// Repetitions of each, in turn (default 3).
+    pub reps: usize,
+    /// `trailmark serve` processes (default 1).
+    pub workers: usize,
+}
+
+impl Default for ChildrenConfig {
+    fn default() -> Self {
+        Self {
+            children: 1_000,
+            steps: 3,
+            reps: 3,
+            workers: 1,
+        }
+    }
+}
+
+/// What the children bench measured.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct ChildrenReport {
+    /// Children per fan-out, and independent runs per repetition.
+    pub children: usize,
+    /// Links of each.
+    pub steps: i32,
+    /// `serve` processes.
+    pub workers: usize,
+    /// Seconds from the fan-out step's commit to the join, per repetition.
+    pub fan_out_secs: Vec<f64>,
+    /// Seconds from the first independent run's creation to the last one's end.
+    pub independent_secs: Vec<f64>,
+    /// Cores of this machine.
+    pub cores: usize,
+    /// Cores other work kept busy before the bench.
+    pub background_cores: f64,
+}
+
+/// Runs the children bench on the servers of `base`, in an environment of its own, removed
+/// after.
+pub async fn run(base: &Settings, cfg: &ChildrenConfig) -> Result<ChildrenReport> {
+    let background = background_cores(BACKGROUND_SPAN).await?;
+    let mut env = BenchEnv::create(base, None).await?;
+    let result = measure(&mut env, cfg, background).await;
+    let left = env.teardown().await;
+    if !left.is_empty() {
+        tracing::warn!(left = ?left, "the children bench could not remove everything it created");
+    }
+    result
+}
+
+async fn measure(
+    env: &mut BenchEnv,
+    cfg: &ChildrenConfig,
+    background: f64,
+) -> Result<ChildrenReport> {
+    let pool = env.pool_for(cfg.workers).await?;
+    env.set_child_pool(pool);
+    let system = System::Trailmark;
+    let mut procs = system.spawn(env, cfg.workers, "children", super::BUILTIN_ANSWER_BYTES)?;
+    system
+        .wait_ready(env, &mut procs, Duration::from_secs(60))
+        .await?;
+    let mut report = ChildrenReport {
+        children: cfg.children,
+        steps: cfg.steps,
+        workers: cfg.workers,
+        cores: std::thread::available_parallelism().map_or(1, |n| n.get()),
+        background_cores: background,
+        ..ChildrenReport::default()
+    };
+    let done = reps(env, cfg, &mut procs, &mut report).await;
+    for p in &mut procs {
+        p.stop(Duration::from_secs(10)).await;
+    }
+    done.map(|()| report)
+}
+
+async fn reps(
+    env: &BenchEnv,
+    cfg: &ChildrenConfig,
+    procs: &mut [Proc],
+    report: &mut ChildrenReport,
+) -> Result<()> {
+    for rep in 0..cfg.reps {
+        let secs = fan_out(env, cfg, &format!("f{rep}"), procs).await?;
+        progress(&format!(
+            "fan-out {rep}: {} children joined in {secs:.2} s ({:.0} children/s)",
+            cfg.children,
+            cfg.children as f64 / secs
+        ));
+        report.fan_out_secs.push(secs);
+        let secs = independent(env, cfg, &format!("i{rep}"), procs).await?;
+        progress(&format!(
+            "independent {rep}: {} runs in {secs:.2} s ({:.0} runs/s)",
+            cfg.children,
+            cfg.children as f64 / secs
+        ));
+        report.independent_secs.push(secs);
+    }
+    Ok(())
+}
+
+/// One parent whose first link starts the children; seconds to its join.
+async fn fan_out(
+    env: &BenchEnv,
+    cfg: &ChildrenConfig,
+    id: &str,
+    procs: &mut [Proc],
+) -> Result<f64> {
+    let input =
+        json!({"steps": 2, "children": {"at": 0, "count": cfg.children, "steps": cfg.steps}});
+    start(env, &[id.to_owned()], input).await?;
+    let label = format!("fan-out {id}");
+    until(env, &label, procs, async || {
+        inspect::fan_out_span(&env.pool, id, 0)
+            .await
+            .map_err(Error::from)
+    })
+    .await
+}
+
+/// As many independent runs, started at once; seconds from the first's creation to the last's
+/// end.
+async fn independent(
+    env: &BenchEnv,
+    cfg: &ChildrenConfig,
+    tag: &str,
+    procs: &mut [Proc],
+) -> Result<f64> {
+    let ids = ids(tag, cfg.children);
+    start(env, &ids, json!({"steps": cfg.steps})).await?;
+    let prefix = format!("{tag}-");
+    let n = cfg.children as i64;
+    until(env, tag, procs, async || {
+        let (done, span) = inspect::runs_span(&env.pool, &prefix).await?;
+        Ok(span.filter(|_| done >= n))
+    })
+    .await
+}
+
+/// Run-start events of `chain` runs `ids` with `input`, as `trailmark run start` publishes one.
+async fn start(env: &BenchEnv, ids: &[String], input: serde_json::Value) -> Result<()> {
+    let topology = env.topology();
+    let msgs = ids
+        .iter()
+        .map(|id| {
+            let run_id =
+                RunId::parse(id).map_err(|e| Error::Failed(format!("run id {id}: {e}")))?;
+            let event = RunStartEvent::new(run_id, trailmark_testkit::chain::NAME, input.clone());
+            Ok(topology.run_start(&event))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    env.publish(&msgs).await
+}
+
+/// Polls `probe` until it gives the figure (at most ten minutes), checking the processes live.
+async fn until(
+    env: &BenchEnv,
+    label: &str,
+    procs: &mut [Proc],
+    probe: impl AsyncFn() -> Result<Option<f64>>,
+) -> Result<f64> {
+    let deadline = Instant::now() + Duration::from_secs(600);
+    loop {
+        if let Some(secs) = probe().await? {
+            return Ok(secs);
+        }
+        for p in procs.iter_mut() {
+            p.check_alive()?;
+        }
+        if Instant::now() > deadline {
+            return Err(Error::Failed(format!(
+                "{label}: not done within 10 minutes; logs in {}",
+                env.log_dir.display()
+            )));
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+impl std::fmt::Display for ChildrenReport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let each = |v: &[f64]| {
+            v.iter()
+                .map(|s| format!("{s:.2} s ({:.0}/s)", self.children as f64 / s))
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        writeln!(
+            f,
+            "machine      {} cores, {:.2} busy with other work before the bench; {} serve process(es)",
+            self.cores, self.background_cores, self.workers
+        )?;
+        writeln!(
+            f,
+            "fan-out      {} children x {} links, step commit to join: {}",
+            self.children,
+            self.steps,
+            each(&self.fan_out_secs)
+        )?;
+        writeln!(
+            f,
+            "independent  {} runs x {} links, first created to last ended: {}",
+            self.children,
+            self.steps,
+            each(&self.independent_secs)
+        )
+    }
+}

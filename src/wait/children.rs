@@ -1,0 +1,343 @@
+//! Runs that wait for child runs: the fan-out registered by the parent's step commit, each
+//! child's ending counted in its fan-out, and the join that moves the parent on (or stops it
+//! for review naming the failed children), all under the parent's row lock.
+//!
+//! A child that stops in `needs_review` counts as failed (with its error as the reason): a
+//! person may resume it, and if it then succeeds it is counted again as succeeded, never twice.
+//! A resume of the parent after its threshold was crossed does not run the fan-out step again:
+//! the parent waits again and only the failed children run again ([`reopen`]).
+
+use std::fmt::Write;
+
+use serde_json::json;
+use sqlx::{PgConnection, PgPool};
+
+use super::{How, go_on};
+use crate::broker::Topology;
+use crate::domain::{Event, FanOut, RunId, RunStartEvent, RunStatus};
+use crate::failpoint::Failpoints;
+use crate::store::checkpoint::{self, Committed, StepCommit};
+use crate::store::children::{self, FanOutRow, ToStart};
+use crate::store::waits::{self, Waiting};
+use crate::store::{self, outbox, progress};
+use crate::worker::run_start::{self, Created};
+
+/// How many failed children a handover note names (the rest are counted).
+const NOTE_NAMES: i64 = 50;
+
+/// Registers the fan-out of the step at `seq` of `parent` in its commit's transaction and
+/// starts its first `max_in_flight` children. A fan-out recorded there already is kept as it is
+/// (its step cannot commit twice: a resume past the threshold reopens it without running the
+/// step, [`reopen`]).
+pub(super) async fn register(
+    tx: &mut PgConnection,
+    (topology, failpoints): (&Topology, &Failpoints),
+    (parent, seq): (&RunId, i32),
+    fan: &FanOut,
+) -> store::Result<()> {
+    if children::fan_out(&mut *tx, parent.as_str(), seq).await?.is_none() {
+        children::record(tx, parent, seq, fan).await?;
+    }
+    let row = children::fan_out(&mut *tx, parent.as_str(), seq).await?;
+    let row = row.ok_or_else(|| {
+        store::Error::unavailable(
+            format!("the fan-out of run {parent} at position {seq} vanished in its transaction"),
+            sqlx::Error::RowNotFound,
+        )
+    })?;
+    settle(tx, (topology, failpoints), row).await
+}
+
+/// Opens again the fan-out of a parent stopped past its failure threshold at `seq`, in the
+/// transaction of the decision that resumes it (which moved it back to `waiting` there): its
+/// wait is reopened, its failed children run again from where they stopped, and its pending
+/// ones start; the fan-out step itself does not run again. Returns the children run again.
+pub(crate) async fn reopen(
+    tx: &mut PgConnection,
+    topology: &Topology,
+    (parent, seq): (&str, i32),
+) -> store::Result<usize> {
+    waits::reopen(&mut *tx, parent, seq).await?;
+    let again = children::retry_failed(&mut *tx, (parent, seq)).await?;
+    for child in &again {
+        resume_child(tx, topology, child).await?;
+    }
+    if let Some(row) = children::fan_out(&mut *tx, parent, seq).await? {
+        settle(tx, (topology, &Failpoints::default()), row).await?;
+    }
+    Ok(again.len())
+}
+
+/// Commits the step that ends a child run, and counts the child in its parent's fan-out, in one
+/// transaction that locks the parent's row first.
+pub(crate) async fn commit_end(
+    pool: &PgPool,
+    topology: &Topology,
+    step: StepCommit,
+) -> store::Result<Committed> {
+    let parent = step.ends_child_of.clone().expect("a commit that ends a child");
+    let mut tx = pool.begin().await?;
+    children::lock_run(&mut tx, &parent).await?;
+    let committed = match checkpoint::commit_in(&mut tx, &step).await {
+        Ok(Ok(committed @ Committed::Done { .. })) => committed,
+        Ok(other) => {
+            tx.rollback().await?;
+            return other;
+        }
+        Err(refused) => {
+            tx.rollback().await?;
+            return checkpoint::refusal(pool, &step, refused).await;
+        }
+    };
+    let (state, reason) = match step.to.status.to {
+        RunStatus::Succeeded => ("succeeded", None),
+        RunStatus::Cancelled => ("cancelled", step.to.error.as_deref()),
+        _ => ("failed", step.to.error.as_deref()),
+    };
+    if let Some(row) = children::ended(&mut tx, step.run_id.as_str(), state, reason).await? {
+        settle(&mut tx, (topology, &Failpoints::default()), row).await?;
+    }
+    tx.commit().await?;
+    Ok(committed)
+}
+
+/// Counts a child that an operator's decision ended (cancel) in its fan-out, in the decision's
+/// transaction (which locked the parent's row before the child's).
+pub(crate) async fn ended_by_decision(
+    tx: &mut PgConnection,
+    topology: &Topology,
+    child: &str,
+    reason: &str,
+) -> store::Result<()> {
+    if let Some(row) = children::ended(tx, child, "cancelled", Some(reason)).await? {
+        settle(tx, (topology, &Failpoints::default()), row).await?;
+    }
+    Ok(())
+}
+
+/// Cancels every run below `run_id` that has not ended (its children, theirs, ...), in the
+/// transaction of the decision that cancels `run_id`, and queues their `run.cancelled` events.
+pub(crate) async fn cancel_below(
+    tx: &mut PgConnection,
+    topology: &Topology,
+    run_id: &str,
+    reason: &str,
+) -> store::Result<usize> {
+    let cancelled = children::cancel_below(&mut *tx, run_id, reason).await?;
+    let events: Vec<_> = cancelled
+        .iter()
+        .filter_map(|(id, workflow, step, seq)| {
+            let id = RunId::parse(id).ok()?;
+            let at = step.as_ref().map(|s| (s, *seq));
+            Event::run(&id, workflow, RunStatus::Cancelled, at)
+        })
+        .map(|e| topology.event_message(&e))
+        .collect();
+    outbox::insert(&mut *tx, &events).await?;
+    Ok(cancelled.len())
+}
+
+/// What the join says of a fan-out as it stands.
+#[derive(Debug, PartialEq)]
+enum Join {
+    /// Not yet: start children while there is room.
+    Wait,
+    /// The condition holds: the parent goes on.
+    GoOn,
+    /// The parent stops for review, for this reason.
+    Stop(String),
+}
+
+/// The join's verdict (no I/O).
+fn join(f: &FanOutRow) -> Join {
+    if f.failed > f.max_failures {
+        return Join::Stop(format!(
+            "{} of its {} children failed, more than the {} its failure threshold allows",
+            f.failed, f.total, f.max_failures
+        ));
+    }
+    match f.first_n {
+        Some(n) if f.succeeded >= n => Join::GoOn,
+        Some(n) if f.total - f.failed < n => Join::Stop(format!(
+            "{} of its {} children failed, so the {n} it waits for can no longer succeed",
+            f.failed, f.total
+        )),
+        Some(_) => Join::Wait,
+        None if f.succeeded + f.failed >= f.total => Join::GoOn,
+        None => Join::Wait,
+    }
+}
+
+/// Acts on the join: starts children while there is room, moves the parent on once, or stops
+/// it for review; only while the parent still waits at the fan-out's position.
+async fn settle(
+    tx: &mut PgConnection,
+    (topology, failpoints): (&Topology, &Failpoints),
+    f: FanOutRow,
+) -> store::Result<()> {
+    if f.joined {
+        return Ok(());
+    }
+    let Some(waiting) = waits::waiting_at(&mut *tx, &f.run_id, f.seq).await? else {
+        return Ok(());
+    };
+    match join(&f) {
+        Join::Wait => {
+            // Room for more, and more to start (none once every child has started).
+            let room = (f.max_in_flight - f.in_flight()).min(f.total - f.started);
+            let next = children::take_pending(&mut *tx, (&f.run_id, f.seq), room).await?;
+            start(tx, (topology, failpoints), &f.run_id, next).await
+        }
+        Join::GoOn => {
+            if children::join_once(&mut *tx, (&f.run_id, f.seq)).await? {
+                let line = format!(
+                    "children joined: {} succeeded, {} failed of {}",
+                    f.succeeded, f.failed, f.total
+                );
+                go_on(tx, topology, vec![(waiting, How::Joined(line))]).await?;
+            }
+            Ok(())
+        }
+        Join::Stop(why) => stop(tx, topology, waiting, &f, &why).await,
+    }
+}
+
+/// Creates the runs of children taken to start, each with its first step message, through the
+/// one run-creation path.
+async fn start(
+    tx: &mut PgConnection,
+    (topology, failpoints): (&Topology, &Failpoints),
+    parent: &str,
+    next: Vec<ToStart>,
+) -> store::Result<()> {
+    for child in next {
+        // A crash test kills the process here, halfway through starting a fan-out: its
+        // transaction, and so every child it started, is gone with it.
+        failpoints
+            .hit("children.starting")
+            .map_err(|e| store::Error::unavailable("a fan-out's children were being started", e))?;
+        let run_id = RunId::parse(&child.run_id).map_err(|e| {
+            store::Error::unavailable("a child's run id was checked when it was recorded", e)
+        })?;
+        let event = RunStartEvent {
+            v: 1,
+            run_id,
+            workflow: child.workflow.clone(),
+            input: child.input,
+        };
+        let wf = (child.workflow.as_str(), child.workflow_version);
+        let created =
+            run_start::create(tx, (topology, Some(parent)), wf, &child.first_step, &event, |_| {})
+                .await?;
+        if let Created::Exists(run) = created {
+            // Only a run started by hand under a child's id can be there (the fan-out's own
+            // commit is atomic): it is the child, if it is the same start.
+            let same = run.started_with(&child.workflow, &event.input);
+            tracing::warn!(run.id = %event.run_id, same, "a child's run id was taken before its parent started it");
+        }
+    }
+    Ok(())
+}
+
+/// Runs a failed child again from the step that stopped it (its attempts reset, as a resume
+/// after a fix does), queueing that step's message.
+async fn resume_child(tx: &mut PgConnection, topology: &Topology, child: &str) -> store::Result<()> {
+    let Some((workflow, version, step, seq)) = children::reopen_child(&mut *tx, child).await?
+    else {
+        return Ok(());
+    };
+    let Ok(run_id) = RunId::parse(child) else {
+        return Ok(());
+    };
+    let message = topology.step_message(&run_id, &workflow, version, &step, seq);
+    outbox::insert(&mut *tx, &[message]).await?;
+    Ok(())
+}
+
+/// Stops the parent for review at the fan-out's step, its note naming the failed children.
+async fn stop(
+    tx: &mut PgConnection,
+    topology: &Topology,
+    w: Waiting,
+    f: &FanOutRow,
+    why: &str,
+) -> store::Result<()> {
+    let failed = children::failed(&mut *tx, (&f.run_id, f.seq), NOTE_NAMES).await?;
+    let error = format!("run {} waited at step {} (position {}) for its children: {why}", w.run_id, w.step, w.seq);
+    let mut line = format!("children: {why}; stopped for review (failed:");
+    for (idx, id, _, _) in &failed {
+        let _ = write!(line, " {idx}={id}");
+    }
+    line.push(')');
+    let note = json!({
+        "error_class": "children_failed",
+        "error": error,
+        "waiting_for": "children", "step": w.step, "seq": w.seq,
+        "children": { "total": f.total, "succeeded": f.succeeded, "failed": f.failed,
+                      "running": f.in_flight(), "max_failures": f.max_failures },
+        "failed": failed.iter().map(|(idx, id, state, reason)| json!({
+            "index": idx, "run_id": id, "state": state, "reason": reason,
+        })).collect::<Vec<_>>(),
+        "on_resume": format!(
+            "fix the cause, then `trailmark run resume {} --after-fix`: the run waits for its children again and only the failed ones run again, each from where it stopped (step {} does not run again); cancel or undo otherwise",
+            w.run_id, w.step
+        ),
+    });
+    let status = RunStatus::Waiting
+        .move_to(RunStatus::NeedsReview)
+        .map_err(|e| store::Error::unavailable("a waiting run cannot stop for review", e))?;
+    if !children::stop_parent(&mut *tx, (&w.run_id, w.seq), status, &error, &note).await? {
+        return Ok(());
+    }
+    children::stopped(&mut *tx, (&f.run_id, f.seq)).await?;
+    if let Ok(run_id) = RunId::parse(&w.run_id)
+        && let Some(event) = Event::run(&run_id, &w.workflow, RunStatus::NeedsReview, Some((&w.step, w.seq)))
+    {
+        let event = event.with_error("children_failed", &error);
+        outbox::insert(&mut *tx, &[topology.event_message(&event)]).await?;
+    }
+    let line = progress::NewLine {
+        run_id: w.run_id.clone(),
+        seq: w.seq,
+        at: chrono::Utc::now(),
+        line,
+    };
+    progress::record(tx, &[line]).await?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fan(total: i32, first_n: Option<i32>, max_failures: i32) -> FanOutRow {
+        FanOutRow {
+            run_id: "p".into(),
+            seq: 1,
+            total,
+            first_n,
+            max_failures,
+            max_in_flight: 5,
+            started: total,
+            succeeded: 0,
+            failed: 0,
+            joined: false,
+        }
+    }
+
+    #[test]
+    fn the_join_holds_for_all_or_the_first_n_and_stops_past_the_threshold() {
+        let mut all = fan(10, None, 1);
+        assert_eq!(join(&all), Join::Wait);
+        (all.succeeded, all.failed) = (9, 1);
+        assert_eq!(join(&all), Join::GoOn, "one failure is allowed");
+        (all.succeeded, all.failed) = (3, 2);
+        assert!(matches!(join(&all), Join::Stop(why) if why.contains("2 of its 10")));
+        let mut first = fan(10, Some(3), 8);
+        first.succeeded = 3;
+        assert_eq!(join(&first), Join::GoOn);
+        (first.succeeded, first.failed) = (1, 8);
+        assert!(matches!(join(&first), Join::Stop(why) if why.contains("can no longer")));
+        assert_eq!(join(&fan(0, None, 0)), Join::GoOn, "no children: the join holds at once");
+    }
+}

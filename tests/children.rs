@@ -1,0 +1,438 @@
+//! Fan-out and fan-in (issue 34): a step that ends by starting child runs and waiting for
+//! them. A parent killed while it starts 200 children starts each exactly once; a map keeps at
+//! most `max_in_flight` children running; past the failure threshold the parent stops for
+//! review naming the failed children, and a resume after the fix retries only those; a fan-out
+//! the engine cannot keep is refused before any child starts.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::{ChildGuard, TestEnv, wait_exit};
+use serde_json::{Value, json};
+use trailmark::domain::RunStatus;
+use trailmark::failpoint::Failpoints;
+use trailmark::operator::{Decider, Resume};
+
+const WAIT: Duration = Duration::from_secs(120);
+
+/// A `chain` parent of 2 links whose link 0 starts `children` (the `children` input of chain).
+fn parent(children: Value) -> Value {
+    json!({"steps": 2, "children": children})
+}
+
+/// Child runs of a parent, by status.
+async fn children_by_status(env: &TestEnv, parent: &str) -> Vec<(String, i64)> {
+    sqlx::query_as(
+        "SELECT status, count(*) FROM trailmark.runs WHERE parent_run_id = $1
+          GROUP BY status ORDER BY status",
+    )
+    .bind(parent)
+    .fetch_all(&env.pool)
+    .await
+    .unwrap()
+}
+
+/// (rows, distinct references) in `chain_ledger` over every child of a parent.
+async fn children_ledger(env: &TestEnv, parent: &str) -> (i64, i64) {
+    sqlx::query_as(
+        "SELECT count(*), count(DISTINCT l.reference) FROM trailmark.chain_ledger l
+           JOIN trailmark.runs r ON r.run_id = l.run_id WHERE r.parent_run_id = $1",
+    )
+    .bind(parent)
+    .fetch_one(&env.pool)
+    .await
+    .unwrap()
+}
+
+/// Each child's run id and fence (raised by every claim and decision), by index.
+async fn fences(env: &TestEnv, parent: &str) -> Vec<(String, i64)> {
+    sqlx::query_as(
+        "SELECT c.run_id, r.fence FROM trailmark.children c JOIN trailmark.runs r USING (run_id)
+          WHERE c.parent_run_id = $1 ORDER BY c.idx",
+    )
+    .bind(parent)
+    .fetch_all(&env.pool)
+    .await
+    .unwrap()
+}
+
+/// How the parent's waits ended, in order.
+async fn resolutions(env: &TestEnv, run_id: &str) -> Vec<Option<String>> {
+    sqlx::query_scalar("SELECT resolution FROM trailmark.waits WHERE run_id = $1 ORDER BY seq")
+        .bind(run_id)
+        .fetch_all(&env.pool)
+        .await
+        .unwrap()
+}
+
+/// Kills a serve process (if still alive) and waits for it to be gone.
+async fn kill(mut process: ChildGuard) {
+    if wait_exit(&mut process, Duration::from_millis(1))
+        .await
+        .is_none()
+    {
+        process.kill9();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_parent_killed_while_starting_200_children_and_a_child_killed_mid_step_start_each_once() {
+    let env = TestEnv::new().await;
+    // Killed at the 100th child of its commit's transaction: none of the 200 may survive it.
+    let mut first = env.spawn_process(Some("children.starting=kill@100"));
+    let input = parent(json!({"at": 0, "count": 200, "steps": 2}));
+    env.start_run("chain", "fan", input).await;
+    let status = wait_exit(&mut first, WAIT).await.expect("killed mid-start");
+    assert_eq!(
+        std::os::unix::process::ExitStatusExt::signal(&status),
+        Some(9)
+    );
+    assert_eq!(
+        children_by_status(&env, "fan").await,
+        [],
+        "a fan-out killed halfway through starting its children started none"
+    );
+    // The next process starts them all at once, then dies after a child's write, before its
+    // commit (the parent's link is the first write of this process).
+    let mut second = env.spawn_process(Some("chain.after_write=kill@40"));
+    let status = wait_exit(&mut second, WAIT).await.expect("killed mid-step");
+    assert_eq!(
+        std::os::unix::process::ExitStatusExt::signal(&status),
+        Some(9)
+    );
+    let started: i64 = env
+        .scalar(
+            "SELECT count(*) FROM trailmark.runs WHERE parent_run_id = $1",
+            "fan",
+        )
+        .await;
+    assert_eq!(started, 200, "the commit started every child at once");
+    let third = env.spawn_process(None);
+    env.wait_status("fan", RunStatus::Succeeded, WAIT).await;
+    assert_eq!(
+        children_by_status(&env, "fan").await,
+        [("succeeded".into(), 200)]
+    );
+    assert_eq!(
+        children_ledger(&env, "fan").await,
+        (400, 400),
+        "each child's two ledger rows, once each, the killed child's included"
+    );
+    assert_eq!(
+        resolutions(&env, "fan").await,
+        [Some("children".into())],
+        "the parent was joined once"
+    );
+    assert_eq!(
+        env.attempts("fan", 1).await,
+        1,
+        "the step after the join ran once"
+    );
+    assert_eq!(env.chain_ledger("fan").await, (2, 2));
+    let last: Value = sqlx::query_scalar("SELECT output FROM trailmark.runs WHERE run_id = 'fan'")
+        .fetch_one(&env.pool)
+        .await
+        .unwrap();
+    assert_eq!(last["children"]["succeeded"], 200, "{last}");
+    kill(third).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_map_over_100_items_keeps_at_most_5_children_running_and_finishes_them_all() {
+    let env = TestEnv::new().await;
+    let running = env.spawn_all(env.engine());
+    let input = parent(json!({"at": 0, "count": 100, "steps": 2, "max_in_flight": 5}));
+    env.start_run("chain", "map", input).await;
+    let (mut most, mut samples) = (0, 0);
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let (in_flight, status): (i64, Option<String>) = sqlx::query_as(
+            "SELECT (SELECT count(*) FROM trailmark.runs WHERE parent_run_id = 'map'
+                        AND status NOT IN ('succeeded', 'failed', 'cancelled', 'compensated')),
+                    (SELECT status FROM trailmark.runs WHERE run_id = 'map')",
+        )
+        .fetch_one(&env.pool)
+        .await
+        .unwrap();
+        assert!(in_flight <= 5, "{in_flight} children running at once");
+        most = most.max(in_flight);
+        samples += 1;
+        if status.as_deref() == Some("succeeded") {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the map did not finish: {status:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(
+        children_by_status(&env, "map").await,
+        [("succeeded".into(), 100)]
+    );
+    assert_eq!(children_ledger(&env, "map").await, (200, 200));
+    assert_eq!(most, 5, "the map ran 5 at once ({samples} samples)");
+    running.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn past_the_threshold_the_parent_stops_naming_the_failed_children_and_a_resume_retries_only_them()
+ {
+    let env = TestEnv::new().await;
+    let running = env.spawn_all(env.engine());
+    let input = parent(json!({"at": 0, "count": 10, "fail": [2, 5, 7], "fail_threshold": 1}));
+    env.start_run("chain", "thr", input).await;
+    let stopped = env.wait_status("thr", RunStatus::NeedsReview, WAIT).await;
+    assert_eq!(stopped.step_seq, 0, "stopped at the fan-out's step");
+    let (shown, _) = common::text(&env.command(&["run", "show", "thr"]).output().unwrap());
+    assert!(
+        shown.contains("stopped for review") && shown.contains("thr:0:"),
+        "{shown}"
+    );
+    let note = stopped.handover.expect("a handover note");
+    let failed: Vec<String> = note["failed"]
+        .as_array()
+        .expect("the failed children")
+        .iter()
+        .map(|c| c["run_id"].as_str().unwrap().to_owned())
+        .collect();
+    let expected = ["thr:0:2", "thr:0:5", "thr:0:7"];
+    assert!(failed.len() >= 2, "{note}");
+    assert!(
+        failed.iter().all(|f| expected.contains(&f.as_str())),
+        "{note}"
+    );
+    assert!(
+        note["failed"][0]["reason"]
+            .as_str()
+            .unwrap()
+            .contains("`fail`"),
+        "{note}"
+    );
+    // Every child ends: the seven succeed, the three stop for review.
+    env.wait_until("every child to end", WAIT, || async {
+        children_by_status(&env, "thr").await
+            == [("needs_review".into(), 3), ("succeeded".into(), 7)]
+    })
+    .await;
+    running.stop().await;
+    let fences_before = fences(&env, "thr").await;
+    // The fix is deployed (a process that runs the failing link through), then the parent is
+    // resumed: only the three failed children run again.
+    let fixed = Failpoints::parse("chain.fixed=error").unwrap();
+    let engine = env.engine_with(trailmark_reference::registry(), fixed);
+    let running = env.spawn_all(engine.clone());
+    let who = Decider::cli("tester", "fix deployed");
+    trailmark::operator::resume(&engine, "thr", &who, Resume::AfterFix)
+        .await
+        .expect("resumed");
+    env.wait_status("thr", RunStatus::Succeeded, WAIT).await;
+    assert_eq!(
+        children_by_status(&env, "thr").await,
+        [("succeeded".into(), 10)]
+    );
+    let fences_after = fences(&env, "thr").await;
+    for ((child, before), (_, after)) in fences_before.iter().zip(&fences_after) {
+        let retried = expected.contains(&child.as_str());
+        assert_eq!(
+            after != before,
+            retried,
+            "child {child}: fence {before} -> {after}"
+        );
+        assert_eq!(env.chain_ledger(child).await, (1, 1), "child {child}");
+    }
+    assert_eq!(
+        resolutions(&env, "thr").await,
+        [Some("children".into())],
+        "stopped once, then joined once"
+    );
+    let (ran_before_resume,): (bool,) = sqlx::query_as(
+        "SELECT s.finished_at < d.created_at FROM trailmark.steps s
+           JOIN trailmark.decisions d ON d.run_id = s.run_id AND d.action = 'resume_after_fix'
+          WHERE s.run_id = 'thr' AND s.seq = 0",
+    )
+    .fetch_one(&env.pool)
+    .await
+    .unwrap();
+    assert!(
+        ran_before_resume,
+        "the fan-out step did not run again after the resume"
+    );
+    assert_eq!(env.chain_ledger("thr").await, (2, 2));
+    running.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fan_out_the_engine_cannot_keep_is_refused_before_any_child_starts() {
+    let env = TestEnv::new().await;
+    let running = env.spawn_all(env.engine());
+    let cases = [
+        (
+            "too-many",
+            json!({"at": 0, "count": 10_001}),
+            "the most one step may start is 10000",
+        ),
+        (
+            "threshold",
+            json!({"at": 0, "count": 3, "fail_threshold": 4}),
+            "failure threshold is 4",
+        ),
+        (
+            "share",
+            json!({"at": 0, "count": 3, "fail_threshold": 1.5}),
+            "share of 1.5",
+        ),
+        (
+            "first",
+            json!({"at": 0, "count": 3, "first": 4}),
+            "the first 4",
+        ),
+        (
+            "in-flight",
+            json!({"at": 0, "count": 3, "max_in_flight": 0}),
+            "max_in_flight is 0",
+        ),
+    ];
+    for (id, children, _) in &cases {
+        env.start_run("chain", id, parent(children.clone())).await;
+    }
+    for (id, _, why) in &cases {
+        let run = env.wait_status(id, RunStatus::NeedsReview, WAIT).await;
+        let error = run.error.unwrap_or_default();
+        assert!(
+            error.contains(why) && error.contains("no child was started"),
+            "{id}: {error}"
+        );
+        assert_eq!(children_by_status(&env, id).await, [], "{id}");
+    }
+    // A parent id too long for its children's ids is refused the same way.
+    let long = "p".repeat(197);
+    env.start_run("chain", &long, parent(json!({"at": 0, "count": 2})))
+        .await;
+    let run = env.wait_status(&long, RunStatus::NeedsReview, WAIT).await;
+    assert!(
+        run.error.unwrap_or_default().contains("run ids"),
+        "too long"
+    );
+    running.stop().await;
+}
+
+/// The children rows of a parent by state.
+async fn children_by_state(env: &TestEnv, parent: &str) -> Vec<(String, i64)> {
+    sqlx::query_as(
+        "SELECT state, count(*) FROM trailmark.children WHERE parent_run_id = $1
+          GROUP BY state ORDER BY state",
+    )
+    .bind(parent)
+    .fetch_all(&env.pool)
+    .await
+    .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancelling_a_parent_cancels_its_running_children_and_starts_no_more() {
+    let env = TestEnv::new().await;
+    let engine = env.engine();
+    let running = env.spawn_all(engine.clone());
+    let children = json!({"at": 0, "count": 6, "steps": 50, "max_in_flight": 3});
+    env.start_run("chain", "cx", parent(children)).await;
+    env.wait_until("three children to run", WAIT, || async {
+        children_by_status(&env, "cx").await == [("running".into(), 3)]
+    })
+    .await;
+    let who = Decider::cli("tester", "wrong batch");
+    let outcome = trailmark::operator::cancel(&engine, "cx", &who)
+        .await
+        .unwrap();
+    assert!(outcome.next.contains("3 child run(s)"), "{}", outcome.next);
+    assert_eq!(
+        children_by_status(&env, "cx").await,
+        [("cancelled".into(), 3)]
+    );
+    assert_eq!(
+        children_by_state(&env, "cx").await,
+        [("cancelled".into(), 3), ("skipped".into(), 3)],
+        "the three never started stay unstarted"
+    );
+    // A child's step in flight when the cancel came commits nothing: every child stays where
+    // the cancel left it, and no fourth child starts.
+    let steps: i64 = env
+        .scalar(
+            "SELECT count(*) FROM trailmark.steps s JOIN trailmark.runs r USING (run_id)
+              WHERE r.parent_run_id = $1 AND s.finished_at IS NOT NULL",
+            "cx",
+        )
+        .await;
+    running.stop().await;
+    let after: i64 = env
+        .scalar(
+            "SELECT count(*) FROM trailmark.steps s JOIN trailmark.runs r USING (run_id)
+              WHERE r.parent_run_id = $1 AND s.finished_at IS NOT NULL",
+            "cx",
+        )
+        .await;
+    assert_eq!(after, steps, "no child step committed after the cancel");
+    assert_eq!(
+        children_by_status(&env, "cx").await,
+        [("cancelled".into(), 3)]
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn undoing_a_parent_undoes_its_children_and_the_ledger_nets_to_zero() {
+    let env = TestEnv::new().await;
+    let engine = env.engine();
+    let running = env.spawn_all(engine.clone());
+    env.start_run(
+        "chain",
+        "ux",
+        parent(json!({"at": 0, "count": 5, "steps": 2})),
+    )
+    .await;
+    env.wait_status("ux", RunStatus::Succeeded, WAIT).await;
+    // The tree, both ways: the parent counts its children and says how to list them; each
+    // child names its parent.
+    let (shown, err) = common::text(&env.command(&["run", "show", "ux"]).output().unwrap());
+    assert!(
+        shown.contains("children of position 0 (joined") && shown.contains("5 in all, 5 succeeded"),
+        "{shown}{err}"
+    );
+    assert!(shown.contains("trailmark run list --parent ux"), "{shown}");
+    let (listed, _) = common::text(
+        &env.command(&["run", "list", "--parent", "ux"])
+            .output()
+            .unwrap(),
+    );
+    assert_eq!(listed.matches("ux:0:").count(), 5, "{listed}");
+    let (child, _) = common::text(&env.command(&["run", "show", "ux:0:3"]).output().unwrap());
+    assert!(child.contains("child of run ux"), "{child}");
+    let opts = trailmark::operator::UndoOptions::everything();
+    let preview = trailmark::operator::undo_preview(&engine, "ux", opts.clone())
+        .await
+        .unwrap();
+    assert_eq!(preview.compensations.len(), 2, "the parent's two links");
+    assert_eq!(preview.children.len(), 5, "{preview:?}");
+    assert!(preview.children.iter().all(|c| c.compensations.len() == 2));
+    let who = Decider::cli("tester", "the batch was wrong");
+    let outcome = trailmark::operator::undo(&engine, "ux", &who, opts)
+        .await
+        .unwrap();
+    assert!(outcome.next.contains("5 child run(s)"), "{}", outcome.next);
+    env.wait_status("ux", RunStatus::Compensated, WAIT).await;
+    env.wait_until("every child to be compensated", WAIT, || async {
+        children_by_status(&env, "ux").await == [("compensated".into(), 5)]
+    })
+    .await;
+    let (written, reversed): (i64, i64) = sqlx::query_as(
+        "SELECT count(*) FILTER (WHERE reference NOT LIKE 'undo:%'),
+                count(*) FILTER (WHERE reference LIKE 'undo:%'
+                                   AND substr(reference, 6) IN (SELECT reference FROM trailmark.chain_ledger))
+           FROM trailmark.chain_ledger WHERE run_id = 'ux' OR run_id LIKE 'ux:%'",
+    )
+    .fetch_one(&env.pool)
+    .await
+    .unwrap();
+    assert_eq!((written, reversed), (12, 12), "each write reversed once");
+    running.stop().await;
+}
