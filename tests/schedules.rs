@@ -22,6 +22,23 @@ fn schedule(env: &TestEnv, args: &[&str]) -> String {
     stdout
 }
 
+/// Creates schedule `name`: a one-link `chain` run every second.
+fn every_second(env: &TestEnv, name: &str) {
+    schedule(
+        env,
+        &[
+            "create",
+            name,
+            "--workflow",
+            "chain",
+            "--every",
+            "1s",
+            "--input",
+            r#"{"steps": 1}"#,
+        ],
+    );
+}
+
 /// A run of a schedule: (tick or id, status, created, finished).
 type Ran<T> = (T, RunStatus, DateTime<Utc>, Option<DateTime<Utc>>);
 
@@ -118,19 +135,7 @@ async fn three_schedulers_one_killed_mid_scan_start_exactly_one_run_per_tick() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_paused_schedule_starts_nothing_and_a_backfill_run_twice_starts_each_tick_once() {
     let (env, _serve) = migrated_with_serve().await;
-    schedule(
-        &env,
-        &[
-            "create",
-            "often",
-            "--workflow",
-            "chain",
-            "--every",
-            "1s",
-            "--input",
-            r#"{"steps": 1}"#,
-        ],
-    );
+    every_second(&env, "often");
     env.wait_until("a first tick", WAIT, || async {
         !runs_of(&env, "often").await.is_empty()
     })
@@ -383,19 +388,7 @@ async fn a_schedule_whose_input_the_workflow_now_refuses_fires_nothing_and_stops
     let env = TestEnv::new().await;
     assert!(env.command(&["migrate"]).output().unwrap().status.success());
     for name in ["broken", "fine"] {
-        schedule(
-            &env,
-            &[
-                "create",
-                name,
-                "--workflow",
-                "chain",
-                "--every",
-                "1s",
-                "--input",
-                r#"{"steps": 1}"#,
-            ],
-        );
+        every_second(&env, name);
     }
     // A deploy whose workflow is stricter than the one the schedule was created against: its
     // input is now refused. Before the scheduler runs, so no tick of it can start.
