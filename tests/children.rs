@@ -436,3 +436,35 @@ async fn undoing_a_parent_undoes_its_children_and_the_ledger_nets_to_zero() {
     assert_eq!((written, reversed), (12, 12), "each write reversed once");
     running.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_child_cancelled_alone_counts_as_failed_and_stops_its_parent_past_the_threshold() {
+    let env = TestEnv::new().await;
+    let engine = env.engine();
+    let running = env.spawn_all(engine.clone());
+    env.start_run(
+        "chain",
+        "c1",
+        parent(json!({"at": 0, "count": 3, "steps": 50})),
+    )
+    .await;
+    env.wait_until("the children to run", WAIT, || async {
+        children_by_status(&env, "c1").await == [("running".into(), 3)]
+    })
+    .await;
+    let who = Decider::cli("tester", "not needed");
+    trailmark::operator::cancel(&engine, "c1:0:1", &who)
+        .await
+        .unwrap();
+    let stopped = env.wait_status("c1", RunStatus::NeedsReview, WAIT).await;
+    let note = stopped.handover.expect("a handover note");
+    assert_eq!(note["failed"][0]["run_id"], "c1:0:1", "{note}");
+    assert_eq!(note["failed"][0]["state"], "cancelled", "{note}");
+    assert!(
+        note["failed"][0]["reason"]
+            .as_str()
+            .unwrap()
+            .contains("cancelled by tester")
+    );
+    running.stop().await;
+}

@@ -252,3 +252,27 @@ async fn the_ci_profile_on_chain_runs_that_wait_and_sleep_takes_each_event_once(
         "{names:?}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_ci_profile_on_chain_runs_that_fan_out_starts_each_child_once_and_joins_each_parent_once()
+ {
+    // Each run starts 20 children of 2 links after link 0, 5 at a time: 600 child runs under
+    // the faults, the forced reviews and their resumes.
+    let input =
+        r#"{"steps": 3, "children": {"at": 0, "count": 20, "steps": 2, "max_in_flight": 5}}"#;
+    let r = drill_cli(&["chain", "--input", input, "--runs", "30", "--seed", "34"]);
+    assert_kept(&r, 30);
+    let f = &r["fan_outs"];
+    assert_eq!(f["fan_outs"], 30, "{f}");
+    assert!(f["joined"].as_i64().unwrap() > 0, "{f}");
+    let names: Vec<&str> = r["invariants"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|i| i["name"].as_str().unwrap())
+        .collect();
+    assert!(
+        names.contains(&"no child run started twice") && names.contains(&"no parent joined twice"),
+        "{names:?}"
+    );
+}
