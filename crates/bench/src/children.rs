@@ -18,7 +18,6 @@ use super::systems::System;
 use super::window::{BACKGROUND_SPAN, background_cores};
 use super::{Error, Result, progress};
 use trailmark::config::Settings;
-use trailmark::domain::{RunId, RunStartEvent};
 use trailmark::inspect;
 
 /// What to run.
@@ -138,7 +137,7 @@ async fn fan_out(
 ) -> Result<f64> {
     let input =
         json!({"steps": 2, "children": {"at": 0, "count": cfg.children, "steps": cfg.steps}});
-    start(env, &[id.to_owned()], input).await?;
+    env.start_chain(&[id.to_owned()], &input).await?;
     let label = format!("fan-out {id}");
     until(env, &label, procs, async || {
         inspect::fan_out_span(&env.pool, id, 0)
@@ -157,7 +156,7 @@ async fn independent(
     procs: &mut [Proc],
 ) -> Result<f64> {
     let ids = ids(tag, cfg.children);
-    start(env, &ids, json!({"steps": cfg.steps})).await?;
+    env.start_chain(&ids, &json!({"steps": cfg.steps})).await?;
     let prefix = format!("{tag}-");
     let n = cfg.children as i64;
     until(env, tag, procs, async || {
@@ -165,21 +164,6 @@ async fn independent(
         Ok(span.filter(|_| done >= n))
     })
     .await
-}
-
-/// Run-start events of `chain` runs `ids` with `input`, as `trailmark run start` publishes one.
-async fn start(env: &BenchEnv, ids: &[String], input: serde_json::Value) -> Result<()> {
-    let topology = env.topology();
-    let msgs = ids
-        .iter()
-        .map(|id| {
-            let run_id =
-                RunId::parse(id).map_err(|e| Error::Failed(format!("run id {id}: {e}")))?;
-            let event = RunStartEvent::new(run_id, trailmark_testkit::chain::NAME, input.clone());
-            Ok(topology.run_start(&event))
-        })
-        .collect::<Result<Vec<_>>>()?;
-    env.publish(&msgs).await
 }
 
 /// Polls `probe` until it gives the figure (at most ten minutes), checking the processes live.

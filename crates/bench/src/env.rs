@@ -190,6 +190,26 @@ impl BenchEnv {
         Ok(())
     }
 
+    /// Publishes the run-start events of `chain` runs `ids` with `input`, as `trailmark run
+    /// start` does.
+    pub async fn start_chain(&self, ids: &[String], input: &serde_json::Value) -> Result<()> {
+        let topology = self.topology();
+        let msgs = ids
+            .iter()
+            .map(|id| {
+                let run_id = trailmark::domain::RunId::parse(id)
+                    .map_err(|e| Error::Failed(format!("run id {id}: {e}")))?;
+                let event = trailmark::domain::RunStartEvent::new(
+                    run_id,
+                    trailmark_testkit::chain::NAME,
+                    input.clone(),
+                );
+                Ok(topology.run_start(&event))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        self.publish(&msgs).await
+    }
+
     /// Waits until `queue` has at least `n` consumers (the children are connected).
     pub async fn wait_consumers(&self, queue: &str, n: u32, within: Duration) -> Result<()> {
         let deadline = Instant::now() + within;

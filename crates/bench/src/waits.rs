@@ -19,7 +19,7 @@
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
-use serde_json::{Value, json};
+use serde_json::json;
 
 use super::env::{BenchEnv, Proc};
 use super::load::ids;
@@ -28,7 +28,6 @@ use super::systems::System;
 use super::window::{BACKGROUND_SPAN, background_cores, measured};
 use super::{Error, Result, progress};
 use trailmark::config::Settings;
-use trailmark::domain::{RunId, RunStartEvent};
 use trailmark::inspect;
 use trailmark::store::waits;
 
@@ -217,24 +216,6 @@ async fn load(env: &BenchEnv, cfg: &WaitsConfig, tag: &str, procs: &mut [Proc]) 
     Ok(rate)
 }
 
-/// Start events of `chain` runs `ids` with `input`.
-async fn start(env: &BenchEnv, ids: &[String], input: &Value) -> Result<()> {
-    let topology = env.topology();
-    let msgs = ids
-        .iter()
-        .map(|id| {
-            let run_id =
-                RunId::parse(id).map_err(|e| Error::Failed(format!("run id {id}: {e}")))?;
-            let event = RunStartEvent::new(run_id, trailmark_testkit::chain::NAME, input.clone());
-            Ok(topology.run_start(&event))
-        })
-        .collect::<Result<Vec<_>>>()?;
-    for chunk in msgs.chunks(10_000) {
-        env.publish(chunk).await?;
-    }
-    Ok(())
-}
-
 /// Waits (at most an hour) until `done` says `n` runs are in place, saying how far it is.
 async fn until_in_place<F, Fut>(
     env: &BenchEnv,
@@ -274,7 +255,8 @@ where
 
 /// `n` runs that do one step and end: the control of the waiting runs.
 async fn finished(env: &BenchEnv, n: usize, procs: &mut [Proc]) -> Result<()> {
-    start(env, &ids("f", n), &json!({"steps": 1, "ledger": "local"})).await?;
+    env.start_chain(&ids("f", n), &json!({"steps": 1, "ledger": "local"}))
+        .await?;
     until_in_place(env, n, "finished", procs, || async {
         let p = trailmark::inspect::progress(&env.pool, "f-").await?;
         Ok(p.succeeded as usize)
@@ -288,8 +270,8 @@ async fn put_to_wait(env: &BenchEnv, n: usize, procs: &mut [Proc]) -> Result<()>
     let wait = json!({"steps": 2, "ledger": "local",
         "wait": {"at": 0, "event": "bench.never", "timeout_secs": 86_400}});
     let sleep = json!({"steps": 2, "ledger": "local", "sleep": {"at": 0, "secs": 2_592_000}});
-    start(env, &ids("we", n / 2), &wait).await?;
-    start(env, &ids("ws", n - n / 2), &sleep).await?;
+    env.start_chain(&ids("we", n / 2), &wait).await?;
+    env.start_chain(&ids("ws", n - n / 2), &sleep).await?;
     until_in_place(env, n, "wait", procs, || async {
         let open = waits::open_counts(&env.pool).await?;
         Ok(open.iter().map(|(_, c)| *c as usize).sum())
@@ -303,7 +285,7 @@ async fn wake_lags(env: &BenchEnv, n: usize, procs: &mut [Proc]) -> Result<inspe
         return Ok(inspect::SleepLags::default());
     }
     let sleep = json!({"steps": 2, "ledger": "local", "sleep": {"at": 0, "secs": 90}});
-    start(env, &ids("z", n), &sleep).await?;
+    env.start_chain(&ids("z", n), &sleep).await?;
     // Not `load::wait_all`: to it a sleeping run is one that stopped.
     until_in_place(env, n, "slept and finished", procs, || async {
         let p = trailmark::inspect::progress(&env.pool, "z-").await?;
