@@ -239,24 +239,29 @@ async fn my_turn(engine: &Engine) -> Result<sqlx::Transaction<'static, sqlx::Pos
     Err(Error::Busy)
 }
 
-/// The background pruner: a pass every `retention.interval_secs` until `shutdown` fires.
+/// The background pruner: a pass every `retention.interval_secs` until `shutdown` fires. It
+/// beats every second while it sleeps, so `/livez` never takes a long interval for a stuck loop.
 pub async fn run(engine: Arc<Engine>, shutdown: CancellationToken) -> Result<(), store::Error> {
     let policy = Policy::from_settings(&engine.settings.retention);
     let period = Duration::from_secs(engine.settings.retention.interval_secs);
     engine.health.runs(Loop::Pruner);
+    let mut next = tokio::time::Instant::now();
     loop {
         engine.health.beat(Loop::Pruner);
-        let pass = prune(&engine, &policy, false, |_| engine.health.beat(Loop::Pruner));
-        match pass.await {
-            Ok(_) => crate::metrics::prune_finished(),
-            Err(Error::Busy) => {}
-            Err(e) => {
-                tracing::warn!(error = %crate::error::Report(&e), "pruning failed; will try again")
+        if tokio::time::Instant::now() >= next {
+            let pass = prune(&engine, &policy, false, |_| engine.health.beat(Loop::Pruner));
+            match pass.await {
+                Ok(_) => crate::metrics::prune_finished(),
+                Err(Error::Busy) => {}
+                Err(e) => {
+                    tracing::warn!(error = %crate::error::Report(&e), "pruning failed; will try again")
+                }
             }
+            next = tokio::time::Instant::now() + period;
         }
         tokio::select! {
             _ = shutdown.cancelled() => return Ok(()),
-            _ = tokio::time::sleep(period) => {}
+            _ = tokio::time::sleep(Duration::from_secs(1).min(period)) => {}
         }
     }
 }
