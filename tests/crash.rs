@@ -2,6 +2,7 @@
 //! itself at a named spot. A new process must finish the run without repeating finished work.
 
 mod common;
+mod dlq_support;
 
 use std::os::unix::process::ExitStatusExt;
 use std::time::Duration;
@@ -155,22 +156,8 @@ async fn killed_between_a_write_and_its_record_the_ledger_key_absorbs_the_repeat
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_frozen_past_its_lease_cannot_write_when_it_wakes() {
-    use std::io::{BufRead, BufReader};
     let env = TestEnv::new().await;
-    let mut frozen = env.command(&["serve"]);
-    frozen
-        .env("RUST_LOG", "warn,trailmark=info")
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::piped());
-    let mut frozen = common::ChildGuard(Some(frozen.spawn().unwrap()));
-    let stderr = frozen.0.as_mut().unwrap().stderr.take().unwrap();
-    let (lines_tx, lines) = std::sync::mpsc::channel::<String>();
-    std::thread::spawn(move || {
-        BufReader::new(stderr)
-            .lines()
-            .map_while(Result::ok)
-            .for_each(|l| drop(lines_tx.send(l)))
-    });
+    let (frozen, lines) = serve_logged(&env);
 
     env.start_run(
         "chain",
@@ -441,7 +428,7 @@ async fn a_frozen_worker_holds_no_run_past_about_a_lease_and_its_late_writes_are
     let t = env.topology();
     for queue in [t.steps_queue(), t.run_start_queue()] {
         env.wait_until(&format!("{queue} empty"), WAIT, || async {
-            ready(&env, &queue).await == 0
+            dlq_support::depth(&env, &queue).await == 0
         })
         .await;
     }
@@ -457,25 +444,6 @@ async fn a_frozen_worker_holds_no_run_past_about_a_lease_and_its_late_writes_are
     .await
     .unwrap();
     assert_eq!(before, after, "the woken worker changed a finished run");
-}
-
-/// Messages ready in `queue`.
-async fn ready(env: &TestEnv, queue: &str) -> u32 {
-    let conn = trailmark::broker::connect(&env.settings.broker, "test-depth")
-        .await
-        .unwrap();
-    let ch = conn.create_channel().await.unwrap();
-    let passive = lapin::options::QueueDeclareOptions {
-        passive: true,
-        durable: true,
-        ..Default::default()
-    };
-    let q = ch
-        .queue_declare(queue.into(), passive, Default::default())
-        .await
-        .unwrap();
-    let _ = conn.close(200, "done".into()).await;
-    q.message_count()
 }
 
 /// The frozen-worker sweep takes only runs a worker here can execute: a run of a workflow not
