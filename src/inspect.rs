@@ -341,6 +341,15 @@ pub async fn unpublished_outbox_rows(db: impl PgExecutor<'_>) -> Result<i64> {
     sql::unpublished_outbox_rows(db).await
 }
 
+/// Why the unpublished outbox rows wait, by reason (what a stalled drill reports).
+pub use crate::store::inspect::OutboxBacklog;
+
+/// The unpublished outbox rows grouped by why they wait (held back, their worker still holds
+/// them, or due for any relay).
+pub async fn outbox_backlog(db: impl PgExecutor<'_>) -> Result<Vec<OutboxBacklog>> {
+    sql::outbox_backlog(db).await
+}
+
 /// The runs in review whose error or handover note contains `text` (literally), by id.
 pub async fn runs_in_review_mentioning(db: impl PgExecutor<'_>, text: &str) -> Result<Vec<String>> {
     sql::in_review_mentioning(db, text).await

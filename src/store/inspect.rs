@@ -386,6 +386,41 @@ pub(crate) async fn unpublished_outbox_rows(db: impl PgExecutor<'_>) -> Result<i
     )
 }
 
+/// Why the unpublished outbox rows are still there, for a report on a stall: one row per
+/// reason, with how many rows, their most attempts, and one of their broker errors.
+#[derive(Debug, Clone, Serialize, sqlx::FromRow)]
+pub struct OutboxBacklog {
+    /// `held back` (the broker refused them alone), `holder alive` (a worker that is still
+    /// connected publishes them itself), or `due` (any relay may take them now).
+    pub reason: String,
+    /// Rows for this reason.
+    pub rows: i64,
+    /// The most publish attempts among them.
+    pub max_attempts: i32,
+    /// Seconds until the first of them may be taken (0 when due).
+    pub next_in_secs: f64,
+    /// One of their last broker errors, when any.
+    pub last_error: Option<String>,
+}
+
+/// The unpublished outbox rows, by why they wait.
+pub(crate) async fn outbox_backlog(db: impl PgExecutor<'_>) -> Result<Vec<OutboxBacklog>> {
+    Ok(sqlx::query_as(
+        "SELECT reason, count(*) AS rows, max(attempts) AS max_attempts,
+                greatest(0, extract(epoch FROM min(available_at) - now()))::float8 AS next_in_secs,
+                max(last_error) AS last_error
+           FROM (SELECT attempts, available_at, last_error,
+                        CASE WHEN available_at > now() AND last_error IS NOT NULL THEN 'held back'
+                             WHEN available_at > now() AND NOT trailmark.process_gone(holder_pid)
+                                  THEN 'holder alive'
+                             ELSE 'due' END AS reason
+                   FROM trailmark.outbox WHERE published_at IS NULL) o
+          GROUP BY reason ORDER BY reason",
+    )
+    .fetch_all(db)
+    .await?)
+}
+
 /// Runs in review whose error or handover note contains `text` (as is: no wildcard).
 pub(crate) async fn in_review_mentioning(
     db: impl PgExecutor<'_>,

@@ -116,6 +116,73 @@ pub async fn unpublished(pool: &PgPool) -> Result<i64> {
     Ok(inspect::unpublished_outbox_rows(pool).await?)
 }
 
+/// What a stalled drill shows, so that a stall seen once (in CI, say) can be explained from
+/// its output alone: why the unpublished outbox rows wait, what the drill's queues hold and
+/// who consumes them, and the last lines each process logged.
+pub async fn stall_report(pool: &PgPool, log_dir: &Path, vhost: &str, prefix: &str) -> Vec<String> {
+    let mut lines = Vec::new();
+    match inspect::outbox_backlog(pool).await {
+        Ok(backlog) => lines.extend(backlog.iter().map(|b| {
+            format!(
+                "outbox: {} {} (attempts up to {}, next in {:.0} s){}",
+                b.rows,
+                b.reason,
+                b.max_attempts,
+                b.next_in_secs,
+                b.last_error
+                    .as_deref()
+                    .map_or(String::new(), |e| format!("; last error: {e}"))
+            )
+        })),
+        Err(e) => lines.push(format!("outbox: could not be read: {e}")),
+    }
+    let args = [
+        "-q",
+        "list_queues",
+        "-p",
+        vhost,
+        "name",
+        "messages_ready",
+        "messages_unacknowledged",
+        "consumers",
+    ];
+    match super::faults::tool("rabbitmqctl", &args) {
+        Ok(out) => lines.extend(
+            out.lines()
+                .filter(|l| l.starts_with(prefix))
+                .map(|l| format!("queue (ready, unacked, consumers): {l}")),
+        ),
+        Err(e) => lines.push(format!("queues: could not be listed: {e}")),
+    }
+    lines.extend(last_log_lines(log_dir, 3));
+    lines
+}
+
+/// The last `n` lines of each process log in `dir`, each cut to 300 characters.
+fn last_log_lines(dir: &Path, n: usize) -> Vec<String> {
+    let mut files: Vec<_> = std::fs::read_dir(dir)
+        .map(|d| d.flatten().map(|e| e.path()).collect())
+        .unwrap_or_default();
+    files.retain(|f| f.extension().is_some_and(|e| e == "log") && !is_call_log(f));
+    files.sort();
+    let mut lines = Vec::new();
+    for file in files {
+        let text = std::fs::read_to_string(&file).unwrap_or_default();
+        let name = file.file_name().unwrap_or_default().to_string_lossy();
+        let all: Vec<&str> = text.lines().filter(|l| !l.trim().is_empty()).collect();
+        for line in &all[all.len().saturating_sub(n)..] {
+            let cut: String = line.chars().take(300).collect();
+            lines.push(format!("{name}: {cut}"));
+        }
+    }
+    lines
+}
+
+fn is_call_log(file: &Path) -> bool {
+    file.file_name()
+        .is_some_and(|f| f.to_string_lossy().starts_with("calls-"))
+}
+
 /// Steps committed by each process the drill started (its call log is named by its pid).
 pub fn commits_by_process(
     dir: &Path,

@@ -37,7 +37,7 @@ pub enum PostgresFault {
 }
 
 /// Runs a command of the servers' tools; a failure names the command and what it printed.
-fn tool(program: &str, args: &[&str]) -> Result<String> {
+pub(crate) fn tool(program: &str, args: &[&str]) -> Result<String> {
     let out = Command::new(program)
         .args(args)
         .output()

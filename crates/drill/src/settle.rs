@@ -390,6 +390,13 @@ impl Drill<'_> {
                         self.cfg.quiet_secs
                     ),
                 );
+                let vhost = self.vhost.unwrap_or("/");
+                let log_dir = &self.env.log_dir;
+                for line in
+                    check::stall_report(&self.env.pool, log_dir, vhost, &self.env.prefix).await
+                {
+                    say(self.cfg, &format!("stall: {line}"));
+                }
                 return Ok(());
             }
             if said.elapsed() > Duration::from_secs(5) {
