@@ -735,3 +735,113 @@ async fn a_publisher_nacked_again_and_again_reopens_its_channel_and_never_counts
         .await;
     let _ = conn.close(200, "done".into()).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_outbox_row_the_broker_nacks_is_tried_again_at_once_never_held_back() {
+    use lapin::options::{QueueBindOptions, QueueDeclareOptions, QueueDeleteOptions};
+    use lapin::types::{AMQPValue, FieldTable};
+    let env = TestEnv::new().await;
+    let engine = env.engine();
+    let conn = trailmark::broker::connect(&env.settings.broker, "test-nacked-row")
+        .await
+        .unwrap();
+    let publisher = trailmark::broker::Publisher::open(&conn, Duration::from_secs(10))
+        .await
+        .unwrap();
+    // A quorum queue that holds one message and nacks every publish beyond it.
+    let full = format!("{}.full-relay", env.prefix);
+    let mut args = FieldTable::default();
+    args.insert(
+        "x-queue-type".into(),
+        AMQPValue::LongString("quorum".into()),
+    );
+    args.insert("x-max-length".into(), AMQPValue::LongLongInt(1));
+    args.insert(
+        "x-overflow".into(),
+        AMQPValue::LongString("reject-publish".into()),
+    );
+    let ch = conn.create_channel().await.unwrap();
+    let durable = QueueDeclareOptions {
+        durable: true,
+        ..Default::default()
+    };
+    ch.queue_declare(full.as_str().into(), durable, args)
+        .await
+        .unwrap();
+    ch.queue_bind(
+        full.as_str().into(),
+        env.topology().steps_exchange().into(),
+        "full".into(),
+        QueueBindOptions::default(),
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
+    let filler = |i: usize| Outgoing {
+        message_id: format!("filler-{i}"),
+        exchange: env.topology().steps_exchange(),
+        routing_key: "full".into(),
+        headers: FieldTable::default(),
+        body: b"{}".to_vec(),
+    };
+    let mut accepted = 0;
+    while publisher.publish(&filler(accepted)).await.is_ok() {
+        accepted += 1;
+        assert!(accepted < 10, "the full queue kept taking messages");
+    }
+    // The row a worker committed for that queue.
+    let message_id = uuid::Uuid::new_v4();
+    sqlx::query(
+        "INSERT INTO trailmark.outbox (message_id, exchange, routing_key, headers, body)
+         VALUES ($1, $2, 'full', '{}'::jsonb, '{}'::bytea)",
+    )
+    .bind(message_id)
+    .bind(env.topology().steps_exchange())
+    .execute(&env.pool)
+    .await
+    .unwrap();
+
+    // Nacked: the batch fails as when the broker is gone (the relay reconnects), and the row
+    // stays due, with no error of its own that would hold it back for minutes.
+    let nacked = trailmark::relay::drain_batch(&engine, &publisher).await;
+    assert!(nacked.is_err(), "a nacked row fails its batch: {nacked:?}");
+    let (published, due, last_error): (bool, bool, Option<String>) = sqlx::query_as(
+        "SELECT published_at IS NOT NULL, available_at <= now(), last_error
+           FROM trailmark.outbox WHERE message_id = $1",
+    )
+    .bind(message_id)
+    .fetch_one(&env.pool)
+    .await
+    .unwrap();
+    assert!(!published, "a nacked row is never counted as published");
+    assert!(due && last_error.is_none(), "not held back: {last_error:?}");
+
+    // Once the queue has room, the next batch publishes it.
+    ch.queue_purge(full.as_str().into(), Default::default())
+        .await
+        .unwrap();
+    let publisher = trailmark::broker::Publisher::open(&conn, Duration::from_secs(10))
+        .await
+        .unwrap();
+    let sent = trailmark::relay::drain_batch(&engine, &publisher)
+        .await
+        .expect("published once the queue has room");
+    assert_eq!(sent, 1);
+    let got = ch
+        .basic_get(full.as_str().into(), Default::default())
+        .await
+        .unwrap()
+        .expect("the row's message is in the queue");
+    assert_eq!(
+        got.delivery
+            .properties
+            .message_id()
+            .as_ref()
+            .map(|m| m.to_string()),
+        Some(message_id.to_string())
+    );
+    let _ = ch
+        .queue_delete(full.as_str().into(), QueueDeleteOptions::default())
+        .await;
+    let _ = conn.close(200, "done".into()).await;
+}

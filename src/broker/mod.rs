@@ -60,8 +60,22 @@ pub enum Error {
         exchange: String,
         /// Routing key.
         routing_key: String,
-        /// Nack, or the return reply text.
+        /// The return's reply text (unroutable), or why confirms are off.
         why: String,
+    },
+    /// The broker nacked the message: it could not take it now (a quorum queue over its limit
+    /// or without a leader, a channel in a bad state). Not the message's fault: publish it again
+    /// soon, on a fresh channel if nacks go on.
+    #[error(
+        "broker nacked message {message_id} to exchange {exchange:?} key {routing_key:?} (queue full, or not accepting publishes now); it will be published again"
+    )]
+    Nacked {
+        /// The message.
+        message_id: String,
+        /// Target exchange.
+        exchange: String,
+        /// Routing key.
+        routing_key: String,
     },
     /// No confirm arrived in time; the message may or may not be stored.
     #[error("no publisher confirm within {0:?}; the message will be published again")]
@@ -74,7 +88,10 @@ impl Error {
         match self {
             Self::Misconfigured { .. } => Reaction::Fix,
             Self::Refused { .. } => Reaction::Refused,
-            Self::Unavailable { .. } | Self::Connection(_) | Self::ConfirmTimeout(_) => {
+            Self::Unavailable { .. }
+            | Self::Connection(_)
+            | Self::ConfirmTimeout(_)
+            | Self::Nacked { .. } => {
                 Reaction::Retry
             }
         }

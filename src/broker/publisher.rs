@@ -204,7 +204,11 @@ fn check(msg: &Outgoing, confirmation: Confirmation) -> Result<()> {
         Confirmation::Ack(Some(ret)) => {
             Err(refused(format!("returned unroutable: {}", ret.reply_text)))
         }
-        Confirmation::Nack(_) => Err(refused("nacked (queue full or rejecting publishes)".into())),
+        Confirmation::Nack(_) => Err(Error::Nacked {
+            message_id: msg.message_id.clone(),
+            exchange: msg.exchange.clone(),
+            routing_key: msg.routing_key.clone(),
+        }),
         Confirmation::NotRequested => Err(refused("channel is not in confirm mode".into())),
     }
 }

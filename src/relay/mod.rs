@@ -161,7 +161,10 @@ async fn isolate(
     let (mut held, mut down) = (Vec::new(), Vec::new());
     for (i, first) in failed {
         let alone = match first {
-            // Refused on its own merits (nack, unroutable): no need to ask again.
+            // Refused on its own merits (unroutable): no need to ask again. A nack is not: it
+            // says the broker cannot take messages now, so the row counts with those the broker
+            // was too slow or gone for (the session reconnects and tries again within seconds),
+            // never held back for the minutes a refused row may wait.
             refused @ broker::Error::Refused { .. } => Err(refused),
             broker::Error::Connection(_) if publisher.connected() => {
                 publisher.publish(&messages[i]).await
