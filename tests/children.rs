@@ -468,3 +468,43 @@ async fn a_child_cancelled_alone_counts_as_failed_and_stops_its_parent_past_the_
     );
     running.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_plain_resume_of_a_parent_runs_its_failed_children_again_counting_their_attempts_on() {
+    let env = TestEnv::new().await;
+    let running = env.spawn_all(env.engine());
+    let input = parent(json!({"at": 0, "count": 3, "fail": [1], "fail_threshold": 0}));
+    env.start_run("chain", "plain", input).await;
+    env.wait_status("plain", RunStatus::NeedsReview, WAIT).await;
+    let attempts = |child: &'static str| {
+        let pool = env.pool.clone();
+        async move {
+            let (n,): (i32,) =
+                sqlx::query_as("SELECT max(attempts) FROM trailmark.steps WHERE run_id = $1")
+                    .bind(child)
+                    .fetch_one(&pool)
+                    .await
+                    .unwrap();
+            n
+        }
+    };
+    env.wait_status("plain:0:1", RunStatus::NeedsReview, WAIT)
+        .await;
+    assert_eq!(attempts("plain:0:1").await, 1);
+    // No fix deployed: the child fails again, on its second attempt, not on a first one again
+    // (a failure meant for one attempt, like a drill's forced review, must not come back).
+    let engine = env.engine();
+    let who = Decider::cli("tester", "try again");
+    trailmark::operator::resume(&engine, "plain", &who, Resume::Again)
+        .await
+        .expect("resumed");
+    env.wait_until("the child's second attempt", WAIT, || async {
+        attempts("plain:0:1").await == 2
+    })
+    .await;
+    env.wait_status("plain", RunStatus::NeedsReview, WAIT).await;
+    env.wait_status("plain:0:1", RunStatus::NeedsReview, WAIT)
+        .await;
+    assert_eq!(attempts("plain:0:1").await, 2, "counted on, never reset");
+    running.stop().await;
+}

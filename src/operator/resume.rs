@@ -106,7 +106,7 @@ pub async fn resume(engine: &Engine, run_id: &str, who: &Decider, how: Resume) -
     if fan_out {
         // The fan-out step finished: it does not run again; its failed children do.
         let at = (run.run_id.as_str(), run.step_seq);
-        let again = crate::wait::children::reopen(&mut tx, &engine.topology, at).await?;
+        let again = crate::wait::children::reopen(&mut tx, &engine.topology, at, after_fix).await?;
         let details = json!({ "handover": run.handover, "error": run.error, "children_run_again": again });
         let next = format!(
             "the run waits again for the children of step {step} (position {}); its {again} failed child run(s) run again from where they stopped",

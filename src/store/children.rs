@@ -385,11 +385,13 @@ pub async fn stop_parent(
 }
 
 /// Moves a child that stopped for review back to `running` at the step that stopped it (fence
-/// plus one, its attempts there reset: its parent was resumed after a fix); returns its
+/// plus one; its attempts there reset only when `reset_attempts`, for a parent resumed after a
+/// fix); returns its
 /// workflow, version, step and position to queue, or `None` when it is not stopped for review.
 pub async fn reopen_child(
     conn: &mut PgConnection,
     child: &str,
+    reset_attempts: bool,
 ) -> Result<Option<(String, i32, StepAddress, i32)>> {
     let found: Option<(String, i32, StepAddress, i32)> = sqlx::query_as(
         "UPDATE trailmark.runs SET status = 'running', fence = fence + 1, lease_owner = NULL,
@@ -401,7 +403,7 @@ pub async fn reopen_child(
     .bind(child)
     .fetch_optional(&mut *conn)
     .await?;
-    if let Some((_, _, _, seq)) = &found {
+    if let Some((_, _, _, seq)) = found.as_ref().filter(|_| reset_attempts) {
         super::steps::reset_attempts(conn, child, *seq).await?;
     }
     Ok(found)

@@ -52,15 +52,20 @@ pub(super) async fn register(
 /// transaction of the decision that resumes it (which moved it back to `waiting` there): its
 /// wait is reopened, its failed children run again from where they stopped, and its pending
 /// ones start; the fan-out step itself does not run again. Returns the children run again.
+///
+/// As for a run resumed alone, only a resume after a fix gives the failed children's steps their
+/// attempts back; a plain resume counts on (a child that used them all stops again at once,
+/// and a failure meant for one attempt does not come back).
 pub(crate) async fn reopen(
     tx: &mut PgConnection,
     topology: &Topology,
     (parent, seq): (&str, i32),
+    after_fix: bool,
 ) -> store::Result<usize> {
     waits::reopen(&mut *tx, parent, seq).await?;
     let again = children::retry_failed(&mut *tx, (parent, seq)).await?;
     for child in &again {
-        resume_child(tx, topology, child).await?;
+        resume_child(tx, topology, child, after_fix).await?;
     }
     if let Some(row) = children::fan_out(&mut *tx, parent, seq).await? {
         settle(tx, (topology, &Failpoints::default()), row).await?;
@@ -241,8 +246,14 @@ async fn start(
 
 /// Runs a failed child again from the step that stopped it (its attempts reset, as a resume
 /// after a fix does), queueing that step's message.
-async fn resume_child(tx: &mut PgConnection, topology: &Topology, child: &str) -> store::Result<()> {
-    let Some((workflow, version, step, seq)) = children::reopen_child(&mut *tx, child).await?
+async fn resume_child(
+    tx: &mut PgConnection,
+    topology: &Topology,
+    child: &str,
+    after_fix: bool,
+) -> store::Result<()> {
+    let Some((workflow, version, step, seq)) =
+        children::reopen_child(&mut *tx, child, after_fix).await?
     else {
         return Ok(());
     };
