@@ -657,20 +657,27 @@ async fn a_message_to_a_missing_exchange_is_held_back_without_stopping_the_rest_
     let _ = conn.close(200, "done".into()).await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_publisher_nacked_again_and_again_reopens_its_channel_and_never_counts_a_nack_as_sent() {
-    use lapin::options::{QueueBindOptions, QueueDeclareOptions, QueueDeleteOptions};
+/// A quorum queue `<prefix>.<name>` bound to the steps exchange under the routing key `full`,
+/// which holds one message and nacks every publish beyond it; with a connection, a confirming
+/// publisher and a channel on it.
+async fn full_queue(
+    env: &TestEnv,
+    name: &str,
+) -> (
+    std::sync::Arc<lapin::Connection>,
+    trailmark::broker::Publisher,
+    lapin::Channel,
+    String,
+) {
+    use lapin::options::{QueueBindOptions, QueueDeclareOptions};
     use lapin::types::{AMQPValue, FieldTable};
-    let env = TestEnv::new().await;
-    let conn = trailmark::broker::connect(&env.settings.broker, "test-nacks")
+    let conn = trailmark::broker::connect(&env.settings.broker, &format!("test-{name}"))
         .await
         .unwrap();
     let publisher = trailmark::broker::Publisher::open(&conn, Duration::from_secs(10))
         .await
         .unwrap();
-    // A queue that holds one message and rejects the rest: once over its limit, every publish
-    // routed to it is nacked.
-    let full = format!("{}.full", env.prefix);
+    let full = format!("{}.{name}", env.prefix);
     let mut args = FieldTable::default();
     args.insert(
         "x-queue-type".into(),
@@ -698,6 +705,15 @@ async fn a_publisher_nacked_again_and_again_reopens_its_channel_and_never_counts
     )
     .await
     .unwrap();
+    (conn, publisher, ch, full)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_publisher_nacked_again_and_again_reopens_its_channel_and_never_counts_a_nack_as_sent() {
+    use lapin::options::QueueDeleteOptions;
+    use lapin::types::FieldTable;
+    let env = TestEnv::new().await;
+    let (conn, publisher, ch, full) = full_queue(&env, "full").await;
     let msg = |i: usize, key: &str| Outgoing {
         message_id: format!("nack-{i}"),
         exchange: env.topology().steps_exchange(),
@@ -738,45 +754,11 @@ async fn a_publisher_nacked_again_and_again_reopens_its_channel_and_never_counts
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_outbox_row_the_broker_nacks_is_tried_again_at_once_never_held_back() {
-    use lapin::options::{QueueBindOptions, QueueDeclareOptions, QueueDeleteOptions};
-    use lapin::types::{AMQPValue, FieldTable};
+    use lapin::options::QueueDeleteOptions;
+    use lapin::types::FieldTable;
     let env = TestEnv::new().await;
     let engine = env.engine();
-    let conn = trailmark::broker::connect(&env.settings.broker, "test-nacked-row")
-        .await
-        .unwrap();
-    let publisher = trailmark::broker::Publisher::open(&conn, Duration::from_secs(10))
-        .await
-        .unwrap();
-    // A quorum queue that holds one message and nacks every publish beyond it.
-    let full = format!("{}.full-relay", env.prefix);
-    let mut args = FieldTable::default();
-    args.insert(
-        "x-queue-type".into(),
-        AMQPValue::LongString("quorum".into()),
-    );
-    args.insert("x-max-length".into(), AMQPValue::LongLongInt(1));
-    args.insert(
-        "x-overflow".into(),
-        AMQPValue::LongString("reject-publish".into()),
-    );
-    let ch = conn.create_channel().await.unwrap();
-    let durable = QueueDeclareOptions {
-        durable: true,
-        ..Default::default()
-    };
-    ch.queue_declare(full.as_str().into(), durable, args)
-        .await
-        .unwrap();
-    ch.queue_bind(
-        full.as_str().into(),
-        env.topology().steps_exchange().into(),
-        "full".into(),
-        QueueBindOptions::default(),
-        FieldTable::default(),
-    )
-    .await
-    .unwrap();
+    let (conn, publisher, ch, full) = full_queue(&env, "full-relay").await;
     let filler = |i: usize| Outgoing {
         message_id: format!("filler-{i}"),
         exchange: env.topology().steps_exchange(),
