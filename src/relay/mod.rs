@@ -189,12 +189,16 @@ async fn isolate(
     (held, down)
 }
 
-/// Whether the broker refused this message itself (rather than being unreachable or slow).
+/// Whether the broker refused this message itself (rather than being unreachable or slow): it
+/// returned it unroutable, or closed the channel over it with a channel-level (soft) error such
+/// as a missing exchange. A connection that went away mid-publish is not a refusal, whatever
+/// the connection's status reads at that moment.
 fn refused_alone(e: &broker::Error) -> bool {
-    matches!(
-        e,
-        broker::Error::Refused { .. } | broker::Error::Connection(_)
-    )
+    match e {
+        broker::Error::Refused { .. } => true,
+        broker::Error::Connection(e) => e.is_amqp_soft_error(),
+        _ => false,
+    }
 }
 
 fn held_back_log(row: &outbox::OutboxRow, why: &str) {
