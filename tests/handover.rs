@@ -887,10 +887,13 @@ async fn a_run_left_waiting_past_the_human_timeout_is_escalated_to_review() {
     settings.supervisor.human_timeout_secs = 1;
     let mut registry = Registry::new();
     registry.register(approval());
+    registry.register(frozen());
     let engine =
         Engine::with_pool(settings, registry, Failpoints::default(), env.pool.clone()).unwrap();
     let running = env.spawn_all(engine.clone());
     env.start_run("approval", "r-late", json!({})).await;
+    // A step frozen while an item is in doubt waits for a person too (an `approval` note).
+    env.start_run("frozen", "r-doubt", json!({})).await;
     let run = env
         .wait_status("r-late", RunStatus::NeedsReview, WAIT)
         .await;
@@ -905,11 +908,23 @@ async fn a_run_left_waiting_past_the_human_timeout_is_escalated_to_review() {
         (d[0].action.as_str(), d[0].actor.as_str()),
         ("timeout", "supervisor")
     );
-    // Resuming asks the person again.
+    let doubt = env
+        .wait_status("r-doubt", RunStatus::NeedsReview, WAIT)
+        .await;
+    assert_eq!(
+        doubt.handover.unwrap()["waiting_for"]["waiting_for"],
+        "approval"
+    );
+    // Resuming asks the person again, and the wait counts from then: a second escalation.
     operator::resume(&engine, "r-late", &who("back from holiday"), Resume::Again)
         .await
         .unwrap();
     env.wait_status("r-late", RunStatus::Waiting, WAIT).await;
+    env.wait_status("r-late", RunStatus::NeedsReview, WAIT)
+        .await;
+    let d = decisions::list(&env.pool, "r-late").await.unwrap();
+    let actions: Vec<&str> = d.iter().map(|d| d.action.as_str()).collect();
+    assert_eq!(actions, ["timeout", "resume", "timeout"]);
     running.stop().await;
 }
 

@@ -16,6 +16,36 @@ macro_rules! finished {
     };
 }
 
+/// The statement of [`due`] for one workflow condition (on `$1`; `$2` the keep time, `$3` the
+/// batch).
+macro_rules! due_sql {
+    ($workflow:literal) => {
+        concat!(
+            "SELECT r.run_id, r.workflow, r.status, r.finished_at
+               FROM trailmark.runs r
+              WHERE r.status IN ",
+            finished!(),
+            " AND r.finished_at < now() - make_interval(secs => $2) AND ",
+            $workflow,
+            " AND NOT EXISTS (
+                    SELECT 1 FROM trailmark.forks f JOIN trailmark.runs c ON c.run_id = f.run_id
+                     WHERE f.parent_run_id = r.run_id AND c.status NOT IN ",
+            finished!(),
+            ")
+                AND NOT EXISTS (
+                    SELECT 1 FROM trailmark.runs c
+                     WHERE c.parent_run_id = r.run_id AND c.status NOT IN ",
+            finished!(),
+            ")
+                AND (r.parent_run_id IS NULL OR NOT EXISTS (
+                    SELECT 1 FROM trailmark.runs p WHERE p.run_id = r.parent_run_id))
+              ORDER BY r.finished_at
+              LIMIT $3
+              FOR UPDATE OF r SKIP LOCKED"
+        )
+    };
+}
+
 /// A run due for removal.
 #[derive(Debug, Clone, sqlx::FromRow)]
 pub struct Due {
@@ -53,45 +83,29 @@ pub async fn take_turn(tx: &mut PgConnection) -> Result<bool> {
 /// fork or a child run that has not finished stays (the fork reads its parent's positions, a
 /// child's ending counts in its parent's join), and a child run stays as long as its parent
 /// (an undo of the parent undoes its children, and its next step read them).
+///
+/// One statement per kind of scope, each with its workflow condition written out: with one
+/// `CASE` on a bound parameter for both, the generic plan could use neither index as a range
+/// and read every finished run's index entry on each pass (3,835 buffers, 20-30 ms at 1,000,000
+/// finished runs with none due; docs/BENCHMARKS.md, "Periodic queries at 100 and 100,000 runs in
+/// flight").
 pub async fn due(
     tx: &mut PgConnection,
     scope: Scope<'_>,
     keep_secs: i64,
     limit: i64,
 ) -> Result<Vec<Due>> {
-    let (one, others): (Option<&str>, &[String]) = match scope {
-        Scope::Workflow(w) => (Some(w), &[]),
-        Scope::Others(list) => (None, list),
+    let query = match scope {
+        // `runs_finished_idx` (workflow, finished_at): the workflow's oldest.
+        Scope::Workflow(w) => sqlx::query_as(due_sql!("r.workflow = $1")).bind(w),
+        // `runs_finished_at_idx` (finished_at): the oldest of all, skipping the named workflows.
+        Scope::Others(list) => sqlx::query_as(due_sql!("r.workflow <> ALL($1)")).bind(list),
     };
-    Ok(sqlx::query_as(concat!(
-        "SELECT r.run_id, r.workflow, r.status, r.finished_at
-           FROM trailmark.runs r
-          WHERE r.status IN ",
-        finished!(),
-        " AND r.finished_at < now() - make_interval(secs => $3)
-            AND (CASE WHEN $1::text IS NULL THEN r.workflow <> ALL($2) ELSE r.workflow = $1 END)
-            AND NOT EXISTS (
-                SELECT 1 FROM trailmark.forks f JOIN trailmark.runs c ON c.run_id = f.run_id
-                 WHERE f.parent_run_id = r.run_id AND c.status NOT IN ",
-        finished!(),
-        ")
-            AND NOT EXISTS (
-                SELECT 1 FROM trailmark.runs c
-                 WHERE c.parent_run_id = r.run_id AND c.status NOT IN ",
-        finished!(),
-        ")
-            AND (r.parent_run_id IS NULL OR NOT EXISTS (
-                SELECT 1 FROM trailmark.runs p WHERE p.run_id = r.parent_run_id))
-          ORDER BY r.finished_at
-          LIMIT $4
-          FOR UPDATE OF r SKIP LOCKED"
-    ))
-    .bind(one)
-    .bind(others)
-    .bind(keep_secs as f64)
-    .bind(limit)
-    .fetch_all(&mut *tx)
-    .await?)
+    Ok(query
+        .bind(keep_secs as f64)
+        .bind(limit)
+        .fetch_all(&mut *tx)
+        .await?)
 }
 
 /// Each run's whole record as one JSON document (`docs/OPERATIONS.md`, "Run export"): the run

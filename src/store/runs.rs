@@ -521,6 +521,12 @@ pub struct Escalated {
 /// Moves up to `limit` runs that have waited for a person longer than `after_secs` to
 /// needs_review, keeping what they waited for in the note; returns them for their decisions to be
 /// recorded in the caller's transaction.
+///
+/// Reads the runs waiting for a person since before the cut-off, through
+/// `runs_person_waits_idx`, and nothing else: the status and the note kinds are written out (not
+/// bound) so that the generic plan can use that partial index, and runs waiting for an event or
+/// a time are not in it. Reading every waiting run through the status index cost 27 ms a scan at
+/// 100,000 waiting (docs/BENCHMARKS.md, "Periodic queries at 100 and 100,000 runs in flight").
 pub async fn escalate_waiting(
     db: impl PgExecutor<'_>,
     after_secs: u64,
@@ -530,20 +536,22 @@ pub async fn escalate_waiting(
         .move_to(RunStatus::NeedsReview)
         .expect("the status table lets a waiting run be escalated");
     Ok(sqlx::query_as(
-        "UPDATE trailmark.runs r SET status = $3, updated_at = now(),
+        "UPDATE trailmark.runs r SET status = $2, updated_at = now(),
                 handover = jsonb_build_object('waiting_for', r.handover, 'error_class', 'human_timeout',
                     'error', format('no decision within %s s; approve or reject, or resume to ask again', $1::bigint))
-           FROM (SELECT u.run_id FROM trailmark.runs u WHERE u.status = $2
-                  AND u.updated_at < now() - make_interval(secs => $1::float8)
-                  -- A run waiting for an event or a time has a timeout of its own.
-                  AND NOT EXISTS (SELECT 1 FROM trailmark.waits t
-                                   WHERE t.run_id = u.run_id AND t.resolved_at IS NULL)
-                  LIMIT $4 FOR UPDATE SKIP LOCKED) w
+           FROM (SELECT u.run_id FROM trailmark.runs u
+                  WHERE u.status = 'waiting' AND (u.handover->>'waiting_for') IN ('decision', 'approval')
+                    AND u.waiting_since < now() - make_interval(secs => $1::float8)
+                    -- Not moved since it started waiting, as before this index.
+                    AND u.updated_at < now() - make_interval(secs => $1::float8)
+                    -- A run waiting for an event or a time has a timeout of its own.
+                    AND NOT EXISTS (SELECT 1 FROM trailmark.waits t
+                                     WHERE t.run_id = u.run_id AND t.resolved_at IS NULL)
+                  ORDER BY u.waiting_since LIMIT $3 FOR UPDATE SKIP LOCKED) w
           WHERE r.run_id = w.run_id
       RETURNING r.run_id, r.workflow, r.handover, r.step_seq, r.step, r.workflow_version",
     )
     .bind(after_secs as i64)
-    .bind(to.from)
     .bind(to.to)
     .bind(limit)
     .fetch_all(db)

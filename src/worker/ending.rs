@@ -192,6 +192,9 @@ pub(super) fn decide(
             next: Next::Wait,
             ..
         }) => {
+            // `decision` (and `approval`, `step::doubt`) mark a wait for a person: the supervisor's
+            // human-timeout scan finds such runs through an index on this note kind
+            // (`runs_person_waits_idx`, migrations/20261203000045_periodic_scans.sql).
             let note = json!({ "waiting_for": "decision", "step": msg.step, "seq": msg.seq, "question": output });
             return Verdict::Commit(Ending::Wait {
                 note,

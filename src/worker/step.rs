@@ -418,6 +418,7 @@ async fn doubt(engine: &Engine, msg: &StepMessage) -> store::Result<Option<Value
         return Ok(None);
     }
     Ok(Some(serde_json::json!({
+        // A wait for a person, as `decision` (`ending.rs`): indexed by `runs_person_waits_idx`.
         "waiting_for": "approval",
         "step": msg.step,
         "seq": msg.seq,
