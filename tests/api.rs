@@ -1393,3 +1393,67 @@ async fn the_console_page_of_an_unknown_dead_letter_is_404() {
     assert_eq!(status, StatusCode::NOT_FOUND, "{page}");
     assert!(page.contains("no-such-letter"), "{page}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_children_of_a_run_are_listed_by_parent_and_its_page_counts_them_by_state() {
+    let api = Api::start(trailmark_testkit::registry()).await;
+    let env = &api.env;
+    let input =
+        json!({"steps": 2, "children": {"at": 0, "count": 3, "steps": 2, "first": 2, "slow": [2]}});
+    env.start_run("chain", "fam", input).await;
+    env.wait_status("fam", RunStatus::Succeeded, WAIT).await;
+    let viewer = Some(api.token(Role::Viewer));
+    let api = &api;
+    let get = |path: String| async move { api.call(Method::GET, &path, viewer, None, None).await };
+    let (status, page) = get("/api/v1/runs?parent=fam&limit=2".into()).await;
+    assert_eq!(status, StatusCode::OK, "{page}");
+    let mut listed: Vec<String> = page["runs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| {
+            assert_eq!(r["parent_run_id"], "fam", "{r}");
+            r["run_id"].as_str().unwrap().to_owned()
+        })
+        .collect();
+    let cursor = page["next_cursor"]
+        .as_str()
+        .expect("a second page")
+        .to_owned();
+    let (status, rest) = get(format!("/api/v1/runs?parent=fam&limit=2&cursor={cursor}")).await;
+    assert_eq!(status, StatusCode::OK, "{rest}");
+    listed.extend(
+        rest["runs"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|r| r["run_id"].as_str().unwrap().to_owned()),
+    );
+    listed.sort();
+    assert_eq!(listed, ["fam:0:0", "fam:0:1", "fam:0:2"]);
+    let (_, none) = get("/api/v1/runs?parent=fam:0:0".into()).await;
+    assert_eq!(
+        none["runs"],
+        json!([]),
+        "a child with no children of its own"
+    );
+    let (status, run) = get("/api/v1/runs/fam".into()).await;
+    assert_eq!(status, StatusCode::OK, "{run}");
+    let family = &run["family"];
+    assert_eq!(family["parent"], Value::Null, "{family}");
+    let fan = &family["fan_outs"][0];
+    assert_eq!(
+        (fan["seq"].as_i64(), fan["join"].as_str()),
+        (Some(0), Some("first 2")),
+        "{fan}"
+    );
+    assert!(fan["joined_at"].is_string(), "{fan}");
+    assert_eq!(
+        fan["children"],
+        json!({"total": 3, "pending": 0, "running": 0, "succeeded": 2, "failed": 1, "skipped": 0}),
+        "the slow child was cancelled by the join: {fan}"
+    );
+    let (_, child) = get("/api/v1/runs/fam:0:2".into()).await;
+    assert_eq!(child["family"]["parent"], "fam", "{child}");
+    assert_eq!(child["run"]["status"], "cancelled", "{child}");
+}

@@ -508,3 +508,213 @@ async fn a_plain_resume_of_a_parent_runs_its_failed_children_again_counting_thei
     assert_eq!(attempts("plain:0:1").await, 2, "counted on, never reset");
     running.stop().await;
 }
+
+/// Sends the event `name` keyed `key` through the CLI.
+fn send_event(env: &TestEnv, name: &str, key: &str) {
+    let out = env
+        .command(&["event", "send", name, "--key", key])
+        .output()
+        .unwrap();
+    let (stdout, stderr) = common::text(&out);
+    assert!(out.status.success(), "event send: {stdout}{stderr}");
+}
+
+/// Whether `run_id` has an open wait at position `seq`.
+async fn waits_at(env: &TestEnv, run_id: &str, seq: i32) -> bool {
+    sqlx::query_scalar(
+        "SELECT EXISTS (SELECT 1 FROM trailmark.waits WHERE run_id = $1 AND seq = $2
+                          AND resolved_at IS NULL)",
+    )
+    .bind(run_id)
+    .bind(seq)
+    .fetch_one(&env.pool)
+    .await
+    .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn children_whose_event_wait_times_out_count_as_failed_and_a_resume_retries_only_them() {
+    let env = TestEnv::new().await;
+    let engine = env.engine();
+    let running = env.spawn_all(engine.clone());
+    // Every child waits after its link 0 for `reply` (no step to go to on timeout); only child
+    // 1's reply comes.
+    let wait = json!({"at": 0, "event": "reply", "timeout_secs": 4});
+    let children = json!({"at": 0, "count": 3, "steps": 2, "wait": wait});
+    env.start_run("chain", "tw", parent(children)).await;
+    env.wait_until("child 1 to wait", WAIT, || async {
+        waits_at(&env, "tw:0:1", 0).await
+    })
+    .await;
+    send_event(&env, "reply", "tw:0:1");
+    let stopped = env.wait_status("tw", RunStatus::NeedsReview, WAIT).await;
+    let note = stopped.handover.expect("a handover note");
+    assert_eq!(note["error_class"], "children_failed", "{note}");
+    let failed = note["failed"].as_array().expect("the failed children");
+    assert!(!failed.is_empty(), "{note}");
+    for child in failed {
+        assert!(
+            ["tw:0:0", "tw:0:2"].contains(&child["run_id"].as_str().unwrap()),
+            "{note}"
+        );
+        let reason = child["reason"].as_str().unwrap();
+        assert!(
+            reason.contains("event reply") && reason.contains("none came"),
+            "{note}"
+        );
+    }
+    env.wait_until("every child to end", WAIT, || async {
+        children_by_status(&env, "tw").await
+            == [("needs_review".into(), 2), ("succeeded".into(), 1)]
+    })
+    .await;
+    assert_eq!(
+        children_by_state(&env, "tw").await,
+        [("failed".into(), 2), ("succeeded".into(), 1)],
+        "both timed-out children are counted in the fan-out"
+    );
+    let fences_before = fences(&env, "tw").await;
+    let who = Decider::cli("tester", "the supplier is back");
+    trailmark::operator::resume(&engine, "tw", &who, Resume::AfterFix)
+        .await
+        .expect("resumed");
+    env.wait_status("tw", RunStatus::Succeeded, WAIT).await;
+    assert_eq!(
+        children_by_status(&env, "tw").await,
+        [("succeeded".into(), 3)]
+    );
+    for ((child, before), (_, after)) in fences_before.iter().zip(&fences(&env, "tw").await) {
+        let retried = child != "tw:0:1";
+        assert_eq!(
+            after != before,
+            retried,
+            "child {child}: fence {before} -> {after}"
+        );
+        assert_eq!(env.chain_ledger(child).await, (2, 2), "child {child}");
+    }
+    assert_eq!(resolutions(&env, "tw").await, [Some("children".into())]);
+    running.stop().await;
+}
+
+/// A parent that starts two `ask` children, each waiting for a person's approval.
+fn asking() -> trailmark::workflow::Registry {
+    use trailmark::workflow::{Children, Registry, StepKind, StepOutcome, Workflow};
+    let parent = Workflow::new("asks", 1)
+        .step("fan", StepKind::Read, |_ctx| async move {
+            let children = Children::map("ask", [json!({}), json!({})]);
+            Ok(StepOutcome::start_children(json!({}), children))
+        })
+        .step("after", StepKind::Read, |_ctx| async move {
+            Ok(StepOutcome::finish(json!({})))
+        });
+    let child = Workflow::new("ask", 1)
+        .step("sign_off", StepKind::Human, |_ctx| async move {
+            Ok(StepOutcome::wait(json!({ "question": "ship it?" })))
+        })
+        .step("done", StepKind::Read, |_ctx| async move {
+            Ok(StepOutcome::finish(json!({})))
+        });
+    let mut registry = Registry::new();
+    registry.register(parent);
+    registry.register(child);
+    registry
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn children_escalated_past_the_human_timeout_count_as_failed_in_their_parent() {
+    let env = TestEnv::with(|s| s.supervisor.human_timeout_secs = 1).await;
+    let engine = env.engine_with(asking(), Failpoints::default());
+    let running = env.spawn_all(engine.clone());
+    env.start_run("asks", "ask", json!({})).await;
+    let stopped = env.wait_status("ask", RunStatus::NeedsReview, WAIT).await;
+    let note = stopped.handover.expect("a handover note");
+    assert_eq!(note["error_class"], "children_failed", "{note}");
+    let reason = note["failed"][0]["reason"].as_str().unwrap_or_default();
+    assert!(reason.contains("supervisor.human_timeout_secs"), "{note}");
+    env.wait_until("both children to be escalated", WAIT, || async {
+        children_by_status(&env, "ask").await == [("needs_review".into(), 2)]
+            && children_by_state(&env, "ask").await == [("failed".into(), 2)]
+    })
+    .await;
+    let timeouts: i64 = env
+        .scalar(
+            "SELECT count(*) FROM trailmark.decisions WHERE action = 'timeout'
+                AND run_id LIKE $1 || ':%'",
+            "ask",
+        )
+        .await;
+    assert_eq!(timeouts, 2, "each child's escalation recorded once");
+    running.stop().await;
+}
+
+/// Ledger rows a run wrote after it ended (its `finished_at`).
+async fn ledger_after_end(env: &TestEnv, run_id: &str) -> i64 {
+    env.scalar(
+        "SELECT count(*) FROM trailmark.chain_ledger l JOIN trailmark.runs r USING (run_id)
+          WHERE l.run_id = $1 AND l.created_at > r.finished_at",
+        run_id,
+    )
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_join_on_the_first_2_of_6_cancels_the_children_still_running() {
+    let env = TestEnv::new().await;
+    let engine = env.engine();
+    let running = env.spawn_all(engine.clone());
+    // Children 2 to 5 sleep an hour after link 0; every child then waits for `go` after link 1.
+    let wait = json!({"at": 1, "event": "go", "timeout_secs": 3600});
+    let children = json!({"at": 0, "count": 6, "steps": 3, "first": 2, "wait": wait,
+                          "slow": [2, 3, 4, 5]});
+    env.start_run("chain", "f2", parent(children)).await;
+    env.wait_until(
+        "the fast children to wait, the slow ones to sleep",
+        WAIT,
+        || async {
+            let mut all = true;
+            for i in 0..6 {
+                all &= waits_at(&env, &format!("f2:0:{i}"), i32::from(i < 2)).await;
+            }
+            all
+        },
+    )
+    .await;
+    send_event(&env, "go", "f2:0:0");
+    send_event(&env, "go", "f2:0:1");
+    let parent_run = env.wait_status("f2", RunStatus::Succeeded, WAIT).await;
+    assert_eq!(
+        children_by_status(&env, "f2").await,
+        [("cancelled".into(), 4), ("succeeded".into(), 2)]
+    );
+    assert_eq!(
+        children_by_state(&env, "f2").await,
+        [("cancelled".into(), 4), ("succeeded".into(), 2)]
+    );
+    for i in 2..6 {
+        let child = format!("f2:0:{i}");
+        let run = trailmark::store::runs::get(&env.pool, &child)
+            .await
+            .unwrap()
+            .unwrap();
+        let error = run.error.unwrap_or_default();
+        assert!(
+            error.contains("parent run f2") && error.contains("first 2"),
+            "{child}: {error}"
+        );
+        assert!(
+            !waits_at(&env, &child, 0).await,
+            "{child}: its sleep is closed"
+        );
+        assert_eq!(
+            env.chain_ledger(&child).await,
+            (1, 1),
+            "{child}: link 0 only"
+        );
+        assert_eq!(ledger_after_end(&env, &child).await, 0, "{child}");
+        assert!(
+            run.finished_at <= parent_run.finished_at,
+            "{child}: cancelled by the join"
+        );
+    }
+    running.stop().await;
+}

@@ -553,3 +553,50 @@ async fn a_run_waiting_for_an_event_shows_what_it_waits_for_then_the_event_it_re
     );
     running.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_parent_page_lists_its_children_by_state_and_links_both_ways() {
+    let env = common::TestEnv::new().await;
+    let tokens = Tokens::new();
+    let (base, running) = serve(&env, &tokens, registry_with(vec![])).await;
+    // The first 2 of 3 children: the third sleeps, and the join cancels it.
+    let children = json!({"at": 0, "count": 3, "steps": 2, "first": 2, "slow": [2]});
+    env.start_run("chain", "r-fam", json!({"steps": 2, "children": children}))
+        .await;
+    env.wait_status("r-fam", RunStatus::Succeeded, WAIT).await;
+
+    Browser::open(&base, "children")
+        .await
+        .run(|b| async move {
+            b.login(&tokens.viewer).await;
+            b.goto("/runs/r-fam").await;
+            assert_eq!(b.text("#children").await, "Children of position 0");
+            let counts = b.text("#children + p").await;
+            assert!(
+                counts.contains("3 in all: 2 succeeded, 1 failed, 0 running")
+                    && counts.contains("join first 2"),
+                "{counts}"
+            );
+            let mut rows = Vec::new();
+            for row in b.all("#children ~ table tbody tr").await {
+                rows.push(row.text().await.unwrap_or_default());
+            }
+            assert_eq!(rows.len(), 3, "{rows:?}");
+            assert!(
+                rows[0].contains("r-fam:0:0") && rows[0].contains("succeeded"),
+                "{rows:?}"
+            );
+            assert!(
+                rows[2].contains("r-fam:0:2")
+                    && rows[2].contains("cancelled")
+                    && rows[2].contains("first 2"),
+                "{rows:?}"
+            );
+            b.click("a[href='/runs/r-fam:0:2']").await;
+            b.wait_text("#parent", "child run of r-fam").await;
+            b.click("#parent a").await;
+            b.wait_text("#children", "Children of position 0").await;
+        })
+        .await;
+    running.stop().await;
+}

@@ -326,7 +326,7 @@ pub async fn cancel(engine: &Engine, run_id: &str, who: &Decider) -> Result<Outc
     if parent.is_some() {
         crate::wait::children::ended_by_decision(&mut tx, &engine.topology, run_id, &why).await?;
     }
-    let below = crate::wait::children::cancel_below(&mut tx, &engine.topology, run_id, &why).await?;
+    let below = crate::wait::children::cancel_below(&mut tx, &engine.topology, (run_id, None), &why).await?;
     let details = json!({ "handover": run.handover, "error": run.error, "children_cancelled": below });
     let children = match below {
         0 => String::new(),

@@ -411,16 +411,19 @@ pub async fn reopen_child(
 
 /// Cancels every run below `run_id` (its children, theirs, ...) that has not ended, in the
 /// caller's transaction (which holds `run_id`'s row): fence + 1, no lease, open waits closed;
-/// their `children` rows become `cancelled` (started) or `skipped` (never started). Returns the
-/// runs cancelled (id, workflow, step, position), for their events.
+/// their `children` rows become `cancelled` (started) or `skipped` (never started). With `seq`,
+/// only the children of the fan-out at that position (and theirs). Returns the runs cancelled
+/// (id, workflow, step, position), for their events.
 pub async fn cancel_below(
     conn: &mut PgConnection,
-    run_id: &str,
+    (run_id, seq): (&str, Option<i32>),
     reason: &str,
 ) -> Result<Vec<(String, String, Option<StepAddress>, i32)>> {
     let cancelled: Vec<(String, String, Option<StepAddress>, i32)> = sqlx::query_as(
         "WITH RECURSIVE below(run_id, depth) AS (
-            SELECT run_id, 1 FROM trailmark.runs WHERE parent_run_id = $1
+            SELECT r.run_id, 1 FROM trailmark.runs r WHERE r.parent_run_id = $1
+               AND ($3::int4 IS NULL OR EXISTS (SELECT 1 FROM trailmark.children c
+                                                 WHERE c.run_id = r.run_id AND c.seq = $3))
             UNION ALL
             SELECT r.run_id, b.depth + 1 FROM below b
               JOIN trailmark.runs r ON r.parent_run_id = b.run_id WHERE b.depth < 32
@@ -439,6 +442,7 @@ pub async fn cancel_below(
     )
     .bind(run_id)
     .bind(reason)
+    .bind(seq)
     .fetch_all(&mut *conn)
     .await?;
     sqlx::query(
@@ -446,16 +450,19 @@ pub async fn cancel_below(
             SELECT $1::text, 0
             UNION ALL
             SELECT c.run_id, f.depth + 1 FROM fan f
-              JOIN trailmark.children c ON c.parent_run_id = f.run_id WHERE f.depth < 32
+              JOIN trailmark.children c ON c.parent_run_id = f.run_id
+             WHERE f.depth < 32 AND (f.depth > 0 OR $3::int4 IS NULL OR c.seq = $3)
          )
          UPDATE trailmark.children c
             SET state = CASE c.state WHEN 'pending' THEN 'skipped' ELSE 'cancelled' END,
                 reason = $2, ended_at = now()
            FROM fan f
-          WHERE c.parent_run_id = f.run_id AND c.state IN ('pending', 'running')",
+          WHERE c.parent_run_id = f.run_id AND c.state IN ('pending', 'running')
+            AND (f.depth > 0 OR $3::int4 IS NULL OR c.seq = $3)",
     )
     .bind(run_id)
     .bind(reason)
+    .bind(seq)
     .execute(conn)
     .await?;
     Ok(cancelled)

@@ -520,7 +520,8 @@ pub struct Escalated {
 
 /// Moves up to `limit` runs that have waited for a person longer than `after_secs` to
 /// needs_review, keeping what they waited for in the note; returns them for their decisions to be
-/// recorded in the caller's transaction.
+/// recorded in the caller's transaction. Child runs are left to [`escalate_child`] (their parent's
+/// row must be locked first).
 ///
 /// Reads the runs waiting for a person since before the cut-off, through
 /// `runs_person_waits_idx`, and nothing else: the status and the note kinds are written out (not
@@ -532,30 +533,80 @@ pub async fn escalate_waiting(
     after_secs: u64,
     limit: i64,
 ) -> Result<Vec<Escalated>> {
+    escalate(db, after_secs, (None, limit)).await
+}
+
+/// Escalates the child run `run_id` as [`escalate_waiting`] does, if it still qualifies, in the
+/// caller's transaction (which locked its parent's row first, see `store::children`).
+pub async fn escalate_child(
+    db: impl PgExecutor<'_>,
+    after_secs: u64,
+    run_id: &str,
+) -> Result<Option<Escalated>> {
+    Ok(escalate(db, after_secs, (Some(run_id), 1)).await?.pop())
+}
+
+/// Up to `limit` child runs (with their parents) that [`escalate_child`] would escalate now;
+/// nothing is locked.
+pub async fn late_children(
+    db: impl PgExecutor<'_>,
+    after_secs: u64,
+    limit: i64,
+) -> Result<Vec<(String, String)>> {
+    let sql = format!(
+        "SELECT u.run_id, u.parent_run_id FROM trailmark.runs u {LATE}
+            AND u.parent_run_id IS NOT NULL ORDER BY u.waiting_since LIMIT $2"
+    );
+    Ok(sqlx::query_as(sqlx::AssertSqlSafe(sql))
+        .bind(after_secs as i64)
+        .bind(limit)
+        .fetch_all(db)
+        .await?)
+}
+
+/// Runs (`u`) waiting for a person longer than `$1` seconds (see [`escalate_waiting`] for why
+/// the status and note kinds are written out).
+const LATE: &str = "WHERE u.status = 'waiting' AND (u.handover->>'waiting_for') IN ('decision', 'approval')
+                  AND u.waiting_since < now() - make_interval(secs => $1::float8)
+                  -- Not moved since it started waiting.
+                  AND u.updated_at < now() - make_interval(secs => $1::float8)
+                  -- A run waiting for an event or a time has a timeout of its own.
+                  AND NOT EXISTS (SELECT 1 FROM trailmark.waits t
+                                   WHERE t.run_id = u.run_id AND t.resolved_at IS NULL)";
+
+/// Escalates late runs: only `run_id` when given, else up to `limit` runs that no fan-out
+/// started. One statement for each (no `CASE` on a bound parameter, which would keep the generic
+/// plan off the partial index).
+async fn escalate(
+    db: impl PgExecutor<'_>,
+    after_secs: u64,
+    (run_id, limit): (Option<&str>, i64),
+) -> Result<Vec<Escalated>> {
     let to = RunStatus::Waiting
         .move_to(RunStatus::NeedsReview)
         .expect("the status table lets a waiting run be escalated");
-    Ok(sqlx::query_as(
+    let which = match run_id {
+        Some(_) => "u.run_id = $4",
+        None => "u.parent_run_id IS NULL",
+    };
+    let sql = format!(
         "UPDATE trailmark.runs r SET status = $2, updated_at = now(),
                 handover = jsonb_build_object('waiting_for', r.handover, 'error_class', 'human_timeout',
                     'error', format('no decision within %s s; approve or reject, or resume to ask again', $1::bigint))
-           FROM (SELECT u.run_id FROM trailmark.runs u
-                  WHERE u.status = 'waiting' AND (u.handover->>'waiting_for') IN ('decision', 'approval')
-                    AND u.waiting_since < now() - make_interval(secs => $1::float8)
-                    -- Not moved since it started waiting, as before this index.
-                    AND u.updated_at < now() - make_interval(secs => $1::float8)
-                    -- A run waiting for an event or a time has a timeout of its own.
-                    AND NOT EXISTS (SELECT 1 FROM trailmark.waits t
-                                     WHERE t.run_id = u.run_id AND t.resolved_at IS NULL)
+           FROM (SELECT u.run_id FROM trailmark.runs u {LATE} AND {which}
                   ORDER BY u.waiting_since LIMIT $3 FOR UPDATE SKIP LOCKED) w
           WHERE r.run_id = w.run_id
-      RETURNING r.run_id, r.workflow, r.handover, r.step_seq, r.step, r.workflow_version",
-    )
-    .bind(after_secs as i64)
-    .bind(to.to)
-    .bind(limit)
-    .fetch_all(db)
-    .await?)
+      RETURNING r.run_id, r.workflow, r.handover, r.step_seq, r.step, r.workflow_version"
+    );
+    let query = sqlx::query_as(sqlx::AssertSqlSafe(sql))
+        .bind(after_secs as i64)
+        .bind(to.to)
+        .bind(limit);
+    let query = match run_id {
+        Some(id) => query.bind(id),
+        None => query,
+    };
+    Ok(query.fetch_all(db).await?)
 }
 
 /// Reads a run and locks its row until the caller's transaction ends (operator decisions).

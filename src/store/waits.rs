@@ -120,11 +120,13 @@ pub struct Waiting {
     pub shadow: bool,
     /// Seconds since it was due (negative before).
     pub late_secs: f64,
+    /// The run whose step started it, for a child run (its stop for review is counted there).
+    pub parent_run_id: Option<String>,
 }
 
 const WAITING: &str = "SELECT w.run_id, w.seq, w.step, w.kind, w.event_name, w.match_key, w.next_step,
         w.on_timeout, w.since, w.due_at, r.workflow, r.workflow_version, r.shadow,
-        EXTRACT(EPOCH FROM now() - w.due_at)::float8 AS late_secs
+        r.parent_run_id, EXTRACT(EPOCH FROM now() - w.due_at)::float8 AS late_secs
    FROM trailmark.waits w JOIN trailmark.runs r ON r.run_id = w.run_id
   WHERE w.resolved_at IS NULL AND r.status = 'waiting' AND r.step_seq = w.seq";
 

@@ -83,7 +83,9 @@ pub async fn recover_expired(engine: &Engine) -> store::Result<usize> {
 }
 
 /// Escalates runs that waited for a person longer than `supervisor.human_timeout_secs` to
-/// needs_review, keeping what they wait for in the note and recording the escalation.
+/// needs_review, keeping what they wait for in the note and recording the escalation. A child
+/// run is escalated in a transaction of its own that locks its parent's row first and counts
+/// it failed in its parent's fan-out (else its parent would wait for it for ever).
 pub async fn escalate_waiting(engine: &Engine) -> store::Result<usize> {
     let limit = engine.settings.supervisor.human_timeout_secs;
     if limit == 0 {
@@ -92,28 +94,55 @@ pub async fn escalate_waiting(engine: &Engine) -> store::Result<usize> {
     let mut tx = engine.pool.begin().await?;
     let late = runs::escalate_waiting(&mut *tx, limit, SCAN_LIMIT).await?;
     for run in &late {
-        tracing::warn!(run.id = %run.run_id, "no decision in time; run escalated to needs_review");
-        let d = decisions::NewDecision {
-            run_id: &run.run_id,
-            action: "timeout",
-            actor: "supervisor",
-            reason: "no decision within supervisor.human_timeout_secs",
-            step: run.step.as_ref().map(StepAddress::as_str),
-            seq: Some(run.step_seq),
-            status_before: RunStatus::Waiting.as_str(),
-            status_after: RunStatus::NeedsReview.as_str(),
-            version_before: run.workflow_version,
-            version_after: run.workflow_version,
-            details: run.handover.as_ref().unwrap_or(&serde_json::Value::Null),
-        };
-        decisions::insert(&mut *tx, &d).await?;
-        if let Ok(run_id) = RunId::parse(&run.run_id)
-            && let Some(event) = Event::run(&run_id, &run.workflow, RunStatus::NeedsReview, None)
-        {
-            let event = event.with_error("human_timeout", d.reason);
-            outbox::insert(&mut *tx, &[engine.topology.event_message(&event)]).await?;
-        }
+        escalated(engine, &mut tx, run).await?;
     }
     tx.commit().await?;
-    Ok(late.len())
+    let mut children = 0;
+    for (child, parent) in runs::late_children(&engine.pool, limit, SCAN_LIMIT).await? {
+        let mut tx = engine.pool.begin().await?;
+        store::children::lock_run(&mut tx, &parent).await?;
+        let Some(run) = runs::escalate_child(&mut *tx, limit, &child).await? else {
+            tx.rollback().await?;
+            continue;
+        };
+        escalated(engine, &mut tx, &run).await?;
+        let why = format!(
+            "run {child} waited for a decision longer than supervisor.human_timeout_secs ({limit} s) and was escalated to needs_review"
+        );
+        crate::wait::children::stopped_for_review(&mut tx, &engine.topology, &child, &why).await?;
+        tx.commit().await?;
+        children += 1;
+    }
+    Ok(late.len() + children)
+}
+
+/// Records the escalation of `run` (its decision and `run.needs_review` event) in the caller's
+/// transaction.
+async fn escalated(
+    engine: &Engine,
+    tx: &mut sqlx::PgConnection,
+    run: &runs::Escalated,
+) -> store::Result<()> {
+    tracing::warn!(run.id = %run.run_id, "no decision in time; run escalated to needs_review");
+    let d = decisions::NewDecision {
+        run_id: &run.run_id,
+        action: "timeout",
+        actor: "supervisor",
+        reason: "no decision within supervisor.human_timeout_secs",
+        step: run.step.as_ref().map(StepAddress::as_str),
+        seq: Some(run.step_seq),
+        status_before: RunStatus::Waiting.as_str(),
+        status_after: RunStatus::NeedsReview.as_str(),
+        version_before: run.workflow_version,
+        version_after: run.workflow_version,
+        details: run.handover.as_ref().unwrap_or(&serde_json::Value::Null),
+    };
+    decisions::insert(&mut *tx, &d).await?;
+    if let Ok(run_id) = RunId::parse(&run.run_id)
+        && let Some(event) = Event::run(&run_id, &run.workflow, RunStatus::NeedsReview, None)
+    {
+        let event = event.with_error("human_timeout", d.reason);
+        outbox::insert(&mut *tx, &[engine.topology.event_message(&event)]).await?;
+    }
+    Ok(())
 }

@@ -106,6 +106,52 @@ pub(crate) async fn commit_end(
     Ok(committed)
 }
 
+/// Whether a due wait stops a child run for review: an event wait with no step to divert to
+/// on timeout, of a run that a fan-out started.
+pub(super) fn stops_a_child(w: &Waiting) -> bool {
+    w.parent_run_id.is_some() && w.kind == "event" && w.on_timeout.is_none()
+}
+
+/// Stops a child run whose event wait timed out (no step to divert to) for review, and counts
+/// it failed in its parent's fan-out, in one transaction that locks the parent's row first, as
+/// [`commit_end`] does; `false` when it no longer waits there (an event came meanwhile).
+pub(super) async fn timed_out(pool: &PgPool, topology: &Topology, due: &Waiting) -> store::Result<bool> {
+    let Some(parent) = due.parent_run_id.as_deref() else {
+        return Ok(false);
+    };
+    let mut tx = pool.begin().await?;
+    children::lock_run(&mut tx, parent).await?;
+    // Locked only now: it may have moved on since the scan read it.
+    let Some(waiting) = waits::waiting_at(&mut tx, &due.run_id, due.seq).await? else {
+        tx.rollback().await?;
+        return Ok(false);
+    };
+    let reason = super::where_to(waiting.clone(), How::Due).error;
+    let moved = go_on(&mut tx, topology, vec![(waiting, How::Due)]).await?;
+    if moved.is_empty() {
+        tx.rollback().await?;
+        return Ok(false);
+    }
+    stopped_for_review(&mut tx, topology, &due.run_id, reason.as_deref().unwrap_or("timed out")).await?;
+    tx.commit().await?;
+    Ok(true)
+}
+
+/// Counts a child that stopped for review without a step's commit (its wait timed out, or the
+/// supervisor escalated it) as failed in its fan-out, in a transaction that locked the parent's
+/// row before the child's.
+pub(crate) async fn stopped_for_review(
+    tx: &mut PgConnection,
+    topology: &Topology,
+    child: &str,
+    reason: &str,
+) -> store::Result<()> {
+    if let Some(row) = children::ended(tx, child, "failed", Some(reason)).await? {
+        settle(tx, (topology, &Failpoints::default()), row).await?;
+    }
+    Ok(())
+}
+
 /// Counts a child that an operator's decision ended (cancel) in its fan-out, in the decision's
 /// transaction (which locked the parent's row before the child's).
 pub(crate) async fn ended_by_decision(
@@ -122,13 +168,14 @@ pub(crate) async fn ended_by_decision(
 
 /// Cancels every run below `run_id` that has not ended (its children, theirs, ...), in the
 /// transaction of the decision that cancels `run_id`, and queues their `run.cancelled` events.
+/// With `seq`, only those of the fan-out at that position (its join took the first n).
 pub(crate) async fn cancel_below(
     tx: &mut PgConnection,
     topology: &Topology,
-    run_id: &str,
+    (run_id, seq): (&str, Option<i32>),
     reason: &str,
 ) -> store::Result<usize> {
-    let cancelled = children::cancel_below(&mut *tx, run_id, reason).await?;
+    let cancelled = children::cancel_below(&mut *tx, (run_id, seq), reason).await?;
     let events: Vec<_> = cancelled
         .iter()
         .filter_map(|(id, workflow, step, seq)| {
@@ -200,6 +247,14 @@ async fn settle(
                     f.succeeded, f.failed, f.total
                 );
                 go_on(tx, topology, vec![(waiting, How::Joined(line))]).await?;
+                if let Some(n) = f.first_n {
+                    // The rest are no longer needed: they stop now, before another effect.
+                    let why = format!(
+                        "cancelled: its parent run {} went on once the first {n} of its {} children succeeded (join at position {})",
+                        f.run_id, f.total, f.seq
+                    );
+                    cancel_below(tx, topology, (&f.run_id, Some(f.seq)), &why).await?;
+                }
             }
             Ok(())
         }

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use tokio_util::sync::CancellationToken;
 
-use super::{How, go_on};
+use super::{How, children, go_on};
 use crate::engine::Engine;
 use crate::health::Loop;
 use crate::store::{self, waits};
@@ -63,15 +63,25 @@ pub async fn wake_due(engine: &Engine) -> store::Result<usize> {
         tx.rollback().await?;
         return Ok(0);
     }
-    let runs = due.into_iter().map(|w| (w, How::Due)).collect();
+    // A child run that stops for review here is counted in its parent's fan-out, which takes
+    // the parent's row before the child's (as a child's own ending does): each such child goes
+    // in a transaction of its own, after this batch lets go of its row.
+    let (children, batch): (Vec<_>, Vec<_>) = due.into_iter().partition(children::stops_a_child);
+    let runs = batch.into_iter().map(|w| (w, How::Due)).collect();
     let moved = go_on(&mut tx, &engine.topology, runs).await?;
     engine
         .failpoints
         .hit("timers.before_commit")
         .map_err(|e| store::Error::unavailable("the timer scan was interrupted", e))?;
     tx.commit().await?;
-    tracing::debug!(runs = moved.len(), "due waits moved on");
-    Ok(moved.len())
+    let mut stopped = 0;
+    for child in &children {
+        if children::timed_out(&engine.pool, &engine.topology, child).await? {
+            stopped += 1;
+        }
+    }
+    tracing::debug!(runs = moved.len() + stopped, "due waits moved on");
+    Ok(moved.len() + stopped)
 }
 
 /// Marks events no wait took in time as expired (each logged, never dropped silently), removes

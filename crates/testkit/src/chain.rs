@@ -20,8 +20,10 @@
 //! and waits for them (all, or the first n to succeed; F failures allowed: an integer is a
 //! count, a fraction a share). The children at the listed indexes are started with `"fail":
 //! true`: their first link stops for review, until a process started with the failpoint
-//! `chain.fixed=error` (standing for the deployed fix) runs it again. The link after the fan-out
-//! puts the children's counts in its output.
+//! `chain.fixed=error` (standing for the deployed fix) runs it again. `"wait": {...}` (as a
+//! run's) makes every child wait for an event keyed by its own run id; `"slow": [indexes]`
+//! makes those children sleep `"slow_secs"` (default 3600) after their link 0. The link after
+//! the fan-out puts the children's counts in its output.
 
 use std::time::Duration;
 
@@ -92,13 +94,35 @@ pub struct ChildrenAt {
     /// The run goes on once this many children succeeded (default: it waits for all).
     #[serde(default)]
     pub first: Option<usize>,
+    /// Every child waits so for an event (keyed by its own run id), as a run's `wait` does.
+    #[serde(default)]
+    pub wait: Option<WaitAt>,
+    /// The indexes of the children that sleep `slow_secs` after their link 0.
+    #[serde(default)]
+    pub slow: Vec<usize>,
+    /// How long the slow children sleep (default 3600).
+    #[serde(default = "an_hour")]
+    pub slow_secs: f64,
+}
+
+fn an_hour() -> f64 {
+    3600.0
 }
 
 impl ChildrenAt {
     /// The fan-out this asks for.
     fn children(&self) -> Children {
-        let inputs =
-            (0..self.count).map(|i| json!({ "steps": self.steps, "fail": self.fail.contains(&i) }));
+        let inputs = (0..self.count).map(|i| {
+            let mut input = json!({ "steps": self.steps, "fail": self.fail.contains(&i) });
+            if let Some(w) = &self.wait {
+                input["wait"] =
+                    json!({ "at": w.at, "event": w.event, "timeout_secs": w.timeout_secs });
+            }
+            if self.slow.contains(&i) {
+                input["sleep"] = json!({ "at": 0, "secs": self.slow_secs });
+            }
+            input
+        });
         let mut children = Children::map(NAME, inputs);
         if let Some(m) = self.max_in_flight {
             children = children.max_in_flight(m);
