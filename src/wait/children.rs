@@ -2,8 +2,10 @@
 //! child's ending counted in its fan-out, and the join that moves the parent on (or stops it
 //! for review naming the failed children), all under the parent's row lock.
 //!
-//! A child that stops in `needs_review` counts as failed (with its error as the reason): a
-//! person may resume it, and if it then succeeds it is counted again as succeeded, never twice.
+//! A child that stops in `needs_review` counts as failed (with its error as the reason), whether
+//! a step of it stopped it or its event wait timed out or the supervisor escalated it: a person
+//! may resume it, and if it then succeeds it is counted again as succeeded, never twice. A join
+//! that held on the first N cancels the fan-out's children that have not ended.
 //! A resume of the parent after its threshold was crossed does not run the fan-out step again:
 //! the parent waits again and only the failed children run again ([`reopen`]).
 
