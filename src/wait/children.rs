@@ -227,7 +227,7 @@ async fn start(
         };
         let wf = (child.workflow.as_str(), child.workflow_version);
         let created =
-            run_start::create(tx, (topology, Some(parent)), wf, &child.first_step, &event, |_| {})
+            run_start::create(tx, (topology, Some(parent)), wf, &child.first_step, (&event, None), |_| {})
                 .await?;
         if let Created::Exists(run) = created {
             // Only a run started by hand under a child's id can be there (the fan-out's own
