@@ -20,12 +20,16 @@ use std::sync::OnceLock;
 use std::time::Duration;
 
 use opentelemetry::propagation::TextMapPropagator;
-use opentelemetry::trace::{Span as _, SpanKind, Status, TraceContextExt, Tracer as _, TracerProvider as _};
+use opentelemetry::trace::{
+    Span as _, SpanKind, Status, TraceContextExt, Tracer as _, TracerProvider as _,
+};
 use opentelemetry::{Context, KeyValue};
 use opentelemetry_otlp::{Protocol, WithExportConfig};
 use opentelemetry_sdk::Resource;
 use opentelemetry_sdk::propagation::TraceContextPropagator;
-use opentelemetry_sdk::trace::{BatchConfigBuilder, BatchSpanProcessor, SdkTracer, SdkTracerProvider};
+use opentelemetry_sdk::trace::{
+    BatchConfigBuilder, BatchSpanProcessor, SdkTracer, SdkTracerProvider,
+};
 
 use crate::config::TracingSettings;
 
@@ -34,7 +38,10 @@ use crate::config::TracingSettings;
 pub const TRACEPARENT: &str = "traceparent";
 
 /// The environment variables of the standard OTLP exporter configuration that turn tracing on.
-const ENDPOINT_VARS: [&str; 2] = ["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT"];
+const ENDPOINT_VARS: [&str; 2] = [
+    "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+    "OTEL_EXPORTER_OTLP_ENDPOINT",
+];
 
 /// The process's tracer, set once by [`init`] when an endpoint is configured.
 static TRACER: OnceLock<SdkTracer> = OnceLock::new();
@@ -245,6 +252,18 @@ mod tests {
         assert_eq!(run_started(Some(caller), "r", "w").as_deref(), Some(caller));
         assert_eq!(run_started(Some("garbage"), "r", "w"), None);
         assert_eq!(run_started(None, "r", "w"), None);
-        assert!(!StepSpan::start(Some(caller), &Attempt { run_id: "r", step: "s", seq: 0, attempt: 1, fence: 1 }).is_recording());
+        assert!(
+            !StepSpan::start(
+                Some(caller),
+                &Attempt {
+                    run_id: "r",
+                    step: "s",
+                    seq: 0,
+                    attempt: 1,
+                    fence: 1
+                }
+            )
+            .is_recording()
+        );
     }
 }
