@@ -17,7 +17,7 @@
 
 use std::collections::HashMap;
 use std::sync::OnceLock;
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use opentelemetry::propagation::TextMapPropagator;
 use opentelemetry::trace::{
@@ -151,6 +151,7 @@ pub fn run_started(caller: Option<&str>, run_id: &str, workflow: &str) -> Option
 pub struct StepSpan(Option<Context>);
 
 /// Where a step attempt is, for its span's attributes.
+#[derive(Clone, Copy)]
 pub struct Attempt<'a> {
     /// The run.
     pub run_id: &'a str,
@@ -164,6 +165,47 @@ pub struct Attempt<'a> {
     pub fence: i64,
 }
 
+impl Attempt<'_> {
+    /// The span of this attempt, not started yet, with the attributes every step span has.
+    fn span(&self) -> opentelemetry::trace::SpanBuilder {
+        opentelemetry::trace::SpanBuilder::from_name(format!("step {}", self.step))
+            .with_kind(SpanKind::Consumer)
+            .with_attributes([
+                KeyValue::new("trailmark.run.id", self.run_id.to_owned()),
+                KeyValue::new("trailmark.step", self.step.to_owned()),
+                KeyValue::new("trailmark.step.position", i64::from(self.seq)),
+                KeyValue::new("trailmark.step.attempt", i64::from(self.attempt)),
+                KeyValue::new("trailmark.fence", self.fence),
+            ])
+    }
+}
+
+/// The status of an attempt whose worker stopped (kill -9, a lost host) before it committed.
+pub const INTERRUPTED: &str =
+    "attempt interrupted: its worker stopped before committing (lease taken over)";
+
+/// Records the span of an attempt that never ended its own (its process died with it), from
+/// what Postgres knows: `at` names it, `start`..`end` is the window the caller knows it lay in
+/// (see `worker::step`). Child of the run context like every attempt, status error.
+pub fn interrupted(
+    run_trace: Option<&str>,
+    at: &Attempt<'_>,
+    (start, end): (SystemTime, SystemTime),
+) {
+    let Some(tracer) = TRACER.get() else {
+        return;
+    };
+    let parent = run_trace.and_then(extract).unwrap_or_default();
+    let mut span = at
+        .span()
+        .with_start_time(start)
+        .start_with_context(tracer, &parent);
+    span.set_attribute(KeyValue::new("trailmark.step.outcome", "interrupted"));
+    span.set_attribute(KeyValue::new("trailmark.step.reconstructed", true));
+    span.set_status(Status::error(INTERRUPTED));
+    span.end_with_timestamp(end);
+}
+
 impl StepSpan {
     /// Starts the span of a step attempt, child of the run context `run_trace` (a new trace
     /// when the run has none, e.g. one started before tracing was turned on).
@@ -172,17 +214,7 @@ impl StepSpan {
             return Self(None);
         };
         let parent = run_trace.and_then(extract).unwrap_or_default();
-        let span = tracer
-            .span_builder(format!("step {}", at.step))
-            .with_kind(SpanKind::Consumer)
-            .with_attributes([
-                KeyValue::new("trailmark.run.id", at.run_id.to_owned()),
-                KeyValue::new("trailmark.step", at.step.to_owned()),
-                KeyValue::new("trailmark.step.position", i64::from(at.seq)),
-                KeyValue::new("trailmark.step.attempt", i64::from(at.attempt)),
-                KeyValue::new("trailmark.fence", at.fence),
-            ])
-            .start_with_context(tracer, &parent);
+        let span = at.span().start_with_context(tracer, &parent);
         Self(Some(parent.with_span(span)))
     }
 
@@ -193,7 +225,7 @@ impl StepSpan {
         }
     }
 
-    /// Ends the span with how the attempt ended (`advanced`, `retry`, `review`, ...).
+    /// Ends the span with how the attempt ended (`committed`, `retry`, `review`, ...).
     pub fn end(&self, outcome: &str) {
         if let Some(cx) = &self.0 {
             let span = cx.span();

@@ -1,8 +1,8 @@
-//! One run is one trace, across a kill -9: `trailmark serve` exports its spans with OTLP/HTTP to
-//! a small receiver in this test, is killed by SIGKILL inside a step, and a second process
-//! finishes the run. What a killed process had not exported yet is lost with it (the
-//! interrupted attempt's own span never ended); the assertions are about what a real crash
-//! leaves: the spans exported before it, and the restarted attempt's.
+//! One run is one trace, across a kill -9 and across a fan-out: `trailmark serve` exports its
+//! spans with OTLP/HTTP to a small receiver in this test. Killed by SIGKILL inside a step, a
+//! process loses the span of the attempt it was running; the process that takes the lease over
+//! records that attempt from what Postgres knows (reconstructed, status error) beside its own.
+//! A parent's children continue the parent's trace.
 
 mod common;
 
@@ -33,6 +33,10 @@ struct Got {
     parent: String,
     name: String,
     attrs: HashMap<String, String>,
+    /// The status code (2: error) and message.
+    status: (i32, String),
+    /// Start and end, nanoseconds since the epoch.
+    times: (u64, u64),
 }
 
 impl Got {
@@ -62,6 +66,10 @@ async fn receiver() -> (String, Arc<Mutex<Vec<Got>>>) {
                         id: hex::encode(&s.span_id),
                         parent: hex::encode(&s.parent_span_id),
                         name: s.name,
+                        status: s
+                            .status
+                            .map_or((0, String::new()), |st| (st.code, st.message)),
+                        times: (s.start_time_unix_nano, s.end_time_unix_nano),
                         attrs: s
                             .attributes
                             .into_iter()
@@ -171,7 +179,7 @@ async fn a_run_killed_mid_step_is_one_trace_with_its_restarted_attempt_under_the
         .expect("the run span (exported by the first process before the kill)");
     assert_eq!(run_span.parent, CALLER_SPAN);
     let steps = attempts(&spans, run);
-    for key in [(0, 1), (1, 1), (2, 2), (3, 1), (4, 1)] {
+    for key in [(0, 1), (1, 1), (2, 1), (2, 2), (3, 1), (4, 1)] {
         let step = steps.get(&key).unwrap_or_else(|| {
             panic!(
                 "no span for link (position, attempt) {key:?}: {:?}",
@@ -188,11 +196,34 @@ async fn a_run_killed_mid_step_is_one_trace_with_its_restarted_attempt_under_the
                 .is_some_and(|f| f.parse::<i64>().unwrap() > 0)
         );
     }
-    // The interrupted attempt's own span ended never: it died with the process.
-    assert!(
-        !steps.contains_key(&(2, 1)),
-        "a span the killed attempt never ended"
+    // The interrupted attempt's own span died with the process; the attempt that took its
+    // lease over recorded it from the step row: from the step's first claim to the takeover,
+    // an error, one fence below its own. The restarted attempt is an ordinary span.
+    let (lost, again) = (&steps[&(2, 1)], &steps[&(2, 2)]);
+    assert_eq!(
+        lost.status.0, 2,
+        "the interrupted attempt is an error: {lost:?}"
     );
+    assert!(lost.status.1.starts_with("attempt interrupted"), "{lost:?}");
+    assert_eq!(lost.attr("trailmark.step.reconstructed"), Some("true"));
+    assert_eq!(lost.attr("trailmark.step.outcome"), Some("interrupted"));
+    let fence = |s: &Got| s.attr("trailmark.fence").unwrap().parse::<i64>().unwrap();
+    assert_eq!(fence(lost) + 1, fence(again));
+    assert!(
+        lost.times.0 < lost.times.1 && lost.times.1 <= again.times.0 + 1_000_000_000,
+        "the interrupted attempt lies before the restarted one: {:?} {:?}",
+        lost.times,
+        again.times
+    );
+    assert!(
+        steps[&(1, 1)].times.0 <= lost.times.0,
+        "it began after link 1 began"
+    );
+    assert_ne!(
+        again.status.0, 2,
+        "the restarted attempt ended well: {again:?}"
+    );
+    assert_eq!(again.attr("trailmark.step.outcome"), Some("committed"));
 
     // Children: a model call and an outside write under each attempt that made them.
     let children = |step: &Got, prefix: &str| -> Vec<Got> {
@@ -249,4 +280,77 @@ async fn a_run_killed_mid_step_is_one_trace_with_its_restarted_attempt_under_the
         stored,
         Some(format!("00-{CALLER_TRACE}-{}-01", run_span.id))
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_parents_children_continue_its_trace_under_its_run_span() {
+    let env = TestEnv::new().await;
+    let (url, got) = receiver().await;
+    let run = "r-fan";
+    let tracing = [
+        ("TRAILMARK__TRACING__OTLP_ENDPOINT", url.clone()),
+        ("TRAILMARK__TRACING__EXPORT_INTERVAL_MS", "50".to_owned()),
+    ];
+    let _process = env.spawn_process_with(None, &tracing);
+    // No caller context: the parent begins a new trace, its children continue it.
+    let event = RunStartEvent::new(
+        RunId::parse(run).unwrap(),
+        "chain",
+        json!({"steps": 2, "children": {"at": 0, "count": 2, "steps": 1}}),
+    );
+    env.publish(&env.topology().run_start(&event)).await;
+    env.wait_status(run, RunStatus::Succeeded, WAIT).await;
+    let kids = [format!("{run}:0:0"), format!("{run}:0:1")];
+    for kid in &kids {
+        env.wait_status(kid, RunStatus::Succeeded, WAIT).await;
+    }
+    let spans = eventually("the spans of the parent and both children", WAIT, || {
+        let got = got.lock().unwrap().clone();
+        let kids = kids.clone();
+        async move {
+            let all = attempts(&got, run).contains_key(&(1, 1))
+                && kids.iter().all(|k| attempts(&got, k).contains_key(&(0, 1)));
+            all.then_some(got)
+        }
+    })
+    .await
+    .expect("spans of the fan-out");
+
+    let run_span = |id: &str| -> Got {
+        spans
+            .iter()
+            .find(|s| s.name == "run chain" && s.attr("trailmark.run.id") == Some(id))
+            .unwrap_or_else(|| panic!("no run span for {id}"))
+            .clone()
+    };
+    let parent = run_span(run);
+    assert_eq!(parent.parent, "", "the parent begins its own trace");
+    let traces: std::collections::BTreeSet<&str> = spans.iter().map(|s| s.trace.as_str()).collect();
+    assert_eq!(
+        traces.into_iter().collect::<Vec<_>>(),
+        [parent.trace.as_str()],
+        "one trace id for the parent and its children"
+    );
+    for kid in &kids {
+        let child = run_span(kid);
+        assert_eq!(
+            child.parent, parent.id,
+            "{kid}'s run span is under the parent's"
+        );
+        let step = &attempts(&spans, kid)[&(0, 1)];
+        assert_eq!(
+            step.parent, child.id,
+            "{kid}'s step is under its own run span"
+        );
+        let stored: Option<String> =
+            sqlx::query_scalar("SELECT traceparent FROM trailmark.runs WHERE run_id = $1")
+                .bind(kid)
+                .fetch_one(&env.pool)
+                .await
+                .unwrap();
+        assert_eq!(stored, Some(format!("00-{}-{}-01", parent.trace, child.id)));
+    }
+    for key in [(0, 1), (1, 1)] {
+        assert_eq!(attempts(&spans, run)[&key].parent, parent.id);
+    }
 }

@@ -105,10 +105,10 @@ pub async fn insert(db: impl PgExecutor<'_>, run: &NewRun<'_>) -> Result<bool> {
 }
 
 /// The trace context stored with a run when it started (`None`: none, or no such run).
-pub async fn traceparent(db: impl PgExecutor<'_>, run_id: &RunId) -> Result<Option<String>> {
+pub async fn traceparent(db: impl PgExecutor<'_>, run_id: &str) -> Result<Option<String>> {
     let found: Option<Option<String>> =
         sqlx::query_scalar("SELECT traceparent FROM trailmark.runs WHERE run_id = $1")
-            .bind(run_id.as_str())
+            .bind(run_id)
             .fetch_optional(db)
             .await?;
     Ok(found.flatten())

@@ -75,16 +75,15 @@ pub(super) async fn process(
         }
         None => msg,
     };
-    let span = StepSpan::start(
-        msg.trace.as_deref(),
-        &Attempt {
-            run_id: msg.run_id.as_str(),
-            step: msg.step.as_str(),
-            seq: msg.seq,
-            attempt: claim.attempt,
-            fence: claim.fence.0,
-        },
-    );
+    let at = Attempt {
+        run_id: msg.run_id.as_str(),
+        step: msg.step.as_str(),
+        seq: msg.seq,
+        attempt: claim.attempt,
+        fence: claim.fence.0,
+    };
+    trace_interrupted(engine, msg, &at, claim.took_over).await;
+    let span = StepSpan::start(msg.trace.as_deref(), &at);
     // Every line of this attempt carries it and the fence it holds; a retried delivery gets a
     // span of its own for its next attempt.
     // `tokens` and `cost`: what this attempt paid the model, recorded once the handler is done,
@@ -276,7 +275,29 @@ async fn run_trace(engine: &Engine, msg: &StepMessage) -> store::Result<Option<S
     if msg.trace.is_some() || !crate::trace::enabled() {
         return Ok(None);
     }
-    runs::traceparent(&engine.pool, &msg.run_id).await
+    runs::traceparent(&engine.pool, msg.run_id.as_str()).await
+}
+
+/// Records the span of the attempt before `at` when its worker died holding the lease (kill -9,
+/// a lost host): its own span died unended with the process. Only when tracing is on and this
+/// claim took a lease another owner held (a released lease, a retry in place or a lease the
+/// supervisor voided follows an attempt that ended, or may still end, its own span). That
+/// attempt held the fence just below this one (a takeover raises it by one). The one extra read
+/// is made on takeovers only; a failure to make it costs the trace that span, not the step.
+async fn trace_interrupted(engine: &Engine, msg: &StepMessage, at: &Attempt<'_>, took_over: bool) {
+    if !took_over || at.attempt < 2 || !crate::trace::enabled() {
+        return;
+    }
+    let before = Attempt { attempt: at.attempt - 1, fence: at.fence - 1, ..*at };
+    match steps::interrupted_window(&engine.pool, at.run_id, at.seq, before.attempt).await {
+        Ok(Some((start, end))) => {
+            crate::trace::interrupted(msg.trace.as_deref(), &before, (start.into(), end.into()));
+        }
+        Ok(None) => {}
+        Err(e) => {
+            tracing::warn!(run.id = %msg.run_id, seq = msg.seq, error = %e, "the interrupted attempt's span is left out of the trace: its step row could not be read");
+        }
+    }
 }
 
 /// Tells the people waiting on the run that a step runs again, and from where.
