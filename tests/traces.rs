@@ -354,3 +354,17 @@ async fn a_parents_children_continue_its_trace_under_its_run_span() {
         assert_eq!(attempts(&spans, run)[&key].parent, parent.id);
     }
 }
+
+#[test]
+fn the_api_document_names_the_optional_traceparent_header_of_a_run_start() {
+    let doc = trailmark::api::document();
+    let params = doc["paths"]["/api/v1/runs"]["post"]["parameters"]
+        .as_array()
+        .expect("parameters of POST /api/v1/runs");
+    let header = params
+        .iter()
+        .find(|p| p["name"] == "traceparent")
+        .expect("the traceparent parameter");
+    assert_eq!(header["in"], "header");
+    assert_eq!(header["required"], false);
+}

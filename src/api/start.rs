@@ -156,6 +156,10 @@ fn checked(state: &AppState, b: StartBody) -> Result<(RunStartEvent, Arc<Workflo
     operation_id = "start_run",
     tag = "runs",
     request_body = StartBody,
+    params(
+        ("traceparent" = Option<String>, Header,
+            description = "optional W3C trace context (`00-<trace id>-<span id>-<flags>`): the run's trace continues the caller's, its run span under the caller's span; without one, or when it is not a valid traceparent, the run begins a trace of its own"),
+    ),
     responses(
         (status = 201, description = "the run was made (status running; its first step is queued)", body = StartedRun,
             headers(("location" = String, description = "the run's path"))),
