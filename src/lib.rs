@@ -116,6 +116,7 @@ inner! {
 pub mod config;
 pub mod embedded;
 pub mod prelude;
+pub mod trace;
 
 pub use domain::{BadLocalWrite, UnknownStatus};
 pub use embedded::{Builder, Error, RunView, Trailmark};

@@ -467,6 +467,7 @@ async fn the_stranded_sweep_takes_and_marks_only_runs_of_workflows_deployed_here
             first_step: &first,
             input: &json!({}),
             parent: None,
+            traceparent: None,
         };
         assert!(runs::insert(&env.pool, &new).await.unwrap());
     }

@@ -952,6 +952,7 @@ async fn queue_run_of_version(env: &TestEnv, run: &str, version: i32) {
         first_step: &first,
         input: &json!({}),
         parent: None,
+        traceparent: None,
     };
     assert!(runs::insert(&env.pool, &new).await.unwrap());
     let msg = env

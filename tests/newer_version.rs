@@ -24,6 +24,7 @@ fn v2_step(env: &TestEnv, run_id: &RunId, seq: i32) -> (MessageId, Outgoing) {
         version: 2,
         step: "link".into(),
         seq,
+        trace: None,
     };
     let out = Outgoing {
         message_id: msg.message_id.to_string(),
@@ -101,6 +102,7 @@ async fn a_newer_version_step_its_run_waits_for_ends_in_the_dlq_after_the_wait_s
         first_step: &"link".into(),
         input: &input,
         parent: None,
+        traceparent: None,
     };
     assert!(runs::insert(&env.pool, &new).await.unwrap());
     let (id, message) = v2_step(&env, &run_id, 0);

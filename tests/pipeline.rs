@@ -183,6 +183,7 @@ async fn same_step_message_delivered_twice_changes_nothing() {
         version: 1,
         step: "link".into(),
         seq: 0,
+        trace: None,
     };
     let out = Outgoing {
         message_id: msg.message_id.to_string(),

@@ -910,6 +910,7 @@ async fn a_claim_keeps_the_acked_step_commit_before_it_and_the_run_finishes_afte
         first_step: &"hold".into(),
         input: &json!({}),
         parent: None,
+        traceparent: None,
     };
     assert!(store::runs::insert(&w.env.pool, &new).await.unwrap());
     let message = w

@@ -156,6 +156,10 @@ fn checked(state: &AppState, b: StartBody) -> Result<(RunStartEvent, Arc<Workflo
     operation_id = "start_run",
     tag = "runs",
     request_body = StartBody,
+    params(
+        ("traceparent" = Option<String>, Header,
+            description = "optional W3C trace context (`00-<trace id>-<span id>-<flags>`): the run's trace continues the caller's, its run span under the caller's span; without one, or when it is not a valid traceparent, the run begins a trace of its own"),
+    ),
     responses(
         (status = 201, description = "the run was made (status running; its first step is queued)", body = StartedRun,
             headers(("location" = String, description = "the run's path"))),
@@ -170,9 +174,14 @@ fn checked(state: &AppState, b: StartBody) -> Result<(RunStartEvent, Arc<Workflo
 pub async fn start(
     State(state): State<AppState>,
     Extension(caller): Extension<Caller>,
+    headers: axum::http::HeaderMap,
     Body(b): Body<StartBody>,
 ) -> Result<Response, ApiError> {
     caller.require(Role::Operator)?;
+    // The caller's W3C trace context: the run's trace continues it (see `trace`).
+    let traceparent = headers
+        .get(crate::trace::TRACEPARENT)
+        .and_then(|v| v.to_str().ok());
     let reason = b.reason.clone().unwrap_or_default();
     let (event, workflow) = checked(&state, b)?;
     let first = workflow.first_step().ok_or_else(|| {
@@ -185,7 +194,7 @@ pub async fn start(
     })?;
     let mut tx = state.engine.pool.begin().await.map_err(store::Error::from)?;
     let engine = &state.engine;
-    match run_start::create(&mut tx, (&engine.topology, None), (&workflow.name, workflow.version), &first, &event, |_| {}).await? {
+    match run_start::create(&mut tx, (&engine.topology, None), (&workflow.name, workflow.version), &first, (&event, traceparent), |_| {}).await? {
         Created::New { .. } => {}
         Created::Exists(existing) => {
             tx.rollback().await.map_err(store::Error::from)?;

@@ -224,6 +224,7 @@ impl Topology {
             version,
             step: step.clone(),
             seq,
+            trace: None,
         };
         let headers = BTreeMap::from([
             ("x-trailmark-run-id".to_owned(), run_id.to_string()),

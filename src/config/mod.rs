@@ -54,6 +54,24 @@ pub struct Settings {
     /// The OpenAI-compatible model endpoint.
     #[serde(default)]
     pub model: ModelSettings,
+    /// Traces exported with OTLP (off by default).
+    #[serde(default)]
+    pub tracing: TracingSettings,
+}
+
+/// Where a process sends its spans (one trace per run, see `trace`): off unless an endpoint is
+/// set here or in `OTEL_EXPORTER_OTLP_ENDPOINT`.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct TracingSettings {
+    /// Base URL of an OTLP/HTTP receiver (`http://collector:4318`); spans go to `/v1/traces`
+    /// under it, protobuf-encoded. Empty: `OTEL_EXPORTER_OTLP_ENDPOINT` (or
+    /// `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`) if set, else no tracing at all.
+    #[serde(default)]
+    pub otlp_endpoint: String,
+    /// Most milliseconds a finished span waits before it is sent (0: the exporter's default,
+    /// 5 s, or `OTEL_BSP_SCHEDULE_DELAY`).
+    #[serde(default)]
+    pub export_interval_ms: u64,
 }
 
 /// Where the checkpoints live.

@@ -76,6 +76,10 @@ pub struct StepMessage {
     pub step: StepAddress,
     /// Position in the run (0-based); a message whose seq is behind the run is stale.
     pub seq: i32,
+    /// The run's trace context, from the delivery's `traceparent` header (not in the body): the
+    /// next step's message carries it on.
+    #[serde(skip)]
+    pub trace: Option<String>,
 }
 
 /// A message to publish once the surrounding transaction commits.
@@ -96,6 +100,18 @@ pub struct OutgoingMessage {
     /// The committer's presence backend pid: once that backend is gone, the relay takes the row
     /// without waiting for `relay_after_ms`.
     pub holder_pid: Option<i32>,
+}
+
+impl OutgoingMessage {
+    /// The message with the run's trace context as its `traceparent` header (unchanged
+    /// without one).
+    pub fn traced(mut self, traceparent: Option<&str>) -> Self {
+        if let Some(tp) = traceparent {
+            self.headers
+                .insert(crate::trace::TRACEPARENT.to_owned(), tp.to_owned());
+        }
+        self
+    }
 }
 
 fn empty_object() -> Value {

@@ -80,14 +80,16 @@ pub struct NewRun<'a> {
     pub input: &'a Value,
     /// The run whose step started it, for a child run.
     pub parent: Option<&'a str>,
+    /// The run's trace context (a W3C `traceparent`), for steps re-queued without a header.
+    pub traceparent: Option<&'a str>,
 }
 
 /// Inserts the run unless it exists; returns whether it was created.
 pub async fn insert(db: impl PgExecutor<'_>, run: &NewRun<'_>) -> Result<bool> {
     let done = sqlx::query(
         "INSERT INTO trailmark.runs (run_id, workflow, workflow_version, status, step, input,
-                                     parent_run_id)
-         VALUES ($1, $2, $3, $6, $4, $5, $7) ON CONFLICT (run_id) DO NOTHING",
+                                     parent_run_id, traceparent)
+         VALUES ($1, $2, $3, $6, $4, $5, $7, $8) ON CONFLICT (run_id) DO NOTHING",
     )
     .bind(run.run_id.as_str())
     .bind(run.workflow)
@@ -96,9 +98,20 @@ pub async fn insert(db: impl PgExecutor<'_>, run: &NewRun<'_>) -> Result<bool> {
     .bind(run.input)
     .bind(RunStatus::Running)
     .bind(run.parent)
+    .bind(run.traceparent)
     .execute(db)
     .await?;
     Ok(done.rows_affected() == 1)
+}
+
+/// The trace context stored with a run when it started (`None`: none, or no such run).
+pub async fn traceparent(db: impl PgExecutor<'_>, run_id: &str) -> Result<Option<String>> {
+    let found: Option<Option<String>> =
+        sqlx::query_scalar("SELECT traceparent FROM trailmark.runs WHERE run_id = $1")
+            .bind(run_id)
+            .fetch_optional(db)
+            .await?;
+    Ok(found.flatten())
 }
 
 /// Reads one run.
@@ -479,6 +492,8 @@ pub struct ExpiredLease {
     pub step: StepAddress,
     /// That step's position.
     pub step_seq: i32,
+    /// The run's trace context, for the re-queued message's `traceparent` header.
+    pub traceparent: Option<String>,
 }
 
 /// Voids up to `limit` expired leases of executing runs (fence + 1, so their holders can never
@@ -493,7 +508,7 @@ pub async fn take_expired_leases(db: impl PgExecutor<'_>, limit: i64) -> Result<
                     AND status = ANY($1::text[]) AND step IS NOT NULL
                   ORDER BY lease_expires_at LIMIT $2 FOR UPDATE SKIP LOCKED) e
           WHERE r.run_id = e.run_id
-      RETURNING r.run_id, r.workflow, r.workflow_version, r.step, r.step_seq",
+      RETURNING r.run_id, r.workflow, r.workflow_version, r.step, r.step_seq, r.traceparent",
     )
     .bind(&RunStatus::EXECUTING[..])
     .bind(limit)

@@ -128,6 +128,27 @@ pub async fn attempts_at(db: impl PgExecutor<'_>, run_id: &str, seq: i32) -> Res
     .await?)
 }
 
+/// The window an interrupted attempt (`attempt`, at `seq`) is known to lie in, on the database's
+/// clock: from the step's first claim when it was the first attempt (later attempts' claims are
+/// not stored, so their window starts at its end), to now (the next attempt's takeover). Read
+/// for traces only, on a takeover; `None` when the step has no row.
+pub async fn interrupted_window(
+    db: impl PgExecutor<'_>,
+    run_id: &str,
+    seq: i32,
+    attempt: i32,
+) -> Result<Option<(DateTime<Utc>, DateTime<Utc>)>> {
+    Ok(sqlx::query_as(
+        "SELECT CASE WHEN $3 = 1 THEN started_at ELSE now() END, now() FROM trailmark.steps
+          WHERE run_id = $1 AND seq = $2",
+    )
+    .bind(run_id)
+    .bind(seq)
+    .bind(attempt)
+    .fetch_optional(db)
+    .await?)
+}
+
 /// Starts the attempt count of the step at `seq` again (a resume after a fix).
 pub async fn reset_attempts(db: impl PgExecutor<'_>, run_id: &str, seq: i32) -> Result<()> {
     sqlx::query("UPDATE trailmark.steps SET attempts = 0 WHERE run_id = $1 AND seq = $2")

@@ -63,13 +63,12 @@ pub async fn recover_expired(engine: &Engine) -> store::Result<usize> {
             continue;
         };
         tracing::warn!(run.id = %run_id, step = %run.step, seq = run.step_seq, "lease expired without progress; re-queueing the step");
-        messages.push(engine.topology.step_message(
-            &run_id,
-            &run.workflow,
-            run.workflow_version,
-            &run.step,
-            run.step_seq,
-        ));
+        // The same trace as the step's first attempt: its retry shows beside it.
+        let message = engine
+            .topology
+            .step_message(&run_id, &run.workflow, run.workflow_version, &run.step, run.step_seq)
+            .traced(run.traceparent.as_deref());
+        messages.push(message);
     }
     outbox::insert(&mut *tx, &messages).await?;
     tx.commit().await?;

@@ -21,7 +21,7 @@ use crate::failpoint::Failpoints;
 use crate::store::checkpoint::{self, Committed, StepCommit};
 use crate::store::children::{self, FanOutRow, ToStart};
 use crate::store::waits::{self, Waiting};
-use crate::store::{self, outbox, progress};
+use crate::store::{self, outbox, progress, runs};
 use crate::worker::run_start::{self, Created};
 
 /// How many failed children a handover note names (the rest are counted).
@@ -272,6 +272,13 @@ async fn start(
     parent: &str,
     next: Vec<ToStart>,
 ) -> store::Result<()> {
+    if next.is_empty() {
+        return Ok(());
+    }
+    // Children continue the parent's trace: each child's run span is a child of the parent's
+    // run span (not of the step that started the fan-out: children started later, when another
+    // ends or a person resumes the parent, come long after that step's attempt ended).
+    let trace = runs::traceparent(&mut *tx, parent).await?;
     for child in next {
         // A crash test kills the process here, halfway through starting a fan-out: its
         // transaction, and so every child it started, is gone with it.
@@ -289,7 +296,7 @@ async fn start(
         };
         let wf = (child.workflow.as_str(), child.workflow_version);
         let created =
-            run_start::create(tx, (topology, Some(parent)), wf, &child.first_step, &event, |_| {})
+            run_start::create(tx, (topology, Some(parent)), wf, &child.first_step, (&event, trace.as_deref()), |_| {})
                 .await?;
         if let Created::Exists(run) = created {
             // Only a run started by hand under a child's id can be there (the fan-out's own

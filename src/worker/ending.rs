@@ -428,13 +428,9 @@ pub(super) fn to_commit(
         } => {
             let ends = next.is_none();
             if let Some(next) = &next {
-                let message = topology.step_message(
-                    &msg.run_id,
-                    &msg.workflow,
-                    msg.version,
-                    next,
-                    msg.seq + 1,
-                );
+                let message = topology
+                    .step_message(&msg.run_id, &msg.workflow, msg.version, next, msg.seq + 1)
+                    .traced(msg.trace.as_deref());
                 sent.push(message);
             }
             let to = match (ends, status) {
@@ -546,6 +542,7 @@ mod tests {
             version: 1,
             step,
             seq,
+            trace: None,
         }
     }
 

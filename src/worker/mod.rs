@@ -391,9 +391,12 @@ async fn handle_work(
     publisher: &Publisher,
     published: &PublishedRows,
     delivery: &Delivery,
-    work: Work,
+    mut work: Work,
     shutdown: &CancellationToken,
 ) {
+    if let Work::Step(msg) = &mut work {
+        msg.trace = broker::header_str(delivery.properties.headers().as_ref(), crate::trace::TRACEPARENT);
+    }
     let mut backoff = Duration::from_millis(100);
     // A delivery whose step this process pre-claimed goes on under the owner the pre-claim
     // recorded, so that a retry in place finds the lease its own.

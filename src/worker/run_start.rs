@@ -17,6 +17,7 @@ use super::outcome::{Disposition, dead, dead_letter_headers as h};
 use crate::domain::{MessageId, OutgoingMessage, RunStartEvent, StepAddress, request_hash};
 use crate::engine::{Engine, Stats};
 use crate::store::inbox::{self, Recorded};
+use crate::broker::header_str;
 use crate::broker::{Outgoing, Topology};
 use crate::store::{self, outbox, retention, runs};
 use crate::workflow::{Registry, StartRefused, Workflow};
@@ -87,7 +88,9 @@ pub(super) async fn process(
             }
         }
     }
-    let created = create(&mut tx, (&engine.topology, None), (&workflow.name, workflow.version), &first, event, |messages| {
+    // The publisher's trace context, if it sent one: the run's trace continues it.
+    let caller = header_str(delivery.properties.headers().as_ref(), crate::trace::TRACEPARENT);
+    let created = create(&mut tx, (&engine.topology, None), (&workflow.name, workflow.version), &first, (event, caller.as_deref()), |messages| {
         super::published::hold_for_eager_publish(engine, messages)
     })
     .await?;
@@ -145,15 +148,17 @@ pub(crate) enum Created {
 /// Creates the run of `event` with its first step queued in the outbox, in `tx`, unless a run
 /// has its id. One path for every start: the run-start consumer, schedules' ticks and
 /// backfills, the API, and child runs (whose `parent` is the run whose step starts them).
-/// `hold` may mark the first message for the caller's own publish.
+/// `hold` may mark the first message for the caller's own publish. `caller` is the starter's
+/// `traceparent` (see `trace`): the run's trace continues it, or a new one begins.
 pub(crate) async fn create(
     tx: &mut sqlx::PgConnection,
     (topology, parent): (&Topology, Option<&str>),
     (workflow, version): (&str, i32),
     first: &StepAddress,
-    event: &RunStartEvent,
+    (event, caller): (&RunStartEvent, Option<&str>),
     hold: impl FnOnce(&mut [OutgoingMessage]),
 ) -> store::Result<Created> {
+    let trace = crate::trace::run_started(caller, event.run_id.as_str(), workflow);
     let new = runs::NewRun {
         run_id: &event.run_id,
         workflow,
@@ -161,6 +166,7 @@ pub(crate) async fn create(
         first_step: first,
         input: &event.input,
         parent,
+        traceparent: trace.as_deref(),
     };
     if !runs::insert(&mut *tx, &new).await? {
         let id = event.run_id.as_str();
@@ -170,7 +176,9 @@ pub(crate) async fn create(
         let tombstone = retention::tombstone(&mut *tx, id, &event.workflow, &event.input).await?;
         return Ok(tombstone.map_or(Created::Vanished, Created::Pruned));
     }
-    let mut message = topology.step_message(&event.run_id, workflow, version, first, 0);
+    let mut message = topology
+        .step_message(&event.run_id, workflow, version, first, 0)
+        .traced(trace.as_deref());
     hold(std::slice::from_mut(&mut message));
     let rows = outbox::insert(&mut *tx, std::slice::from_ref(&message)).await?;
     Ok(Created::New { message, rows })

@@ -29,6 +29,7 @@ use crate::guard::Budget;
 use crate::metrics;
 use crate::store::checkpoint::{Committed, PreClaim, StepCommit};
 use crate::store::{self, decisions, runs, shadow, steps};
+use crate::trace::{Attempt, StepSpan};
 use crate::workflow::{
     IDEMPOTENCY_KEY_HEADER, Position, Records, StepContext, StepDef, StepError, StepOutcome,
     UndoTarget, Workflow,
@@ -66,6 +67,23 @@ pub(super) async fn process(
         metrics::lease_taken_over(1);
     }
     let started = std::time::Instant::now();
+    let with_trace;
+    let msg = match run_trace(engine, msg).await? {
+        Some(trace) => {
+            with_trace = StepMessage { trace: Some(trace), ..msg.clone() };
+            &with_trace
+        }
+        None => msg,
+    };
+    let at = Attempt {
+        run_id: msg.run_id.as_str(),
+        step: msg.step.as_str(),
+        seq: msg.seq,
+        attempt: claim.attempt,
+        fence: claim.fence.0,
+    };
+    trace_interrupted(engine, msg, &at, claim.took_over).await;
+    let span = StepSpan::start(msg.trace.as_deref(), &at);
     // Every line of this attempt carries it and the fence it holds; a retried delivery gets a
     // span of its own for its next attempt.
     // `tokens` and `cost`: what this attempt paid the model, recorded once the handler is done,
@@ -77,10 +95,11 @@ pub(super) async fn process(
         tokens = tracing::field::Empty,
         cost = tracing::field::Empty
     );
-    let ended = run_claimed(engine, msg, &workflow, step.as_ref(), &claim)
+    let ended = run_claimed(engine, msg, &workflow, step.as_ref(), (&claim, &span))
         .instrument(attempt)
         .await;
     let outcome = ended.as_ref().map_or("infrastructure", |(o, _)| *o);
+    span.end(outcome);
     // The step's declared name: a compensation's address carries a position, an unbounded label.
     let label = match msg.step.undo_of() {
         Some((step, _)) => format!("undo:{step}"),
@@ -106,7 +125,7 @@ async fn run_claimed(
     msg: &StepMessage,
     workflow: &Workflow,
     step: Option<&StepDef>,
-    claim: &runs::Claim,
+    (claim, span): (&runs::Claim, &StepSpan),
 ) -> store::Result<(&'static str, Disposition)> {
     let claimed = Claimed {
         attempt: claim.attempt,
@@ -125,7 +144,7 @@ async fn run_claimed(
         // A review commit is never relaxed: no flush to vouch for.
         (Some(stop), _) => (Verdict::Review(stop), false),
         (None, Some(step)) => {
-            run_step(engine, msg, workflow, step, claim, (claimed, limits)).await?
+            run_step(engine, msg, (workflow, step), (claim, span), (claimed, limits)).await?
         }
         // resolve gives no step only for a run of an older version, refused above.
         (None, None) => (
@@ -207,9 +226,8 @@ async fn review(
 async fn run_step(
     engine: &Arc<Engine>,
     msg: &StepMessage,
-    workflow: &Workflow,
-    step: &StepDef,
-    claim: &runs::Claim,
+    (workflow, step): (&Workflow, &StepDef),
+    (claim, span): (&runs::Claim, &StepSpan),
     (claimed, limits): (Claimed<'_>, Limits),
 ) -> store::Result<(Verdict, bool)> {
     let mut answers_flushed = true;
@@ -224,7 +242,7 @@ async fn run_step(
             writes: Vec::new(),
         })
     } else {
-        let ctx = context(engine, workflow, msg, claim).await?;
+        let ctx = context(engine, workflow, msg, claim, span.clone()).await?;
         Stats::bump(&engine.stats.handler_runs);
         let result = execute(engine, step, ctx.clone()).await;
         let (tokens, cost) = ctx.paid();
@@ -233,6 +251,7 @@ async fn run_step(
             span.record("tokens", tokens);
             span.record("cost", cost);
         }
+        ctx.trace_totals();
         answers_flushed = ctx.answers_flushed();
         let mut pending = ctx.take_pending();
         if claim.shadow {
@@ -247,6 +266,38 @@ async fn run_step(
         ending::decide((workflow, &engine.registry), msg, claimed, limits, result, pending)
     };
     Ok((verdict, answers_flushed))
+}
+
+/// The run's trace context for this delivery: its `traceparent` header; without one (a step
+/// queued by an operator's resume or a wake-up) the one stored on the run, read only when
+/// tracing is on. `None` when the header is there already or there is none.
+async fn run_trace(engine: &Engine, msg: &StepMessage) -> store::Result<Option<String>> {
+    if msg.trace.is_some() || !crate::trace::enabled() {
+        return Ok(None);
+    }
+    runs::traceparent(&engine.pool, msg.run_id.as_str()).await
+}
+
+/// Records the span of the attempt before `at` when its worker died holding the lease (kill -9,
+/// a lost host): its own span died unended with the process. Only when tracing is on and this
+/// claim took a lease another owner held (a released lease, a retry in place or a lease the
+/// supervisor voided follows an attempt that ended, or may still end, its own span). That
+/// attempt held the fence just below this one (a takeover raises it by one). The one extra read
+/// is made on takeovers only; a failure to make it costs the trace that span, not the step.
+async fn trace_interrupted(engine: &Engine, msg: &StepMessage, at: &Attempt<'_>, took_over: bool) {
+    if !took_over || at.attempt < 2 || !crate::trace::enabled() {
+        return;
+    }
+    let before = Attempt { attempt: at.attempt - 1, fence: at.fence - 1, ..*at };
+    match steps::interrupted_window(&engine.pool, at.run_id, at.seq, before.attempt).await {
+        Ok(Some((start, end))) => {
+            crate::trace::interrupted(msg.trace.as_deref(), &before, (start.into(), end.into()));
+        }
+        Ok(None) => {}
+        Err(e) => {
+            tracing::warn!(run.id = %msg.run_id, seq = msg.seq, error = %e, "the interrupted attempt's span is left out of the trace: its step row could not be read");
+        }
+    }
 }
 
 /// Tells the people waiting on the run that a step runs again, and from where.
@@ -434,6 +485,7 @@ async fn context(
     workflow: &Workflow,
     msg: &StepMessage,
     claim: &runs::Claim,
+    span: StepSpan,
 ) -> store::Result<StepContext> {
     let pos = Position {
         run_id: msg.run_id.clone(),
@@ -449,6 +501,7 @@ async fn context(
         input: claim.input.clone(),
         undo: undo_target(engine, msg, claim.undo.as_ref()).await?,
         shadow: claim.shadow,
+        span,
     };
     Ok(StepContext::new(engine.tools.clone(), pos))
 }

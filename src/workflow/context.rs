@@ -59,6 +59,8 @@ pub(crate) struct Position {
     pub undo: Option<UndoTarget>,
     /// A shadow fork's step: outside writes are recorded, never made.
     pub shadow: bool,
+    /// This attempt's span: model calls and outside writes are its children.
+    pub span: crate::trace::StepSpan,
 }
 
 /// The most children [`StepContext::children`] reads at once.
@@ -78,6 +80,9 @@ pub(super) struct Inner {
     /// Whether this attempt journaled a model answer that no synchronous commit of its own has
     /// flushed since (a new effect intent flushes it): the step's ending may rest on it.
     pub unflushed_answer: std::sync::atomic::AtomicBool,
+    /// Model answers and outside-write results this attempt read back from the journal instead
+    /// of asking or calling again (counted on the step's span).
+    pub replayed: (AtomicI32, AtomicI32),
     pub outgoing: Mutex<Vec<OutgoingMessage>>,
     pub parked: Mutex<Vec<Parked>>,
     pub local_writes: Mutex<Vec<LocalWrite>>,
@@ -102,6 +107,7 @@ impl StepContext {
             calls: AtomicI32::new(0),
             paid: Mutex::new((0, 0.0)),
             unflushed_answer: std::sync::atomic::AtomicBool::new(false),
+            replayed: (AtomicI32::new(0), AtomicI32::new(0)),
             outgoing: Mutex::new(Vec::new()),
             parked: Mutex::new(Vec::new()),
             local_writes: Mutex::new(Vec::new()),
@@ -386,6 +392,34 @@ impl StepContext {
     /// Tokens and cost of the model answers this attempt paid for.
     pub(crate) fn paid(&self) -> (i64, f64) {
         *self.inner.paid.lock().expect("paid lock")
+    }
+
+    /// This attempt's span (model calls and outside writes start children of it).
+    pub(super) fn span(&self) -> &crate::trace::StepSpan {
+        &self.inner.pos.span
+    }
+
+    /// Puts what the handler paid and what it read back from the journal on the step's span:
+    /// a replayed answer or result makes no span of its own.
+    pub(crate) fn trace_totals(&self) {
+        let span = self.span();
+        if !span.is_recording() {
+            return;
+        }
+        use opentelemetry::KeyValue;
+        let (tokens, cost) = self.paid();
+        let answers = self.inner.replayed.0.load(std::sync::atomic::Ordering::Relaxed);
+        let results = self.inner.replayed.1.load(std::sync::atomic::Ordering::Relaxed);
+        span.set(KeyValue::new("trailmark.model.tokens", tokens));
+        span.set(KeyValue::new("trailmark.model.cost", cost));
+        span.set(KeyValue::new("trailmark.model.journaled_answers", i64::from(answers)));
+        span.set(KeyValue::new("trailmark.effect.journaled_results", i64::from(results)));
+    }
+
+    /// Counts a model answer (`answer`) or an outside write's result read from the journal.
+    pub(super) fn count_replayed(&self, answer: bool) {
+        let counter = if answer { &self.inner.replayed.0 } else { &self.inner.replayed.1 };
+        counter.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// What the step queued for its commit with [`StepContext::send`], [`StepContext::park`]

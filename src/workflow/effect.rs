@@ -8,6 +8,7 @@ use std::future::Future;
 use std::time::Instant;
 
 use backon::Retryable;
+use opentelemetry::KeyValue;
 use serde_json::Value;
 
 use super::{StepContext, StepError};
@@ -155,10 +156,52 @@ impl StepContext {
         }
         let hash = request_hash(request);
         let known = self.record_intent(tool, key, &hash, request).await?;
+        if let EffectState::Done(result) = known {
+            // Served from the record: no call, so no span; counted on the step's span.
+            self.count_replayed(false);
+            return Ok(result);
+        }
+        let span = self.span().child(
+            || format!("effect {}", tool.name),
+            vec![
+                KeyValue::new("trailmark.effect.tool", tool.name.clone()),
+                KeyValue::new("trailmark.effect.key", key.to_string()),
+            ],
+        );
+        let made = self.make_effect(tool, key, known, retries, call, lookup).await;
+        let outcome = match &made {
+            Ok((_, outcome)) => *outcome,
+            Err(e) => e.class(),
+        };
+        let error = made.as_ref().err().map(ToString::to_string);
+        span.end(|| vec![KeyValue::new("trailmark.effect.outcome", outcome)], error);
+        made.map(|(result, _)| result)
+    }
+
+    /// The call of [`Self::run_effect`] once its intent is recorded and not done before: after
+    /// an unknown outcome the tool's lookup decides first. With the result, what happened:
+    /// `called`, `called_again` (after an unknown outcome) or `found` (by the lookup).
+    async fn make_effect<F, Fut, L, LFut>(
+        &self,
+        tool: &Tool,
+        key: &IdempotencyKey,
+        known: EffectState,
+        retries: usize,
+        call: F,
+        lookup: L,
+    ) -> Result<(Value, &'static str), StepError>
+    where
+        F: FnMut(IdempotencyKey) -> Fut,
+        Fut: Future<Output = Result<Value, StepError>>,
+        L: FnOnce(IdempotencyKey) -> LFut,
+        LFut: Future<Output = Result<Lookup, StepError>>,
+    {
+        let mut outcome = "called";
         match known {
-            EffectState::Done(result) => return Ok(result),
+            EffectState::Done(result) => return Ok((result, "recorded")),
             EffectState::New => {}
             EffectState::Unknown if tool.idempotent => {
+                outcome = "called_again";
                 tracing::info!(
                     "effect outcome unknown after a restart; calling again under the same key"
                 );
@@ -169,7 +212,7 @@ impl StepContext {
                         .records
                         .finish_effect(key.clone(), result.clone())
                         .await?;
-                    return Ok(result);
+                    return Ok((result, "found"));
                 }
                 Lookup::NotDone => tracing::info!("lookup says the call did not happen; calling"),
                 Lookup::CannotTell => {
@@ -203,7 +246,7 @@ impl StepContext {
             .await?;
         // Kill spot of tests/relaxed_crash.rs: a Postgres crash now can lose the unflushed result.
         self.fire_failpoint("effect_result.after_commit")?;
-        Ok(result)
+        Ok((result, outcome))
     }
 
     /// In a shadow run: records the call it would make (key, tool, request) in `shadow_writes`

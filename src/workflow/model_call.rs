@@ -4,6 +4,7 @@
 use std::sync::atomic::Ordering;
 
 use backon::Retryable;
+use opentelemetry::KeyValue;
 
 use super::{StepContext, StepError};
 use crate::domain::{JournalEntry, request_hash};
@@ -31,6 +32,7 @@ impl StepContext {
                 .journaled(self.run_id(), self.seq(), call_no)
                 .await?
         {
+            self.count_replayed(true);
             return replayed(entry, &hash, self);
         }
         let budget = &self.inner.pos.budget;
@@ -41,7 +43,7 @@ impl StepContext {
             guard::check_model_budget(spent, self.run_id(), budget)?;
         }
         self.drill_seam(crate::seams::Seam::Model500)?;
-        let answer = self.call_model(request).await?;
+        let answer = self.traced_call(request, call_no).await?;
         self.drill_log(|| format!("model {} {} {call_no}", self.run_id(), self.seq()));
         // A crash here loses a paid answer before it is journaled: the replay asks again.
         self.fire_failpoint("model.after_answer")?;
@@ -93,6 +95,33 @@ impl StepContext {
             answer.cost,
         );
         Ok(answer)
+    }
+
+    /// The call under a `chat <model>` span (child of the step attempt's) with the
+    /// OpenTelemetry GenAI attributes: models asked and answering, tokens in and out; and the
+    /// cost, which GenAI has no attribute for, as `trailmark.gen_ai.cost`.
+    async fn traced_call(&self, request: &ChatRequest, call_no: i32) -> Result<ChatAnswer, StepError> {
+        let requested = (self.tools().models.primary.as_ref()).map_or("offline", |c| c.model());
+        let span = self.span().child(
+            || format!("chat {requested}"),
+            vec![
+                KeyValue::new("gen_ai.operation.name", "chat"),
+                KeyValue::new("gen_ai.request.model", requested.to_owned()),
+                KeyValue::new("trailmark.model.call", i64::from(call_no)),
+            ],
+        );
+        let answer = self.call_model(request).await;
+        let attributes = || match &answer {
+            Ok(a) => vec![
+                KeyValue::new("gen_ai.response.model", a.model.clone()),
+                KeyValue::new("gen_ai.usage.input_tokens", a.prompt_tokens as i64),
+                KeyValue::new("gen_ai.usage.output_tokens", a.completion_tokens as i64),
+                KeyValue::new("trailmark.gen_ai.cost", a.cost),
+            ],
+            Err(e) => vec![KeyValue::new("error.type", e.class())],
+        };
+        span.end(attributes, answer.as_ref().err().map(ToString::to_string));
+        answer
     }
 
     async fn call_model(&self, request: &ChatRequest) -> Result<ChatAnswer, StepError> {

@@ -139,6 +139,7 @@ impl TestEnv {
             first_step: &"link".into(),
             input: &input,
             parent: None,
+            traceparent: None,
         };
         assert!(
             trailmark::store::runs::insert(&self.pool, &new)

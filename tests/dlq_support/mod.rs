@@ -89,6 +89,7 @@ pub fn step_body(run_id: &str, workflow: &str, v: u64) -> Vec<u8> {
         version: 1,
         step: "link".into(),
         seq: 0,
+        trace: None,
     };
     msg.encode()
 }

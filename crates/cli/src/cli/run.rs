@@ -31,6 +31,10 @@ pub struct StartArgs {
     /// Then follow the run like `trailmark run watch` until it ends.
     #[arg(long)]
     pub follow: bool,
+    /// A W3C trace context (`00-<trace id>-<span id>-<flags>`) the run's trace continues; sent
+    /// as the run-start message's `traceparent` header.
+    #[arg(long, env = "TRACEPARENT")]
+    pub traceparent: Option<String>,
 }
 
 /// Publishes a run-start event exactly as an upstream service would, after the checks a worker
@@ -46,8 +50,12 @@ pub async fn start(
     let event = RunStartEvent::new(run_id.clone(), &args.workflow, input);
     let topology = broker::Topology::new(&settings.broker.prefix, settings.broker.delivery_limit);
     let limit = settings.worker.max_message_bytes;
-    let (message, _) = trailmark::worker::start_message(registry, &topology, limit, &event)
+    let (mut message, _) = trailmark::worker::start_message(registry, &topology, limit, &event)
         .map_err(|refused| anyhow::anyhow!("{refused}; nothing was published"))?;
+    if let Some(tp) = &args.traceparent {
+        let traced = [(trailmark::trace::TRACEPARENT.to_owned(), tp.clone())];
+        message.headers = broker::map_to_headers(&traced.into_iter().collect());
+    }
     let pool = match store::connect(&settings.database).await {
         Ok(pool) => Some(pool),
         // The event is what starts the run; the checks that need the database are a courtesy.

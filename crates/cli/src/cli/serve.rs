@@ -16,6 +16,8 @@ pub async fn serve(
 ) -> anyhow::Result<()> {
     let failpoints =
         Failpoints::from_env().map_err(|e| anyhow::anyhow!("TRAILMARK_FAILPOINTS: {e}"))?;
+    // Kept until the process ends: dropping it sends the spans still queued.
+    let _exporting = trailmark::trace::init(&settings.tracing)?;
     let started = Trailmark::builder(settings, registry)
         .components(components)
         .failpoints(failpoints)
