@@ -94,7 +94,7 @@ pub async fn take_stranded(
                                        AND o.available_at > now() - make_interval(secs => $2))
                   ORDER BY u.updated_at LIMIT $3 FOR UPDATE OF u SKIP LOCKED) s
           WHERE r.run_id = s.run_id
-      RETURNING r.run_id, r.workflow, r.workflow_version, r.step, r.step_seq",
+      RETURNING r.run_id, r.workflow, r.workflow_version, r.step, r.step_seq, r.traceparent",
     )
     .bind(&RunStatus::EXECUTING[..])
     .bind(secs)

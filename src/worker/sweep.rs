@@ -110,13 +110,19 @@ async fn requeue(engine: &Engine, lease: f64) -> store::Result<usize> {
         .filter_map(|run| {
             let run_id = RunId::parse(&run.run_id).ok()?;
             tracing::debug!(run.id = %run_id, step = %run.step, seq = run.step_seq, "run did not move for a lease while a worker is frozen; re-queueing its step");
-            Some(engine.topology.step_message(
-                &run_id,
-                &run.workflow,
-                run.workflow_version,
-                &run.step,
-                run.step_seq,
-            ))
+            // The run's trace, as the supervisor's re-queue carries it.
+            Some(
+                engine
+                    .topology
+                    .step_message(
+                        &run_id,
+                        &run.workflow,
+                        run.workflow_version,
+                        &run.step,
+                        run.step_seq,
+                    )
+                    .traced(run.traceparent.as_deref()),
+            )
         })
         .collect();
     outbox::insert(&mut *tx, &messages).await?;
