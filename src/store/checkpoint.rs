@@ -10,10 +10,11 @@
 //! other values aborts it the same way (`trailmark.refuse_local_write`).
 
 use std::collections::HashMap;
+use std::ops::ControlFlow;
 use std::sync::{Arc, LazyLock, Mutex};
 
 use serde_json::Value;
-use sqlx::{PgConnection, PgExecutor, PgPool};
+use sqlx::{PgExecutor, PgPool};
 
 use super::outbox;
 use super::{Error, Result};
@@ -63,7 +64,7 @@ pub struct StepCommit {
     /// Takes the run's lease for its next position in the same statement (see [`PreClaim`]).
     pub preclaim: Option<PreClaim>,
     /// What the run waits for after the step (an event or a time): registered in the commit's
-    /// own transaction (`crate::wait`, through [`commit_in`]), never by [`commit_all`].
+    /// own transaction (`crate::wait`, through [`commit_first`]), never by [`commit_all`].
     pub wait: Option<NewWait>,
     /// For the commit that ends a child run, its parent: the child is counted in its fan-out
     /// in the commit's own transaction (`crate::wait::children`), never by [`commit_all`].
@@ -308,33 +309,32 @@ pub async fn commit(db: &PgPool, c: &StepCommit) -> Result<Committed> {
     }
 }
 
-/// A commit refused inside the caller's transaction (which the refusal aborted), for
-/// [`refusal`] to explain once the caller has rolled it back.
-#[derive(Debug)]
-pub struct Refused(sqlx::Error);
-
-/// Commits one step inside the caller's transaction, for a commit that writes more in the same
-/// transaction (a step that ends by waiting registers its wait with it). `Err`: the statement
-/// was refused and the transaction is aborted; roll it back, then ask [`refusal`].
-pub async fn commit_in(
-    conn: &mut PgConnection,
+/// Commits one step as the first writes of a longer transaction (a wait's registration, a
+/// child's count in its parent's fan-out), after whatever locks the caller took in `tx`.
+/// `Continue`: the step went in; go on in the transaction. `Break`: it did not (a repeat, fenced
+/// out, a failure); the transaction is rolled back and the answer is the caller's to return.
+pub async fn commit_first<'c>(
+    pool: &PgPool,
+    mut tx: sqlx::Transaction<'c, sqlx::Postgres>,
     c: &StepCommit,
-) -> std::result::Result<Result<Committed>, Refused> {
-    match commit_batch(conn, std::slice::from_ref(c), false).await {
-        Ok(verdicts) => Ok(verdict(&verdicts[0], c)),
-        Err(e) => Err(Refused(e)),
-    }
-}
-
-/// What a commit refused inside a transaction was, once that transaction is rolled back: a
-/// duplicate (another delivery committed the step first), fenced out, or a failure.
-pub async fn refusal(db: &PgPool, c: &StepCommit, refused_by: Refused) -> Result<Committed> {
-    let e = refused_by.0;
-    if not_advanced(&e) {
-        repeat(db, c).await
-    } else {
-        Err(refused(e, c))
-    }
+) -> ControlFlow<Result<Committed>, (sqlx::Transaction<'c, sqlx::Postgres>, Committed)> {
+    let answer = match commit_batch(&mut *tx, std::slice::from_ref(c), false).await {
+        Ok(verdicts) => match verdict(&verdicts[0], c) {
+            Ok(committed @ Committed::Done { .. }) => return ControlFlow::Continue((tx, committed)),
+            other => other,
+        },
+        // The refusal aborted the transaction: it is rolled back before the pool is asked
+        // what the refusal was.
+        Err(e) => match tx.rollback().await {
+            Ok(()) if not_advanced(&e) => return ControlFlow::Break(repeat(pool, c).await),
+            Ok(()) => return ControlFlow::Break(Err(refused(e, c))),
+            Err(rollback) => return ControlFlow::Break(Err(rollback.into())),
+        },
+    };
+    ControlFlow::Break(match tx.rollback().await {
+        Ok(()) => answer,
+        Err(rollback) => Err(rollback.into()),
+    })
 }
 
 /// Whether the pre-claim's insert of the next position's row met a row already there.

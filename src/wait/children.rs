@@ -9,6 +9,7 @@
 //! A resume of the parent after its threshold was crossed does not run the fan-out step again:
 //! the parent waits again and only the failed children run again ([`reopen`]).
 
+use std::ops::ControlFlow;
 use std::fmt::Write;
 
 use serde_json::json;
@@ -85,16 +86,9 @@ pub(crate) async fn commit_end(
     let parent = step.ends_child_of.clone().expect("a commit that ends a child");
     let mut tx = pool.begin().await?;
     children::lock_run(&mut tx, &parent).await?;
-    let committed = match checkpoint::commit_in(&mut tx, &step).await {
-        Ok(Ok(committed @ Committed::Done { .. })) => committed,
-        Ok(other) => {
-            tx.rollback().await?;
-            return other;
-        }
-        Err(refused) => {
-            tx.rollback().await?;
-            return checkpoint::refusal(pool, &step, refused).await;
-        }
+    let (mut tx, committed) = match checkpoint::commit_first(pool, tx, &step).await {
+        ControlFlow::Continue(went_in) => went_in,
+        ControlFlow::Break(answer) => return answer,
     };
     let (state, reason) = match step.to.status.to {
         RunStatus::Succeeded => ("succeeded", None),

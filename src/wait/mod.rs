@@ -20,6 +20,7 @@ pub(crate) mod children;
 mod send;
 pub mod timers;
 
+use std::ops::ControlFlow;
 use std::fmt::Write;
 
 use serde_json::json;
@@ -46,16 +47,9 @@ pub(crate) async fn commit(
     if let Some((name, key)) = wait.event() {
         waits::lock_pair(&mut tx, name, key).await?;
     }
-    let committed = match checkpoint::commit_in(&mut tx, &step).await {
-        Ok(Ok(committed @ Committed::Done { .. })) => committed,
-        Ok(other) => {
-            tx.rollback().await?;
-            return other;
-        }
-        Err(refused) => {
-            tx.rollback().await?;
-            return checkpoint::refusal(pool, &step, refused).await;
-        }
+    let (mut tx, committed) = match checkpoint::commit_first(pool, tx, &step).await {
+        ControlFlow::Continue(went_in) => went_in,
+        ControlFlow::Break(answer) => return answer,
     };
     let at = (step.run_id.as_str(), step.to.seq, &step.step);
     if let WaitFor::Children(fan) = &wait.what {
