@@ -324,7 +324,7 @@ pub async fn cancel(engine: &Engine, run_id: &str, who: &Decider) -> Result<Outc
     .await?;
     let why = format!("cancelled by {}: {}", who.actor, who.reason);
     if parent.is_some() {
-        crate::wait::children::ended_by_decision(&mut tx, &engine.topology, run_id, &why).await?;
+        crate::wait::children::count_end(&mut tx, &engine.topology, run_id, ("cancelled", Some(&why))).await?;
     }
     let below = crate::wait::children::cancel_below(&mut tx, &engine.topology, (run_id, None), &why).await?;
     let details = json!({ "handover": run.handover, "error": run.error, "children_cancelled": below });

@@ -108,7 +108,7 @@ pub async fn escalate_waiting(engine: &Engine) -> store::Result<usize> {
         let why = format!(
             "run {child} waited for a decision longer than supervisor.human_timeout_secs ({limit} s) and was escalated to needs_review"
         );
-        crate::wait::children::stopped_for_review(&mut tx, &engine.topology, &child, &why).await?;
+        crate::wait::children::count_end(&mut tx, &engine.topology, &child, ("failed", Some(&why))).await?;
         tx.commit().await?;
         children += 1;
     }

@@ -95,9 +95,7 @@ pub(crate) async fn commit_end(
         RunStatus::Cancelled => ("cancelled", step.to.error.as_deref()),
         _ => ("failed", step.to.error.as_deref()),
     };
-    if let Some(row) = children::ended(&mut tx, step.run_id.as_str(), state, reason).await? {
-        settle(&mut tx, (topology, &Failpoints::default()), row).await?;
-    }
+    count_end(&mut tx, topology, step.run_id.as_str(), (state, reason)).await?;
     tx.commit().await?;
     Ok(committed)
 }
@@ -128,35 +126,23 @@ pub(super) async fn timed_out(pool: &PgPool, topology: &Topology, due: &Waiting)
         tx.rollback().await?;
         return Ok(false);
     }
-    stopped_for_review(&mut tx, topology, &due.run_id, reason.as_deref().unwrap_or("timed out")).await?;
+    let why = reason.as_deref().unwrap_or("timed out");
+    count_end(&mut tx, topology, &due.run_id, ("failed", Some(why))).await?;
     tx.commit().await?;
     Ok(true)
 }
 
-/// Counts a child that stopped for review without a step's commit (its wait timed out, or the
-/// supervisor escalated it) as failed in its fan-out, in a transaction that locked the parent's
-/// row before the child's.
-pub(crate) async fn stopped_for_review(
+/// Counts a child's ending (`succeeded`, `failed` or `cancelled`, with why) in its fan-out and
+/// settles the join, in a transaction that locked the parent's row before the child's: its own
+/// last commit ([`commit_end`]), a stop for review without a commit of its own (its wait timed
+/// out, the supervisor escalated it), or an operator's cancel.
+pub(crate) async fn count_end(
     tx: &mut PgConnection,
     topology: &Topology,
     child: &str,
-    reason: &str,
+    (state, reason): (&str, Option<&str>),
 ) -> store::Result<()> {
-    if let Some(row) = children::ended(tx, child, "failed", Some(reason)).await? {
-        settle(tx, (topology, &Failpoints::default()), row).await?;
-    }
-    Ok(())
-}
-
-/// Counts a child that an operator's decision ended (cancel) in its fan-out, in the decision's
-/// transaction (which locked the parent's row before the child's).
-pub(crate) async fn ended_by_decision(
-    tx: &mut PgConnection,
-    topology: &Topology,
-    child: &str,
-    reason: &str,
-) -> store::Result<()> {
-    if let Some(row) = children::ended(tx, child, "cancelled", Some(reason)).await? {
+    if let Some(row) = children::ended(tx, child, state, reason).await? {
         settle(tx, (topology, &Failpoints::default()), row).await?;
     }
     Ok(())
