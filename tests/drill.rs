@@ -36,6 +36,16 @@ fn drill_cli(args: &[&str]) -> Value {
     report
 }
 
+/// The names of the invariants a drill checked, for asserting that a drill's own ones are there.
+fn invariant_names(r: &Value) -> Vec<&str> {
+    r["invariants"]
+        .as_array()
+        .expect("invariants")
+        .iter()
+        .map(|i| i["name"].as_str().expect("an invariant's name"))
+        .collect()
+}
+
 /// What every passing CI-profile drill must show, beyond its verdicts.
 fn assert_kept(r: &Value, runs: i64) {
     for inv in r["invariants"].as_array().expect("invariants") {
@@ -245,12 +255,7 @@ async fn the_ci_profile_on_chain_runs_that_wait_and_sleep_takes_each_event_once(
         r["dead_letters"]["event_conflicts"],
         ev["conflicts_refused"]
     );
-    let names: Vec<&str> = r["invariants"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|i| i["name"].as_str().unwrap())
-        .collect();
+    let names = invariant_names(&r);
     assert!(
         names.contains(&"every wait resumed once, by its own event")
             && names.contains(&"no event lost"),
@@ -270,12 +275,7 @@ async fn the_ci_profile_on_chain_runs_that_fan_out_starts_each_child_once_and_jo
     let f = &r["fan_outs"];
     assert_eq!(f["fan_outs"], 30, "{f}");
     assert!(f["joined"].as_i64().unwrap() > 0, "{f}");
-    let names: Vec<&str> = r["invariants"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|i| i["name"].as_str().unwrap())
-        .collect();
+    let names = invariant_names(&r);
     assert!(
         names.contains(&"no child run started twice") && names.contains(&"no parent joined twice"),
         "{names:?}"

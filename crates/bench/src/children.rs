@@ -109,21 +109,23 @@ async fn reps(
     procs: &mut [Proc],
     report: &mut ChildrenReport,
 ) -> Result<()> {
+    let n = cfg.children;
+    let said = |what: &str, secs: f64, unit: &str| {
+        progress(&format!(
+            "{what}: {n} {unit} in {secs:.2} s ({:.0} {unit}/s)",
+            n as f64 / secs
+        ));
+        secs
+    };
     for rep in 0..cfg.reps {
         let secs = fan_out(env, cfg, &format!("f{rep}"), procs).await?;
-        progress(&format!(
-            "fan-out {rep}: {} children joined in {secs:.2} s ({:.0} children/s)",
-            cfg.children,
-            cfg.children as f64 / secs
-        ));
-        report.fan_out_secs.push(secs);
+        report
+            .fan_out_secs
+            .push(said(&format!("fan-out {rep}"), secs, "children"));
         let secs = independent(env, cfg, &format!("i{rep}"), procs).await?;
-        progress(&format!(
-            "independent {rep}: {} runs in {secs:.2} s ({:.0} runs/s)",
-            cfg.children,
-            cfg.children as f64 / secs
-        ));
-        report.independent_secs.push(secs);
+        report
+            .independent_secs
+            .push(said(&format!("independent {rep}"), secs, "runs"));
     }
     Ok(())
 }
