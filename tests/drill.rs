@@ -170,14 +170,9 @@ async fn a_write_done_twice_fails_the_drill_called_as_a_library() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn scale_out_four_workers_two_relays_two_supervisors_lose_nothing_when_each_is_killed() {
-    // Each of the 8 processes is killed once, in turn, while 2,000 runs move. Nine processes
-    // share the machine with the rest of the suite: a lease of 8 s (not the drills' 4 s) keeps a
-    // starved heartbeat from handing a live step to another worker again and again until
-    // `worker.max_attempts` stops its run for review; what this test is about is the kills.
+    // Each of the 8 processes is killed once, in turn, while 2,000 runs move.
     let r = drill_cli(&[
         "chain",
-        "--lease-secs",
-        "8",
         "--runs",
         "2000",
         "--workers",
