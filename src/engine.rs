@@ -78,6 +78,9 @@ pub struct Engine {
     /// Backend pid of this process's presence connection (0: none yet); stored with every lease
     /// so that other workers can tell at once when this process has died.
     pub presence_pid: std::sync::atomic::AtomicI32,
+    /// The leases this process's executing steps hold, renewed together on the presence
+    /// connection.
+    pub(crate) leases: crate::worker::lease::Leases,
     /// What `/livez` and `/readyz` answer.
     pub health: crate::health::Health,
     /// The step transaction: claims, records, commits and releases with their group commit.
@@ -155,6 +158,7 @@ impl Engine {
             stats: Stats::default(),
             worker_id,
             presence_pid: Default::default(),
+            leases: Default::default(),
             health: Default::default(),
             step_tx,
             tools,

@@ -585,6 +585,63 @@ async fn a_fence_writes_only_at_the_position_it_was_handed_out_for() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_renewal_keeps_every_lease_held_skips_a_locked_row_and_names_the_lost_ones() {
+    // A process renews all its leases at once; a row another transaction holds must neither
+    // stall the others nor count as lost.
+    let env = TestEnv::new().await;
+    let (x, y, z) = (
+        env.insert_chain_run("r-x").await,
+        env.insert_chain_run("r-y").await,
+        env.insert_chain_run("r-z").await,
+    );
+    let (fx, fy, fz) = (
+        claim(&env, &x, "w-a", 1.0).await,
+        claim(&env, &y, "w-a", 1.0).await,
+        claim(&env, &z, "w-a", 1.0).await,
+    );
+    // Another worker took z over: z's fence moved on.
+    sqlx::query("UPDATE trailmark.runs SET fence = fence + 1 WHERE run_id = $1")
+        .bind(z.as_str())
+        .execute(&env.pool)
+        .await
+        .unwrap();
+    let mut locker = env.pool.begin().await.unwrap();
+    sqlx::query("SELECT 1 FROM trailmark.runs WHERE run_id = $1 FOR UPDATE")
+        .bind(y.as_str())
+        .execute(&mut *locker)
+        .await
+        .unwrap();
+    let held = [(x.clone(), 0, fx), (y.clone(), 0, fy), (z.clone(), 0, fz)];
+    let lost = tokio::time::timeout(
+        std::time::Duration::from_secs(10),
+        runs::heartbeat_all(&env.pool, &held, 600.0, None),
+    )
+    .await
+    .expect("a locked row held the renewal up")
+    .unwrap();
+    assert_eq!(lost, vec![(z.clone(), 0, fz)]);
+    locker.rollback().await.unwrap();
+    let expires = |id: &RunId| {
+        let id = id.as_str().to_owned();
+        let pool = env.pool.clone();
+        async move {
+            sqlx::query_scalar::<_, f64>(
+                "SELECT EXTRACT(EPOCH FROM lease_expires_at - now())::float8 FROM trailmark.runs WHERE run_id = $1",
+            )
+            .bind(id)
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+        }
+    };
+    assert!(expires(&x).await > 500.0, "x's lease was not renewed");
+    assert!(
+        expires(&y).await < 2.0,
+        "the locked row was waited for and renewed"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pre_claim_meeting_a_row_at_the_next_position_counts_its_attempt_on_that_row() {
     let env = TestEnv::new().await;
     let run = env.insert_chain_run("r-row").await;

@@ -13,7 +13,9 @@ use trailmark::domain::{
     EffectIntent, EffectState, Fence, IdempotencyKey, IntentOutcome, MessageId, RunId, RunStatus,
     STEP_ROUTING_KEY, StepMessage,
 };
+use trailmark::engine::Engine;
 use trailmark::failpoint::{Action, Failpoints};
+use trailmark::process::Components;
 use trailmark::store::{self, checkpoint, effects, runs};
 
 const WAIT: Duration = Duration::from_secs(60);
@@ -827,4 +829,63 @@ async fn an_outbox_row_the_broker_nacks_is_tried_again_at_once_never_held_back()
         .queue_delete(full.as_str().into(), QueueDeleteOptions::default())
         .await;
     let _ = conn.close(200, "done".into()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_whose_steps_hold_every_pooled_connection_keeps_its_leases() {
+    // Steps blocked with every pooled connection of their worker (here: on a lock; in the field:
+    // a slow server, a burst of runs) must not lose their leases to the supervisor: the leases
+    // are renewed on the worker's presence connection, which the steps cannot hold.
+    let env = TestEnv::new().await;
+    let mut settings = env.settings.clone();
+    settings.database.max_connections = 2;
+    settings.worker.concurrency = 4;
+    let pool = store::connect(&settings.database)
+        .await
+        .expect("worker pool");
+    let reg = trailmark_reference::registry();
+    let worker = Engine::with_pool(settings, reg, Failpoints::default(), pool).expect("engine");
+    let only = |worker, relay, supervisor| Components {
+        worker,
+        relay,
+        supervisor,
+    };
+    let rest = env.engine();
+    let relay_supervisor = env.spawn(rest.clone(), only(false, true, true));
+    let mut lock = env.pool.begin().await.unwrap();
+    sqlx::query("LOCK TABLE trailmark.chain_ledger IN ACCESS EXCLUSIVE MODE")
+        .execute(&mut *lock)
+        .await
+        .unwrap();
+    let running = env.spawn(worker.clone(), only(true, false, false));
+    let runs = ["r-pool-0", "r-pool-1", "r-pool-2", "r-pool-3"];
+    for id in runs {
+        env.start_run("chain", id, json!({"steps": 1})).await;
+    }
+    env.wait_until(
+        "both pooled connections wait on the ledger",
+        WAIT,
+        || async {
+            sqlx::query_scalar::<_, i64>(
+                "SELECT count(*) FROM pg_stat_activity
+              WHERE datname = current_database() AND wait_event_type = 'Lock'",
+            )
+            .fetch_one(&env.pool)
+            .await
+            .unwrap()
+                == 2
+        },
+    )
+    .await;
+    // The scenario itself: held for three leases, each of which a starved heartbeat would lose.
+    tokio::time::sleep(Duration::from_secs(3 * env.settings.worker.lease_secs)).await;
+    lock.rollback().await.unwrap();
+    for id in runs {
+        env.wait_status(id, RunStatus::Succeeded, WAIT).await;
+        assert_eq!(env.attempts(id, 0).await, 1, "{id}'s step was taken over");
+        assert_eq!(env.chain_ledger(id).await, (1, 1), "{id}'s ledger");
+    }
+    assert_eq!(rest.stats.lease_recoveries.load(Ordering::Relaxed), 0);
+    running.stop().await;
+    relay_supervisor.stop().await;
 }

@@ -397,18 +397,52 @@ pub async fn heartbeat(
     lease_secs: f64,
     presence_pid: Option<i32>,
 ) -> Result<bool> {
-    let done = sqlx::query(
-        "UPDATE trailmark.runs SET lease_expires_at = now() + make_interval(secs => $3), lease_pid = $4
-          WHERE run_id = $1 AND fence = $2 AND step_seq = $5 AND lease_owner IS NOT NULL",
+    let held = [(run_id.clone(), seq, fence)];
+    Ok(heartbeat_all(db, &held, lease_secs, presence_pid).await?.is_empty())
+}
+
+/// [`heartbeat`] for many leases in one statement (a process renews all its leases at once);
+/// returns the ones lost (the fence moved on). A run whose row another transaction holds
+/// locked at that moment is neither renewed nor lost: the next beat renews it, where waiting
+/// for the lock would hold back every other lease of the process.
+pub async fn heartbeat_all(
+    db: impl PgExecutor<'_>,
+    held: &[(RunId, i32, Fence)],
+    lease_secs: f64,
+    presence_pid: Option<i32>,
+) -> Result<Vec<(RunId, i32, Fence)>> {
+    let rows: Vec<(String, i32, i64)> = sqlx::query_as(
+        "WITH h AS (
+             SELECT * FROM UNNEST($1::text[], $2::int4[], $3::int8[]) AS h(run_id, seq, fence)
+         ), held AS (
+             SELECT h.* FROM h JOIN trailmark.runs r
+                 ON r.run_id = h.run_id AND r.fence = h.fence AND r.step_seq = h.seq
+              WHERE r.lease_owner IS NOT NULL
+         ), free AS (
+             SELECT r.run_id FROM trailmark.runs r JOIN held USING (run_id)
+                FOR UPDATE OF r SKIP LOCKED
+         ), renewed AS (
+             UPDATE trailmark.runs u
+                SET lease_expires_at = now() + make_interval(secs => $4), lease_pid = $5
+               FROM free, held
+              WHERE u.run_id = free.run_id AND held.run_id = u.run_id AND u.fence = held.fence
+                AND u.step_seq = held.seq AND u.lease_owner IS NOT NULL
+         )
+         SELECT h.run_id, h.seq, h.fence FROM h
+          WHERE NOT EXISTS (SELECT 1 FROM held
+                             WHERE held.run_id = h.run_id AND held.seq = h.seq AND held.fence = h.fence)",
     )
-    .bind(run_id.as_str())
-    .bind(fence.0)
+    .bind(held.iter().map(|h| h.0.as_str()).collect::<Vec<_>>())
+    .bind(held.iter().map(|h| h.1).collect::<Vec<_>>())
+    .bind(held.iter().map(|h| h.2.0).collect::<Vec<_>>())
     .bind(lease_secs)
     .bind(presence_pid)
-    .bind(seq)
-    .execute(db)
+    .fetch_all(db)
     .await?;
-    Ok(done.rows_affected() == 1)
+    Ok(rows
+        .into_iter()
+        .filter_map(|(run_id, seq, fence)| Some((RunId::try_from(run_id).ok()?, seq, Fence(fence))))
+        .collect())
 }
 
 /// Stores the undo plan its compensation steps read (targets, scope, writes left standing).

@@ -9,7 +9,7 @@ mod batch;
 mod ending;
 mod handover;
 mod inbound;
-mod lease;
+pub(crate) mod lease;
 mod outcome;
 mod preclaim;
 mod presence;

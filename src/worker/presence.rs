@@ -4,7 +4,9 @@
 //! instead of waiting for them to expire. A frozen process keeps the connection, and so keeps its
 //! leases until they expire; fencing then refuses its late writes. The connection also beats (a
 //! query every `worker.heartbeat_secs`) under an `application_name` naming the worker, so that
-//! the others see a frozen process by its silence (`sweep.rs`).
+//! the others see a frozen process by its silence (`sweep.rs`). Each beat also renews the leases
+//! of the process's executing steps (`lease.rs`): a connection of its own, that busy steps
+//! cannot hold, keeps them; while it is down, they are renewed through the pool.
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -30,7 +32,7 @@ pub(super) async fn hold(engine: Arc<Engine>, shutdown: CancellationToken) {
                         tracing::warn!(error = %crate::error::Report(&e), "presence connection: cannot read its pid")
                     }
                 }
-                keep_alive(&mut conn, engine.settings.worker.heartbeat(), &shutdown).await;
+                keep_alive(&engine, &mut conn, &shutdown).await;
                 engine.presence_pid.store(0, Ordering::SeqCst);
                 let _ = conn.close().await;
             }
@@ -38,25 +40,39 @@ pub(super) async fn hold(engine: Arc<Engine>, shutdown: CancellationToken) {
                 tracing::warn!(error = %crate::error::Report(&e), "presence connection failed; leases fall back to expiry")
             }
         }
+        renew(&engine, &engine.pool, None).await;
         tokio::select! {
-            _ = tokio::time::sleep(backoff) => {}
+            _ = tokio::time::sleep(backoff.min(engine.settings.worker.heartbeat())) => {}
             _ = shutdown.cancelled() => {}
         }
         backoff = (backoff * 2).min(Duration::from_secs(5));
     }
 }
 
-/// Beats every `period` until `shutdown` or until the connection fails.
-async fn keep_alive(conn: &mut sqlx::PgConnection, period: Duration, shutdown: &CancellationToken) {
+/// Beats and renews the process's leases every `worker.heartbeat_secs` until `shutdown` or
+/// until the connection fails.
+async fn keep_alive(engine: &Engine, conn: &mut sqlx::PgConnection, shutdown: &CancellationToken) {
+    let mut ticker = tokio::time::interval(engine.settings.worker.heartbeat());
+    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tokio::select! {
             _ = shutdown.cancelled() => return,
-            _ = tokio::time::sleep(period) => {}
+            _ = ticker.tick() => {}
         }
         if let Err(e) = store::stranded::beat(&mut *conn).await {
             tracing::warn!(error = %crate::error::Report(&e), "presence connection lost; reconnecting");
             return;
         }
+        renew(engine, &mut *conn, pid(engine)).await;
+    }
+}
+
+/// Renews the process's leases through `db`; a failure is told and the next beat tries again
+/// (a lease outlasts several beats: `worker.heartbeat_secs` is checked to be below it).
+async fn renew(engine: &Engine, db: impl sqlx::PgExecutor<'_>, presence_pid: Option<i32>) {
+    let lease = engine.settings.worker.lease_secs as f64;
+    if let Err(e) = engine.leases.renew(db, lease, presence_pid).await {
+        tracing::warn!(error = %crate::error::Report(&e), "lease renewal failed; will try again at the next beat");
     }
 }
 

@@ -136,6 +136,9 @@ async fn run_claimed(
         retry_base_ms: engine.settings.worker.retry_base_ms,
         max_wait_secs: engine.settings.waits.max_secs,
     };
+    // The lease is renewed until the step's ending is committed: a commit waiting for a
+    // connection must not see its lease expire and the step taken over.
+    let heartbeat = Heartbeat::start(engine, (msg.run_id.clone(), msg.seq), claim.fence);
     // 3. Run the handler, unless a guard or a doubt about the run's items stops it first.
     let run_timeout = engine.settings.guards.run_timeout_secs;
     let refused = ending::refuse_before_running(msg, claimed, limits, claim.age_secs, run_timeout)
@@ -144,7 +147,8 @@ async fn run_claimed(
         // A review commit is never relaxed: no flush to vouch for.
         (Some(stop), _) => (Verdict::Review(stop), false),
         (None, Some(step)) => {
-            run_step(engine, msg, (workflow, step), (claim, span), (claimed, limits)).await?
+            let at = (claim, span, &heartbeat);
+            run_step(engine, msg, (workflow, step), at, (claimed, limits)).await?
         }
         // resolve gives no step only for a run of an older version, refused above.
         (None, None) => (
@@ -200,6 +204,7 @@ async fn run_claimed(
             return Err(store::Error::Unavailable { what, source: None });
         }
     };
+    heartbeat.stop();
     Ok((outcome, disposition))
 }
 
@@ -227,7 +232,7 @@ async fn run_step(
     engine: &Arc<Engine>,
     msg: &StepMessage,
     (workflow, step): (&Workflow, &StepDef),
-    (claim, span): (&runs::Claim, &StepSpan),
+    (claim, span, heartbeat): (&runs::Claim, &StepSpan, &Heartbeat),
     (claimed, limits): (Claimed<'_>, Limits),
 ) -> store::Result<(Verdict, bool)> {
     let mut answers_flushed = true;
@@ -244,7 +249,7 @@ async fn run_step(
     } else {
         let ctx = context(engine, workflow, msg, claim, span.clone()).await?;
         Stats::bump(&engine.stats.handler_runs);
-        let result = execute(engine, step, ctx.clone()).await;
+        let result = execute(engine, step, ctx.clone(), heartbeat).await;
         let (tokens, cost) = ctx.paid();
         if tokens > 0 {
             let span = tracing::Span::current();
@@ -565,26 +570,24 @@ async fn undo_target(
     }))
 }
 
-/// Runs the handler under a heartbeat and the step's soft timeout; a lost lease or a panic
-/// becomes an error, never a crash.
+/// Runs the handler under the step's soft timeout until its lease is lost; a lost lease or a
+/// panic becomes an error, never a crash.
 async fn execute(
     engine: &Arc<Engine>,
     step: &StepDef,
     ctx: StepContext,
+    heartbeat: &Heartbeat,
 ) -> Result<StepOutcome, StepError> {
-    let heartbeat = Heartbeat::start(engine, (ctx.run_id().clone(), ctx.seq()), ctx.lease_fence());
     let timeout = Duration::from_secs(engine.settings.worker.step_timeout_secs);
     let run = AssertUnwindSafe((step.handler)(ctx)).catch_unwind();
-    let result = tokio::select! {
+    tokio::select! {
         r = tokio::time::timeout(timeout, run) => match r {
             Ok(Ok(result)) => result,
             Ok(Err(panic)) => Err(StepError::Unknown(format!("step handler panicked: {}", panic_text(&panic)))),
             Err(_) => Err(StepError::temporary(format!("step timed out after {} s (worker.step_timeout_secs)", timeout.as_secs()))),
         },
         _ = heartbeat.lost() => Err(StepError::FencedOut),
-    };
-    heartbeat.stop();
-    result
+    }
 }
 
 /// Commits `ending` in one statement and returns what to publish eagerly; a repeat of a
