@@ -115,15 +115,16 @@ async fn killed_after_a_commit_before_publishing_the_relay_delivers_the_next_ste
     env.wait_status("r-unpublished", RunStatus::Succeeded, WAIT)
         .await;
     assert_eq!(env.chain_ledger("r-unpublished").await, (100, 100));
-    // Step 51 was pre-claimed by step 50's commit for the worker that died; the claim that took
-    // that lease from a dead holder counted a second attempt (the holder might have started
-    // it). No step ran twice: every write is the first under its key.
+    // Step 51 was pre-claimed by step 50's commit for the worker that died, which never got
+    // its message: the claim that took that idle lease from a dead holder, finding no trace of
+    // the step under its fence (no effect, no journal entry), counted no second attempt. No
+    // step ran twice: every write is the first under its key.
     assert_eq!(
         attempts(&env, "r-unpublished").await,
-        (101, 1),
+        (100, 0),
         "(claims, positions claimed twice)"
     );
-    assert_eq!(env.attempts("r-unpublished", 50).await, 2);
+    assert_eq!(env.attempts("r-unpublished", 50).await, 1);
     let repeated: i64 = sqlx::query_scalar(
         "SELECT count(*) FROM trailmark.effects
           WHERE run_id = 'r-unpublished' AND (result->>'created')::boolean IS NOT TRUE",

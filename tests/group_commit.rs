@@ -534,16 +534,55 @@ async fn a_commit_claims_the_next_position_idly_and_any_delivery_may_take_it() {
         "{again:?}"
     );
 
-    // A first delivery once the holder is gone (the relay's copy of a row it had not removed)
-    // may follow a holder that started the step and died, too.
+    // A holder that died with the lease still idle (it never beat) most likely never started
+    // the step: its messages sat in its prefetch. Their redeliveries, and the relay's copy of a
+    // row it had not removed, count no second attempt; the lease the claim leaves is an
+    // ordinary one, so a step that kills its worker is counted from its next takeover on.
     let z = env.insert_chain_run("r-z").await;
     let fz = claim(&env, &z, "w-a", 30.0).await;
     let gone = preclaiming(&env, &z, fz, ("w-a/next", i32::MAX));
     checkpoint::commit(&env.pool, &gone).await.unwrap();
-    let copy = runs::claim(&env.pool, &next_request(&z, "w-b", false)).await;
+    let redelivered = runs::claim(&env.pool, &next_request(&z, "w-b", true)).await;
     assert!(
-        matches!(&copy, Ok(runs::ClaimOutcome::Claimed(c)) if (c.attempt, c.took_over) == (2, true)),
+        matches!(&redelivered, Ok(runs::ClaimOutcome::Claimed(c)) if (c.attempt, c.took_over) == (1, false)),
+        "{redelivered:?}"
+    );
+    let w = env.insert_chain_run("r-w").await;
+    let fw = claim(&env, &w, "w-a", 30.0).await;
+    let gone = preclaiming(&env, &w, fw, ("w-a/next", i32::MAX));
+    checkpoint::commit(&env.pool, &gone).await.unwrap();
+    let copy = runs::claim(&env.pool, &next_request(&w, "w-b", false)).await;
+    assert!(
+        matches!(&copy, Ok(runs::ClaimOutcome::Claimed(c)) if (c.attempt, c.took_over) == (1, false)),
         "{copy:?}"
+    );
+    // A dead holder that left a trace of the step (an effect under its fence) had started it:
+    // another attempt, and a takeover.
+    let v = env.insert_chain_run("r-v").await;
+    let fv = claim(&env, &v, "w-a", 30.0).await;
+    let gone = preclaiming(&env, &v, fv, ("w-a/next", i32::MAX));
+    checkpoint::commit(&env.pool, &gone).await.unwrap();
+    let started = EffectIntent {
+        seq: 1,
+        ..intent(&v, "r-v:link:1", "h", Fence(fv.0 + 1))
+    };
+    effects::begin(&env.pool, &started).await.unwrap();
+    let after_start = runs::claim(&env.pool, &next_request(&v, "w-b", true)).await;
+    assert!(
+        matches!(&after_start, Ok(runs::ClaimOutcome::Claimed(c)) if (c.attempt, c.took_over) == (2, true)),
+        "{after_start:?}"
+    );
+    // w-b dies in turn, its lease no longer idle: the next claim is a counted takeover.
+    sqlx::query("UPDATE trailmark.runs SET lease_pid = $2 WHERE run_id = $1")
+        .bind(w.as_str())
+        .bind(i32::MAX)
+        .execute(&env.pool)
+        .await
+        .unwrap();
+    let after = runs::claim(&env.pool, &next_request(&w, "w-c", true)).await;
+    assert!(
+        matches!(&after, Ok(runs::ClaimOutcome::Claimed(c)) if (c.attempt, c.took_over) == (2, true)),
+        "{after:?}"
     );
 }
 

@@ -265,9 +265,20 @@ const CLAIM: &str = "WITH req AS (
         SELECT r.n FROM req r JOIN trailmark.inbox i ON i.consumer = r.consumer AND i.message_id = r.message_id
     ), lease AS (
         -- Who held the lease before this statement (its snapshot): a claim that takes a lease
-        -- held by another owner is a takeover, unless it is a first delivery taking a pre-claim.
-        SELECT r.n, u.lease_expires_at IS NULL AND NOT r.redelivered
-                    AND NOT trailmark.process_gone(u.lease_pid) AS first_on_preclaim
+        -- held by another owner is a takeover, unless it takes an idle pre-claim (whose attempt
+        -- its commit counted) that the holder cannot have started: on a first delivery while
+        -- the holder lives, or once the holder is gone without a trace of the step (no effect
+        -- under its fence, no journal entry of its own at the position). A dead worker's
+        -- prefetched messages come back redelivered, mostly never started; counting each of
+        -- them would stop healthy runs for review after a few worker deaths.
+        SELECT r.n, u.lease_expires_at IS NULL
+                    AND CASE WHEN trailmark.process_gone(u.lease_pid)
+                             THEN NOT EXISTS (SELECT 1 FROM trailmark.effects e
+                                               WHERE e.run_id = r.run_id AND e.seq = r.seq AND e.fence = u.fence)
+                                  AND NOT EXISTS (SELECT 1 FROM trailmark.journal j
+                                                   WHERE j.run_id = r.run_id AND j.seq = r.seq
+                                                     AND j.inherited_from IS NULL)
+                             ELSE NOT r.redelivered END AS first_on_preclaim
           FROM req r JOIN trailmark.runs u ON u.run_id = r.run_id
          WHERE u.lease_owner IS NOT NULL AND u.lease_owner <> r.owner
     ), claimed AS (
