@@ -22,6 +22,7 @@ fn request(run_id: &RunId, owner: &str, message: MessageId) -> runs::ClaimReques
         presence_pid: None,
         message: ("steps", message),
         redelivered: false,
+        unstarted_preclaim: false,
     }
 }
 
@@ -556,6 +557,34 @@ async fn a_commit_claims_the_next_position_idly_and_any_delivery_may_take_it() {
         matches!(&copy, Ok(runs::ClaimOutcome::Claimed(c)) if (c.attempt, c.took_over) == (1, false)),
         "{copy:?}"
     );
+    // The holder takes back a pre-claim it never started (too old to start on when its message
+    // came back, or redelivered): the same attempt, no takeover. Without that word from it, a
+    // redelivery to the holder may follow a start: another attempt.
+    let u = env.insert_chain_run("r-u").await;
+    let fu = claim(&env, &u, "w-a", 30.0).await;
+    checkpoint::commit(&env.pool, &preclaiming(&env, &u, fu, ("w-a/next", alive)))
+        .await
+        .unwrap();
+    let back = runs::ClaimRequest {
+        unstarted_preclaim: true,
+        ..next_request(&u, "w-a/next", true)
+    };
+    let back = runs::claim(&env.pool, &back).await;
+    assert!(
+        matches!(&back, Ok(runs::ClaimOutcome::Claimed(c)) if (c.attempt, c.took_over) == (1, false)),
+        "{back:?}"
+    );
+    let t = env.insert_chain_run("r-t").await;
+    let ft = claim(&env, &t, "w-a", 30.0).await;
+    checkpoint::commit(&env.pool, &preclaiming(&env, &t, ft, ("w-a/next", alive)))
+        .await
+        .unwrap();
+    let unsure = runs::claim(&env.pool, &next_request(&t, "w-a/next", true)).await;
+    assert!(
+        matches!(&unsure, Ok(runs::ClaimOutcome::Claimed(c)) if c.attempt == 2),
+        "{unsure:?}"
+    );
+
     // A dead holder that left a trace of the step (an effect under its fence) had started it:
     // another attempt, and a takeover.
     let v = env.insert_chain_run("r-v").await;

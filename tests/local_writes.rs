@@ -139,6 +139,7 @@ async fn claim(env: &TestEnv, run: &RunId) -> trailmark::domain::Fence {
         presence_pid: None,
         message: ("steps", MessageId::new()),
         redelivered: false,
+        unstarted_preclaim: false,
     };
     match runs::claim(&env.pool, &request).await.unwrap() {
         runs::ClaimOutcome::Claimed(c) => c.fence,

@@ -262,6 +262,7 @@ async fn claim(env: &TestEnv, run_id: &RunId, owner: &str, lease_secs: f64) -> r
         presence_pid: None,
         message: ("steps", MessageId::new()),
         redelivered: false,
+        unstarted_preclaim: false,
     };
     match runs::claim(&env.pool, &request).await.unwrap() {
         runs::ClaimOutcome::Claimed(c) => c,
@@ -516,6 +517,7 @@ async fn a_live_worker_keeps_its_lease_after_its_presence_connection_is_reopened
         presence_pid: None,
         message: ("steps", MessageId::new()),
         redelivered: false,
+        unstarted_preclaim: false,
     };
     let outcome = runs::claim(&env.pool, &request).await.unwrap();
     assert!(

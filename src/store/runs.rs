@@ -201,6 +201,10 @@ pub struct ClaimRequest {
     pub message: (&'static str, MessageId),
     /// RabbitMQ delivered the message before: a pre-claim's holder may have started it.
     pub redelivered: bool,
+    /// The asker holds the run's pre-claim for this message and never started the step on it
+    /// (too old to start on, or redelivered): finding that lease still idle, it counts no
+    /// second attempt.
+    pub unstarted_preclaim: bool,
 }
 
 /// What a claim found.
@@ -258,9 +262,9 @@ struct ClaimRow {
 /// same run in one batch (two deliveries of its step) update the row once; the other is refused.
 const CLAIM: &str = "WITH req AS (
         SELECT * FROM UNNEST($1::text[], $2::int4[], $3::text[], $4::float8[], $5::int4[], $6::text[],
-                             $7::text[], $8::uuid[], $10::bool[])
+                             $7::text[], $8::uuid[], $10::bool[], $11::bool[])
           WITH ORDINALITY AS r(run_id, seq, owner, lease_secs, pid, step, consumer, message_id,
-                               redelivered, n)
+                               redelivered, unstarted, n)
     ), seen AS (
         SELECT r.n FROM req r JOIN trailmark.inbox i ON i.consumer = r.consumer AND i.message_id = r.message_id
     ), lease AS (
@@ -270,17 +274,19 @@ const CLAIM: &str = "WITH req AS (
         -- the holder lives, or once the holder is gone without a trace of the step (no effect
         -- under its fence, no journal entry of its own at the position). A dead worker's
         -- prefetched messages come back redelivered, mostly never started; counting each of
-        -- them would stop healthy runs for review after a few worker deaths.
+        -- them would stop healthy runs for review after a few worker deaths. The holder itself
+        -- taking back a pre-claim it never started (`unstarted`) is no takeover either.
         SELECT r.n, u.lease_expires_at IS NULL
-                    AND CASE WHEN trailmark.process_gone(u.lease_pid)
+                    AND (r.unstarted AND u.lease_owner = r.owner OR CASE WHEN trailmark.process_gone(u.lease_pid)
                              THEN NOT EXISTS (SELECT 1 FROM trailmark.effects e
                                                WHERE e.run_id = r.run_id AND e.seq = r.seq AND e.fence = u.fence)
                                   AND NOT EXISTS (SELECT 1 FROM trailmark.journal j
                                                    WHERE j.run_id = r.run_id AND j.seq = r.seq
                                                      AND j.inherited_from IS NULL)
-                             ELSE NOT r.redelivered END AS first_on_preclaim
+                             ELSE NOT r.redelivered END) AS first_on_preclaim
           FROM req r JOIN trailmark.runs u ON u.run_id = r.run_id
-         WHERE u.lease_owner IS NOT NULL AND u.lease_owner <> r.owner
+         WHERE u.lease_owner IS NOT NULL
+           AND (u.lease_owner <> r.owner OR r.unstarted AND u.lease_expires_at IS NULL)
     ), claimed AS (
         UPDATE trailmark.runs u
            SET lease_owner = r.owner, lease_expires_at = now() + make_interval(secs => r.lease_secs),
@@ -349,6 +355,7 @@ async fn claim_batch(db: impl PgExecutor<'_>, reqs: &[ClaimRequest]) -> Result<V
         .bind(reqs.iter().map(|r| r.message.1.0).collect::<Vec<_>>())
         .bind(&RunStatus::EXECUTING[..])
         .bind(reqs.iter().map(|r| r.redelivered).collect::<Vec<_>>())
+        .bind(reqs.iter().map(|r| r.unstarted_preclaim).collect::<Vec<_>>())
         .fetch_all(db)
         .await?;
     Ok(rows

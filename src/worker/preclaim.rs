@@ -20,6 +20,18 @@ use crate::store::runs::Claim;
 /// elsewhere), and a scan on every insert would put the whole table on each commit's path.
 const PRUNE_ABOVE: usize = 4096;
 
+/// What a delivery found among its process's pre-claims.
+pub(crate) enum Taken {
+    /// None for its message.
+    Nothing,
+    /// One to start on without a claim statement.
+    Claim(Claim),
+    /// One it may not start on (too old, or the message was redelivered and another worker may
+    /// have taken the idle lease), which this process never started: its claim counts no
+    /// second attempt when it finds that lease still idle.
+    Unstarted,
+}
+
 /// The pre-claims of one process, by the message id of the step they wait for.
 #[derive(Default)]
 pub(crate) struct PreClaims {
@@ -87,22 +99,28 @@ impl PreClaims {
         table.by_message.get(&message).map(|h| h.owner.clone())
     }
 
-    /// Takes the pre-claim for a first delivery of `message` at `seq` of `run_id`, with the
-    /// run's age brought up to now; `None` when there is none (or it is older than `lease`).
+    /// Takes the pre-claim for `message` at `seq` of `run_id`, with the run's age brought up to
+    /// now: usable by a first delivery while younger than `lease`; otherwise the claim statement
+    /// decides, told that this process never started the step on it.
     pub fn take(
         &self,
         message: MessageId,
         (run_id, seq): (&RunId, i32),
-        lease: Duration,
-    ) -> Option<Claim> {
-        let held = self.lock().by_message.remove(&message)?;
+        (lease, redelivered): (Duration, bool),
+    ) -> Taken {
+        let Some(held) = self.lock().by_message.remove(&message) else {
+            return Taken::Nothing;
+        };
         let age = held.since.elapsed();
-        if held.run_id != *run_id || held.seq != seq || age >= lease {
-            return None;
+        if held.run_id != *run_id || held.seq != seq {
+            return Taken::Nothing;
+        }
+        if age >= lease || redelivered {
+            return Taken::Unstarted;
         }
         let mut claim = held.claim;
         claim.age_secs += age.as_secs_f64();
-        Some(claim)
+        Taken::Claim(claim)
     }
 
     /// Empties the table: (run, fence, position) of every pre-claim no delivery took.

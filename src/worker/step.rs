@@ -395,11 +395,14 @@ async fn claim(
 ) -> store::Result<Result<runs::Claim, Disposition>> {
     let lease = engine.settings.worker.lease();
     let at = (&msg.run_id, msg.seq);
-    let preclaimed = engine.step_tx.preclaims.take(msg.message_id, at, lease);
-    if let Some(claim) = preclaimed.filter(|_| !redelivered) {
-        Stats::bump(&engine.stats.preclaims_used);
-        return Ok(Ok(claim));
-    }
+    let unstarted_preclaim = match engine.step_tx.preclaims.take(msg.message_id, at, (lease, redelivered)) {
+        preclaim::Taken::Claim(claim) => {
+            Stats::bump(&engine.stats.preclaims_used);
+            return Ok(Ok(claim));
+        }
+        preclaim::Taken::Unstarted => true,
+        preclaim::Taken::Nothing => false,
+    };
     let request = runs::ClaimRequest {
         run_id: msg.run_id.clone(),
         seq: msg.seq,
@@ -409,6 +412,7 @@ async fn claim(
         presence_pid: super::presence::pid(engine),
         message: (STEP_CONSUMER, msg.message_id),
         redelivered,
+        unstarted_preclaim,
     };
     let mut pauses = BUSY_RECHECKS_MS.iter();
     loop {
