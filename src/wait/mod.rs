@@ -62,6 +62,15 @@ pub(crate) async fn commit(
         tx.commit().await?;
         return Ok(committed);
     }
+    if let WaitFor::UndoneChildren(fan_out) = &wait.what {
+        // A resumed undo waits again where it stopped: the wait it registered is reopened.
+        if !waits::reopen(&mut tx, at.0, at.1).await? {
+            waits::insert(&mut tx, at, wait).await?;
+        }
+        children::undo_at(&mut tx, topology, (at.0, at.1), *fan_out).await?;
+        tx.commit().await?;
+        return Ok(committed);
+    }
     waits::insert(&mut tx, at, wait).await?;
     if let Some((name, key)) = wait.event()
         && let Some(id) = waits::take_pending(&mut tx, name, key).await?
@@ -83,6 +92,8 @@ enum How {
     Due,
     /// Its children's join held (what the progress line says of them).
     Joined(String),
+    /// Its children's undo join held: every one is compensated (what the progress line says).
+    Undone(String),
 }
 
 /// Where one waiting run goes, and what it says about it.
@@ -201,6 +212,10 @@ fn where_to(w: Waiting, how: How) -> Going {
         How::Joined(said) => {
             let _ = write!(line, "{said}; going on with step {}", w.next_step);
             ("children", None, RunStatus::Running, w.next_step.clone(), None)
+        }
+        How::Undone(said) => {
+            let _ = write!(line, "{said}; going on with {}", w.next_step);
+            ("children", None, RunStatus::Compensating, w.next_step.clone(), None)
         }
         How::Due if w.kind == "sleep" => {
             let _ = write!(
