@@ -728,10 +728,7 @@ fn family(count: usize) -> Value {
 /// When the family's reversals were written (`chain_ledger.created_at`, one insert each):
 /// the latest of the parent's reversals of the links after the join, the earliest and latest of
 /// the children's, and the earliest of the parent's reversals of the fan-out link and before.
-async fn reversal_times(
-    env: &TestEnv,
-    parent: &str,
-) -> [Option<chrono::DateTime<chrono::Utc>>; 4] {
+async fn reversal_times(env: &TestEnv, parent: &str) -> [Option<chrono::DateTime<chrono::Utc>>; 4] {
     let (after_join, first_child, last_child, before): (_, _, _, _) = sqlx::query_as(
         "SELECT max(created_at) FILTER (WHERE run_id = $1 AND step >= 2),
                 min(created_at) FILTER (WHERE run_id <> $1),
@@ -799,7 +796,12 @@ async fn undoing_a_parent_compensates_its_family_in_causal_order_and_the_ledger_
         [(3, 0), (2, 0), (1, 20), (0, 0)],
         "the 20 children are listed at the fan-out link, before its own compensation"
     );
-    assert!(preview.children.iter().all(|c| c.at == 1 && c.compensations.len() == 2));
+    assert!(
+        preview
+            .children
+            .iter()
+            .all(|c| c.at == 1 && c.compensations.len() == 2)
+    );
     let who = Decider::cli("tester", "the batch was wrong");
     let outcome = trailmark::operator::undo(&engine, "fam", &who, opts)
         .await
@@ -844,27 +846,41 @@ async fn a_family_undo_killed_in_the_middle_of_the_children_resumes_each_reversa
     // after the write, before its commit.
     let mut undoer = env.spawn_process(Some("chain.after_reversal=kill@12"));
     let out = env
-        .command(&["run", "undo", "famk", "--reason", "drill", "--actor", "ops", "--yes"])
+        .command(&[
+            "run", "undo", "famk", "--reason", "drill", "--actor", "ops", "--yes",
+        ])
         .output()
         .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let status = wait_exit(&mut undoer, WAIT).await.expect("killed mid-undo");
     assert_eq!(
         std::os::unix::process::ExitStatusExt::signal(&status),
         Some(9)
     );
-    let stood: String = sqlx::query_scalar("SELECT status FROM trailmark.runs WHERE run_id = 'famk'")
-        .fetch_one(&env.pool)
-        .await
-        .unwrap();
-    assert_eq!(stood, "waiting", "killed while the parent waits for its children's undo");
+    let stood: String =
+        sqlx::query_scalar("SELECT status FROM trailmark.runs WHERE run_id = 'famk'")
+            .fetch_one(&env.pool)
+            .await
+            .unwrap();
+    assert_eq!(
+        stood, "waiting",
+        "killed while the parent waits for its children's undo"
+    );
     let second = env.spawn_process(None);
     env.wait_status("famk", RunStatus::Compensated, WAIT).await;
     assert_eq!(
         children_by_status(&env, "famk").await,
         [("compensated".into(), 20)]
     );
-    assert_eq!(family_ledger(&env, "famk").await, (44, 44, 44), "each reversal exactly once");
+    assert_eq!(
+        family_ledger(&env, "famk").await,
+        (44, 44, 44),
+        "each reversal exactly once"
+    );
     assert_causal_order(&env, "famk").await;
     let started_twice: i64 = env
         .scalar(
@@ -874,7 +890,10 @@ async fn a_family_undo_killed_in_the_middle_of_the_children_resumes_each_reversa
             "famk",
         )
         .await;
-    assert_eq!(started_twice, 0, "each child's undo was started once: two compensations each");
+    assert_eq!(
+        started_twice, 0,
+        "each child's undo was started once: two compensations each"
+    );
     kill(second).await;
 }
 
@@ -889,9 +908,14 @@ async fn a_child_cancelled_mid_undo_stops_its_parent_for_review_naming_it_and_a_
     let mut undoer = env.spawn_process(Some("chain.after_reversal=kill@3"));
     let engine = env.engine();
     let who = Decider::cli("tester", "wrong batch");
-    trailmark::operator::undo(&engine, "famc", &who, trailmark::operator::UndoOptions::everything())
-        .await
-        .unwrap();
+    trailmark::operator::undo(
+        &engine,
+        "famc",
+        &who,
+        trailmark::operator::UndoOptions::everything(),
+    )
+    .await
+    .unwrap();
     wait_exit(&mut undoer, WAIT).await.expect("killed mid-undo");
     assert_eq!(
         children_by_status(&env, "famc").await,
@@ -907,7 +931,11 @@ async fn a_child_cancelled_mid_undo_stops_its_parent_for_review_naming_it_and_a_
     assert_eq!(note["failed"][0]["run_id"], "famc:1:2", "{note}");
     assert_eq!(note["failed"][0]["state"], "cancelled", "{note}");
     assert!(
-        stopped.error.as_deref().unwrap_or("").contains("compensated"),
+        stopped
+            .error
+            .as_deref()
+            .unwrap_or("")
+            .contains("compensated"),
         "{:?}",
         stopped.error
     );
@@ -919,19 +947,31 @@ async fn a_child_cancelled_mid_undo_stops_its_parent_for_review_naming_it_and_a_
     })
     .await;
     // The way on that the note names: undo the cancelled child, then resume the parent.
-    trailmark::operator::undo(&engine, "famc:1:2", &cancel, trailmark::operator::UndoOptions::everything())
-        .await
-        .unwrap();
-    env.wait_status("famc:1:2", RunStatus::Compensated, WAIT).await;
+    trailmark::operator::undo(
+        &engine,
+        "famc:1:2",
+        &cancel,
+        trailmark::operator::UndoOptions::everything(),
+    )
+    .await
+    .unwrap();
+    env.wait_status("famc:1:2", RunStatus::Compensated, WAIT)
+        .await;
     assert_eq!(
-        env.wait_status("famc", RunStatus::NeedsReview, WAIT).await.status,
+        env.wait_status("famc", RunStatus::NeedsReview, WAIT)
+            .await
+            .status,
         RunStatus::NeedsReview
     );
     trailmark::operator::resume(&engine, "famc", &who, Resume::Again)
         .await
         .unwrap();
     env.wait_status("famc", RunStatus::Compensated, WAIT).await;
-    assert_eq!(family_ledger(&env, "famc").await, (14, 14, 14), "each reversal exactly once");
+    assert_eq!(
+        family_ledger(&env, "famc").await,
+        (14, 14, 14),
+        "each reversal exactly once"
+    );
     assert_causal_order(&env, "famc").await;
     running.stop().await;
 }

@@ -353,21 +353,18 @@ fn resolve(
             ),
         ));
     };
-    let found = workflow.find(msg.step.declared()).and_then(|def| {
-        match (msg.step.is_undo(), &def.compensation) {
-            (false, _) => Some(def.clone()),
-            (true, Some(c)) => Some(StepDef {
-                name: msg.step.to_string(),
-                handler: c.handler.clone(),
-                ..def.clone()
-            }),
+    let found = workflow.find(msg.step.declared()).map(|def| {
+        let handler = match (msg.step.is_undo(), &def.compensation) {
+            (false, _) => return def.clone(),
+            (true, Some(c)) => c.handler.clone(),
             // In an undo's plan only for the children it started (`undoing.rs` moves on
             // without a handler); a plan never names it otherwise.
-            (true, None) => Some(StepDef {
-                name: msg.step.to_string(),
-                handler: no_compensation(),
-                ..def.clone()
-            }),
+            (true, None) => no_compensation(),
+        };
+        StepDef {
+            name: msg.step.to_string(),
+            handler,
+            ..def.clone()
         }
     });
     // A run of an older version is claimed and stopped for review with advice (its step may
