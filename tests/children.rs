@@ -975,3 +975,40 @@ async fn a_child_cancelled_mid_undo_stops_its_parent_for_review_naming_it_and_a_
     assert_causal_order(&env, "famc").await;
     running.stop().await;
 }
+
+/// The time to undo a parent of 4 links with 100 children of 2 links each, from the decision
+/// to the last run compensated (printed; the figure in docs/ARCHITECTURE.md, section 8b, comes
+/// from it). Ignored: a timing, not a check; run it with `--ignored --nocapture`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore]
+async fn a_family_undo_of_100_children_timed() {
+    let env = TestEnv::new().await;
+    let engine = env.engine();
+    let running = env.spawn_all(engine.clone());
+    env.start_run("chain", "m", family(100)).await;
+    env.wait_status("m", RunStatus::Succeeded, WAIT).await;
+    let who = Decider::cli("tester", "timed");
+    let started = Instant::now();
+    let opts = trailmark::operator::UndoOptions::everything();
+    trailmark::operator::undo(&engine, "m", &who, opts)
+        .await
+        .unwrap();
+    env.wait_until("the family to be compensated", WAIT, || async {
+        let left: i64 = env
+            .scalar(
+                "SELECT count(*) FROM trailmark.runs
+                  WHERE (run_id = $1 OR parent_run_id = $1) AND status <> 'compensated'",
+                "m",
+            )
+            .await;
+        left == 0
+    })
+    .await;
+    let took = started.elapsed();
+    assert_eq!(family_ledger(&env, "m").await, (204, 204, 204));
+    eprintln!(
+        "family undo, 1 parent + 100 children: {:.3} s",
+        took.as_secs_f64()
+    );
+    running.stop().await;
+}

@@ -47,6 +47,11 @@ pub(crate) async fn commit(
     if let Some((name, key)) = wait.event() {
         waits::lock_pair(&mut tx, name, key).await?;
     }
+    if let WaitFor::UndoneChildren(_) = &wait.what {
+        // The runs above first, then this one: starting the children's undo may stop this run
+        // for review and count it in its own parent's undo (`children::undo_at`).
+        store::children::lock_line(&mut tx, step.run_id.as_str()).await?;
+    }
     let (mut tx, committed) = match checkpoint::commit_first(pool, tx, &step).await {
         ControlFlow::Continue(went_in) => went_in,
         ControlFlow::Break(answer) => return answer,
