@@ -1012,3 +1012,53 @@ async fn a_family_undo_of_100_children_timed() {
     );
     running.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_nested_family_is_undone_in_causal_order_at_every_level() {
+    let env = TestEnv::new().await;
+    let engine = env.engine();
+    let running = env.spawn_all(engine.clone());
+    // 3 children of 3 links, each starting 2 grandchildren of 2 links after its link 1.
+    let grandchildren = json!({"at": 1, "count": 2, "steps": 2});
+    let input = json!({"steps": 4, "children": {"at": 1, "count": 3, "steps": 3, "children": grandchildren}});
+    env.start_run("chain", "nest", input).await;
+    env.wait_status("nest", RunStatus::Succeeded, WAIT).await;
+    assert_eq!(
+        env.scalar(
+            "SELECT count(*) FROM trailmark.runs WHERE run_id LIKE $1 || ':%'",
+            "nest"
+        )
+        .await,
+        9,
+        "3 children and 6 grandchildren"
+    );
+    let opts = trailmark::operator::UndoOptions::everything();
+    let preview = trailmark::operator::undo_preview(&engine, "nest", opts.clone())
+        .await
+        .unwrap();
+    let child = &preview.children[0];
+    assert_eq!((child.at, child.children.len()), (1, 2), "{child:?}");
+    assert!(child.compensations.iter().any(|t| t.seq == 1 && t.children));
+    let who = Decider::cli("tester", "wrong batch");
+    trailmark::operator::undo(&engine, "nest", &who, opts)
+        .await
+        .unwrap();
+    env.wait_status("nest", RunStatus::Compensated, WAIT).await;
+    let left: i64 = env
+        .scalar(
+            "SELECT count(*) FROM trailmark.runs WHERE run_id LIKE $1 || ':%' AND status <> 'compensated'",
+            "nest",
+        )
+        .await;
+    assert_eq!(left, 0, "every run below is compensated");
+    assert_eq!(
+        family_ledger(&env, "nest").await,
+        (25, 25, 25),
+        "4 + 3 x 3 + 6 x 2 writes, each reversed once"
+    );
+    assert_causal_order(&env, "nest").await;
+    for i in 0..3 {
+        assert_causal_order(&env, &format!("nest:1:{i}")).await;
+    }
+    running.stop().await;
+}
