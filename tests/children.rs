@@ -718,3 +718,347 @@ async fn a_join_on_the_first_2_of_6_cancels_the_children_still_running() {
     }
     running.stop().await;
 }
+
+/// A `chain` parent of 4 links whose link 1 starts `count` children of 2 links each: two links
+/// before its fan-out (0, and 1 which starts them) and two after the join (2, 3).
+fn family(count: usize) -> Value {
+    json!({"steps": 4, "children": {"at": 1, "count": count, "steps": 2}})
+}
+
+/// When the family's reversals were written (`chain_ledger.created_at`, one insert each):
+/// the latest of the parent's reversals of the links after the join, the earliest and latest of
+/// the children's, and the earliest of the parent's reversals of the fan-out link and before.
+async fn reversal_times(env: &TestEnv, parent: &str) -> [Option<chrono::DateTime<chrono::Utc>>; 4] {
+    let (after_join, first_child, last_child, before): (_, _, _, _) = sqlx::query_as(
+        "SELECT max(created_at) FILTER (WHERE run_id = $1 AND step >= 2),
+                min(created_at) FILTER (WHERE run_id <> $1),
+                max(created_at) FILTER (WHERE run_id <> $1),
+                min(created_at) FILTER (WHERE run_id = $1 AND step <= 1)
+           FROM trailmark.chain_ledger
+          WHERE (run_id = $1 OR run_id LIKE $1 || ':%') AND reference LIKE 'undo:%'",
+    )
+    .bind(parent)
+    .fetch_one(&env.pool)
+    .await
+    .unwrap();
+    [after_join, first_child, last_child, before]
+}
+
+/// (forward rows, reversal rows that reverse one of them, distinct reversals) over a family.
+async fn family_ledger(env: &TestEnv, parent: &str) -> (i64, i64, i64) {
+    sqlx::query_as(
+        "SELECT count(*) FILTER (WHERE reference NOT LIKE 'undo:%'),
+                count(*) FILTER (WHERE reference LIKE 'undo:%'
+                                   AND substr(reference, 6) IN (SELECT reference FROM trailmark.chain_ledger)),
+                count(DISTINCT reference) FILTER (WHERE reference LIKE 'undo:%')
+           FROM trailmark.chain_ledger WHERE run_id = $1 OR run_id LIKE $1 || ':%'",
+    )
+    .bind(parent)
+    .fetch_one(&env.pool)
+    .await
+    .unwrap()
+}
+
+/// Asserts the causal order of a family's undo: the parent's reversals of its links after the
+/// join, then every child's, then the parent's of the fan-out link and the one before it.
+async fn assert_causal_order(env: &TestEnv, parent: &str) {
+    let [after_join, first_child, last_child, before] = reversal_times(env, parent).await;
+    let (after_join, first_child) = (after_join.unwrap(), first_child.unwrap());
+    let (last_child, before) = (last_child.unwrap(), before.unwrap());
+    assert!(
+        after_join < first_child,
+        "the parent's links after the join are reversed before any child's: {after_join} vs {first_child}"
+    );
+    assert!(
+        last_child < before,
+        "every child is reversed before the parent's fan-out link and older: {last_child} vs {before}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn undoing_a_parent_compensates_its_family_in_causal_order_and_the_ledger_nets_to_zero() {
+    let env = TestEnv::new().await;
+    let engine = env.engine();
+    let running = env.spawn_all(engine.clone());
+    env.start_run("chain", "fam", family(20)).await;
+    env.wait_status("fam", RunStatus::Succeeded, WAIT).await;
+    let opts = trailmark::operator::UndoOptions::everything();
+    let preview = trailmark::operator::undo_preview(&engine, "fam", opts.clone())
+        .await
+        .unwrap();
+    let order: Vec<(i32, usize)> = preview
+        .compensations
+        .iter()
+        .map(|c| (c.seq, c.children_first))
+        .collect();
+    assert_eq!(
+        order,
+        [(3, 0), (2, 0), (1, 20), (0, 0)],
+        "the 20 children are listed at the fan-out link, before its own compensation"
+    );
+    assert!(
+        preview
+            .children
+            .iter()
+            .all(|c| c.at == 1 && c.compensations.len() == 2)
+    );
+    let who = Decider::cli("tester", "the batch was wrong");
+    let outcome = trailmark::operator::undo(&engine, "fam", &who, opts)
+        .await
+        .unwrap();
+    assert!(outcome.next.contains("20 child run(s)"), "{}", outcome.next);
+    env.wait_status("fam", RunStatus::Compensated, WAIT).await;
+    assert_eq!(
+        children_by_status(&env, "fam").await,
+        [("compensated".into(), 20)]
+    );
+    assert_eq!(
+        family_ledger(&env, "fam").await,
+        (44, 44, 44),
+        "each of the 4 + 20 x 2 writes reversed exactly once"
+    );
+    assert_causal_order(&env, "fam").await;
+    // The parent waited for its children's undo once, at the compensation of its fan-out link.
+    let waited: Vec<(String, Option<String>)> = sqlx::query_as(
+        "SELECT step, resolution FROM trailmark.waits WHERE run_id = 'fam' ORDER BY seq",
+    )
+    .fetch_all(&env.pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        waited,
+        [
+            ("link".into(), Some("children".into())),
+            ("undo:link@1".into(), Some("children".into()))
+        ]
+    );
+    running.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_family_undo_killed_in_the_middle_of_the_children_resumes_each_reversal_once() {
+    let env = TestEnv::new().await;
+    let first = env.spawn_process(None);
+    env.start_run("chain", "famk", family(20)).await;
+    env.wait_status("famk", RunStatus::Succeeded, WAIT).await;
+    kill(first).await;
+    // The parent's 2 reversals after the join, then the 10th child reversal kills its worker
+    // after the write, before its commit.
+    let mut undoer = env.spawn_process(Some("chain.after_reversal=kill@12"));
+    let out = env
+        .command(&[
+            "run", "undo", "famk", "--reason", "drill", "--actor", "ops", "--yes",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let status = wait_exit(&mut undoer, WAIT).await.expect("killed mid-undo");
+    assert_eq!(
+        std::os::unix::process::ExitStatusExt::signal(&status),
+        Some(9)
+    );
+    let stood: String =
+        sqlx::query_scalar("SELECT status FROM trailmark.runs WHERE run_id = 'famk'")
+            .fetch_one(&env.pool)
+            .await
+            .unwrap();
+    assert_eq!(
+        stood, "waiting",
+        "killed while the parent waits for its children's undo"
+    );
+    let second = env.spawn_process(None);
+    env.wait_status("famk", RunStatus::Compensated, WAIT).await;
+    assert_eq!(
+        children_by_status(&env, "famk").await,
+        [("compensated".into(), 20)]
+    );
+    assert_eq!(
+        family_ledger(&env, "famk").await,
+        (44, 44, 44),
+        "each reversal exactly once"
+    );
+    assert_causal_order(&env, "famk").await;
+    let started_twice: i64 = env
+        .scalar(
+            "SELECT count(*) FROM trailmark.runs r WHERE r.parent_run_id = $1
+                AND (SELECT count(*) FROM trailmark.steps s WHERE s.run_id = r.run_id
+                      AND s.step LIKE 'undo:%') <> 2",
+            "famk",
+        )
+        .await;
+    assert_eq!(
+        started_twice, 0,
+        "each child's undo was started once: two compensations each"
+    );
+    kill(second).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_child_cancelled_mid_undo_stops_its_parent_for_review_naming_it_and_a_resume_finishes() {
+    let env = TestEnv::new().await;
+    let first = env.spawn_process(None);
+    env.start_run("chain", "famc", family(5)).await;
+    env.wait_status("famc", RunStatus::Succeeded, WAIT).await;
+    kill(first).await;
+    // Killed at the first child reversal: the parent waits, its 5 children are compensating.
+    let mut undoer = env.spawn_process(Some("chain.after_reversal=kill@3"));
+    let engine = env.engine();
+    let who = Decider::cli("tester", "wrong batch");
+    trailmark::operator::undo(
+        &engine,
+        "famc",
+        &who,
+        trailmark::operator::UndoOptions::everything(),
+    )
+    .await
+    .unwrap();
+    wait_exit(&mut undoer, WAIT).await.expect("killed mid-undo");
+    assert_eq!(
+        children_by_status(&env, "famc").await,
+        [("compensating".into(), 5)]
+    );
+    let cancel = Decider::cli("tester", "leave this one");
+    trailmark::operator::cancel(&engine, "famc:1:2", &cancel)
+        .await
+        .unwrap();
+    let stopped = env.wait_status("famc", RunStatus::NeedsReview, WAIT).await;
+    let note = stopped.handover.expect("a handover note");
+    assert_eq!(note["error_class"], "children_undo_failed", "{note}");
+    assert_eq!(note["failed"][0]["run_id"], "famc:1:2", "{note}");
+    assert_eq!(note["failed"][0]["state"], "cancelled", "{note}");
+    assert!(
+        stopped
+            .error
+            .as_deref()
+            .unwrap_or("")
+            .contains("compensated"),
+        "{:?}",
+        stopped.error
+    );
+    // The other children finish their undo; the parent stays stopped, not stranded waiting.
+    let running = env.spawn_all(engine.clone());
+    env.wait_until("the other children to be compensated", WAIT, || async {
+        children_by_status(&env, "famc").await
+            == [("cancelled".into(), 1), ("compensated".into(), 4)]
+    })
+    .await;
+    // The way on that the note names: undo the cancelled child, then resume the parent.
+    trailmark::operator::undo(
+        &engine,
+        "famc:1:2",
+        &cancel,
+        trailmark::operator::UndoOptions::everything(),
+    )
+    .await
+    .unwrap();
+    env.wait_status("famc:1:2", RunStatus::Compensated, WAIT)
+        .await;
+    assert_eq!(
+        env.wait_status("famc", RunStatus::NeedsReview, WAIT)
+            .await
+            .status,
+        RunStatus::NeedsReview
+    );
+    trailmark::operator::resume(&engine, "famc", &who, Resume::Again)
+        .await
+        .unwrap();
+    env.wait_status("famc", RunStatus::Compensated, WAIT).await;
+    assert_eq!(
+        family_ledger(&env, "famc").await,
+        (14, 14, 14),
+        "each reversal exactly once"
+    );
+    assert_causal_order(&env, "famc").await;
+    running.stop().await;
+}
+
+/// The time to undo a parent of 4 links with 100 children of 2 links each, from the decision
+/// to the last run compensated (printed; the figure in docs/ARCHITECTURE.md, section 8b, comes
+/// from it). Ignored: a timing, not a check; run it with `--ignored --nocapture`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore]
+async fn a_family_undo_of_100_children_timed() {
+    let env = TestEnv::new().await;
+    let engine = env.engine();
+    let running = env.spawn_all(engine.clone());
+    env.start_run("chain", "m", family(100)).await;
+    env.wait_status("m", RunStatus::Succeeded, WAIT).await;
+    let who = Decider::cli("tester", "timed");
+    let started = Instant::now();
+    let opts = trailmark::operator::UndoOptions::everything();
+    trailmark::operator::undo(&engine, "m", &who, opts)
+        .await
+        .unwrap();
+    env.wait_until("the family to be compensated", WAIT, || async {
+        let left: i64 = env
+            .scalar(
+                "SELECT count(*) FROM trailmark.runs
+                  WHERE (run_id = $1 OR parent_run_id = $1) AND status <> 'compensated'",
+                "m",
+            )
+            .await;
+        left == 0
+    })
+    .await;
+    let took = started.elapsed();
+    assert_eq!(family_ledger(&env, "m").await, (204, 204, 204));
+    eprintln!(
+        "family undo, 1 parent + 100 children: {:.3} s",
+        took.as_secs_f64()
+    );
+    running.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_nested_family_is_undone_in_causal_order_at_every_level() {
+    let env = TestEnv::new().await;
+    let engine = env.engine();
+    let running = env.spawn_all(engine.clone());
+    // 3 children of 3 links, each starting 2 grandchildren of 2 links after its link 1.
+    let grandchildren = json!({"at": 1, "count": 2, "steps": 2});
+    let input = json!({"steps": 4, "children": {"at": 1, "count": 3, "steps": 3, "children": grandchildren}});
+    env.start_run("chain", "nest", input).await;
+    env.wait_status("nest", RunStatus::Succeeded, WAIT).await;
+    assert_eq!(
+        env.scalar(
+            "SELECT count(*) FROM trailmark.runs WHERE run_id LIKE $1 || ':%'",
+            "nest"
+        )
+        .await,
+        9,
+        "3 children and 6 grandchildren"
+    );
+    let opts = trailmark::operator::UndoOptions::everything();
+    let preview = trailmark::operator::undo_preview(&engine, "nest", opts.clone())
+        .await
+        .unwrap();
+    let child = &preview.children[0];
+    assert_eq!((child.at, child.children.len()), (1, 2), "{child:?}");
+    assert!(child.compensations.iter().any(|t| t.seq == 1 && t.children));
+    let who = Decider::cli("tester", "wrong batch");
+    trailmark::operator::undo(&engine, "nest", &who, opts)
+        .await
+        .unwrap();
+    env.wait_status("nest", RunStatus::Compensated, WAIT).await;
+    let left: i64 = env
+        .scalar(
+            "SELECT count(*) FROM trailmark.runs WHERE run_id LIKE $1 || ':%' AND status <> 'compensated'",
+            "nest",
+        )
+        .await;
+    assert_eq!(left, 0, "every run below is compensated");
+    assert_eq!(
+        family_ledger(&env, "nest").await,
+        (25, 25, 25),
+        "4 + 3 x 3 + 6 x 2 writes, each reversed once"
+    );
+    assert_causal_order(&env, "nest").await;
+    for i in 0..3 {
+        assert_causal_order(&env, &format!("nest:1:{i}")).await;
+    }
+    running.stop().await;
+}

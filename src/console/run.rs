@@ -615,6 +615,9 @@ pub async fn undo_preview(
         p { "Run " a href={ "/runs/" (run_id) } { (run_id) } " is " (status(preview.status)) ". Scope: " code { (preview.scope) } }
         p { "The undo runs " (preview.compensations.len()) " compensations, newest first, writing these " (listed) " reversals:" }
         @for c in preview.compensations.iter().take(COMPENSATIONS_SHOWN) {
+            @if c.children_first > 0 {
+                p.children-first { "Then the " (c.children_first) " child runs started at position " (c.seq) " are undone, side by side; the run waits until every one is compensated before this compensation." }
+            }
             h2 { (c.step) " (position " (c.seq) ")" }
             p.muted { (c.compensation) }
             @match (&c.reversals, &c.cannot_list) {

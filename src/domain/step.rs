@@ -89,13 +89,20 @@ impl PartialEq<&str> for StepAddress {
     }
 }
 
-/// One finished step an undo compensates.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+/// One finished step an undo compensates, or a fan-out whose children it undoes there.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PlannedUndo {
     /// Its position.
     pub seq: i32,
     /// Its declared name.
     pub step: String,
+    /// The step started child runs: they are undone (and waited for) before its own
+    /// compensation runs, their effects being newer than its own writes.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub children: bool,
+    /// The step declares no compensation: it is in the plan only for its children.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub children_only: bool,
 }
 
 /// What an operator's undo decided, stored with the run while it compensates: the scope every
@@ -118,6 +125,11 @@ impl UndoPlan {
         self.targets
             .first()
             .map(|t| StepAddress::undo(&t.step, t.seq))
+    }
+
+    /// The target at position `seq`.
+    pub fn target(&self, seq: i32) -> Option<&PlannedUndo> {
+        self.targets.iter().find(|t| t.seq == seq)
     }
 
     /// The compensation after `current` (newest first), or `None` when the undo is complete.
@@ -151,7 +163,7 @@ mod tests {
     #[test]
     fn a_plan_runs_its_compensations_newest_first_then_ends() {
         let plan: UndoPlan = serde_json::from_value(serde_json::json!({
-            "scope": {}, "targets": [{"seq": 5, "step": "b"}, {"seq": 2, "step": "a"}]
+            "scope": {}, "targets": [{"seq": 5, "step": "b"}, {"seq": 2, "step": "a", "children": true}]
         }))
         .unwrap();
         let first = plan.first().unwrap();
@@ -159,5 +171,7 @@ mod tests {
         assert_eq!(plan.after(&first), Some(StepAddress::undo("a", 2)));
         assert_eq!(plan.after(&StepAddress::undo("a", 2)), None);
         assert!(plan.left_standing.is_empty());
+        assert!(plan.target(2).is_some_and(|t| t.children && !t.children_only));
+        assert!(!plan.target(5).unwrap().children, "absent means no children");
     }
 }

@@ -34,6 +34,9 @@ pub enum WaitFor {
     Sleep(Due),
     /// Child runs, started by the same commit, until the join's condition holds.
     Children(super::FanOut),
+    /// The undo of the children of the fan-out at this position of the run (started by the same
+    /// commit), until every one of them is compensated.
+    UndoneChildren(i32),
 }
 
 /// When a sleep ends.
@@ -52,7 +55,7 @@ impl NewWait {
         match &self.what {
             WaitFor::Event { timeout_secs, .. } => Due::In(*timeout_secs),
             WaitFor::Sleep(due) => *due,
-            WaitFor::Children(_) => Due::At(super::never()),
+            WaitFor::Children(_) | WaitFor::UndoneChildren(_) => Due::At(super::never()),
         }
     }
 
@@ -60,7 +63,7 @@ impl NewWait {
     pub fn event(&self) -> Option<(&str, &str)> {
         match &self.what {
             WaitFor::Event { name, key, .. } => Some((name, key)),
-            WaitFor::Sleep(_) | WaitFor::Children(_) => None,
+            WaitFor::Sleep(_) | WaitFor::Children(_) | WaitFor::UndoneChildren(_) => None,
         }
     }
 
@@ -85,6 +88,10 @@ impl NewWait {
                 "waiting_for": "children", "children": fan.children.len(),
                 "join": fan.first_n.map_or("all".to_owned(), |n| format!("first {n}")),
                 "max_failures": fan.max_failures, "max_in_flight": fan.max_in_flight,
+                "step": step, "seq": seq, "next": self.next_step,
+            }),
+            WaitFor::UndoneChildren(fan_out) => serde_json::json!({
+                "waiting_for": "children_undone", "fan_out": fan_out,
                 "step": step, "seq": seq, "next": self.next_step,
             }),
         }

@@ -240,6 +240,24 @@ async fn record_in(
     who: &Decider,
     decided: Decided<'_>,
 ) -> Result<Outcome> {
+    let (after, step) = (decided.after, decided.step);
+    let outcome = record_quietly(tx, run, who, decided).await?;
+    if let Ok(run_id) = RunId::parse(&run.run_id)
+        && let Some(event) = Event::run(&run_id, &run.workflow, after, step)
+    {
+        outbox::insert(&mut *tx, &[engine.topology.event_message(&event)]).await?;
+    }
+    Ok(outcome)
+}
+
+/// [`record_in`] without the lifecycle event: for a decision that does not move the run yet
+/// (a child's part in its parent's undo, which starts when the parent reaches it).
+async fn record_quietly(
+    tx: &mut PgConnection,
+    run: &runs::RunRow,
+    who: &Decider,
+    decided: Decided<'_>,
+) -> Result<Outcome> {
     let Decided {
         action,
         after,
@@ -281,11 +299,6 @@ async fn record_in(
         ),
     };
     progress::record(&mut *tx, &[said]).await?;
-    if let Ok(run_id) = RunId::parse(&run.run_id)
-        && let Some(event) = Event::run(&run_id, &run.workflow, after, step)
-    {
-        outbox::insert(&mut *tx, &[engine.topology.event_message(&event)]).await?;
-    }
     Ok(Outcome {
         run_id: run.run_id.clone(),
         action: action.into(),
@@ -303,7 +316,9 @@ pub async fn cancel(engine: &Engine, run_id: &str, who: &Decider) -> Result<Outc
     // A child's parent is locked before the child, as a child's ending locks them.
     let parent = store::children::parent_of(&mut *tx, run_id).await?;
     if let Some((parent, _)) = &parent {
-        store::children::lock_run(&mut tx, parent).await?;
+        // And the runs above it: a cancel during an undo may stop the parent, and count it in
+        // its own parent's undo.
+        store::children::lock_line(&mut tx, parent).await?;
     }
     let run = lock(&mut tx, run_id).await?;
     if run.status.is_terminal() {

@@ -10,7 +10,9 @@ use std::pin::Pin;
 
 use sqlx::PgConnection;
 
-use super::{Decided, Decider, Outcome, Result, enqueue, lock, record_in, refused, set_run};
+use super::{
+    Decided, Decider, Outcome, Result, enqueue, lock, record_in, record_quietly, refused, set_run,
+};
 use crate::domain::{PlannedUndo, RunId, RunStatus, UndoPlan};
 use crate::engine::Engine;
 use crate::store::{self, effects, runs, steps};
@@ -44,8 +46,12 @@ impl UndoOptions {
 
 /// Starts undoing `run_id`. Refused while a step that stopped halfway has recorded writes,
 /// unless `opts.leave_partial`: undo would silently leave them standing. The run's child runs
-/// (and theirs) are undone with it, newest first, each by its own plan and decision, in the same
-/// transaction; refused while one of them still runs (cancel the run first, which cancels them).
+/// (and theirs) are undone with it in causal order: the run compensates its steps newer than a
+/// fan-out first; on reaching the fan-out step it undoes that step's children (side by side,
+/// each newest first) and waits until every one is compensated; then it compensates the fan-out
+/// step and the older steps. Every child's plan is decided here, in the same transaction, and
+/// started when its parent reaches it; refused while one of them still runs (cancel the run
+/// first, which cancels them).
 pub async fn undo(
     engine: &Engine,
     run_id: &str,
@@ -53,17 +59,19 @@ pub async fn undo(
     opts: UndoOptions,
 ) -> Result<Outcome> {
     let mut tx = engine.pool.begin().await?;
-    let outcome = undo_in(engine, &mut tx, run_id, who, opts).await?;
+    let outcome = undo_in(engine, &mut tx, (run_id, None), who, opts).await?;
     tx.commit().await?;
     tracing::info!(run.id = %run_id, actor = %who.actor, after = %outcome.status_after, "undo decided");
     Ok(outcome)
 }
 
-/// [`undo`] in the caller's transaction, for a run and then, below it, each of its children.
+/// [`undo`] in the caller's transaction, for a run and then, below it, each of its children:
+/// the run itself starts compensating; a child (`under` its parent's fan-out at a position)
+/// gets its plan, started when its parent's undo reaches that position.
 fn undo_in<'a>(
     engine: &'a Engine,
     tx: &'a mut PgConnection,
-    run_id: &'a str,
+    (run_id, under): (&'a str, Option<(&'a str, i32)>),
     who: &'a Decider,
     opts: UndoOptions,
 ) -> Pin<Box<dyn Future<Output = Result<Outcome>> + Send + 'a>> {
@@ -71,13 +79,17 @@ fn undo_in<'a>(
         let run = lock(&mut *tx, run_id).await?;
         let plan = plan(engine, &mut *tx, &run, opts.clone()).await?;
         let children = undoable_children(&mut *tx, &run).await?;
-        let mut outcome = undo_run(engine, &mut *tx, &run, who, plan).await?;
-        for child in &children {
-            undo_in(engine, &mut *tx, child, who, opts.clone()).await?;
+        store::children::clear_undo(&mut *tx, run_id).await?;
+        let mut outcome = match under {
+            None => undo_run(engine, &mut *tx, &run, who, plan).await?,
+            Some(at) => plan_child(&mut *tx, &run, who, plan, at).await?,
+        };
+        for (child, at) in &children {
+            undo_in(engine, &mut *tx, (child, Some((run_id, *at))), who, opts.clone()).await?;
         }
         if !children.is_empty() {
             outcome.next = format!(
-                "{}; its {} child run(s) are undone with it, newest first",
+                "{}; its {} child run(s) are undone with it, each when its compensations reach the step that started it (before that step's own compensation), side by side, newest first within each",
                 outcome.next,
                 children.len()
             );
@@ -86,11 +98,12 @@ fn undo_in<'a>(
     })
 }
 
-/// The child runs an undo of `run` undoes too, newest first: every child that was started and
-/// is not undone already. Refused while one of them has not ended.
-async fn undoable_children(tx: &mut PgConnection, run: &runs::RunRow) -> Result<Vec<String>> {
+/// The child runs an undo of `run` undoes too, with the position of the fan-out that started
+/// each, in the order the undo reaches them: every child that was started and is not undone
+/// already. Refused while one of them has not ended.
+async fn undoable_children(tx: &mut PgConnection, run: &runs::RunRow) -> Result<Vec<(String, i32)>> {
     let children = store::children::started(&mut *tx, &run.run_id).await?;
-    if let Some((id, status)) = children.iter().find(|(_, s)| !s.is_terminal() && *s != RunStatus::NeedsReview) {
+    if let Some((id, status, _)) = children.iter().find(|(_, s, _)| !s.is_terminal() && *s != RunStatus::NeedsReview) {
         return Err(refused(
             run,
             "undo",
@@ -102,9 +115,36 @@ async fn undoable_children(tx: &mut PgConnection, run: &runs::RunRow) -> Result<
     }
     Ok(children
         .into_iter()
-        .filter(|(_, s)| *s != RunStatus::Compensated)
-        .map(|(id, _)| id)
+        .filter(|(_, s, _)| *s != RunStatus::Compensated)
+        .map(|(id, _, at)| (id, at))
         .collect())
+}
+
+/// Gives a locked child its part in its parent's undo: its plan, recorded as a decision, which
+/// its parent's undo starts when it reaches the fan-out at `at` (`wait::children::undo_at`).
+/// The child does not move yet.
+async fn plan_child(
+    tx: &mut PgConnection,
+    run: &runs::RunRow,
+    who: &Decider,
+    plan: UndoPlan,
+    (parent, at): (&str, i32),
+) -> Result<Outcome> {
+    let details = serde_json::to_value(&plan).expect("an undo plan serialises");
+    runs::set_undo_plan(&mut *tx, &run.run_id, &plan).await?;
+    let next = format!(
+        "its {} compensation(s) start, newest first, each keyed undo:<original key>, when the undo of its parent run {parent} reaches position {at} (the step that started it)",
+        plan.targets.len()
+    );
+    let decided = Decided {
+        action: "undo",
+        after: run.status,
+        step: None,
+        version_after: run.workflow_version,
+        details,
+        next,
+    };
+    record_quietly(tx, run, who, decided).await
 }
 
 /// Moves one locked run to compensating with its plan, and records the decision.
@@ -172,8 +212,9 @@ async fn undo_run(
     record_in(engine, tx, run, who, decided).await
 }
 
-/// What an undo of the run would do: its plan (refused when the run may not be undone, or when
-/// a stopped step's writes would be left standing without `leave_partial`).
+/// What an undo of the run would do: its plan, newest first, a step that started children
+/// marked so (refused when the run may not be undone, or when a stopped step's writes would be
+/// left standing without `leave_partial`).
 async fn plan(
     engine: &Engine,
     tx: &mut sqlx::PgConnection,
@@ -182,11 +223,22 @@ async fn plan(
 ) -> Result<UndoPlan> {
     let wf = undoable(engine, run)?;
     let left = partial_writes(tx, run, opts.leave_partial).await?;
+    // A step that started children is in the plan even without a compensation of its own:
+    // the run undoes its children there.
+    let fan_outs = store::children::fan_out_positions(&mut *tx, &run.run_id).await?;
     let targets: Vec<PlannedUndo> = steps::finished_forward(&mut *tx, &run.run_id)
         .await?
         .into_iter()
-        .filter(|(_, step)| wf.find(step).is_some_and(|d| d.compensation.is_some()))
-        .map(|(seq, step)| PlannedUndo { seq, step })
+        .filter_map(|(seq, step)| {
+            let declared = wf.find(&step).is_some_and(|d| d.compensation.is_some());
+            let children = fan_outs.contains(&seq);
+            (declared || children).then_some(PlannedUndo {
+                seq,
+                step,
+                children,
+                children_only: !declared,
+            })
+        })
         .collect();
     Ok(UndoPlan {
         scope: opts.scope,
@@ -215,6 +267,10 @@ pub struct PreviewStep {
     /// a scope that selects nothing).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub cannot_list: Option<String>,
+    /// How many child runs the step started that are undone, and waited for until every one
+    /// is compensated, before this compensation runs (listed in [`Preview::children`] with
+    /// `at` this position).
+    pub children_first: usize,
 }
 
 /// What `run undo` would do, without doing it.
@@ -230,7 +286,8 @@ pub struct Preview {
     pub compensations: Vec<PreviewStep>,
     /// Writes of a stopped step no compensation reverses (only with `leave_partial`).
     pub left_standing: Vec<String>,
-    /// The child runs undone with it, newest first.
+    /// The child runs undone with it, in the order the undo reaches them (the newest fan-out
+    /// first); the children of one fan-out are undone side by side.
     pub children: Vec<PreviewChild>,
 }
 
@@ -241,12 +298,19 @@ pub struct PreviewChild {
     pub run_id: String,
     /// Its status.
     pub status: RunStatus,
-    /// The steps it would compensate, newest first.
+    /// The position of its parent's step that started it: it is undone after the parent's
+    /// compensations of newer steps, before that step's own compensation.
+    pub at: i32,
+    /// The steps it would compensate, newest first (one that started children of its own
+    /// marked `children`: they are undone there, listed in `children`).
     pub compensations: Vec<PlannedUndo>,
+    /// Its own child runs, as its parent's are listed.
+    pub children: Vec<PreviewChild>,
 }
 
-/// Previews an undo: the compensations it would run, newest first, the writes of each step and
-/// the reversals each would write; nothing is changed or locked.
+/// Previews an undo: the compensations it would run, newest first, the child runs undone at
+/// each step that started them, the writes of each step and the reversals each would write;
+/// nothing is changed or locked.
 pub async fn preview(engine: &Engine, run_id: &str, opts: UndoOptions) -> Result<Preview> {
     let mut tx = engine.pool.begin().await?;
     let run = runs::get(&mut *tx, run_id)
@@ -262,6 +326,7 @@ pub async fn preview(engine: &Engine, run_id: &str, opts: UndoOptions) -> Result
     let mut compensations = Vec::with_capacity(plan.targets.len());
     for t in &plan.targets {
         let declared = wf.find(&t.step).and_then(|d| d.compensation.as_ref());
+        let children_first = children.iter().filter(|c| c.at == t.seq).count();
         let output = outputs.remove(&t.seq).unwrap_or_default();
         let (reversals, cannot_list) = match declared.and_then(|c| c.reversals.clone()) {
             None => (None, None),
@@ -273,7 +338,10 @@ pub async fn preview(engine: &Engine, run_id: &str, opts: UndoOptions) -> Result
         compensations.push(PreviewStep {
             step: t.step.clone(),
             seq: t.seq,
-            compensation: declared.map(|c| c.note.clone()).unwrap_or_default(),
+            compensation: declared.map_or_else(
+                || "none declared: only the child runs it started are undone here".to_owned(),
+                |c| c.note.clone(),
+            ),
             writes: written
                 .iter()
                 .filter(|e| e.seq == t.seq)
@@ -281,6 +349,7 @@ pub async fn preview(engine: &Engine, run_id: &str, opts: UndoOptions) -> Result
                 .collect(),
             reversals,
             cannot_list,
+            children_first,
         });
     }
     Ok(Preview {
@@ -293,27 +362,32 @@ pub async fn preview(engine: &Engine, run_id: &str, opts: UndoOptions) -> Result
     })
 }
 
-/// The child runs an undo would undo with the run, newest first, each with the steps it would
-/// compensate (their children are listed under them when they are undone in turn).
-async fn preview_children(
-    engine: &Engine,
-    tx: &mut PgConnection,
-    run: &runs::RunRow,
+/// The child runs an undo would undo with the run, in the order it reaches them, each with
+/// the steps it would compensate and its own children.
+fn preview_children<'a>(
+    engine: &'a Engine,
+    tx: &'a mut PgConnection,
+    run: &'a runs::RunRow,
     opts: UndoOptions,
-) -> Result<Vec<PreviewChild>> {
-    let mut listed = Vec::new();
-    for id in undoable_children(&mut *tx, run).await? {
-        let Some(child) = runs::get(&mut *tx, &id).await? else {
-            continue;
-        };
-        let plan = plan(engine, &mut *tx, &child, opts.clone()).await?;
-        listed.push(PreviewChild {
-            run_id: id,
-            status: child.status,
-            compensations: plan.targets,
-        });
-    }
-    Ok(listed)
+) -> Pin<Box<dyn Future<Output = Result<Vec<PreviewChild>>> + Send + 'a>> {
+    Box::pin(async move {
+        let mut listed = Vec::new();
+        for (id, at) in undoable_children(&mut *tx, run).await? {
+            let Some(child) = runs::get(&mut *tx, &id).await? else {
+                continue;
+            };
+            let plan = plan(engine, &mut *tx, &child, opts.clone()).await?;
+            let children = preview_children(engine, &mut *tx, &child, opts.clone()).await?;
+            listed.push(PreviewChild {
+                run_id: id,
+                status: child.status,
+                at,
+                compensations: plan.targets,
+                children,
+            });
+        }
+        Ok(listed)
+    })
 }
 
 /// Runs one declared lister; its refusal is returned as text, a store failure as an error.

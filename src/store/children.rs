@@ -11,7 +11,7 @@ use sqlx::{PgConnection, PgExecutor};
 
 use super::Result;
 use crate::domain::{
-    ChildResult, ChildrenSummary, FanOut, RunId, RunStatus, StepAddress, Transition,
+    ChildResult, ChildrenSummary, FanOut, RunId, RunStatus, StepAddress, Transition, UndoPlan,
     child_run_id,
 };
 
@@ -468,14 +468,15 @@ pub async fn cancel_below(
     Ok(cancelled)
 }
 
-/// The started children of `run_id` (every fan-out of it) with their runs' statuses, newest
-/// first (last ended, then highest index).
-pub async fn started(db: impl PgExecutor<'_>, run_id: &str) -> Result<Vec<(String, RunStatus)>> {
+/// The started children of `run_id` (every fan-out of it) with their runs' statuses and the
+/// position of the fan-out that started each, in the order an undo reaches them: newest
+/// fan-out first, then by index.
+pub async fn started(db: impl PgExecutor<'_>, run_id: &str) -> Result<Vec<(String, RunStatus, i32)>> {
     Ok(sqlx::query_as(
-        "SELECT c.run_id, r.status FROM trailmark.children c
+        "SELECT c.run_id, r.status, c.seq FROM trailmark.children c
            JOIN trailmark.runs r ON r.run_id = c.run_id
           WHERE c.parent_run_id = $1
-          ORDER BY c.ended_at DESC NULLS FIRST, c.seq DESC, c.idx DESC",
+          ORDER BY c.seq DESC, c.idx",
     )
     .bind(run_id)
     .fetch_all(db)
@@ -578,4 +579,299 @@ pub async fn family(db: &sqlx::PgPool, run_id: &str) -> Result<Family> {
         parent: parent.flatten(),
         fan_outs: fan_outs.into_iter().map(FanOutView::from).collect(),
     })
+}
+
+/// Locks `run_id`'s row and, before it, the rows of the runs above it (its parent, theirs, ...),
+/// top down, for the caller's transaction: the one lock order of a family, for a transaction
+/// whose child ending may move the runs above (an undo join that stops a child for review
+/// counts it in its own parent).
+pub async fn lock_line(conn: &mut PgConnection, run_id: &str) -> Result<()> {
+    sqlx::query(
+        "WITH RECURSIVE up(run_id, depth) AS (
+            SELECT $1::text, 0
+            UNION ALL
+            SELECT r.parent_run_id, u.depth + 1 FROM up u
+              JOIN trailmark.runs r ON r.run_id = u.run_id
+             WHERE r.parent_run_id IS NOT NULL AND u.depth < 32
+         )
+         SELECT r.run_id FROM trailmark.runs r JOIN up u ON u.run_id = r.run_id
+          ORDER BY u.depth DESC FOR UPDATE OF r",
+    )
+    .bind(run_id)
+    .fetch_all(conn)
+    .await?;
+    Ok(())
+}
+
+/// The positions of `run_id`'s fan-outs that started children, newest first: where an undo of
+/// the run undoes children.
+pub async fn fan_out_positions(db: impl PgExecutor<'_>, run_id: &str) -> Result<Vec<i32>> {
+    Ok(sqlx::query_scalar(
+        "SELECT seq FROM trailmark.fan_outs WHERE run_id = $1 AND started > 0 ORDER BY seq DESC",
+    )
+    .bind(run_id)
+    .fetch_all(db)
+    .await?)
+}
+
+/// Forgets every earlier undo of `run_id`'s fan-outs (an undo decided now starts each of them
+/// afresh when the run reaches it).
+pub async fn clear_undo(conn: &mut PgConnection, run_id: &str) -> Result<()> {
+    sqlx::query(
+        "UPDATE trailmark.fan_outs SET undo_seq = NULL, undo_total = 0, undone = 0, undo_failed = 0,
+                undo_joined_at = NULL, undo_stopped_at = NULL
+          WHERE run_id = $1 AND undo_seq IS NOT NULL",
+    )
+    .bind(run_id)
+    .execute(&mut *conn)
+    .await?;
+    sqlx::query(
+        "UPDATE trailmark.children SET undo_state = NULL, undo_reason = NULL
+          WHERE parent_run_id = $1 AND undo_state IS NOT NULL",
+    )
+    .bind(run_id)
+    .execute(conn)
+    .await?;
+    Ok(())
+}
+
+/// A fan-out's undo join and counters, as the undo join reads them.
+#[derive(Debug, Clone, sqlx::FromRow)]
+pub struct UndoRow {
+    /// The parent run.
+    pub run_id: String,
+    /// The position of the step that started the children.
+    pub seq: i32,
+    /// The parent's position that waits for their undo (`None`: not started).
+    pub undo_seq: Option<i32>,
+    /// Children the undo covers.
+    pub undo_total: i32,
+    /// Children compensated.
+    pub undone: i32,
+    /// Children whose undo stopped (review, failure, cancel).
+    pub undo_failed: i32,
+    /// Whether the undo join held (the parent went on).
+    pub joined: bool,
+}
+
+const UNDO_ROW: &str = "SELECT run_id, seq, undo_seq, undo_total, undone, undo_failed,
+        undo_joined_at IS NOT NULL AS joined FROM trailmark.fan_outs";
+
+/// The undo of the fan-out at `seq` of `run_id`, if that step started children.
+pub async fn undo_of(db: impl PgExecutor<'_>, run_id: &str, seq: i32) -> Result<Option<UndoRow>> {
+    let sql = format!("{UNDO_ROW} WHERE run_id = $1 AND seq = $2");
+    Ok(sqlx::query_as(sqlx::AssertSqlSafe(sql))
+        .bind(run_id)
+        .bind(seq)
+        .fetch_optional(db)
+        .await?)
+}
+
+/// A started child of a fan-out, as an undo reaching that fan-out finds it.
+#[derive(Debug, Clone, sqlx::FromRow)]
+pub struct ToUndo {
+    /// Its run id.
+    pub run_id: String,
+    /// Its status.
+    pub status: RunStatus,
+    /// Its workflow.
+    pub workflow: String,
+    /// The version it runs on.
+    pub workflow_version: i32,
+    /// The plan the parent's undo decision installed on it.
+    pub undo: Option<sqlx::types::Json<UndoPlan>>,
+}
+
+/// The started children of the fan-out at `seq` of `run_id`, their rows locked (after the
+/// parent's, which the caller holds), lowest index first.
+pub async fn to_undo(conn: &mut PgConnection, (run_id, seq): (&str, i32)) -> Result<Vec<ToUndo>> {
+    Ok(sqlx::query_as(
+        "SELECT r.run_id, r.status, r.workflow, r.workflow_version, r.undo
+           FROM trailmark.children c JOIN trailmark.runs r ON r.run_id = c.run_id
+          WHERE c.parent_run_id = $1 AND c.seq = $2 AND c.state NOT IN ('pending', 'skipped')
+          ORDER BY c.idx FOR UPDATE OF r",
+    )
+    .bind(run_id)
+    .bind(seq)
+    .fetch_all(conn)
+    .await?)
+}
+
+/// Moves a child into its parent's undo: to `compensating` at `step`, at its next free
+/// position, or straight to `compensated` when it has nothing to compensate (fence + 1, no
+/// lease, its note cleared: the parent's undo decision keeps it). Returns that position.
+pub async fn begin_undo(
+    conn: &mut PgConnection,
+    child: &str,
+    status: Transition,
+    step: Option<&StepAddress>,
+) -> Result<i32> {
+    Ok(sqlx::query_scalar(
+        "UPDATE trailmark.runs
+            SET status = $2, step = COALESCE($3, step),
+                step_seq = (SELECT COALESCE(max(seq), -1) + 1 FROM trailmark.steps WHERE run_id = $1),
+                fence = fence + 1, lease_owner = NULL, lease_expires_at = NULL, lease_pid = NULL,
+                error = NULL, handover = NULL, updated_at = now(),
+                finished_at = CASE WHEN $4 THEN now() END
+          WHERE run_id = $1 RETURNING step_seq",
+    )
+    .bind(child)
+    .bind(status.to)
+    .bind(step)
+    .bind(status.to.is_terminal())
+    .fetch_one(conn)
+    .await?)
+}
+
+/// A child's part in its parent's undo when it starts: `compensating`, `compensated`, or
+/// `failed` with why.
+#[derive(Debug, Clone)]
+pub struct UndoPart {
+    /// The child.
+    pub run_id: String,
+    /// Its undo state.
+    pub state: &'static str,
+    /// Why it failed.
+    pub reason: Option<String>,
+}
+
+/// Records that the undo of the fan-out at `seq` of `run_id` started, its parent waiting at
+/// `undo_seq`: each child's part, and the counters from them. Returns the undo as it stands.
+pub async fn undo_started(
+    conn: &mut PgConnection,
+    (run_id, seq): (&str, i32),
+    undo_seq: i32,
+    parts: &[UndoPart],
+) -> Result<UndoRow> {
+    sqlx::query(
+        "UPDATE trailmark.children c SET undo_state = p.state, undo_reason = p.reason
+           FROM UNNEST($1::text[], $2::text[], $3::text[]) AS p(run_id, state, reason)
+          WHERE c.run_id = p.run_id",
+    )
+    .bind(parts.iter().map(|p| p.run_id.as_str()).collect::<Vec<_>>())
+    .bind(parts.iter().map(|p| p.state).collect::<Vec<_>>())
+    .bind(parts.iter().map(|p| p.reason.as_deref()).collect::<Vec<_>>())
+    .execute(&mut *conn)
+    .await?;
+    let count = |state: &str| parts.iter().filter(|p| p.state == state).count() as i32;
+    let sql = format!(
+        "WITH f AS (
+            UPDATE trailmark.fan_outs SET undo_seq = $3, undo_total = $4, undone = $5,
+                   undo_failed = $6, undo_joined_at = NULL, undo_stopped_at = NULL
+             WHERE run_id = $1 AND seq = $2 RETURNING *
+         ) {}",
+        UNDO_ROW.replace("trailmark.fan_outs", "f")
+    );
+    Ok(sqlx::query_as(sqlx::AssertSqlSafe(sql))
+        .bind(run_id)
+        .bind(seq)
+        .bind(undo_seq)
+        .bind(parts.len() as i32)
+        .bind(count("compensated"))
+        .bind(count("failed"))
+        .fetch_one(conn)
+        .await?)
+}
+
+/// The parent waits again at `undo_seq` for an undo of the fan-out at `seq` that started
+/// before (it was stopped for review, and resumed): the counters stand as the children left
+/// them. Returns the undo as it stands.
+pub async fn undo_again(
+    conn: &mut PgConnection,
+    (run_id, seq): (&str, i32),
+    undo_seq: i32,
+) -> Result<Option<UndoRow>> {
+    let sql = format!(
+        "WITH f AS (
+            UPDATE trailmark.fan_outs SET undo_seq = $3, undo_stopped_at = NULL
+             WHERE run_id = $1 AND seq = $2 RETURNING *
+         ) {}",
+        UNDO_ROW.replace("trailmark.fan_outs", "f")
+    );
+    Ok(sqlx::query_as(sqlx::AssertSqlSafe(sql))
+        .bind(run_id)
+        .bind(seq)
+        .bind(undo_seq)
+        .fetch_optional(conn)
+        .await?)
+}
+
+/// Records how a child's part in its parent's undo ended (`compensated`, `failed` or
+/// `cancelled`, with why) and counts it; returns the undo as it now stands, or `None` when the
+/// child is in no undo of its parent. A child that stopped before (then resumed by a person and
+/// compensated) is counted again under its new state, never twice.
+pub async fn undo_ended(
+    conn: &mut PgConnection,
+    child: &str,
+    state: &str,
+    reason: Option<&str>,
+) -> Result<Option<UndoRow>> {
+    let sql = format!(
+        "WITH was AS (
+            SELECT undo_state FROM trailmark.children WHERE run_id = $1 FOR UPDATE
+         ), c AS (
+            UPDATE trailmark.children c SET undo_state = $2, undo_reason = $3
+              FROM was WHERE c.run_id = $1
+               AND was.undo_state IN ('compensating', 'failed', 'cancelled')
+            RETURNING c.parent_run_id, c.seq, was.undo_state AS was
+         ), f AS (
+            UPDATE trailmark.fan_outs f
+               SET undone = f.undone + ($2 = 'compensated')::int,
+                   undo_failed = f.undo_failed + ($2 <> 'compensated')::int
+                                 - (c.was <> 'compensating')::int
+              FROM c WHERE f.run_id = c.parent_run_id AND f.seq = c.seq
+            RETURNING f.*
+         ) {}",
+        UNDO_ROW.replace("trailmark.fan_outs", "f")
+    );
+    Ok(sqlx::query_as(sqlx::AssertSqlSafe(sql))
+        .bind(child)
+        .bind(state)
+        .bind(reason)
+        .fetch_optional(conn)
+        .await?)
+}
+
+/// Marks a fan-out's undo joined, once: `false` when it was before.
+pub async fn undo_join_once(conn: &mut PgConnection, (run_id, seq): (&str, i32)) -> Result<bool> {
+    let done = sqlx::query(
+        "UPDATE trailmark.fan_outs SET undo_joined_at = now()
+          WHERE run_id = $1 AND seq = $2 AND undo_joined_at IS NULL",
+    )
+    .bind(run_id)
+    .bind(seq)
+    .execute(conn)
+    .await?;
+    Ok(done.rows_affected() == 1)
+}
+
+/// Marks a fan-out's undo stopped (the parent stops for review).
+pub async fn undo_stopped(conn: &mut PgConnection, (run_id, seq): (&str, i32)) -> Result<()> {
+    sqlx::query(
+        "UPDATE trailmark.fan_outs SET undo_stopped_at = now() WHERE run_id = $1 AND seq = $2",
+    )
+    .bind(run_id)
+    .bind(seq)
+    .execute(conn)
+    .await?;
+    Ok(())
+}
+
+/// The children of a fan-out whose undo stopped, lowest index first, at most `limit`: index,
+/// run id, state and why.
+pub async fn undo_failures(
+    db: impl PgExecutor<'_>,
+    (run_id, seq): (&str, i32),
+    limit: i64,
+) -> Result<Vec<(i32, String, String, Option<String>)>> {
+    Ok(sqlx::query_as(
+        "SELECT idx, run_id, undo_state, undo_reason FROM trailmark.children
+          WHERE parent_run_id = $1 AND seq = $2 AND undo_state IN ('failed', 'cancelled')
+          ORDER BY idx LIMIT $3",
+    )
+    .bind(run_id)
+    .bind(seq)
+    .bind(limit)
+    .fetch_all(db)
+    .await?)
 }

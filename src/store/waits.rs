@@ -51,7 +51,7 @@ pub async fn insert(
             ..
         } => ("event", Some(name), Some(key), on_timeout.as_ref()),
         WaitFor::Sleep(_) => ("sleep", None, None, None),
-        WaitFor::Children(_) => ("children", None, None, None),
+        WaitFor::Children(_) | WaitFor::UndoneChildren(_) => ("children", None, None, None),
     };
     Ok(sqlx::query_scalar(
         "INSERT INTO trailmark.waits (run_id, seq, step, kind, event_name, match_key, next_step,

@@ -9,15 +9,17 @@
 //! A resume of the parent after its threshold was crossed does not run the fan-out step again:
 //! the parent waits again and only the failed children run again ([`reopen`]).
 
-use std::ops::ControlFlow;
 use std::fmt::Write;
+use std::future::Future;
+use std::ops::ControlFlow;
+use std::pin::Pin;
 
 use serde_json::json;
 use sqlx::{PgConnection, PgPool};
 
 use super::{How, go_on};
 use crate::broker::Topology;
-use crate::domain::{Event, FanOut, RunId, RunStartEvent, RunStatus};
+use crate::domain::{Event, FanOut, OutgoingMessage, RunId, RunStartEvent, RunStatus};
 use crate::failpoint::Failpoints;
 use crate::store::checkpoint::{self, Committed, StepCommit};
 use crate::store::children::{self, FanOutRow, ToStart};
@@ -85,13 +87,16 @@ pub(crate) async fn commit_end(
 ) -> store::Result<Committed> {
     let parent = step.ends_child_of.clone().expect("a commit that ends a child");
     let mut tx = pool.begin().await?;
-    children::lock_run(&mut tx, &parent).await?;
+    // The runs above the parent too: an undo join this ending stops counts the parent in its
+    // own parent.
+    children::lock_line(&mut tx, &parent).await?;
     let (mut tx, committed) = match checkpoint::commit_first(pool, tx, &step).await {
         ControlFlow::Continue(went_in) => went_in,
         ControlFlow::Break(answer) => return answer,
     };
     let (state, reason) = match step.to.status.to {
         RunStatus::Succeeded => ("succeeded", None),
+        RunStatus::Compensated => ("compensated", None),
         RunStatus::Cancelled => ("cancelled", step.to.error.as_deref()),
         _ => ("failed", step.to.error.as_deref()),
     };
@@ -132,18 +137,229 @@ pub(super) async fn timed_out(pool: &PgPool, topology: &Topology, due: &Waiting)
     Ok(true)
 }
 
-/// Counts a child's ending (`succeeded`, `failed` or `cancelled`, with why) in its fan-out and
-/// settles the join, in a transaction that locked the parent's row before the child's: its own
-/// last commit ([`commit_end`]), a stop for review without a commit of its own (its wait timed
-/// out, the supervisor escalated it), or an operator's cancel.
-pub(crate) async fn count_end(
+/// Counts a child's ending (`succeeded`, `compensated`, `failed` or `cancelled`, with why) in
+/// its fan-out and settles the join, in a transaction that locked the parent's row before the
+/// child's: its own last commit ([`commit_end`]), a stop for review without a commit of its own
+/// (its wait timed out, the supervisor escalated it, its own undo join stopped it), or an
+/// operator's cancel. A child taking part in its parent's undo is counted in that undo's join
+/// only (its forward state stays as it ran).
+pub(crate) fn count_end<'a>(
+    tx: &'a mut PgConnection,
+    topology: &'a Topology,
+    child: &'a str,
+    (state, reason): (&'a str, Option<&'a str>),
+) -> Pin<Box<dyn Future<Output = store::Result<()>> + Send + 'a>> {
+    Box::pin(async move {
+        if let Some(row) = children::undo_ended(tx, child, state, reason).await? {
+            return settle_undo(tx, topology, row).await;
+        }
+        if state == "compensated" {
+            // Undone on its own (not by its parent's undo): nothing of its fan-out to count.
+            return Ok(());
+        }
+        if let Some(row) = children::ended(tx, child, state, reason).await? {
+            settle(tx, (topology, &Failpoints::default()), row).await?;
+        }
+        Ok(())
+    })
+}
+
+/// Where an undo that reached the fan-out at `fan_out` of `parent` stands, in the transaction
+/// of the parent's commit that waits at `undo_seq` for its children (the parent's row locked
+/// by it): started now, the first time ([`start_undo`]); after a resume of a parent whose
+/// undo join stopped it, the same undo waited for again, its counters as the children left
+/// them. Either way the join is settled at once (it may hold already).
+pub(crate) async fn undo_at(
     tx: &mut PgConnection,
     topology: &Topology,
-    child: &str,
-    (state, reason): (&str, Option<&str>),
+    (parent, undo_seq): (&str, i32),
+    fan_out: i32,
 ) -> store::Result<()> {
-    if let Some(row) = children::ended(tx, child, state, reason).await? {
-        settle(tx, (topology, &Failpoints::default()), row).await?;
+    let Some(row) = children::undo_of(&mut *tx, parent, fan_out).await? else {
+        return Ok(());
+    };
+    if row.undo_seq.is_none() {
+        return start_undo(tx, topology, (parent, undo_seq), fan_out).await;
+    }
+    if let Some(row) = children::undo_again(&mut *tx, (parent, fan_out), undo_seq).await? {
+        settle_undo(tx, topology, row).await?;
+    }
+    Ok(())
+}
+
+/// Starts the undo of the children of the fan-out at `fan_out`: each started child not undone
+/// yet moves to `compensating` at the first compensation of the plan its parent's undo decision
+/// installed (its message through the outbox), or to `compensated` when it has nothing to
+/// compensate; one compensated already, or compensating on its own, takes part as it is. A
+/// child found running again (resumed since the decision) or without a plan counts as failed.
+async fn start_undo(
+    tx: &mut PgConnection,
+    topology: &Topology,
+    (parent, undo_seq): (&str, i32),
+    fan_out: i32,
+) -> store::Result<()> {
+    let found = children::to_undo(&mut *tx, (parent, fan_out)).await?;
+    let mut parts = Vec::with_capacity(found.len());
+    let mut messages = Vec::new();
+    let mut lines = Vec::new();
+    for child in found {
+        let (state, reason) = match begin_child_undo(tx, topology, parent, &child).await? {
+            Ok(Joined { state, message, line }) => {
+                messages.extend(message);
+                lines.extend(line);
+                (state, None)
+            }
+            Err(why) => ("failed", Some(why)),
+        };
+        parts.push(children::UndoPart { run_id: child.run_id, state, reason });
+    }
+    outbox::insert(&mut *tx, &messages).await?;
+    progress::record(&mut *tx, &lines).await?;
+    let row = children::undo_started(&mut *tx, (parent, fan_out), undo_seq, &parts).await?;
+    settle_undo(tx, topology, row).await
+}
+
+/// How a child takes part in its parent's undo.
+struct Joined {
+    /// `compensating` or `compensated`.
+    state: &'static str,
+    /// Its first compensation's message, or its `run.compensated` event.
+    message: Option<OutgoingMessage>,
+    /// What its progress says.
+    line: Option<progress::NewLine>,
+}
+
+/// Moves one child into its parent's undo; one compensated already, or compensating on its own
+/// (its ending counts here too), takes part as it is; `Err` says why it cannot take part.
+async fn begin_child_undo(
+    tx: &mut PgConnection,
+    topology: &Topology,
+    parent: &str,
+    child: &children::ToUndo,
+) -> store::Result<Result<Joined, String>> {
+    let status = child.status;
+    let as_it_is = |state| Ok(Ok(Joined { state, message: None, line: None }));
+    match status {
+        RunStatus::Compensated => return as_it_is("compensated"),
+        RunStatus::Compensating => return as_it_is("compensating"),
+        _ => {}
+    }
+    let Some(plan) = child.undo.as_ref().map(|p| &p.0) else {
+        return Ok(Err(format!(
+            "it has no undo plan (it was not undone with its parent); undo it: `trailmark run undo {}`",
+            child.run_id
+        )));
+    };
+    if !status.is_terminal() && status != RunStatus::NeedsReview {
+        return Ok(Err(format!(
+            "it is {status} (resumed after its parent's undo was decided); cancel it, then undo it: `trailmark run cancel {}`",
+            child.run_id
+        )));
+    }
+    let first = plan.first();
+    let to = if first.is_some() { RunStatus::Compensating } else { RunStatus::Compensated };
+    let moved = status
+        .move_to(to)
+        .map_err(|e| store::Error::unavailable("a child cannot be undone from its status", e))?;
+    let seq = children::begin_undo(&mut *tx, &child.run_id, moved, first.as_ref()).await?;
+    let state = if first.is_some() { "compensating" } else { "compensated" };
+    let Ok(run_id) = RunId::parse(&child.run_id) else {
+        return Ok(Ok(Joined { state, message: None, line: None }));
+    };
+    let message = match &first {
+        Some(step) => {
+            Some(topology.step_message(&run_id, &child.workflow, child.workflow_version, step, seq))
+        }
+        None => Event::run(&run_id, &child.workflow, to, None).map(|e| topology.event_message(&e)),
+    };
+    let line = progress::NewLine {
+        run_id: child.run_id.clone(),
+        seq,
+        at: chrono::Utc::now(),
+        line: format!(
+            "undo started: its parent run {parent} reached its compensations of the step that started it; {} compensation(s), newest first",
+            plan.targets.len()
+        ),
+    };
+    Ok(Ok(Joined { state, message, line: Some(line) }))
+}
+
+/// Acts on an undo join: moves the parent on to its next compensation once every child is
+/// compensated, or stops it for review once one stopped; only while it still waits there.
+async fn settle_undo(tx: &mut PgConnection, topology: &Topology, f: children::UndoRow) -> store::Result<()> {
+    let Some(at) = f.undo_seq.filter(|_| !f.joined) else {
+        return Ok(());
+    };
+    let Some(waiting) = waits::waiting_at(&mut *tx, &f.run_id, at).await? else {
+        return Ok(());
+    };
+    if f.undo_failed > 0 {
+        return stop_undo(tx, topology, waiting, &f).await;
+    }
+    if f.undone >= f.undo_total && children::undo_join_once(&mut *tx, (&f.run_id, f.seq)).await? {
+        let line = format!(
+            "children undone: the {} child run(s) of position {} are compensated",
+            f.undo_total, f.seq
+        );
+        go_on(tx, topology, vec![(waiting, How::Undone(line))]).await?;
+    }
+    Ok(())
+}
+
+/// Stops a parent whose children's undo stopped for review at the position that waits for
+/// them, its note naming those children; a parent that is itself a child is counted failed in
+/// its own parent's undo, so that no run above waits for it for ever.
+async fn stop_undo(
+    tx: &mut PgConnection,
+    topology: &Topology,
+    w: Waiting,
+    f: &children::UndoRow,
+) -> store::Result<()> {
+    let failed = children::undo_failures(&mut *tx, (&f.run_id, f.seq), NOTE_NAMES).await?;
+    let why = format!(
+        "the undo of {} of its {} child run(s) (started at position {}) stopped",
+        f.undo_failed, f.undo_total, f.seq
+    );
+    let error = format!(
+        "run {} waited at {} (position {}) for its child runs to be compensated: {why}",
+        w.run_id, w.step, w.seq
+    );
+    let mut line = format!("children undo: {why}; stopped for review (stopped:");
+    for (idx, id, _, _) in &failed {
+        let _ = write!(line, " {idx}={id}");
+    }
+    line.push(')');
+    let note = json!({
+        "error_class": "children_undo_failed",
+        "error": error,
+        "waiting_for": "children_undone", "step": w.step, "seq": w.seq, "fan_out": f.seq,
+        "children": { "total": f.undo_total, "compensated": f.undone, "stopped": f.undo_failed,
+                      "compensating": f.undo_total - f.undone - f.undo_failed },
+        "failed": failed.iter().map(|(idx, id, state, reason)| json!({
+            "index": idx, "run_id": id, "state": state, "reason": reason,
+        })).collect::<Vec<_>>(),
+        "on_resume": format!(
+            "bring each named child to compensated (fix its compensation, then `trailmark run resume CHILD --after-fix`; a cancelled one: `trailmark run undo CHILD`), then `trailmark run resume {}`: the run waits for its children again and goes on with {} once every one is compensated (compensations already done are not repeated)",
+            w.run_id, w.step
+        ),
+    });
+    let status = RunStatus::Waiting
+        .move_to(RunStatus::NeedsReview)
+        .map_err(|e| store::Error::unavailable("a waiting run cannot stop for review", e))?;
+    if !children::stop_parent(&mut *tx, (&w.run_id, w.seq), status, &error, &note).await? {
+        return Ok(());
+    }
+    children::undo_stopped(&mut *tx, (&f.run_id, f.seq)).await?;
+    if let Ok(run_id) = RunId::parse(&w.run_id)
+        && let Some(event) = Event::run(&run_id, &w.workflow, RunStatus::NeedsReview, Some((&w.step, w.seq)))
+    {
+        let event = event.with_error("children_undo_failed", &error);
+        outbox::insert(&mut *tx, &[topology.event_message(&event)]).await?;
+    }
+    let said = progress::NewLine { run_id: w.run_id.clone(), seq: w.seq, at: chrono::Utc::now(), line };
+    progress::record(&mut *tx, &[said]).await?;
+    if children::parent_of(&mut *tx, &w.run_id).await?.is_some() {
+        count_end(tx, topology, &w.run_id, ("failed", Some(&error))).await?;
     }
     Ok(())
 }

@@ -47,6 +47,11 @@ pub(crate) async fn commit(
     if let Some((name, key)) = wait.event() {
         waits::lock_pair(&mut tx, name, key).await?;
     }
+    if let WaitFor::UndoneChildren(_) = &wait.what {
+        // The runs above first, then this one: starting the children's undo may stop this run
+        // for review and count it in its own parent's undo (`children::undo_at`).
+        store::children::lock_line(&mut tx, step.run_id.as_str()).await?;
+    }
     let (mut tx, committed) = match checkpoint::commit_first(pool, tx, &step).await {
         ControlFlow::Continue(went_in) => went_in,
         ControlFlow::Break(answer) => return answer,
@@ -59,6 +64,15 @@ pub(crate) async fn commit(
         }
         let parent = (&step.run_id, at.1);
         children::register(&mut tx, (topology, failpoints), parent, fan).await?;
+        tx.commit().await?;
+        return Ok(committed);
+    }
+    if let WaitFor::UndoneChildren(fan_out) = &wait.what {
+        // A resumed undo waits again where it stopped: the wait it registered is reopened.
+        if !waits::reopen(&mut tx, at.0, at.1).await? {
+            waits::insert(&mut tx, at, wait).await?;
+        }
+        children::undo_at(&mut tx, topology, (at.0, at.1), *fan_out).await?;
         tx.commit().await?;
         return Ok(committed);
     }
@@ -83,6 +97,8 @@ enum How {
     Due,
     /// Its children's join held (what the progress line says of them).
     Joined(String),
+    /// Its children's undo join held: every one is compensated (what the progress line says).
+    Undone(String),
 }
 
 /// Where one waiting run goes, and what it says about it.
@@ -201,6 +217,10 @@ fn where_to(w: Waiting, how: How) -> Going {
         How::Joined(said) => {
             let _ = write!(line, "{said}; going on with step {}", w.next_step);
             ("children", None, RunStatus::Running, w.next_step.clone(), None)
+        }
+        How::Undone(said) => {
+            let _ = write!(line, "{said}; going on with {}", w.next_step);
+            ("children", None, RunStatus::Compensating, w.next_step.clone(), None)
         }
         How::Due if w.kind == "sleep" => {
             let _ = write!(

@@ -630,10 +630,12 @@ mod tests {
                 PlannedUndo {
                     seq: 1,
                     step: "b".into(),
+                    ..Default::default()
                 },
                 PlannedUndo {
                     seq: 0,
                     step: "a".into(),
+                    ..Default::default()
                 },
             ],
             left_standing: vec![],

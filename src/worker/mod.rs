@@ -18,6 +18,7 @@ pub(crate) mod run_start;
 mod step;
 mod step_tx;
 mod sweep;
+mod undoing;
 mod version_wait;
 
 use std::sync::Arc;

@@ -143,15 +143,22 @@ async fn run_claimed(
     let run_timeout = engine.settings.guards.run_timeout_secs;
     let refused = ending::refuse_before_running(msg, claimed, limits, claim.age_secs, run_timeout)
         .or_else(|| ending::refuse_older_version(msg, workflow.version));
-    let (verdict, answers_flushed) = match (refused, step) {
+    // A compensation of a step that started children undoes them first (`undoing.rs`).
+    let instead = match refused {
+        None => super::undoing::before(engine, msg, claim.undo.as_ref()).await?,
+        Some(_) => None,
+    };
+    let (verdict, answers_flushed) = match (refused, step, instead) {
         // A review commit is never relaxed: no flush to vouch for.
-        (Some(stop), _) => (Verdict::Review(stop), false),
-        (None, Some(step)) => {
+        (Some(stop), _, _) => (Verdict::Review(stop), false),
+        // No handler ran: no model answer to flush.
+        (None, _, Some(instead)) => (instead, true),
+        (None, Some(step), None) => {
             let at = (claim, span, &heartbeat);
             run_step(engine, msg, (workflow, step), at, (claimed, limits)).await?
         }
         // resolve gives no step only for a run of an older version, refused above.
-        (None, None) => (
+        (None, None, None) => (
             Verdict::Review(StepError::Unknown(format!(
                 "workflow {} v{} has no step {}",
                 msg.workflow, workflow.version, msg.step
@@ -351,15 +358,18 @@ fn resolve(
             ),
         ));
     };
-    let found = workflow.find(msg.step.declared()).and_then(|def| {
-        match (msg.step.is_undo(), &def.compensation) {
-            (false, _) => Some(def.clone()),
-            (true, Some(c)) => Some(StepDef {
-                name: msg.step.to_string(),
-                handler: c.handler.clone(),
-                ..def.clone()
-            }),
-            (true, None) => None,
+    let found = workflow.find(msg.step.declared()).map(|def| {
+        let handler = match (msg.step.is_undo(), &def.compensation) {
+            (false, _) => return def.clone(),
+            (true, Some(c)) => c.handler.clone(),
+            // In an undo's plan only for the children it started (`undoing.rs` moves on
+            // without a handler); a plan never names it otherwise.
+            (true, None) => no_compensation(),
+        };
+        StepDef {
+            name: msg.step.to_string(),
+            handler,
+            ..def.clone()
         }
     });
     // A run of an older version is claimed and stopped for review with advice (its step may
@@ -377,6 +387,19 @@ fn resolve(
         ));
     };
     Ok((workflow, Some(step)))
+}
+
+/// The handler of a compensation the step does not declare: it stops the run for review,
+/// saying so (a plan names such a step only for its children, and then no handler runs).
+fn no_compensation() -> crate::workflow::Handler {
+    Arc::new(|ctx: StepContext| {
+        Box::pin(async move {
+            Err(StepError::Unknown(format!(
+                "{} has no compensation declared in this build; deploy the build that declares it, or undo the run with a build that has it",
+                ctx.step()
+            )))
+        })
+    })
 }
 
 /// Pauses before re-trying a claim refused because another worker holds the lease. A message
@@ -663,9 +686,10 @@ async fn commit(
 }
 
 /// The statuses in which a child run counts as ended for its parent's join: succeeded, or
-/// failed (stopped for review, failed, cancelled).
-const CHILD_ENDS: [RunStatus; 4] = [
+/// failed (stopped for review, failed, cancelled); and, for its parent's undo, compensated.
+const CHILD_ENDS: [RunStatus; 5] = [
     RunStatus::Succeeded,
+    RunStatus::Compensated,
     RunStatus::NeedsReview,
     RunStatus::Failed,
     RunStatus::Cancelled,

@@ -22,8 +22,9 @@
 //! true`: their first link stops for review, until a process started with the failpoint
 //! `chain.fixed=error` (standing for the deployed fix) runs it again. `"wait": {...}` (as a
 //! run's) makes every child wait for an event keyed by its own run id; `"slow": [indexes]`
-//! makes those children sleep `"slow_secs"` (default 3600) after their link 0. The link after
-//! the fan-out puts the children's counts in its output.
+//! makes those children sleep `"slow_secs"` (default 3600) after their link 0; `"children":
+//! {...}` (as a run's) makes every child start children of its own. The link after the fan-out
+//! puts the children's counts in its output.
 
 use std::time::Duration;
 
@@ -103,6 +104,9 @@ pub struct ChildrenAt {
     /// How long the slow children sleep (default 3600).
     #[serde(default = "an_hour")]
     pub slow_secs: f64,
+    /// Every child starts children of its own so (a family three levels deep).
+    #[serde(default)]
+    pub children: Option<Box<ChildrenAt>>,
 }
 
 fn an_hour() -> f64 {
@@ -110,6 +114,32 @@ fn an_hour() -> f64 {
 }
 
 impl ChildrenAt {
+    /// As a run's input names it (what a child that fans out in turn is started with).
+    fn input(&self) -> Value {
+        let mut input = json!({
+            "at": self.at, "count": self.count, "steps": self.steps,
+            "fail": self.fail, "slow": self.slow, "slow_secs": self.slow_secs,
+        });
+        let optional = [
+            ("max_in_flight", self.max_in_flight.map(|m| json!(m))),
+            ("first", self.first.map(|n| json!(n))),
+            (
+                "fail_threshold",
+                self.fail_threshold.clone().map(Value::Number),
+            ),
+            ("children", self.children.as_ref().map(|c| c.input())),
+        ];
+        for (field, value) in optional {
+            if let Some(value) = value {
+                input[field] = value;
+            }
+        }
+        if let Some(w) = &self.wait {
+            input["wait"] = json!({ "at": w.at, "event": w.event, "timeout_secs": w.timeout_secs });
+        }
+        input
+    }
+
     /// The fan-out this asks for.
     fn children(&self) -> Children {
         let inputs = (0..self.count).map(|i| {
@@ -120,6 +150,9 @@ impl ChildrenAt {
             }
             if self.slow.contains(&i) {
                 input["sleep"] = json!({ "at": 0, "secs": self.slow_secs });
+            }
+            if let Some(below) = &self.children {
+                input["children"] = below.input();
             }
             input
         });

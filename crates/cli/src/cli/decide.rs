@@ -99,6 +99,9 @@ const PREVIEW_LINES: usize = 20;
 fn print_preview(p: &operator::Preview) -> String {
     let mut listed = 0;
     for c in &p.compensations {
+        if c.children_first > 0 {
+            print_children(p, c.seq);
+        }
         eprintln!("step {} (position {}): {}", c.step, c.seq, c.compensation);
         match (&c.reversals, &c.cannot_list) {
             (Some(reversals), _) => {
@@ -120,20 +123,6 @@ fn print_preview(p: &operator::Preview) -> String {
     for key in &p.left_standing {
         eprintln!("left standing (reverse by hand): {key}");
     }
-    for c in p.children.iter().take(PREVIEW_LINES) {
-        eprintln!(
-            "child run {} ({}): {} compensation(s), newest first",
-            c.run_id,
-            c.status,
-            c.compensations.len()
-        );
-    }
-    if p.children.len() > PREVIEW_LINES {
-        eprintln!(
-            "... and {} more child runs",
-            p.children.len() - PREVIEW_LINES
-        );
-    }
     let children = match p.children.len() {
         0 => String::new(),
         n => format!(" and undo {n} child run(s)"),
@@ -143,6 +132,32 @@ fn print_preview(p: &operator::Preview) -> String {
         p.compensations.len(),
         p.scope
     )
+}
+
+/// Prints the child runs the step at `at` started, where the undo reaches them: after the
+/// compensations of newer steps, before that step's own.
+fn print_children(p: &operator::Preview, at: i32) {
+    let here: Vec<_> = p.children.iter().filter(|c| c.at == at).collect();
+    eprintln!(
+        "then the {} child run(s) started at position {at}, side by side; the run waits until every one is compensated:",
+        here.len()
+    );
+    for c in here.iter().take(PREVIEW_LINES) {
+        let below: usize = c.children.len();
+        let nested = match below {
+            0 => String::new(),
+            n => format!(", and its own {n} child run(s) at their fan-out"),
+        };
+        eprintln!(
+            "  child run {} ({}): {} compensation(s), newest first{nested}",
+            c.run_id,
+            c.status,
+            c.compensations.len()
+        );
+    }
+    if here.len() > PREVIEW_LINES {
+        eprintln!("  ... and {} more child runs", here.len() - PREVIEW_LINES);
+    }
 }
 
 fn print_outcome(o: &Outcome, as_json: bool) -> anyhow::Result<()> {
