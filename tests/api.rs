@@ -609,6 +609,8 @@ async fn metrics_move_after_a_retry_a_parked_item_and_a_poison_message_and_run_w
         .await
         .unwrap();
     assert_eq!(parked.len(), 1);
+    // Finished runs are counted once a minute (unfinished ones every 5 s): refresh at once.
+    trailmark::metrics::refresh_once(&env.pool).await.unwrap();
     env.wait_until("the runs gauge to count the run", WAIT, || async {
         metric(
             &scrape().await,

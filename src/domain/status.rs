@@ -126,6 +126,9 @@ impl RunStatus {
         Shadowed,
     ];
 
+    /// The statuses of runs that have not finished: few at any time, however long the history.
+    pub const UNFINISHED: [RunStatus; 4] = [Running, Waiting, NeedsReview, Compensating];
+
     /// The statuses in which workers execute steps.
     pub const EXECUTING: [RunStatus; 2] = [Running, Compensating];
 

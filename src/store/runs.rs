@@ -739,10 +739,18 @@ pub struct Count {
 
 /// Runs by workflow and status.
 pub async fn counts(db: impl PgExecutor<'_>) -> Result<Vec<Count>> {
+    counts_of(db, &RunStatus::ALL).await
+}
+
+/// Runs by workflow and status, for `statuses` only: the unfinished ones read only their own
+/// entries of the status index, where counting every status reads one entry per run ever kept.
+pub async fn counts_of(db: impl PgExecutor<'_>, statuses: &[RunStatus]) -> Result<Vec<Count>> {
     Ok(sqlx::query_as(
-        "SELECT workflow, status, count(*) AS runs FROM trailmark.runs GROUP BY workflow, status
-          ORDER BY workflow, status",
+        "SELECT workflow, status, count(*) AS runs FROM trailmark.runs
+          WHERE status = ANY($1::text[])
+          GROUP BY workflow, status ORDER BY workflow, status",
     )
+    .bind(statuses.iter().map(|s| s.as_str()).collect::<Vec<_>>())
     .fetch_all(db)
     .await?)
 }
