@@ -150,15 +150,16 @@ impl StepTx {
     }
 
     /// Gives the lease back without advancing (the step is retried from a delay queue after
-    /// `delay`; `error` is why).
+    /// `delay`; `error` is why), and with it the claim's attempt when `give_back`.
     pub async fn release(
         &self,
         at: (&RunId, i32),
         fence: Fence,
-        delay: std::time::Duration,
+        (delay, give_back): (std::time::Duration, bool),
         error: &str,
     ) -> store::Result<()> {
-        runs::release(&self.pool, at, fence, delay.as_secs_f64(), error).await
+        let retry = (delay.as_secs_f64(), give_back);
+        runs::release(&self.pool, at, fence, retry, error).await
     }
 
     async fn record(&self, record: Record) -> store::Result<bool> {

@@ -339,12 +339,11 @@ impl StepContext {
         let breakers = &self.tools().breakers;
         let policy = super::call_backoff(retries);
         let call = std::sync::Mutex::new(call);
+        // The last real call's failure in this loop: a breaker it opened must not hide it.
+        let failed = std::sync::Mutex::new(None::<String>);
         let attempt = || async {
             if let Decision::Refuse(wait) = breakers.check(&tool.name, Instant::now()) {
-                return Err(StepError::Temporary {
-                    reason: format!("circuit breaker for {} is open", tool.name),
-                    retry_after: Some(wait),
-                });
+                return Err(refused(&tool.name, wait, failed.lock().expect("failure lock").take()));
             }
             let started = Instant::now();
             let pending = (call.lock().expect("effect call lock"))(key.clone());
@@ -367,13 +366,53 @@ impl StepContext {
                 ok = result.is_ok(),
                 "tool called"
             );
-            result
+            match result {
+                Err(StepError::Temporary { reason, retry_after }) => {
+                    *failed.lock().expect("failure lock") = Some(reason.clone());
+                    Err(after_failure(&tool.name, reason, retry_after, breakers))
+                }
+                other => other,
+            }
         };
         attempt
             .retry(policy)
             .when(|e| matches!(e, StepError::Temporary { retry_after: None, .. }))
             .notify(|e, delay| tracing::warn!(error = %e, retry_in_ms = delay.as_millis() as u64, "tool call failed; retrying under the same key"))
             .await
+    }
+}
+
+/// A real call's temporary failure, counted as such. When the breaker is open after it (this
+/// failure opened it, or a probe failed), the error names the tool and the step is retried when
+/// the breaker lets the next probe through: an in-process retry would only be refused.
+fn after_failure(
+    tool: &str,
+    reason: String,
+    retry_after: Option<std::time::Duration>,
+    breakers: &guard::Breakers,
+) -> StepError {
+    match breakers.refusing(tool, Instant::now()) {
+        None => StepError::Temporary {
+            reason,
+            retry_after,
+        },
+        Some(wait) => StepError::Temporary {
+            reason: format!("{reason}; the circuit breaker for {tool} is open"),
+            retry_after: Some(retry_after.map_or(wait, |asked| asked.max(wait))),
+        },
+    }
+}
+
+/// What an open breaker's refusal of `tool` means to the step. Before any call, a wait that
+/// spends no attempt; after a real call failed in the same loop (it may be the one that opened
+/// the breaker), that failure, which counts, retried when the breaker lets a probe through.
+fn refused(tool: &str, wait: std::time::Duration, failed: Option<String>) -> StepError {
+    match failed {
+        None => StepError::breaker_open(tool, wait),
+        Some(reason) => StepError::Temporary {
+            reason: format!("{reason}; then the circuit breaker for {tool} opened"),
+            retry_after: Some(wait),
+        },
     }
 }
 
