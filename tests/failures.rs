@@ -540,3 +540,180 @@ async fn the_fallback_model_answers_when_the_primary_keeps_failing() {
     );
     running.stop().await;
 }
+
+/// A tool the test switches between down (every call fails with a 503) and healed, counting the
+/// real calls each run made to it.
+#[derive(Default)]
+struct Flaky {
+    healed: std::sync::atomic::AtomicBool,
+    calls: std::sync::Mutex<std::collections::HashMap<String, i64>>,
+}
+
+impl Flaky {
+    fn calls(&self, run_id: &str) -> i64 {
+        self.calls.lock().unwrap().get(run_id).copied().unwrap_or(0)
+    }
+}
+
+/// One step that posts one ledger row through the tool `flaky`.
+fn through_flaky(flaky: Arc<Flaky>) -> Registry {
+    let wf = Workflow::new("flaky", 1).step("post", StepKind::Write, move |ctx| {
+        let flaky = flaky.clone();
+        async move {
+            let pool = ctx.pool().clone();
+            let (run_id, reference) = (ctx.run_id().to_string(), key(&ctx, "row").to_string());
+            let call = move |_k| {
+                let (flaky, pool, run_id, reference) = (
+                    flaky.clone(),
+                    pool.clone(),
+                    run_id.clone(),
+                    reference.clone(),
+                );
+                async move {
+                    *flaky.calls.lock().unwrap().entry(run_id).or_default() += 1;
+                    if !flaky.healed.load(Ordering::SeqCst) {
+                        return Err(StepError::temporary(
+                            "flaky answered 503 service unavailable",
+                        ));
+                    }
+                    post(&pool, &reference, 1).await
+                }
+            };
+            let lookup = |_k| async { Ok(Lookup::CannotTell) };
+            let request = json!({ "row": 1 });
+            let posted = ctx
+                .tool_effect(
+                    &Tool::idempotent("flaky"),
+                    &key(&ctx, "row"),
+                    &request,
+                    call,
+                    lookup,
+                )
+                .await?;
+            Ok(StepOutcome::finish(posted))
+        }
+    });
+    let mut registry = Registry::new();
+    registry.register(wf);
+    registry
+}
+
+/// Breakers that open after 2 failed calls for `open_secs`; `max_attempts` a step; no
+/// in-process retry.
+fn breaker_settings(env: &TestEnv, open_secs: u64, max_attempts: i32) -> Settings {
+    let mut s = env.settings.clone();
+    s.guards.breaker_failures = 2;
+    s.guards.breaker_open_secs = open_secs;
+    s.worker.max_attempts = max_attempts;
+    s.worker.call_retries = 0;
+    s.worker.retry_base_ms = 100;
+    s
+}
+
+/// The times the engine told a run's progress that it waits for `tool`'s breaker.
+async fn breaker_waits(env: &TestEnv, run_id: &str) -> i64 {
+    env.scalar(
+        "SELECT count(*) FROM trailmark.progress WHERE run_id = $1 AND line LIKE '%circuit breaker of flaky%'",
+        run_id,
+    )
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn runs_wait_for_an_open_breaker_without_spending_attempts_and_finish_once_it_heals() {
+    let env = TestEnv::new().await;
+    ledger(&env).await;
+    let flaky = Arc::new(Flaky::default());
+    let settings = breaker_settings(&env, 4, 5);
+    let max = settings.worker.max_attempts as i64;
+    let (_engine, running) = start(&env, settings, through_flaky(flaky.clone()));
+    // The tool is down: the first two calls fail and open the breaker, the other runs are
+    // refused. Each run is then refused more often than it has attempts while the tool stays
+    // down; a probe at each half-open time fails and counts for the run that made it (one per
+    // 4 s, too few to reach the cap of 5 of any run).
+    let runs: Vec<String> = (0..5).map(|i| format!("r-wait-{i}")).collect();
+    for run in &runs {
+        env.start_run("flaky", run, json!({})).await;
+    }
+    env.wait_until(
+        "every run to wait for the breaker more than max_attempts times",
+        WAIT,
+        || async {
+            let mut all = true;
+            for run in &runs {
+                all &= breaker_waits(&env, run).await > max;
+            }
+            all
+        },
+    )
+    .await;
+    let reviewed = sqlx::query_scalar::<_, i64>(
+        "SELECT count(*) FROM trailmark.runs WHERE run_id LIKE 'r-wait-%' AND status = 'needs_review'",
+    )
+    .fetch_one(&env.pool)
+    .await
+    .unwrap();
+    assert_eq!(reviewed, 0, "no run went to review for an open breaker");
+    // A run that just made the failing probe shows that failure instead, until it is refused.
+    let shown = sqlx::query_scalar::<_, i64>(
+        "SELECT count(*) FROM trailmark.steps WHERE run_id LIKE 'r-wait-%'
+            AND last_error LIKE 'waiting for the circuit breaker of flaky%tries again at%(not counted as an attempt)'",
+    )
+    .fetch_one(&env.pool)
+    .await
+    .unwrap();
+    assert!(
+        shown >= 3,
+        "the steps' last errors say what they wait for, until when: {shown} of 5"
+    );
+    flaky.healed.store(true, Ordering::SeqCst);
+    for run in &runs {
+        env.wait_status(run, RunStatus::Succeeded, WAIT).await;
+        assert_eq!(
+            env.attempts(run, 0).await,
+            flaky.calls(run),
+            "run {run}: attempts are its real calls, the breaker's refusals not among them"
+        );
+    }
+    assert_eq!(ledger_rows(&env).await, 5, "each run's row once");
+    running.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tool_that_never_heals_still_sends_runs_to_review_after_the_cap_of_real_calls() {
+    let env = TestEnv::new().await;
+    ledger(&env).await;
+    let flaky = Arc::new(Flaky::default());
+    let settings = breaker_settings(&env, 1, 3);
+    let max = settings.worker.max_attempts as i64;
+    let (_engine, running) = start(&env, settings, through_flaky(flaky.clone()));
+    let runs = ["r-down-0", "r-down-1", "r-down-2"];
+    for run in runs {
+        env.start_run("flaky", run, json!({})).await;
+    }
+    let mut waited = 0;
+    for run in runs {
+        let stopped = env.wait_status(run, RunStatus::NeedsReview, WAIT).await;
+        let note = stopped.handover.expect("handover note");
+        let error = note["error"].as_str().unwrap();
+        assert!(
+            error.contains(&format!("failed temporarily {max} times"))
+                && error.contains("503 service unavailable")
+                && error.contains("circuit breaker for flaky is open"),
+            "{note}"
+        );
+        assert_eq!(
+            flaky.calls(run),
+            max,
+            "run {run}: the cap counts real calls"
+        );
+        assert_eq!(env.attempts(run, 0).await, max);
+        waited += breaker_waits(&env, run).await;
+    }
+    assert!(
+        waited > 0,
+        "the probes' re-opened breaker made runs wait in between"
+    );
+    assert_eq!(ledger_rows(&env).await, 0);
+    running.stop().await;
+}
