@@ -410,7 +410,7 @@ fn refused(tool: &str, wait: std::time::Duration, failed: Option<String>) -> Ste
     match failed {
         None => StepError::breaker_open(tool, wait),
         Some(reason) => StepError::Temporary {
-            reason: format!("{reason}; then the circuit breaker for {tool} opened"),
+            reason: format!("{reason}; the circuit breaker for {tool} is open"),
             retry_after: Some(wait),
         },
     }
