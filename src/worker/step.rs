@@ -216,7 +216,8 @@ async fn retry_later(
         )
     } else {
         metrics::step_retried("breaker_open");
-        tracing::info!(reason = %reason, delay_ms = delay.as_millis() as u64, "step waits for a circuit breaker");
+        // Debug: every waiting step says this at each return; the breaker itself logs opening and closing.
+        tracing::debug!(reason = %reason, delay_ms = delay.as_millis() as u64, "step waits for a circuit breaker");
         format!(
             "step {} (position {}) {reason}; back in {:.0} s, {} of {} attempts used",
             msg.step,
