@@ -50,17 +50,39 @@ impl Breakers {
         }
         let mut tools = self.tools.lock().expect("breaker lock");
         let state = tools.entry(tool.to_owned()).or_default();
-        match state.open_until {
+        if let Some(wait) = self.refusal(state, now) {
+            return Decision::Refuse(wait);
+        }
+        if state.open_until.is_some() {
+            state.probing = Some(now);
+        }
+        Decision::Allow
+    }
+
+    /// What [`Self::check`] would answer at `now`, without taking the probe: a step asks it
+    /// before it records an intent, so that a call the breaker would refuse leaves no record.
+    pub fn peek(&self, tool: &str, now: Instant) -> Decision {
+        if self.threshold == 0 {
+            return Decision::Allow;
+        }
+        let tools = self.tools.lock().expect("breaker lock");
+        match tools.get(tool).and_then(|state| self.refusal(state, now)) {
+            Some(wait) => Decision::Refuse(wait),
             None => Decision::Allow,
-            Some(until) if now < until => Decision::Refuse(until - now),
+        }
+    }
+
+    /// How long a breaker in `state` refuses from `now`: `None` when it is closed or its probe
+    /// is free to take.
+    fn refusal(&self, state: &State, now: Instant) -> Option<Duration> {
+        match state.open_until {
+            None => None,
+            Some(until) if now < until => Some(until - now),
             // Asked again soon: the probe's outcome decides for everyone.
             Some(_) if state.probing.is_some_and(|since| now < since + self.open_for) => {
-                Decision::Refuse(self.open_for.min(Duration::from_secs(1)))
+                Some(self.open_for.min(Duration::from_secs(1)))
             }
-            Some(_) => {
-                state.probing = Some(now);
-                Decision::Allow
-            }
+            Some(_) => None,
         }
     }
 
@@ -171,5 +193,25 @@ mod tests {
         );
         let later = half_open + Duration::from_secs(5);
         assert_eq!(b.check("mail", later), Decision::Allow, "another probe");
+    }
+
+    #[test]
+    fn a_peek_answers_like_a_check_but_leaves_the_probe() {
+        let b = Breakers::new(1, Duration::from_secs(5));
+        let t0 = Instant::now();
+        assert_eq!(b.peek("mail", t0), Decision::Allow, "never failed");
+        b.record("mail", false, t0);
+        let open = t0 + Duration::from_secs(2);
+        assert_eq!(b.peek("mail", open), Decision::Refuse(Duration::from_secs(3)));
+        let half_open = t0 + Duration::from_secs(5);
+        for _ in 0..2 {
+            assert_eq!(b.peek("mail", half_open), Decision::Allow, "the probe is free");
+        }
+        assert_eq!(b.check("mail", half_open), Decision::Allow, "still free after peeks");
+        assert_eq!(
+            b.peek("mail", half_open),
+            Decision::Refuse(Duration::from_secs(1)),
+            "the probe is in flight"
+        );
     }
 }
