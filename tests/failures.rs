@@ -555,13 +555,17 @@ impl Flaky {
     }
 }
 
-/// One step that posts one ledger row through the tool `flaky`.
-fn through_flaky(flaky: Arc<Flaky>) -> Registry {
+/// One step that posts one ledger row through `tool`, which the test switches as `flaky`. Its
+/// lookup (asked only if `tool` is not idempotent, after an intent without a result) knows the
+/// keys the tool answered with a 503, which it did not act on; of a key it never saw it cannot
+/// tell.
+fn through_flaky(flaky: Arc<Flaky>, tool: Tool) -> Registry {
     let wf = Workflow::new("flaky", 1).step("post", StepKind::Write, move |ctx| {
-        let flaky = flaky.clone();
+        let (flaky, tool) = (flaky.clone(), tool.clone());
         async move {
             let pool = ctx.pool().clone();
             let (run_id, reference) = (ctx.run_id().to_string(), key(&ctx, "row").to_string());
+            let seen = flaky.calls(ctx.run_id().as_str()) > 0;
             let call = move |_k| {
                 let (flaky, pool, run_id, reference) = (
                     flaky.clone(),
@@ -579,16 +583,16 @@ fn through_flaky(flaky: Arc<Flaky>) -> Registry {
                     post(&pool, &reference, 1).await
                 }
             };
-            let lookup = |_k| async { Ok(Lookup::CannotTell) };
+            let lookup = move |_k| async move {
+                Ok(if seen {
+                    Lookup::NotDone
+                } else {
+                    Lookup::CannotTell
+                })
+            };
             let request = json!({ "row": 1 });
             let posted = ctx
-                .tool_effect(
-                    &Tool::idempotent("flaky"),
-                    &key(&ctx, "row"),
-                    &request,
-                    call,
-                    lookup,
-                )
+                .tool_effect(&tool, &key(&ctx, "row"), &request, call, lookup)
                 .await?;
             Ok(StepOutcome::finish(posted))
         }
@@ -626,7 +630,11 @@ async fn runs_wait_for_an_open_breaker_without_spending_attempts_and_finish_once
     let flaky = Arc::new(Flaky::default());
     let settings = breaker_settings(&env, 4, 5);
     let max = settings.worker.max_attempts as i64;
-    let (_engine, running) = start(&env, settings, through_flaky(flaky.clone()));
+    let (_engine, running) = start(
+        &env,
+        settings,
+        through_flaky(flaky.clone(), Tool::idempotent("flaky")),
+    );
     // The tool is down: the first two calls fail and open the breaker, the other runs are
     // refused. Each run is then refused more often than it has attempts while the tool stays
     // down; a probe at each half-open time fails and counts for the run that made it (one per
@@ -686,7 +694,11 @@ async fn a_tool_that_never_heals_still_sends_runs_to_review_after_the_cap_of_rea
     let flaky = Arc::new(Flaky::default());
     let settings = breaker_settings(&env, 1, 3);
     let max = settings.worker.max_attempts as i64;
-    let (_engine, running) = start(&env, settings, through_flaky(flaky.clone()));
+    let (_engine, running) = start(
+        &env,
+        settings,
+        through_flaky(flaky.clone(), Tool::idempotent("flaky")),
+    );
     let runs = ["r-down-0", "r-down-1", "r-down-2"];
     for run in runs {
         env.start_run("flaky", run, json!({})).await;
@@ -715,5 +727,93 @@ async fn a_tool_that_never_heals_still_sends_runs_to_review_after_the_cap_of_rea
         "the probes' re-opened breaker made runs wait in between"
     );
     assert_eq!(ledger_rows(&env).await, 0);
+    running.stop().await;
+}
+
+/// Effect rows (any, with or without a result) recorded for `run`.
+async fn effect_rows(env: &TestEnv, run_id: &str) -> i64 {
+    env.scalar(
+        "SELECT count(*) FROM trailmark.effects WHERE run_id = $1",
+        run_id,
+    )
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_open_breaker_refuses_a_non_idempotent_call_before_recording_its_intent() {
+    let env = TestEnv::new().await;
+    ledger(&env).await;
+    let flaky = Arc::new(Flaky::default());
+    // Open for 8 s: the runs refused at its opening are back about 5 s later, still refused, so
+    // nothing they record can come from a probe while the first check below looks.
+    let settings = breaker_settings(&env, 8, 5);
+    let tool = Tool::not_idempotent("flaky");
+    let (_engine, running) = start(&env, settings, through_flaky(flaky.clone(), tool));
+    let runs: Vec<String> = (0..5).map(|i| format!("r-fragile-{i}")).collect();
+    for run in &runs {
+        env.start_run("flaky", run, json!({})).await;
+    }
+    // The first calls fail and open the breaker; the runs it refused made no call.
+    let refused = |flaky: &Flaky| -> Vec<String> {
+        runs.iter()
+            .filter(|r| flaky.calls(r) == 0)
+            .cloned()
+            .collect()
+    };
+    env.wait_until("the breaker to refuse runs", WAIT, || async {
+        let waiting = refused(&flaky);
+        let mut all = !waiting.is_empty();
+        for run in &waiting {
+            all &= breaker_waits(&env, run).await >= 1;
+        }
+        all
+    })
+    .await;
+    for run in refused(&flaky) {
+        assert_eq!(
+            effect_rows(&env, &run).await,
+            0,
+            "run {run}: a call the breaker refused left no intent"
+        );
+    }
+    // Several half-open moments pass, each with a failing probe, the other runs waiting.
+    env.wait_until(
+        "every run to wait for the breaker 3 times",
+        WAIT,
+        || async {
+            let mut all = true;
+            for run in &runs {
+                all &= breaker_waits(&env, run).await >= 3;
+            }
+            all
+        },
+    )
+    .await;
+    let reviewed = sqlx::query_scalar::<_, i64>(
+        "SELECT count(*) FROM trailmark.runs WHERE run_id LIKE 'r-fragile-%' AND status = 'needs_review'",
+    )
+    .fetch_one(&env.pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        reviewed, 0,
+        "no run went to review while the breaker was open"
+    );
+    flaky.healed.store(true, Ordering::SeqCst);
+    for run in &runs {
+        let done = common::eventually("the run to settle", WAIT, || async {
+            let run = trailmark::store::runs::get(&env.pool, run).await.unwrap();
+            run.filter(|r| r.status.is_terminal() || r.status == RunStatus::NeedsReview)
+        })
+        .await
+        .expect("run did not settle");
+        assert_eq!(
+            done.status,
+            RunStatus::Succeeded,
+            "run {run}: no call was lost, none is unknown: {:?}",
+            done.handover
+        );
+    }
+    assert_eq!(ledger_rows(&env).await, 5, "each run's row once");
     running.stop().await;
 }

@@ -156,6 +156,17 @@ fn begun(row: BeginRow, i: &Intent) -> Result<IntentOutcome> {
     }
 }
 
+/// The request hash and result (if known) recorded under `key`, without recording anything: a
+/// step whose call the breaker would refuse reads it instead of recording an intent.
+pub async fn recorded(db: impl PgExecutor<'_>, key: &str) -> Result<Option<(String, Option<Value>)>> {
+    Ok(sqlx::query_as(
+        "SELECT request_hash, result FROM trailmark.effects WHERE idempotency_key = $1",
+    )
+    .bind(key)
+    .fetch_optional(db)
+    .await?)
+}
+
 /// Counts (all, completed) writes of a run, for `run show`: its effects and local writes (a
 /// local write is always complete: it exists only with its step's commit).
 pub async fn totals(db: impl PgExecutor<'_>, run_id: &str) -> Result<(i64, i64)> {

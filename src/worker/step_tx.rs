@@ -233,6 +233,13 @@ impl Records for StepTx {
         Box::pin(async move { Ok(self.intend(intent).await?) })
     }
 
+    fn recorded_effect<'a>(
+        &'a self,
+        key: &'a IdempotencyKey,
+    ) -> BoxFuture<'a, Result<Option<(String, Option<Value>)>, StepError>> {
+        Box::pin(async move { Ok(effects::recorded(&self.pool, key.as_str()).await?) })
+    }
+
     fn finish_effect(
         &self,
         key: IdempotencyKey,

@@ -155,6 +155,7 @@ impl StepContext {
             return self.shadow_effect(tool, key, request).await;
         }
         let hash = request_hash(request);
+        self.refuse_before_intent(tool, key, &hash).await?;
         let known = self.record_intent(tool, key, &hash, request).await?;
         if let EffectState::Done(result) = known {
             // Served from the record: no call, so no span; counted on the step's span.
@@ -272,6 +273,33 @@ impl StepContext {
             .await?;
         tracing::debug!("shadow run: the call was recorded, not made");
         Ok(serde_json::json!({ "shadow": true }))
+    }
+
+    /// An open breaker's refusal, before anything is recorded. A refused call is never made, so
+    /// it must leave no intent: a later attempt would take an intent without a result for an
+    /// unknown outcome, and a non-idempotent tool's lookup that cannot tell would send the run to
+    /// review for a call that never happened. Goes on when the breaker would let the call
+    /// through (its probe is free: taken by the call itself), or when `key` holds what the
+    /// intent statement must answer: a recorded result (the step replays, no call, no wait) or
+    /// another request (the conflict).
+    ///
+    /// An intent without a result from an earlier attempt (it died after recording it: the
+    /// outcome is really unknown) waits too, uncounted, and its lookup is not asked: the lookup
+    /// is a call to the same outside system, which its breaker says is down. Once the breaker
+    /// lets the step through, the lookup decides as after any crash.
+    async fn refuse_before_intent(
+        &self,
+        tool: &Tool,
+        key: &IdempotencyKey,
+        hash: &str,
+    ) -> Result<(), StepError> {
+        let Decision::Refuse(wait) = self.tools().breakers.peek(&tool.name, Instant::now()) else {
+            return Ok(());
+        };
+        match self.tools().records.recorded_effect(key).await? {
+            Some((stored, result)) if result.is_some() || stored != hash => Ok(()),
+            _ => Err(StepError::breaker_open(&tool.name, wait)),
+        }
     }
 
     /// Records the intent, enforcing the run's tool-call budget and repeated-action detection for

@@ -46,6 +46,13 @@ pub(crate) trait Records: Send + Sync {
     fn begin_effect(&self, intent: EffectIntent)
     -> BoxFuture<'_, Result<IntentOutcome, StepError>>;
 
+    /// The request hash and result (if known) of the effect recorded under `key`, if any;
+    /// records nothing.
+    fn recorded_effect<'a>(
+        &'a self,
+        key: &'a IdempotencyKey,
+    ) -> BoxFuture<'a, Result<Option<(String, Option<Value>)>, StepError>>;
+
     /// Records an effect's result.
     fn finish_effect(
         &self,
