@@ -817,3 +817,94 @@ async fn an_open_breaker_refuses_a_non_idempotent_call_before_recording_its_inte
     assert_eq!(ledger_rows(&env).await, 5, "each run's row once");
     running.stop().await;
 }
+
+/// One step that makes two calls to `flaky`, not idempotent, at once, under keys `a` and `b`;
+/// its lookup knows the keys the tool answered (per key), and of others cannot tell.
+fn two_at_once(flaky: Arc<Flaky>) -> Registry {
+    let mut registry = through_flaky(flaky.clone(), Tool::idempotent("flaky"));
+    let wf = Workflow::new("pair", 1).step("post", StepKind::Write, move |ctx| {
+        let flaky = flaky.clone();
+        async move {
+            let pool = ctx.pool().clone();
+            let effect = |item: &'static str| {
+                let (flaky, pool, key) = (flaky.clone(), pool.clone(), key(&ctx, item));
+                let seen = flaky.calls(key.as_str()) > 0;
+                let call = move |k: IdempotencyKey| {
+                    let (flaky, pool) = (flaky.clone(), pool.clone());
+                    async move {
+                        *flaky
+                            .calls
+                            .lock()
+                            .unwrap()
+                            .entry(k.to_string())
+                            .or_default() += 1;
+                        if !flaky.healed.load(Ordering::SeqCst) {
+                            return Err(StepError::temporary("flaky answered 503"));
+                        }
+                        post(&pool, k.as_str(), 1).await
+                    }
+                };
+                let lookup = move |_k| async move {
+                    Ok(if seen {
+                        Lookup::NotDone
+                    } else {
+                        Lookup::CannotTell
+                    })
+                };
+                let ctx = &ctx;
+                async move {
+                    let tool = Tool::not_idempotent("flaky");
+                    ctx.tool_effect(&tool, &key, &json!({ "row": item }), call, lookup)
+                        .await
+                }
+            };
+            let (a, b) = tokio::join!(effect("a"), effect("b"));
+            Ok(StepOutcome::finish(json!([a?, b?])))
+        }
+    });
+    registry.register(wf);
+    registry
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_refused_after_its_intent_was_recorded_withdraws_it() {
+    let env = TestEnv::new().await;
+    ledger(&env).await;
+    let flaky = Arc::new(Flaky::default());
+    let settings = breaker_settings(&env, 2, 2);
+    let (_engine, running) = start(&env, settings, two_at_once(flaky.clone()));
+    // Another run's two failed calls open the breaker; it stops there (2 attempts).
+    env.start_run("flaky", "r-opener", json!({})).await;
+    env.wait_status("r-opener", RunStatus::NeedsReview, WAIT)
+        .await;
+    env.start_run("pair", "r-pair", json!({})).await;
+    env.wait_until("r-pair to wait for the breaker", WAIT, || async {
+        breaker_waits(&env, "r-pair").await >= 1
+    })
+    .await;
+    assert_eq!(
+        effect_rows(&env, "r-pair").await,
+        0,
+        "refused before any intent"
+    );
+    // Back at the half-open breaker, both calls see the probe free and record their intents;
+    // one takes the probe, the other is refused before its call and withdraws its intent.
+    flaky.healed.store(true, Ordering::SeqCst);
+    let done = common::eventually("r-pair to settle", WAIT, || async {
+        let run = trailmark::store::runs::get(&env.pool, "r-pair")
+            .await
+            .unwrap();
+        run.filter(|r| r.status.is_terminal() || r.status == RunStatus::NeedsReview)
+    })
+    .await
+    .expect("r-pair did not settle");
+    assert_eq!(done.status, RunStatus::Succeeded, "{:?}", done.handover);
+    for item in ["a", "b"] {
+        assert_eq!(
+            flaky.calls(&format!("r-pair:post:{item}")),
+            1,
+            "call {item} made once"
+        );
+    }
+    running.stop().await;
+}

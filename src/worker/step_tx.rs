@@ -240,6 +240,18 @@ impl Records for StepTx {
         Box::pin(async move { Ok(effects::recorded(&self.pool, key.as_str()).await?) })
     }
 
+    fn withdraw_effect<'a>(
+        &'a self,
+        key: &'a IdempotencyKey,
+        run: &'a RunId,
+        fence: Fence,
+    ) -> BoxFuture<'a, Result<(), StepError>> {
+        Box::pin(async move {
+            effects::withdraw(&self.pool, key.as_str(), run.as_str(), fence.0).await?;
+            Ok(())
+        })
+    }
+
     fn finish_effect(
         &self,
         key: IdempotencyKey,

@@ -198,6 +198,7 @@ impl StepContext {
         LFut: Future<Output = Result<Lookup, StepError>>,
     {
         let mut outcome = "called";
+        let recorded_now = matches!(known, EffectState::New);
         match known {
             EffectState::Done(result) => return Ok((result, "recorded")),
             EffectState::New => {}
@@ -233,7 +234,12 @@ impl StepContext {
                 unix_nanos()
             )
         });
-        let result = self.call_with_retries(tool, key, retries, call).await?;
+        let result = match self.call_with_retries(tool, key, retries, call).await {
+            Err(open @ StepError::BreakerOpen { .. }) if recorded_now => {
+                return Err(self.withdraw_intent(key, open).await);
+            }
+            other => other?,
+        };
         // A crash here is the "unknown outcome" case: the call happened, its result is not known.
         self.fire_failpoint("effect.after_call")?;
         self.drill_seam(crate::seams::Seam::LateTool)?;
@@ -248,6 +254,22 @@ impl StepContext {
         // Kill spot of tests/relaxed_crash.rs: a Postgres crash now can lose the unflushed result.
         self.fire_failpoint("effect_result.after_commit")?;
         Ok((result, outcome))
+    }
+
+    /// The breaker refused, before any call, a call whose intent this attempt recorded: it was
+    /// never made, so its intent goes, and the next attempt starts afresh. A withdrawal that
+    /// fails (logged; the step still waits) or a crash before it leaves the intent, which then reads as an unknown outcome
+    /// (its lookup decides): the one narrow window left.
+    async fn withdraw_intent(&self, key: &IdempotencyKey, open: StepError) -> StepError {
+        let withdrawn = self
+            .tools()
+            .records
+            .withdraw_effect(key, self.run_id(), self.lease_fence())
+            .await;
+        if let Err(e) = withdrawn {
+            tracing::warn!(error = %e, "the intent of a call the breaker refused was not withdrawn");
+        }
+        open
     }
 
     /// In a shadow run: records the call it would make (key, tool, request) in `shadow_writes`
@@ -282,6 +304,11 @@ impl StepContext {
     /// through (its probe is free: taken by the call itself), or when `key` holds what the
     /// intent statement must answer: a recorded result (the step replays, no call, no wait) or
     /// another request (the conflict).
+    ///
+    /// The breaker may still refuse after this peek: it opens meanwhile, or another step takes
+    /// the probe this one saw free (every step back at a half-open breaker sees it free). The
+    /// check before the call refuses then, and the intent just recorded is withdrawn
+    /// ([`Self::withdraw_intent`]); peeking alone would leave that window wide open.
     ///
     /// An intent without a result from an earlier attempt (it died after recording it: the
     /// outcome is really unknown) waits too, uncounted, and its lookup is not asked: the lookup

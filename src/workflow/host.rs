@@ -53,6 +53,15 @@ pub(crate) trait Records: Send + Sync {
         key: &'a IdempotencyKey,
     ) -> BoxFuture<'a, Result<Option<(String, Option<Value>)>, StepError>>;
 
+    /// Removes the intent `run` recorded under `key` with `fence` while it has no result: its
+    /// call was refused before it was made.
+    fn withdraw_effect<'a>(
+        &'a self,
+        key: &'a IdempotencyKey,
+        run: &'a RunId,
+        fence: crate::domain::Fence,
+    ) -> BoxFuture<'a, Result<(), StepError>>;
+
     /// Records an effect's result.
     fn finish_effect(
         &self,
