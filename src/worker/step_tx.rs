@@ -236,7 +236,7 @@ impl Records for StepTx {
     fn recorded_effect<'a>(
         &'a self,
         key: &'a IdempotencyKey,
-    ) -> BoxFuture<'a, Result<Option<(String, Option<Value>)>, StepError>> {
+    ) -> BoxFuture<'a, Result<Option<crate::workflow::RecordedEffect>, StepError>> {
         Box::pin(async move { Ok(effects::recorded(&self.pool, key.as_str()).await?) })
     }
 
