@@ -540,3 +540,371 @@ async fn the_fallback_model_answers_when_the_primary_keeps_failing() {
     );
     running.stop().await;
 }
+
+/// A tool the test switches between down (every call fails with a 503) and healed, counting the
+/// real calls each run made to it.
+#[derive(Default)]
+struct Flaky {
+    healed: std::sync::atomic::AtomicBool,
+    calls: std::sync::Mutex<std::collections::HashMap<String, i64>>,
+}
+
+impl Flaky {
+    fn calls(&self, run_id: &str) -> i64 {
+        self.calls.lock().unwrap().get(run_id).copied().unwrap_or(0)
+    }
+}
+
+/// One step that posts one ledger row through `tool`, which the test switches as `flaky`. Its
+/// lookup (asked only if `tool` is not idempotent, after an intent without a result) knows the
+/// keys the tool answered with a 503, which it did not act on; of a key it never saw it cannot
+/// tell.
+fn through_flaky(flaky: Arc<Flaky>, tool: Tool) -> Registry {
+    let wf = Workflow::new("flaky", 1).step("post", StepKind::Write, move |ctx| {
+        let (flaky, tool) = (flaky.clone(), tool.clone());
+        async move {
+            let pool = ctx.pool().clone();
+            let (run_id, reference) = (ctx.run_id().to_string(), key(&ctx, "row").to_string());
+            let seen = flaky.calls(ctx.run_id().as_str()) > 0;
+            let call = move |_k| {
+                let (flaky, pool, run_id, reference) = (
+                    flaky.clone(),
+                    pool.clone(),
+                    run_id.clone(),
+                    reference.clone(),
+                );
+                async move {
+                    *flaky.calls.lock().unwrap().entry(run_id).or_default() += 1;
+                    if !flaky.healed.load(Ordering::SeqCst) {
+                        return Err(StepError::temporary(
+                            "flaky answered 503 service unavailable",
+                        ));
+                    }
+                    post(&pool, &reference, 1).await
+                }
+            };
+            let lookup = move |_k| async move {
+                Ok(if seen {
+                    Lookup::NotDone
+                } else {
+                    Lookup::CannotTell
+                })
+            };
+            let request = json!({ "row": 1 });
+            let posted = ctx
+                .tool_effect(&tool, &key(&ctx, "row"), &request, call, lookup)
+                .await?;
+            Ok(StepOutcome::finish(posted))
+        }
+    });
+    let mut registry = Registry::new();
+    registry.register(wf);
+    registry
+}
+
+/// Breakers that open after 2 failed calls for `open_secs`; `max_attempts` a step; no
+/// in-process retry.
+fn breaker_settings(env: &TestEnv, open_secs: u64, max_attempts: i32) -> Settings {
+    let mut s = env.settings.clone();
+    s.guards.breaker_failures = 2;
+    s.guards.breaker_open_secs = open_secs;
+    s.worker.max_attempts = max_attempts;
+    s.worker.call_retries = 0;
+    s.worker.retry_base_ms = 100;
+    s
+}
+
+/// The times the engine told a run's progress that it waits for `tool`'s breaker.
+async fn breaker_waits(env: &TestEnv, run_id: &str) -> i64 {
+    env.scalar(
+        "SELECT count(*) FROM trailmark.progress WHERE run_id = $1 AND line LIKE '%circuit breaker of flaky%'",
+        run_id,
+    )
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn runs_wait_for_an_open_breaker_without_spending_attempts_and_finish_once_it_heals() {
+    let env = TestEnv::new().await;
+    ledger(&env).await;
+    let flaky = Arc::new(Flaky::default());
+    let settings = breaker_settings(&env, 4, 5);
+    let max = settings.worker.max_attempts as i64;
+    let (_engine, running) = start(
+        &env,
+        settings,
+        through_flaky(flaky.clone(), Tool::idempotent("flaky")),
+    );
+    // The tool is down: the first two calls fail and open the breaker, the other runs are
+    // refused. Each run is then refused more often than it has attempts while the tool stays
+    // down; a probe at each half-open time fails and counts for the run that made it (one per
+    // 4 s, too few to reach the cap of 5 of any run).
+    let runs: Vec<String> = (0..5).map(|i| format!("r-wait-{i}")).collect();
+    for run in &runs {
+        env.start_run("flaky", run, json!({})).await;
+    }
+    env.wait_until(
+        "every run to wait for the breaker more than max_attempts times",
+        WAIT,
+        || async {
+            let mut all = true;
+            for run in &runs {
+                all &= breaker_waits(&env, run).await > max;
+            }
+            all
+        },
+    )
+    .await;
+    let reviewed = sqlx::query_scalar::<_, i64>(
+        "SELECT count(*) FROM trailmark.runs WHERE run_id LIKE 'r-wait-%' AND status = 'needs_review'",
+    )
+    .fetch_one(&env.pool)
+    .await
+    .unwrap();
+    assert_eq!(reviewed, 0, "no run went to review for an open breaker");
+    // A run that just made the failing probe shows that failure instead, until it is refused.
+    let shown = sqlx::query_scalar::<_, i64>(
+        "SELECT count(*) FROM trailmark.steps WHERE run_id LIKE 'r-wait-%'
+            AND last_error LIKE 'waiting for the circuit breaker of flaky%tries again at%(not counted as an attempt)'",
+    )
+    .fetch_one(&env.pool)
+    .await
+    .unwrap();
+    assert!(
+        shown >= 3,
+        "the steps' last errors say what they wait for, until when: {shown} of 5"
+    );
+    flaky.healed.store(true, Ordering::SeqCst);
+    for run in &runs {
+        env.wait_status(run, RunStatus::Succeeded, WAIT).await;
+        assert_eq!(
+            env.attempts(run, 0).await,
+            flaky.calls(run),
+            "run {run}: attempts are its real calls, the breaker's refusals not among them"
+        );
+    }
+    assert_eq!(ledger_rows(&env).await, 5, "each run's row once");
+    running.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tool_that_never_heals_still_sends_runs_to_review_after_the_cap_of_real_calls() {
+    let env = TestEnv::new().await;
+    ledger(&env).await;
+    let flaky = Arc::new(Flaky::default());
+    let settings = breaker_settings(&env, 1, 3);
+    let max = settings.worker.max_attempts as i64;
+    let (_engine, running) = start(
+        &env,
+        settings,
+        through_flaky(flaky.clone(), Tool::idempotent("flaky")),
+    );
+    let runs = ["r-down-0", "r-down-1", "r-down-2"];
+    for run in runs {
+        env.start_run("flaky", run, json!({})).await;
+    }
+    let mut waited = 0;
+    for run in runs {
+        let stopped = env.wait_status(run, RunStatus::NeedsReview, WAIT).await;
+        let note = stopped.handover.expect("handover note");
+        let error = note["error"].as_str().unwrap();
+        assert!(
+            error.contains(&format!("failed temporarily {max} times"))
+                && error.contains("503 service unavailable")
+                && error.contains("circuit breaker for flaky is open"),
+            "{note}"
+        );
+        assert_eq!(
+            flaky.calls(run),
+            max,
+            "run {run}: the cap counts real calls"
+        );
+        assert_eq!(env.attempts(run, 0).await, max);
+        waited += breaker_waits(&env, run).await;
+    }
+    assert!(
+        waited > 0,
+        "the probes' re-opened breaker made runs wait in between"
+    );
+    assert_eq!(ledger_rows(&env).await, 0);
+    running.stop().await;
+}
+
+/// Effect rows (any, with or without a result) recorded for `run`.
+async fn effect_rows(env: &TestEnv, run_id: &str) -> i64 {
+    env.scalar(
+        "SELECT count(*) FROM trailmark.effects WHERE run_id = $1",
+        run_id,
+    )
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_open_breaker_refuses_a_non_idempotent_call_before_recording_its_intent() {
+    let env = TestEnv::new().await;
+    ledger(&env).await;
+    let flaky = Arc::new(Flaky::default());
+    // Open for 8 s: the runs refused at its opening are back about 5 s later, still refused, so
+    // nothing they record can come from a probe while the first check below looks.
+    let settings = breaker_settings(&env, 8, 5);
+    let tool = Tool::not_idempotent("flaky");
+    let (_engine, running) = start(&env, settings, through_flaky(flaky.clone(), tool));
+    let runs: Vec<String> = (0..5).map(|i| format!("r-fragile-{i}")).collect();
+    for run in &runs {
+        env.start_run("flaky", run, json!({})).await;
+    }
+    // The first calls fail and open the breaker; the runs it refused made no call.
+    let refused = |flaky: &Flaky| -> Vec<String> {
+        runs.iter()
+            .filter(|r| flaky.calls(r) == 0)
+            .cloned()
+            .collect()
+    };
+    env.wait_until("the breaker to refuse runs", WAIT, || async {
+        let waiting = refused(&flaky);
+        let mut all = !waiting.is_empty();
+        for run in &waiting {
+            all &= breaker_waits(&env, run).await >= 1;
+        }
+        all
+    })
+    .await;
+    for run in refused(&flaky) {
+        assert_eq!(
+            effect_rows(&env, &run).await,
+            0,
+            "run {run}: a call the breaker refused left no intent"
+        );
+    }
+    // Several half-open moments pass, each with a failing probe, the other runs waiting.
+    env.wait_until(
+        "every run to wait for the breaker 3 times",
+        WAIT,
+        || async {
+            let mut all = true;
+            for run in &runs {
+                all &= breaker_waits(&env, run).await >= 3;
+            }
+            all
+        },
+    )
+    .await;
+    let reviewed = sqlx::query_scalar::<_, i64>(
+        "SELECT count(*) FROM trailmark.runs WHERE run_id LIKE 'r-fragile-%' AND status = 'needs_review'",
+    )
+    .fetch_one(&env.pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        reviewed, 0,
+        "no run went to review while the breaker was open"
+    );
+    flaky.healed.store(true, Ordering::SeqCst);
+    for run in &runs {
+        let done = common::eventually("the run to settle", WAIT, || async {
+            let run = trailmark::store::runs::get(&env.pool, run).await.unwrap();
+            run.filter(|r| r.status.is_terminal() || r.status == RunStatus::NeedsReview)
+        })
+        .await
+        .expect("run did not settle");
+        assert_eq!(
+            done.status,
+            RunStatus::Succeeded,
+            "run {run}: no call was lost, none is unknown: {:?}",
+            done.handover
+        );
+    }
+    assert_eq!(ledger_rows(&env).await, 5, "each run's row once");
+    running.stop().await;
+}
+
+/// One step that makes two calls to `flaky`, not idempotent, at once, under keys `a` and `b`;
+/// its lookup knows the keys the tool answered (per key), and of others cannot tell.
+fn two_at_once(flaky: Arc<Flaky>) -> Registry {
+    let mut registry = through_flaky(flaky.clone(), Tool::idempotent("flaky"));
+    let wf = Workflow::new("pair", 1).step("post", StepKind::Write, move |ctx| {
+        let flaky = flaky.clone();
+        async move {
+            let pool = ctx.pool().clone();
+            let effect = |item: &'static str| {
+                let (flaky, pool, key) = (flaky.clone(), pool.clone(), key(&ctx, item));
+                let seen = flaky.calls(key.as_str()) > 0;
+                let call = move |k: IdempotencyKey| {
+                    let (flaky, pool) = (flaky.clone(), pool.clone());
+                    async move {
+                        *flaky
+                            .calls
+                            .lock()
+                            .unwrap()
+                            .entry(k.to_string())
+                            .or_default() += 1;
+                        if !flaky.healed.load(Ordering::SeqCst) {
+                            return Err(StepError::temporary("flaky answered 503"));
+                        }
+                        post(&pool, k.as_str(), 1).await
+                    }
+                };
+                let lookup = move |_k| async move {
+                    Ok(if seen {
+                        Lookup::NotDone
+                    } else {
+                        Lookup::CannotTell
+                    })
+                };
+                let ctx = &ctx;
+                async move {
+                    let tool = Tool::not_idempotent("flaky");
+                    ctx.tool_effect(&tool, &key, &json!({ "row": item }), call, lookup)
+                        .await
+                }
+            };
+            let (a, b) = tokio::join!(effect("a"), effect("b"));
+            Ok(StepOutcome::finish(json!([a?, b?])))
+        }
+    });
+    registry.register(wf);
+    registry
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_refused_after_its_intent_was_recorded_withdraws_it() {
+    let env = TestEnv::new().await;
+    ledger(&env).await;
+    let flaky = Arc::new(Flaky::default());
+    let settings = breaker_settings(&env, 2, 2);
+    let (_engine, running) = start(&env, settings, two_at_once(flaky.clone()));
+    // Another run's two failed calls open the breaker; it stops there (2 attempts).
+    env.start_run("flaky", "r-opener", json!({})).await;
+    env.wait_status("r-opener", RunStatus::NeedsReview, WAIT)
+        .await;
+    env.start_run("pair", "r-pair", json!({})).await;
+    env.wait_until("r-pair to wait for the breaker", WAIT, || async {
+        breaker_waits(&env, "r-pair").await >= 1
+    })
+    .await;
+    assert_eq!(
+        effect_rows(&env, "r-pair").await,
+        0,
+        "refused before any intent"
+    );
+    // Back at the half-open breaker, both calls see the probe free and record their intents;
+    // one takes the probe, the other is refused before its call and withdraws its intent.
+    flaky.healed.store(true, Ordering::SeqCst);
+    let done = common::eventually("r-pair to settle", WAIT, || async {
+        let run = trailmark::store::runs::get(&env.pool, "r-pair")
+            .await
+            .unwrap();
+        run.filter(|r| r.status.is_terminal() || r.status == RunStatus::NeedsReview)
+    })
+    .await
+    .expect("r-pair did not settle");
+    assert_eq!(done.status, RunStatus::Succeeded, "{:?}", done.handover);
+    for item in ["a", "b"] {
+        assert_eq!(
+            flaky.calls(&format!("r-pair:post:{item}")),
+            1,
+            "call {item} made once"
+        );
+    }
+    running.stop().await;
+}

@@ -636,7 +636,7 @@ async fn a_fence_writes_only_at_the_position_it_was_handed_out_for() {
             .unwrap(),
         "a heartbeat at another position kept the lease"
     );
-    runs::release(&env.pool, (&x, 1), f, 1.0, "gave up")
+    runs::release(&env.pool, (&x, 1), f, (1.0, false), "gave up")
         .await
         .unwrap();
     let run = runs::get(&env.pool, "r-x").await.unwrap().unwrap();

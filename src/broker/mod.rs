@@ -15,7 +15,7 @@ use lapin::{Connection, ConnectionProperties};
 pub use headers::{header_str, headers_to_map, map_to_headers};
 pub use publisher::{Outgoing, Publisher};
 pub use topology::{
-    BindingSpec, DEFAULT_QUORUM_GROUP_SIZE, ExchangeSpec, KeptGroupSize, QUORUM_GROUP_SIZE_ARG,
+    BindingSpec, DEFAULT_QUORUM_GROUP_SIZE, DELAY_TIERS_MS, ExchangeSpec, KeptGroupSize, QUORUM_GROUP_SIZE_ARG,
     QueueSpec, Topology,
 };
 

@@ -156,6 +156,33 @@ fn begun(row: BeginRow, i: &Intent) -> Result<IntentOutcome> {
     }
 }
 
+/// The request hash and result (if known) recorded under `key`, without recording anything: a
+/// step whose call the breaker would refuse reads it instead of recording an intent.
+pub async fn recorded(db: impl PgExecutor<'_>, key: &str) -> Result<Option<(String, Option<Value>)>> {
+    Ok(sqlx::query_as(
+        "SELECT request_hash, result FROM trailmark.effects WHERE idempotency_key = $1",
+    )
+    .bind(key)
+    .fetch_optional(db)
+    .await?)
+}
+
+/// Removes the intent `run_id` recorded under `key` with `fence`, as long as it has no result:
+/// for a call that was refused before it was made, so that no later attempt takes it for an
+/// unknown outcome. `false`: nothing matched (a result came, or another worker owns the key).
+pub async fn withdraw(db: impl PgExecutor<'_>, key: &str, run_id: &str, fence: i64) -> Result<bool> {
+    let done = sqlx::query(
+        "DELETE FROM trailmark.effects
+          WHERE idempotency_key = $1 AND run_id = $2 AND fence = $3 AND result IS NULL",
+    )
+    .bind(key)
+    .bind(run_id)
+    .bind(fence)
+    .execute(db)
+    .await?;
+    Ok(done.rows_affected() == 1)
+}
+
 /// Counts (all, completed) writes of a run, for `run show`: its effects and local writes (a
 /// local write is always complete: it exists only with its step's commit).
 pub async fn totals(db: impl PgExecutor<'_>, run_id: &str) -> Result<(i64, i64)> {

@@ -475,12 +475,14 @@ pub async fn set_undo_plan(db: impl PgExecutor<'_>, run_id: &str, plan: &UndoPla
 
 /// Gives a lease back without advancing the run (its step is retried after `delay_secs` from a
 /// delay queue), and notes on the step when it runs again and why it failed. Checked by position
-/// and fence, as [`heartbeat`].
+/// and fence, as [`heartbeat`]. `give_back`: the attempt its claim counted is taken back with the
+/// lease (a wait on an open circuit breaker made no call); a crash before this statement leaves
+/// the attempt counted, as every crash does.
 pub async fn release(
     db: impl PgExecutor<'_>,
     (run_id, seq): (&RunId, i32),
     fence: Fence,
-    delay_secs: f64,
+    (delay_secs, give_back): (f64, bool),
     error: &str,
 ) -> Result<()> {
     sqlx::query(
@@ -489,7 +491,8 @@ pub async fn release(
              WHERE run_id = $1 AND fence = $2 AND step_seq = $5
             RETURNING run_id, step_seq
          )
-         UPDATE trailmark.steps s SET retry_at = now() + make_interval(secs => $3), last_error = $4
+         UPDATE trailmark.steps s SET retry_at = now() + make_interval(secs => $3), last_error = $4,
+                attempts = CASE WHEN $6 THEN GREATEST(s.attempts - 1, 0) ELSE s.attempts END
            FROM released r WHERE s.run_id = r.run_id AND s.seq = r.step_seq",
     )
     .bind(run_id.as_str())
@@ -497,6 +500,7 @@ pub async fn release(
     .bind(delay_secs)
     .bind(error)
     .bind(seq)
+    .bind(give_back)
     .execute(db)
     .await?;
     Ok(())

@@ -8,7 +8,7 @@ use std::time::Duration;
 use serde_json::{Value, json};
 
 use super::STEP_CONSUMER;
-use crate::broker::Topology;
+use crate::broker::{DELAY_TIERS_MS, Topology};
 use crate::domain::{
     ChildStart, Due, Event, FanOut, Fence, IllegalMove, LocalWrite, MAX_CHILDREN, NewWait,
     OutgoingMessage, RunStatus, StepAddress, StepMessage, UndoPlan, WaitFor, allowed_failures,
@@ -105,6 +105,9 @@ pub(super) enum Verdict {
         delay: Duration,
         /// What failed.
         reason: String,
+        /// Whether the attempt stays counted: `false` for a wait on an open circuit breaker,
+        /// where no call was made, so its claim's attempt is given back with the lease.
+        counted: bool,
     },
     /// The work is void: a newer worker owns the run.
     Stale(&'static str),
@@ -119,7 +122,8 @@ impl Verdict {
             Self::Commit(Ending::Advance { .. }) => "committed",
             Self::Commit(Ending::Wait { .. } | Ending::Pause { .. }) => "waiting",
             Self::Commit(Ending::Review { .. }) | Self::Review(_) => "review",
-            Self::Retry { .. } => "retry",
+            Self::Retry { counted: true, .. } => "retry",
+            Self::Retry { counted: false, .. } => "breaker_wait",
             Self::Stale(_) => "stale",
             Self::Infrastructure(_) => "infrastructure",
         }
@@ -239,7 +243,20 @@ pub(super) fn decide(
             let delay = retry_after.unwrap_or(Duration::from_millis(
                 limits.retry_base_ms.saturating_mul(doubling),
             ));
-            return Verdict::Retry { delay, reason };
+            return Verdict::Retry {
+                delay,
+                reason,
+                counted: true,
+            };
+        }
+        // Before the attempt cap: a wait on a breaker spends no attempt, so it is not capped
+        // either (the run's timeout and a failing probe, which counts, still end it).
+        Err(open @ StepError::BreakerOpen { wait, .. }) => {
+            return Verdict::Retry {
+                delay: breaker_delay(wait),
+                reason: open.to_string(),
+                counted: false,
+            };
         }
         Err(StepError::Temporary { reason, .. }) => StepError::Guard(format!(
             "step {} failed temporarily {} times (worker.max_attempts); last error: {reason}",
@@ -248,6 +265,20 @@ pub(super) fn decide(
         Err(e) => e,
     };
     Verdict::Review(failure)
+}
+
+/// How long a step waits for a breaker that lets a probe through after `wait`: the longest delay
+/// tier that ends by then (give or take a second), so the step is back at the probe, not a tier
+/// later; a step back early is refused again at no cost.
+fn breaker_delay(wait: Duration) -> Duration {
+    let by = wait.as_millis() as u64 + 1_000;
+    let tier = DELAY_TIERS_MS
+        .iter()
+        .rev()
+        .copied()
+        .find(|t| *t <= by)
+        .unwrap_or(DELAY_TIERS_MS[0]);
+    Duration::from_millis(tier)
 }
 
 /// The wait a step's outcome asks for, checked: a step that waits must be followed by a step
@@ -698,6 +729,37 @@ mod tests {
             decide((&workflow(), &Registry::new()), &msg, running(1), LIMITS, asked, none()),
             Verdict::Retry { delay, .. } if delay == Duration::from_secs(9)
         ));
+    }
+
+    #[test]
+    fn a_wait_on_an_open_breaker_is_retried_uncounted_even_at_the_attempt_cap() {
+        let msg = message(StepAddress::step("a"), 0);
+        let open = || Err(StepError::breaker_open("ledger", Duration::from_secs(29)));
+        for attempt in [1, LIMITS.max_attempts] {
+            let verdict = decide((&workflow(), &Registry::new()), &msg, running(attempt), LIMITS, open(), none());
+            let Verdict::Retry {
+                delay,
+                reason,
+                counted: false,
+            } = verdict
+            else {
+                panic!("not an uncounted retry at attempt {attempt}: {verdict:?}");
+            };
+            assert_eq!(delay, Duration::from_secs(30), "back at the probe");
+            assert!(reason.contains("circuit breaker of ledger"), "{reason}");
+        }
+    }
+
+    #[test]
+    fn a_breaker_wait_ends_by_the_probe_give_or_take_a_second() {
+        let secs = |s: u64| breaker_delay(Duration::from_secs(s)).as_secs();
+        assert_eq!(secs(0), 1, "the shortest tier");
+        assert_eq!(secs(1), 1);
+        assert_eq!(secs(4), 5);
+        assert_eq!(secs(20), 5, "back early, refused again at no cost");
+        assert_eq!(secs(29), 30);
+        assert_eq!(secs(120), 30);
+        assert_eq!(secs(86_400), 300, "the longest tier");
     }
 
     #[test]

@@ -181,22 +181,12 @@ async fn run_claimed(
             }
         }
         Verdict::Review(failure) => review(engine, msg, claim, failure).await?,
-        Verdict::Retry { delay, reason } => {
-            metrics::step_retried("temporary");
-            tracing::warn!(reason = %reason, delay_ms = delay.as_millis() as u64, "step failed temporarily; retrying later");
-            let line = format!(
-                "step {} (position {}) failed temporarily, attempt {} of {}: {reason}; retrying in {:.0} s",
-                msg.step,
-                msg.seq,
-                claim.attempt,
-                limits.max_attempts,
-                delay.as_secs_f64()
-            );
-            engine.step_tx.progress(&msg.run_id, msg.seq, line);
-            engine
-                .step_tx
-                .release((&msg.run_id, msg.seq), claim.fence, delay, &reason)
-                .await?;
+        Verdict::Retry {
+            delay,
+            reason,
+            counted,
+        } => {
+            retry_later(engine, msg, claim, (delay, counted), &reason, limits).await?;
             Disposition::Delay(delay)
         }
         Verdict::Stale(why) => {
@@ -213,6 +203,47 @@ async fn run_claimed(
     };
     heartbeat.stop();
     Ok((outcome, disposition))
+}
+
+/// Gives the lease back for a retry after `delay` and says so in the run's progress. A wait on an
+/// open breaker (`counted` false) gives the claim's attempt back with it.
+async fn retry_later(
+    engine: &Engine,
+    msg: &StepMessage,
+    claim: &runs::Claim,
+    (delay, counted): (Duration, bool),
+    reason: &str,
+    limits: Limits,
+) -> store::Result<()> {
+    let line = if counted {
+        metrics::step_retried("temporary");
+        tracing::warn!(reason = %reason, delay_ms = delay.as_millis() as u64, "step failed temporarily; retrying later");
+        format!(
+            "step {} (position {}) failed temporarily, attempt {} of {}: {reason}; retrying in {:.0} s",
+            msg.step,
+            msg.seq,
+            claim.attempt,
+            limits.max_attempts,
+            delay.as_secs_f64()
+        )
+    } else {
+        metrics::step_retried("breaker_open");
+        // Debug: every waiting step says this at each return; the breaker itself logs opening and closing.
+        tracing::debug!(reason = %reason, delay_ms = delay.as_millis() as u64, "step waits for a circuit breaker");
+        format!(
+            "step {} (position {}) {reason}; back in {:.0} s, {} of {} attempts used",
+            msg.step,
+            msg.seq,
+            delay.as_secs_f64(),
+            claim.attempt - 1,
+            limits.max_attempts,
+        )
+    };
+    engine.step_tx.progress(&msg.run_id, msg.seq, line);
+    engine
+        .step_tx
+        .release((&msg.run_id, msg.seq), claim.fence, (delay, !counted), reason)
+        .await
 }
 
 /// Stops the run at the step for a person: the handover note (with the run's effects), then the

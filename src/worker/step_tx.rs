@@ -150,15 +150,16 @@ impl StepTx {
     }
 
     /// Gives the lease back without advancing (the step is retried from a delay queue after
-    /// `delay`; `error` is why).
+    /// `delay`; `error` is why), and with it the claim's attempt when `give_back`.
     pub async fn release(
         &self,
         at: (&RunId, i32),
         fence: Fence,
-        delay: std::time::Duration,
+        (delay, give_back): (std::time::Duration, bool),
         error: &str,
     ) -> store::Result<()> {
-        runs::release(&self.pool, at, fence, delay.as_secs_f64(), error).await
+        let retry = (delay.as_secs_f64(), give_back);
+        runs::release(&self.pool, at, fence, retry, error).await
     }
 
     async fn record(&self, record: Record) -> store::Result<bool> {
@@ -230,6 +231,25 @@ impl Records for StepTx {
         intent: EffectIntent,
     ) -> BoxFuture<'_, Result<IntentOutcome, StepError>> {
         Box::pin(async move { Ok(self.intend(intent).await?) })
+    }
+
+    fn recorded_effect<'a>(
+        &'a self,
+        key: &'a IdempotencyKey,
+    ) -> BoxFuture<'a, Result<Option<crate::workflow::RecordedEffect>, StepError>> {
+        Box::pin(async move { Ok(effects::recorded(&self.pool, key.as_str()).await?) })
+    }
+
+    fn withdraw_effect<'a>(
+        &'a self,
+        key: &'a IdempotencyKey,
+        run: &'a RunId,
+        fence: Fence,
+    ) -> BoxFuture<'a, Result<(), StepError>> {
+        Box::pin(async move {
+            effects::withdraw(&self.pool, key.as_str(), run.as_str(), fence.0).await?;
+            Ok(())
+        })
     }
 
     fn finish_effect(

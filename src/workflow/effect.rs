@@ -155,6 +155,7 @@ impl StepContext {
             return self.shadow_effect(tool, key, request).await;
         }
         let hash = request_hash(request);
+        self.refuse_before_intent(tool, key, &hash).await?;
         let known = self.record_intent(tool, key, &hash, request).await?;
         if let EffectState::Done(result) = known {
             // Served from the record: no call, so no span; counted on the step's span.
@@ -197,6 +198,7 @@ impl StepContext {
         LFut: Future<Output = Result<Lookup, StepError>>,
     {
         let mut outcome = "called";
+        let recorded_now = matches!(known, EffectState::New);
         match known {
             EffectState::Done(result) => return Ok((result, "recorded")),
             EffectState::New => {}
@@ -232,7 +234,12 @@ impl StepContext {
                 unix_nanos()
             )
         });
-        let result = self.call_with_retries(tool, key, retries, call).await?;
+        let result = match self.call_with_retries(tool, key, retries, call).await {
+            Err(open @ StepError::BreakerOpen { .. }) if recorded_now => {
+                return Err(self.withdraw_intent(key, open).await);
+            }
+            other => other?,
+        };
         // A crash here is the "unknown outcome" case: the call happened, its result is not known.
         self.fire_failpoint("effect.after_call")?;
         self.drill_seam(crate::seams::Seam::LateTool)?;
@@ -247,6 +254,22 @@ impl StepContext {
         // Kill spot of tests/relaxed_crash.rs: a Postgres crash now can lose the unflushed result.
         self.fire_failpoint("effect_result.after_commit")?;
         Ok((result, outcome))
+    }
+
+    /// The breaker refused, before any call, a call whose intent this attempt recorded: it was
+    /// never made, so its intent goes, and the next attempt starts afresh. A withdrawal that
+    /// fails (logged; the step still waits) or a crash before it leaves the intent, which then reads as an unknown outcome
+    /// (its lookup decides): the one narrow window left.
+    async fn withdraw_intent(&self, key: &IdempotencyKey, open: StepError) -> StepError {
+        let withdrawn = self
+            .tools()
+            .records
+            .withdraw_effect(key, self.run_id(), self.lease_fence())
+            .await;
+        if let Err(e) = withdrawn {
+            tracing::warn!(error = %e, "the intent of a call the breaker refused was not withdrawn");
+        }
+        open
     }
 
     /// In a shadow run: records the call it would make (key, tool, request) in `shadow_writes`
@@ -272,6 +295,38 @@ impl StepContext {
             .await?;
         tracing::debug!("shadow run: the call was recorded, not made");
         Ok(serde_json::json!({ "shadow": true }))
+    }
+
+    /// An open breaker's refusal, before anything is recorded. A refused call is never made, so
+    /// it must leave no intent: a later attempt would take an intent without a result for an
+    /// unknown outcome, and a non-idempotent tool's lookup that cannot tell would send the run to
+    /// review for a call that never happened. Goes on when the breaker would let the call
+    /// through (its probe is free: taken by the call itself), or when `key` holds what the
+    /// intent statement must answer: a recorded result (the step replays, no call, no wait) or
+    /// another request (the conflict).
+    ///
+    /// The breaker may still refuse after this peek: it opens meanwhile, or another step takes
+    /// the probe this one saw free (every step back at a half-open breaker sees it free). The
+    /// check before the call refuses then, and the intent just recorded is withdrawn
+    /// ([`Self::withdraw_intent`]); peeking alone would leave that window wide open.
+    ///
+    /// An intent without a result from an earlier attempt (it died after recording it: the
+    /// outcome is really unknown) waits too, uncounted, and its lookup is not asked: the lookup
+    /// is a call to the same outside system, which its breaker says is down. Once the breaker
+    /// lets the step through, the lookup decides as after any crash.
+    async fn refuse_before_intent(
+        &self,
+        tool: &Tool,
+        key: &IdempotencyKey,
+        hash: &str,
+    ) -> Result<(), StepError> {
+        let Decision::Refuse(wait) = self.tools().breakers.peek(&tool.name, Instant::now()) else {
+            return Ok(());
+        };
+        match self.tools().records.recorded_effect(key).await? {
+            Some((stored, result)) if result.is_some() || stored != hash => Ok(()),
+            _ => Err(StepError::breaker_open(&tool.name, wait)),
+        }
     }
 
     /// Records the intent, enforcing the run's tool-call budget and repeated-action detection for
@@ -339,12 +394,11 @@ impl StepContext {
         let breakers = &self.tools().breakers;
         let policy = super::call_backoff(retries);
         let call = std::sync::Mutex::new(call);
+        // The last real call's failure in this loop: a breaker it opened must not hide it.
+        let failed = std::sync::Mutex::new(None::<String>);
         let attempt = || async {
             if let Decision::Refuse(wait) = breakers.check(&tool.name, Instant::now()) {
-                return Err(StepError::Temporary {
-                    reason: format!("circuit breaker for {} is open", tool.name),
-                    retry_after: Some(wait),
-                });
+                return Err(refused(&tool.name, wait, failed.lock().expect("failure lock").take()));
             }
             let started = Instant::now();
             let pending = (call.lock().expect("effect call lock"))(key.clone());
@@ -367,13 +421,53 @@ impl StepContext {
                 ok = result.is_ok(),
                 "tool called"
             );
-            result
+            match result {
+                Err(StepError::Temporary { reason, retry_after }) => {
+                    *failed.lock().expect("failure lock") = Some(reason.clone());
+                    Err(after_failure(&tool.name, reason, retry_after, breakers))
+                }
+                other => other,
+            }
         };
         attempt
             .retry(policy)
             .when(|e| matches!(e, StepError::Temporary { retry_after: None, .. }))
             .notify(|e, delay| tracing::warn!(error = %e, retry_in_ms = delay.as_millis() as u64, "tool call failed; retrying under the same key"))
             .await
+    }
+}
+
+/// A real call's temporary failure, counted as such. When the breaker is open after it (this
+/// failure opened it, or a probe failed), the error names the tool and the step is retried when
+/// the breaker lets the next probe through: an in-process retry would only be refused.
+fn after_failure(
+    tool: &str,
+    reason: String,
+    retry_after: Option<std::time::Duration>,
+    breakers: &guard::Breakers,
+) -> StepError {
+    match breakers.refusing(tool, Instant::now()) {
+        None => StepError::Temporary {
+            reason,
+            retry_after,
+        },
+        Some(wait) => StepError::Temporary {
+            reason: format!("{reason}; the circuit breaker for {tool} is open"),
+            retry_after: Some(retry_after.map_or(wait, |asked| asked.max(wait))),
+        },
+    }
+}
+
+/// What an open breaker's refusal of `tool` means to the step. Before any call, a wait that
+/// spends no attempt; after a real call failed in the same loop (it may be the one that opened
+/// the breaker), that failure, which counts, retried when the breaker lets a probe through.
+fn refused(tool: &str, wait: std::time::Duration, failed: Option<String>) -> StepError {
+    match failed {
+        None => StepError::breaker_open(tool, wait),
+        Some(reason) => StepError::Temporary {
+            reason: format!("{reason}; the circuit breaker for {tool} is open"),
+            retry_after: Some(wait),
+        },
     }
 }
 

@@ -14,6 +14,20 @@ pub enum StepError {
         /// A delay the remote side asked for.
         retry_after: Option<Duration>,
     },
+    /// A tool's circuit breaker refused the call, so none was made: the step waits, holding no
+    /// lease, until the breaker lets a probe through, and the wait spends no attempt.
+    #[error(
+        "waiting for the circuit breaker of {tool}: no call is made while it is open, the step tries again at {} (not counted as an attempt)",
+        .until.to_rfc3339_opts(chrono::SecondsFormat::Secs, true)
+    )]
+    BreakerOpen {
+        /// The tool whose breaker is open.
+        tool: String,
+        /// How long until the breaker lets a probe through.
+        wait: Duration,
+        /// When that is.
+        until: chrono::DateTime<chrono::Utc>,
+    },
     /// Credentials or configuration: stop at once, no retries.
     #[error("tool auth/config failure: {0}")]
     Auth(String),
@@ -39,6 +53,7 @@ impl StepError {
     pub fn class(&self) -> &'static str {
         match self {
             Self::Temporary { .. } => "temporary",
+            Self::BreakerOpen { .. } => "breaker_open",
             Self::Auth(_) => "tool_auth",
             Self::Conflict(_) => "conflict",
             Self::Guard(_) => "guard",
@@ -53,6 +68,16 @@ impl StepError {
         Self::Temporary {
             reason: reason.into(),
             retry_after: None,
+        }
+    }
+
+    /// The refusal of `tool`'s open breaker, which lets a probe through after `wait`.
+    pub fn breaker_open(tool: &str, wait: Duration) -> Self {
+        let until = chrono::Utc::now() + chrono::Duration::from_std(wait).unwrap_or_default();
+        Self::BreakerOpen {
+            tool: tool.to_owned(),
+            wait,
+            until,
         }
     }
 }

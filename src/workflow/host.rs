@@ -21,6 +21,9 @@ use crate::model::ModelClient;
 /// A boxed future, for the methods of [`Records`] (a trait object's methods cannot be `async`).
 pub(crate) type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
+/// What is recorded under an effect's key: its request hash, and its result once known.
+pub(crate) type RecordedEffect = (String, Option<Value>);
+
 /// The durable records of a step, each written the moment it is known.
 pub(crate) trait Records: Send + Sync {
     /// The journaled answer of call `call_no` at position `seq`, if any.
@@ -45,6 +48,22 @@ pub(crate) trait Records: Send + Sync {
     /// or reports what an earlier attempt left.
     fn begin_effect(&self, intent: EffectIntent)
     -> BoxFuture<'_, Result<IntentOutcome, StepError>>;
+
+    /// The request hash and result (if known) of the effect recorded under `key`, if any;
+    /// records nothing.
+    fn recorded_effect<'a>(
+        &'a self,
+        key: &'a IdempotencyKey,
+    ) -> BoxFuture<'a, Result<Option<RecordedEffect>, StepError>>;
+
+    /// Removes the intent `run` recorded under `key` with `fence` while it has no result: its
+    /// call was refused before it was made.
+    fn withdraw_effect<'a>(
+        &'a self,
+        key: &'a IdempotencyKey,
+        run: &'a RunId,
+        fence: crate::domain::Fence,
+    ) -> BoxFuture<'a, Result<(), StepError>>;
 
     /// Records an effect's result.
     fn finish_effect(

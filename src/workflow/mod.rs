@@ -34,7 +34,7 @@ pub use effect::{Lookup, Tool};
 pub use error::{ResultExt, StepError};
 pub(crate) use pause::Pause;
 pub use pause::{EventWait, OnTimeout, ReceivedEvent};
-pub(crate) use host::{BoxFuture, Models, Records, Tools};
+pub(crate) use host::{BoxFuture, Models, RecordedEffect, Records, Tools};
 pub use reversal::{ListFuture, Lister, PreviewContext, Reversal};
 
 /// What a step does to the outside world; recovery rules follow from it.
