@@ -908,3 +908,30 @@ async fn a_call_refused_after_its_intent_was_recorded_withdraws_it() {
     }
     running.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_step_whose_calls_at_once_keep_failing_behind_their_breaker_still_reaches_its_cap() {
+    // At each half-open moment one of the step's two calls is the probe (a real call, failing)
+    // and the other is refused: the attempt made a call, so it counts, and the run ends.
+    let env = TestEnv::new().await;
+    ledger(&env).await;
+    let flaky = Arc::new(Flaky::default());
+    let settings = breaker_settings(&env, 1, 3);
+    let max = settings.worker.max_attempts as i64;
+    let (_engine, running) = start(&env, settings, two_at_once(flaky.clone()));
+    env.start_run("pair", "r-pair-down", json!({})).await;
+    let stopped = env
+        .wait_status("r-pair-down", RunStatus::NeedsReview, WAIT)
+        .await;
+    let note = stopped.handover.expect("handover note");
+    assert!(
+        note["error"]
+            .as_str()
+            .unwrap()
+            .contains(&format!("failed temporarily {max} times")),
+        "{note}"
+    );
+    assert_eq!(env.attempts("r-pair-down", 0).await, max);
+    assert_eq!(ledger_rows(&env).await, 0);
+    running.stop().await;
+}

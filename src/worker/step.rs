@@ -287,7 +287,15 @@ async fn run_step(
     } else {
         let ctx = context(engine, workflow, msg, claim, span.clone()).await?;
         Stats::bump(&engine.stats.handler_runs);
-        let result = execute(engine, step, ctx.clone(), heartbeat).await;
+        let result = match execute(engine, step, ctx.clone(), heartbeat).await {
+            // Waiting for a breaker spends no attempt only when the attempt made no call: one
+            // that called out (another of its calls met the open breaker) counts, or a step
+            // whose concurrent calls keep failing would never reach its cap.
+            Err(open @ StepError::BreakerOpen { .. }) if ctx.called_out() => {
+                Err(StepError::temporary(open.to_string()))
+            }
+            other => other,
+        };
         let (tokens, cost) = ctx.paid();
         if tokens > 0 {
             let span = tracing::Span::current();

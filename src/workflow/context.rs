@@ -80,6 +80,9 @@ pub(super) struct Inner {
     /// Whether this attempt journaled a model answer that no synchronous commit of its own has
     /// flushed since (a new effect intent flushes it): the step's ending may rest on it.
     pub unflushed_answer: std::sync::atomic::AtomicBool,
+    /// Whether this attempt made a call to an outside system (past its breaker): a step that
+    /// did spends its attempt, even if another of its calls then met an open breaker.
+    pub called_out: std::sync::atomic::AtomicBool,
     /// Model answers and outside-write results this attempt read back from the journal instead
     /// of asking or calling again (counted on the step's span).
     pub replayed: (AtomicI32, AtomicI32),
@@ -107,6 +110,7 @@ impl StepContext {
             calls: AtomicI32::new(0),
             paid: Mutex::new((0, 0.0)),
             unflushed_answer: std::sync::atomic::AtomicBool::new(false),
+            called_out: std::sync::atomic::AtomicBool::new(false),
             replayed: (AtomicI32::new(0), AtomicI32::new(0)),
             outgoing: Mutex::new(Vec::new()),
             parked: Mutex::new(Vec::new()),
@@ -116,6 +120,13 @@ impl StepContext {
         Self {
             inner: Arc::new(inner),
         }
+    }
+
+    /// Whether this attempt called an outside system past its breaker.
+    pub(crate) fn called_out(&self) -> bool {
+        self.inner
+            .called_out
+            .load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Whether every model answer this attempt journaled was flushed by a later synchronous

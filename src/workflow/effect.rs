@@ -400,6 +400,7 @@ impl StepContext {
             if let Decision::Refuse(wait) = breakers.check(&tool.name, Instant::now()) {
                 return Err(refused(&tool.name, wait, failed.lock().expect("failure lock").take()));
             }
+            (self.inner.called_out).store(true, std::sync::atomic::Ordering::Relaxed);
             let started = Instant::now();
             let pending = (call.lock().expect("effect call lock"))(key.clone());
             let result = pending.await;
