@@ -1185,3 +1185,78 @@ async fn a_child_stopped_by_its_own_children_counts_as_failed_in_its_parent_and_
     }
     running.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_child_stopped_by_its_own_childrens_undo_counts_as_failed_in_its_parents_undo() {
+    let env = TestEnv::new().await;
+    let first = env.spawn_process(None);
+    let grandchildren = json!({"at": 1, "count": 2, "steps": 2});
+    let input = json!({"steps": 4, "children": {"at": 1, "count": 2, "steps": 3, "children": grandchildren}});
+    env.start_run("chain", "nu", input).await;
+    env.wait_status("nu", RunStatus::Succeeded, WAIT).await;
+    kill(first).await;
+    // Killed at the first grandchild's reversal (2 of the parent's links, then 1 of each
+    // child's come before): that grandchild is compensating, its parent waits for it.
+    let mut undoer = env.spawn_process(Some("chain.after_reversal=kill@5"));
+    let engine = env.engine();
+    let who = Decider::cli("tester", "wrong batch");
+    let opts = trailmark::operator::UndoOptions::everything();
+    trailmark::operator::undo(&engine, "nu", &who, opts)
+        .await
+        .unwrap();
+    wait_exit(&mut undoer, WAIT).await.expect("killed mid-undo");
+    let (grandchild, middle): (String, String) = sqlx::query_as(
+        "SELECT c.run_id, c.parent_run_id FROM trailmark.children c
+           JOIN trailmark.runs r ON r.run_id = c.run_id
+           JOIN trailmark.fan_outs f ON f.run_id = c.parent_run_id AND f.seq = c.seq
+          WHERE c.run_id LIKE 'nu:1:_:1:%' AND r.status = 'compensating' AND f.undo_seq IS NOT NULL
+          ORDER BY c.run_id LIMIT 1",
+    )
+    .fetch_one(&env.pool)
+    .await
+    .unwrap();
+    let cancel = Decider::cli("tester", "leave this one");
+    trailmark::operator::cancel(&engine, &grandchild, &cancel)
+        .await
+        .unwrap();
+    // The child stops for review naming its cancelled child, and the parent's undo counts it
+    // failed at once: the parent stops naming it, it does not wait for ever.
+    let stopped = env.wait_status(&middle, RunStatus::NeedsReview, WAIT).await;
+    let note = stopped.handover.expect("a handover note");
+    assert_eq!(note["error_class"], "children_undo_failed", "{note}");
+    assert_eq!(named(&note), [grandchild.clone()], "{note}");
+    let stopped = env.wait_status("nu", RunStatus::NeedsReview, WAIT).await;
+    let note = stopped.handover.expect("a handover note");
+    assert_eq!(note["error_class"], "children_undo_failed", "{note}");
+    assert_eq!(named(&note), [middle.clone()], "{note}");
+    // Everything else finishes its undo; the stopped ones stay stopped, counted once.
+    let running = env.spawn_all(engine.clone());
+    env.wait_until("the rest of the family to be compensated", WAIT, || async {
+        let left: i64 = env
+            .scalar(
+                "SELECT count(*) FROM trailmark.runs WHERE run_id LIKE $1 || ':%'
+                  AND status NOT IN ('compensated', 'needs_review', 'cancelled')",
+                "nu",
+            )
+            .await;
+        left == 0
+    })
+    .await;
+    let undo: (i32, i32) =
+        sqlx::query_as("SELECT undone, undo_failed FROM trailmark.fan_outs WHERE run_id = 'nu'")
+            .fetch_one(&env.pool)
+            .await
+            .unwrap();
+    assert_eq!(
+        undo,
+        (1, 1),
+        "one child compensated, one stopped, each counted once"
+    );
+    assert_eq!(
+        env.wait_status("nu", RunStatus::NeedsReview, WAIT)
+            .await
+            .status,
+        RunStatus::NeedsReview
+    );
+    running.stop().await;
+}
