@@ -1224,11 +1224,11 @@ async fn a_child_stopped_by_its_own_childrens_undo_counts_as_failed_in_its_paren
     let stopped = env.wait_status(&middle, RunStatus::NeedsReview, WAIT).await;
     let note = stopped.handover.expect("a handover note");
     assert_eq!(note["error_class"], "children_undo_failed", "{note}");
-    assert_eq!(named(&note), [grandchild.clone()], "{note}");
+    assert_eq!(named(&note), [grandchild.as_str()], "{note}");
     let stopped = env.wait_status("nu", RunStatus::NeedsReview, WAIT).await;
     let note = stopped.handover.expect("a handover note");
     assert_eq!(note["error_class"], "children_undo_failed", "{note}");
-    assert_eq!(named(&note), [middle.clone()], "{note}");
+    assert_eq!(named(&note), [middle.as_str()], "{note}");
     // Everything else finishes its undo; the stopped ones stay stopped, counted once.
     let running = env.spawn_all(engine.clone());
     env.wait_until("the rest of the family to be compensated", WAIT, || async {
