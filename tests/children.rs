@@ -1062,3 +1062,201 @@ async fn a_nested_family_is_undone_in_causal_order_at_every_level() {
     }
     running.stop().await;
 }
+
+/// A grandparent of 2 links whose link 0 starts 2 children of 2 links (failures allowed:
+/// `allowed`), each starting 3 grandchildren of 2 links of which 0 and 1 fail: past the
+/// children's threshold of 1, each child stops for review.
+fn failing_grandchildren(allowed: u64) -> Value {
+    let grandchildren =
+        json!({"at": 0, "count": 3, "steps": 2, "fail": [0, 1], "fail_threshold": 1});
+    parent(
+        json!({"at": 0, "count": 2, "steps": 2, "fail_threshold": allowed, "children": grandchildren}),
+    )
+}
+
+/// A parent's children rows by state, and its fan-out's (succeeded, failed) counters.
+async fn joined_as(env: &TestEnv, parent: &str) -> (Vec<(String, i64)>, (i32, i32)) {
+    let counters =
+        sqlx::query_as("SELECT succeeded, failed FROM trailmark.fan_outs WHERE run_id = $1")
+            .bind(parent)
+            .fetch_one(&env.pool)
+            .await
+            .unwrap();
+    (children_by_state(env, parent).await, counters)
+}
+
+/// The run ids a stopped run's note names as failed.
+fn named(note: &Value) -> Vec<String> {
+    let failed = note["failed"].as_array().expect("the failed children");
+    failed
+        .iter()
+        .map(|c| c["run_id"].as_str().unwrap().to_owned())
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_child_stopped_by_its_own_children_counts_as_failed_in_its_parent_and_a_resume_reaches_them()
+ {
+    let env = TestEnv::new().await;
+    let running = env.spawn_all(env.engine());
+    // Two failures allowed: the grandparent goes on past its two stopped children.
+    env.start_run("chain", "on", failing_grandchildren(2)).await;
+    // None allowed: the grandparent stops for review naming a stopped child.
+    env.start_run("chain", "ng", failing_grandchildren(0)).await;
+    env.wait_status("on", RunStatus::Succeeded, WAIT).await;
+    let failed = || ("failed".to_owned(), 2);
+    assert_eq!(joined_as(&env, "on").await, (vec![failed()], (0, 2)));
+    let stopped = env.wait_status("ng", RunStatus::NeedsReview, WAIT).await;
+    let note = stopped.handover.expect("a handover note");
+    assert_eq!(note["error_class"], "children_failed", "{note}");
+    assert!(
+        named(&note)
+            .iter()
+            .all(|c| ["ng:0:0", "ng:0:1"].contains(&c.as_str())),
+        "{note}"
+    );
+    env.wait_until("every grandchild to end", WAIT, || async {
+        let below: Vec<(String, i64)> = sqlx::query_as(
+            "SELECT status, count(*) FROM trailmark.runs WHERE run_id LIKE 'ng:0:_:0:%'
+              GROUP BY status ORDER BY status",
+        )
+        .fetch_all(&env.pool)
+        .await
+        .unwrap();
+        below == [("needs_review".into(), 4), ("succeeded".into(), 2)]
+    })
+    .await;
+    for middle in ["ng:0:0", "ng:0:1"] {
+        let run = env.wait_status(middle, RunStatus::NeedsReview, WAIT).await;
+        let note = run.handover.expect("a handover note");
+        assert_eq!(
+            named(&note),
+            [format!("{middle}:0:0"), format!("{middle}:0:1")],
+            "{note}"
+        );
+    }
+    // Each stopped child counted once, as failed.
+    assert_eq!(joined_as(&env, "ng").await, (vec![failed()], (0, 2)));
+    running.stop().await;
+    // The fix is deployed. A child resumed alone runs its failed children again; once it
+    // succeeds its parent counts it so (and stays stopped until resumed itself).
+    let fixed = Failpoints::parse("chain.fixed=error").unwrap();
+    let engine = env.engine_with(trailmark_reference::registry(), fixed);
+    let running = env.spawn_all(engine.clone());
+    let who = Decider::cli("tester", "fix deployed");
+    trailmark::operator::resume(&engine, "ng:0:0", &who, Resume::AfterFix)
+        .await
+        .expect("the child resumed");
+    env.wait_status("ng:0:0", RunStatus::Succeeded, WAIT).await;
+    let one_each = vec![("failed".to_owned(), 1), ("succeeded".to_owned(), 1)];
+    assert_eq!(joined_as(&env, "ng").await, (one_each, (1, 1)));
+    assert_eq!(
+        env.wait_status("ng", RunStatus::NeedsReview, WAIT)
+            .await
+            .status,
+        RunStatus::NeedsReview
+    );
+    // The grandparent's resume reaches the grandchildren: its stopped child waits again and
+    // that child's failed children run again.
+    trailmark::operator::resume(&engine, "ng", &who, Resume::AfterFix)
+        .await
+        .expect("the grandparent resumed");
+    env.wait_status("ng", RunStatus::Succeeded, WAIT).await;
+    let all: i64 = env
+        .scalar("SELECT count(*) FROM trailmark.runs WHERE run_id LIKE $1 || ':%' AND status = 'succeeded'", "ng")
+        .await;
+    assert_eq!(all, 8, "2 children and 6 grandchildren succeeded");
+    assert_eq!(
+        joined_as(&env, "ng").await,
+        (vec![("succeeded".to_owned(), 2)], (2, 0))
+    );
+    for run in ["ng", "ng:0:0", "ng:0:1"] {
+        assert_eq!(env.chain_ledger(run).await, (2, 2), "run {run}");
+        assert_eq!(
+            resolutions(&env, run).await,
+            [Some("children".into())],
+            "run {run}: stopped, then joined once"
+        );
+        assert_eq!(
+            env.attempts(run, 0).await,
+            1,
+            "run {run}: the fan-out step ran once"
+        );
+    }
+    running.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_child_stopped_by_its_own_childrens_undo_counts_as_failed_in_its_parents_undo() {
+    let env = TestEnv::new().await;
+    let first = env.spawn_process(None);
+    let grandchildren = json!({"at": 1, "count": 2, "steps": 2});
+    let input = json!({"steps": 4, "children": {"at": 1, "count": 2, "steps": 3, "children": grandchildren}});
+    env.start_run("chain", "nu", input).await;
+    env.wait_status("nu", RunStatus::Succeeded, WAIT).await;
+    kill(first).await;
+    // Killed at the first grandchild's reversal (2 of the parent's links, then 1 of each
+    // child's come before): that grandchild is compensating, its parent waits for it.
+    let mut undoer = env.spawn_process(Some("chain.after_reversal=kill@5"));
+    let engine = env.engine();
+    let who = Decider::cli("tester", "wrong batch");
+    let opts = trailmark::operator::UndoOptions::everything();
+    trailmark::operator::undo(&engine, "nu", &who, opts)
+        .await
+        .unwrap();
+    wait_exit(&mut undoer, WAIT).await.expect("killed mid-undo");
+    let (grandchild, middle): (String, String) = sqlx::query_as(
+        "SELECT c.run_id, c.parent_run_id FROM trailmark.children c
+           JOIN trailmark.runs r ON r.run_id = c.run_id
+           JOIN trailmark.fan_outs f ON f.run_id = c.parent_run_id AND f.seq = c.seq
+          WHERE c.run_id LIKE 'nu:1:_:1:%' AND r.status = 'compensating' AND f.undo_seq IS NOT NULL
+          ORDER BY c.run_id LIMIT 1",
+    )
+    .fetch_one(&env.pool)
+    .await
+    .unwrap();
+    let cancel = Decider::cli("tester", "leave this one");
+    trailmark::operator::cancel(&engine, &grandchild, &cancel)
+        .await
+        .unwrap();
+    // The child stops for review naming its cancelled child, and the parent's undo counts it
+    // failed at once: the parent stops naming it, it does not wait for ever.
+    let stopped = env.wait_status(&middle, RunStatus::NeedsReview, WAIT).await;
+    let note = stopped.handover.expect("a handover note");
+    assert_eq!(note["error_class"], "children_undo_failed", "{note}");
+    assert_eq!(named(&note), [grandchild.as_str()], "{note}");
+    let stopped = env.wait_status("nu", RunStatus::NeedsReview, WAIT).await;
+    let note = stopped.handover.expect("a handover note");
+    assert_eq!(note["error_class"], "children_undo_failed", "{note}");
+    assert_eq!(named(&note), [middle.as_str()], "{note}");
+    // Everything else finishes its undo; the stopped ones stay stopped, counted once.
+    let running = env.spawn_all(engine.clone());
+    env.wait_until("the rest of the family to be compensated", WAIT, || async {
+        let left: i64 = env
+            .scalar(
+                "SELECT count(*) FROM trailmark.runs WHERE run_id LIKE $1 || ':%'
+                  AND status NOT IN ('compensated', 'needs_review', 'cancelled')",
+                "nu",
+            )
+            .await;
+        left == 0
+    })
+    .await;
+    let undo: (i32, i32) =
+        sqlx::query_as("SELECT undone, undo_failed FROM trailmark.fan_outs WHERE run_id = 'nu'")
+            .fetch_one(&env.pool)
+            .await
+            .unwrap();
+    assert_eq!(
+        undo,
+        (1, 1),
+        "one child compensated, one stopped, each counted once"
+    );
+    assert_eq!(
+        env.wait_status("nu", RunStatus::NeedsReview, WAIT)
+            .await
+            .status,
+        RunStatus::NeedsReview
+    );
+    running.stop().await;
+}

@@ -49,6 +49,11 @@ pub async fn resume(engine: &Engine, run_id: &str, who: &Decider, how: Resume) -
     let action = how.action();
     let after_fix = how != Resume::Again;
     let mut tx = engine.pool.begin().await?;
+    // A child's runs above first, top down (the one lock order of a family): the join a
+    // resume reopens may stop it again at once, and count it in its parent.
+    if let Some((parent, _)) = store::children::parent_of(&mut *tx, run_id).await? {
+        store::children::lock_line(&mut tx, &parent).await?;
+    }
     let run = lock(&mut tx, run_id).await?;
     if run.status != RunStatus::NeedsReview {
         let hint = match run.status {

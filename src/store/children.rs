@@ -409,6 +409,25 @@ pub async fn reopen_child(
     Ok(found)
 }
 
+/// Moves a child that its own children's join stopped for review (past their threshold) back
+/// to `waiting` at that join (fence + 1, no lease, its note cleared), for a resume of its
+/// parent that reaches it; returns the join's position, or `None` when it is not stopped so.
+pub async fn rewait_child(conn: &mut PgConnection, child: &str) -> Result<Option<i32>> {
+    Ok(sqlx::query_scalar(
+        "UPDATE trailmark.runs r SET status = 'waiting', fence = r.fence + 1, lease_owner = NULL,
+                lease_expires_at = NULL, lease_pid = NULL, error = NULL, handover = NULL,
+                updated_at = now()
+          WHERE r.run_id = $1 AND r.status = 'needs_review'
+            AND EXISTS (SELECT 1 FROM trailmark.fan_outs f
+                         WHERE f.run_id = r.run_id AND f.seq = r.step_seq
+                           AND f.stopped_at IS NOT NULL AND f.joined_at IS NULL)
+         RETURNING r.step_seq",
+    )
+    .bind(child)
+    .fetch_optional(conn)
+    .await?)
+}
+
 /// Cancels every run below `run_id` (its children, theirs, ...) that has not ended, in the
 /// caller's transaction (which holds `run_id`'s row): fence + 1, no lease, open waits closed;
 /// their `children` rows become `cancelled` (started) or `skipped` (never started). With `seq`,

@@ -99,7 +99,8 @@ pub async fn escalate_waiting(engine: &Engine) -> store::Result<usize> {
     let mut children = 0;
     for (child, parent) in runs::late_children(&engine.pool, limit, SCAN_LIMIT).await? {
         let mut tx = engine.pool.begin().await?;
-        store::children::lock_run(&mut tx, &parent).await?;
+        // The runs above the parent too: the parent's join may stop it, and count it in its own.
+        store::children::lock_line(&mut tx, &parent).await?;
         let Some(run) = runs::escalate_child(&mut *tx, limit, &child).await? else {
             tx.rollback().await?;
             continue;

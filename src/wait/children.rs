@@ -119,7 +119,9 @@ pub(super) async fn timed_out(pool: &PgPool, topology: &Topology, due: &Waiting)
         return Ok(false);
     };
     let mut tx = pool.begin().await?;
-    children::lock_run(&mut tx, parent).await?;
+    // The runs above the parent too: the parent's join this stop settles may stop the parent,
+    // and count it in its own parent.
+    children::lock_line(&mut tx, parent).await?;
     // Locked only now: it may have moved on since the scan read it.
     let Some(waiting) = waits::waiting_at(&mut tx, &due.run_id, due.seq).await? else {
         tx.rollback().await?;
@@ -505,13 +507,20 @@ async fn start(
 }
 
 /// Runs a failed child again from the step that stopped it (its attempts reset, as a resume
-/// after a fix does), queueing that step's message.
+/// after a fix does), queueing that step's message; a child stopped by its own children's join
+/// waits for them again, its failed ones run again, and so on down the family.
 async fn resume_child(
     tx: &mut PgConnection,
     topology: &Topology,
     child: &str,
     after_fix: bool,
 ) -> store::Result<()> {
+    if let Some(seq) = children::rewait_child(&mut *tx, child).await? {
+        // A child stopped past its own children's threshold: as a resume of it alone would,
+        // it waits again and its failed children run again (its fan-out step does not).
+        Box::pin(reopen(tx, topology, (child, seq), after_fix)).await?;
+        return Ok(());
+    }
     let Some((workflow, version, step, seq)) =
         children::reopen_child(&mut *tx, child, after_fix).await?
     else {
@@ -525,7 +534,9 @@ async fn resume_child(
     Ok(())
 }
 
-/// Stops the parent for review at the fan-out's step, its note naming the failed children.
+/// Stops the parent for review at the fan-out's step, its note naming the failed children; a
+/// parent that is itself a child is counted failed in its own parent's join, in the same
+/// transaction (which locked the runs above first, top down).
 async fn stop(
     tx: &mut PgConnection,
     topology: &Topology,
@@ -573,7 +584,12 @@ async fn stop(
         at: chrono::Utc::now(),
         line,
     };
-    progress::record(tx, &[line]).await?;
+    progress::record(&mut *tx, &[line]).await?;
+    // A run that is itself a child ends here as far as its parent can tell (until a person
+    // resumes it): counted failed in its parent's join, so that no run above waits for ever.
+    if children::parent_of(&mut *tx, &w.run_id).await?.is_some() {
+        count_end(tx, topology, &w.run_id, ("failed", Some(&error))).await?;
+    }
     Ok(())
 }
 

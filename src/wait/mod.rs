@@ -47,9 +47,10 @@ pub(crate) async fn commit(
     if let Some((name, key)) = wait.event() {
         waits::lock_pair(&mut tx, name, key).await?;
     }
-    if let WaitFor::UndoneChildren(_) = &wait.what {
-        // The runs above first, then this one: starting the children's undo may stop this run
-        // for review and count it in its own parent's undo (`children::undo_at`).
+    if let WaitFor::UndoneChildren(_) | WaitFor::Children(_) = &wait.what {
+        // The runs above first, then this one: settling the join (a fan-out's, or its undo's)
+        // may stop this run for review and count it in its own parent (`children::undo_at`,
+        // `children::register`).
         store::children::lock_line(&mut tx, step.run_id.as_str()).await?;
     }
     let (mut tx, committed) = match checkpoint::commit_first(pool, tx, &step).await {
