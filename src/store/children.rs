@@ -238,33 +238,66 @@ pub async fn join_once(conn: &mut PgConnection, (run_id, seq): (&str, i32)) -> R
     Ok(done.rows_affected() == 1)
 }
 
-/// Marks the fan-out stopped (the parent stops for review).
-pub async fn stopped(conn: &mut PgConnection, (run_id, seq): (&str, i32)) -> Result<()> {
-    sqlx::query("UPDATE trailmark.fan_outs SET stopped_at = now() WHERE run_id = $1 AND seq = $2")
-        .bind(run_id)
-        .bind(seq)
+/// Which of a fan-out's two joins a statement is about.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Join {
+    /// The join on its children's runs.
+    Runs,
+    /// The join on their undo.
+    Undo,
+}
+
+impl Join {
+    /// The fan-out's column saying when this join stopped its parent.
+    fn stopped_column(self) -> &'static str {
+        match self {
+            Join::Runs => "stopped_at",
+            Join::Undo => "undo_stopped_at",
+        }
+    }
+
+    /// A child's columns of its state and reason in this join.
+    fn state_columns(self) -> (&'static str, &'static str) {
+        match self {
+            Join::Runs => ("state", "reason"),
+            Join::Undo => ("undo_state", "undo_reason"),
+        }
+    }
+}
+
+/// Marks the fan-out's `join` stopped (the parent stops for review).
+pub async fn stopped(conn: &mut PgConnection, (run_id, seq): (&str, i32), join: Join) -> Result<()> {
+    let sql = format!(
+        "UPDATE trailmark.fan_outs SET {} = now() WHERE run_id = $1 AND seq = $2",
+        join.stopped_column()
+    );
+    // Column names from `Join` only: nothing from outside is spliced in.
+    (sqlx::query(sqlx::AssertSqlSafe(sql)).bind(run_id).bind(seq))
         .execute(conn)
         .await?;
     Ok(())
 }
 
-/// The failed (or cancelled) children of a fan-out, lowest index first, at most `limit`: run
-/// id, state and why.
+/// The children of a fan-out that failed (or were cancelled) in its `join`, lowest index
+/// first, at most `limit`: index, run id, state and why.
 pub async fn failed(
     db: impl PgExecutor<'_>,
     (run_id, seq): (&str, i32),
     limit: i64,
+    join: Join,
 ) -> Result<Vec<(i32, String, String, Option<String>)>> {
-    Ok(sqlx::query_as(
-        "SELECT idx, run_id, state, reason FROM trailmark.children
-          WHERE parent_run_id = $1 AND seq = $2 AND state IN ('failed', 'cancelled')
-          ORDER BY idx LIMIT $3",
-    )
-    .bind(run_id)
-    .bind(seq)
-    .bind(limit)
-    .fetch_all(db)
-    .await?)
+    let (state, reason) = join.state_columns();
+    let sql = format!(
+        "SELECT idx, run_id, {state}, {reason} FROM trailmark.children
+          WHERE parent_run_id = $1 AND seq = $2 AND {state} IN ('failed', 'cancelled')
+          ORDER BY idx LIMIT $3"
+    );
+    Ok(sqlx::query_as(sqlx::AssertSqlSafe(sql))
+        .bind(run_id)
+        .bind(seq)
+        .bind(limit)
+        .fetch_all(db)
+        .await?)
 }
 
 /// Puts the failed children of a fan-out back to `running` (a resume of the parent retries
@@ -862,35 +895,4 @@ pub async fn undo_join_once(conn: &mut PgConnection, (run_id, seq): (&str, i32))
     .execute(conn)
     .await?;
     Ok(done.rows_affected() == 1)
-}
-
-/// Marks a fan-out's undo stopped (the parent stops for review).
-pub async fn undo_stopped(conn: &mut PgConnection, (run_id, seq): (&str, i32)) -> Result<()> {
-    sqlx::query(
-        "UPDATE trailmark.fan_outs SET undo_stopped_at = now() WHERE run_id = $1 AND seq = $2",
-    )
-    .bind(run_id)
-    .bind(seq)
-    .execute(conn)
-    .await?;
-    Ok(())
-}
-
-/// The children of a fan-out whose undo stopped, lowest index first, at most `limit`: index,
-/// run id, state and why.
-pub async fn undo_failures(
-    db: impl PgExecutor<'_>,
-    (run_id, seq): (&str, i32),
-    limit: i64,
-) -> Result<Vec<(i32, String, String, Option<String>)>> {
-    Ok(sqlx::query_as(
-        "SELECT idx, run_id, undo_state, undo_reason FROM trailmark.children
-          WHERE parent_run_id = $1 AND seq = $2 AND undo_state IN ('failed', 'cancelled')
-          ORDER BY idx LIMIT $3",
-    )
-    .bind(run_id)
-    .bind(seq)
-    .bind(limit)
-    .fetch_all(db)
-    .await?)
 }

@@ -317,7 +317,7 @@ async fn stop_undo(
     w: Waiting,
     f: &children::UndoRow,
 ) -> store::Result<()> {
-    let failed = children::undo_failures(&mut *tx, (&f.run_id, f.seq), NOTE_NAMES).await?;
+    let failed = children::failed(&mut *tx, (&f.run_id, f.seq), NOTE_NAMES, children::Join::Undo).await?;
     let why = format!(
         "the undo of {} of its {} child run(s) (started at position {}) stopped",
         f.undo_failed, f.undo_total, f.seq
@@ -326,42 +326,81 @@ async fn stop_undo(
         "run {} waited at {} (position {}) for its child runs to be compensated: {why}",
         w.run_id, w.step, w.seq
     );
-    let mut line = format!("children undo: {why}; stopped for review (stopped:");
-    for (idx, id, _, _) in &failed {
-        let _ = write!(line, " {idx}={id}");
-    }
-    line.push(')');
+    let line = format!("children undo: {why}; stopped for review (stopped:{})", names(&failed));
     let note = json!({
         "error_class": "children_undo_failed",
         "error": error,
         "waiting_for": "children_undone", "step": w.step, "seq": w.seq, "fan_out": f.seq,
         "children": { "total": f.undo_total, "compensated": f.undone, "stopped": f.undo_failed,
                       "compensating": f.undo_total - f.undone - f.undo_failed },
-        "failed": failed.iter().map(|(idx, id, state, reason)| json!({
-            "index": idx, "run_id": id, "state": state, "reason": reason,
-        })).collect::<Vec<_>>(),
+        "failed": listed(&failed),
         "on_resume": format!(
             "bring each named child to compensated (fix its compensation, then `trailmark run resume CHILD --after-fix`; a cancelled one: `trailmark run undo CHILD`), then `trailmark run resume {}`: the run waits for its children again and goes on with {} once every one is compensated (compensations already done are not repeated)",
             w.run_id, w.step
         ),
     });
+    let said = Stopped { class: "children_undo_failed", error, note, line };
+    stop_for_review(tx, topology, &w, said, (&f.run_id, f.seq, children::Join::Undo)).await
+}
+
+/// The failed children a note names, as `(index, run id, state, why)`.
+type Failed = Vec<(i32, String, String, Option<String>)>;
+
+/// " idx=run" for each of `failed`, for a progress line.
+fn names(failed: &Failed) -> String {
+    let mut out = String::new();
+    for (idx, id, _, _) in failed {
+        let _ = write!(out, " {idx}={id}");
+    }
+    out
+}
+
+/// `failed` as the handover note lists them.
+fn listed(failed: &Failed) -> Vec<serde_json::Value> {
+    (failed.iter())
+        .map(|(idx, id, state, reason)| {
+            json!({ "index": idx, "run_id": id, "state": state, "reason": reason })
+        })
+        .collect()
+}
+
+/// What a join's stop of its parent says: its error class and error, its handover note and its
+/// progress line.
+struct Stopped {
+    class: &'static str,
+    error: String,
+    note: serde_json::Value,
+    line: String,
+}
+
+/// Stops the parent `w` for review (unless it stopped already), marks the fan-out's join at
+/// (run, position) stopped, queues the run's event and progress line; a parent that is itself a
+/// child is counted failed in its own parent's join, in the same transaction (which locked the
+/// runs above first, top down), so that no run above waits for it for ever.
+async fn stop_for_review(
+    tx: &mut PgConnection,
+    topology: &Topology,
+    w: &Waiting,
+    said: Stopped,
+    (fan_out, seq, join): (&str, i32, children::Join),
+) -> store::Result<()> {
     let status = RunStatus::Waiting
         .move_to(RunStatus::NeedsReview)
         .map_err(|e| store::Error::unavailable("a waiting run cannot stop for review", e))?;
-    if !children::stop_parent(&mut *tx, (&w.run_id, w.seq), status, &error, &note).await? {
+    if !children::stop_parent(&mut *tx, (&w.run_id, w.seq), status, &said.error, &said.note).await? {
         return Ok(());
     }
-    children::undo_stopped(&mut *tx, (&f.run_id, f.seq)).await?;
+    children::stopped(&mut *tx, (fan_out, seq), join).await?;
     if let Ok(run_id) = RunId::parse(&w.run_id)
         && let Some(event) = Event::run(&run_id, &w.workflow, RunStatus::NeedsReview, Some((&w.step, w.seq)))
     {
-        let event = event.with_error("children_undo_failed", &error);
+        let event = event.with_error(said.class, &said.error);
         outbox::insert(&mut *tx, &[topology.event_message(&event)]).await?;
     }
-    let said = progress::NewLine { run_id: w.run_id.clone(), seq: w.seq, at: chrono::Utc::now(), line };
-    progress::record(&mut *tx, &[said]).await?;
+    let line = progress::NewLine { run_id: w.run_id.clone(), seq: w.seq, at: chrono::Utc::now(), line: said.line };
+    progress::record(&mut *tx, &[line]).await?;
     if children::parent_of(&mut *tx, &w.run_id).await?.is_some() {
-        count_end(tx, topology, &w.run_id, ("failed", Some(&error))).await?;
+        count_end(tx, topology, &w.run_id, ("failed", Some(&said.error))).await?;
     }
     Ok(())
 }
@@ -544,53 +583,23 @@ async fn stop(
     f: &FanOutRow,
     why: &str,
 ) -> store::Result<()> {
-    let failed = children::failed(&mut *tx, (&f.run_id, f.seq), NOTE_NAMES).await?;
+    let failed = children::failed(&mut *tx, (&f.run_id, f.seq), NOTE_NAMES, children::Join::Runs).await?;
     let error = format!("run {} waited at step {} (position {}) for its children: {why}", w.run_id, w.step, w.seq);
-    let mut line = format!("children: {why}; stopped for review (failed:");
-    for (idx, id, _, _) in &failed {
-        let _ = write!(line, " {idx}={id}");
-    }
-    line.push(')');
+    let line = format!("children: {why}; stopped for review (failed:{})", names(&failed));
     let note = json!({
         "error_class": "children_failed",
         "error": error,
         "waiting_for": "children", "step": w.step, "seq": w.seq,
         "children": { "total": f.total, "succeeded": f.succeeded, "failed": f.failed,
                       "running": f.in_flight(), "max_failures": f.max_failures },
-        "failed": failed.iter().map(|(idx, id, state, reason)| json!({
-            "index": idx, "run_id": id, "state": state, "reason": reason,
-        })).collect::<Vec<_>>(),
+        "failed": listed(&failed),
         "on_resume": format!(
             "fix the cause, then `trailmark run resume {} --after-fix`: the run waits for its children again and only the failed ones run again, each from where it stopped (step {} does not run again); cancel or undo otherwise",
             w.run_id, w.step
         ),
     });
-    let status = RunStatus::Waiting
-        .move_to(RunStatus::NeedsReview)
-        .map_err(|e| store::Error::unavailable("a waiting run cannot stop for review", e))?;
-    if !children::stop_parent(&mut *tx, (&w.run_id, w.seq), status, &error, &note).await? {
-        return Ok(());
-    }
-    children::stopped(&mut *tx, (&f.run_id, f.seq)).await?;
-    if let Ok(run_id) = RunId::parse(&w.run_id)
-        && let Some(event) = Event::run(&run_id, &w.workflow, RunStatus::NeedsReview, Some((&w.step, w.seq)))
-    {
-        let event = event.with_error("children_failed", &error);
-        outbox::insert(&mut *tx, &[topology.event_message(&event)]).await?;
-    }
-    let line = progress::NewLine {
-        run_id: w.run_id.clone(),
-        seq: w.seq,
-        at: chrono::Utc::now(),
-        line,
-    };
-    progress::record(&mut *tx, &[line]).await?;
-    // A run that is itself a child ends here as far as its parent can tell (until a person
-    // resumes it): counted failed in its parent's join, so that no run above waits for ever.
-    if children::parent_of(&mut *tx, &w.run_id).await?.is_some() {
-        count_end(tx, topology, &w.run_id, ("failed", Some(&error))).await?;
-    }
-    Ok(())
+    let said = Stopped { class: "children_failed", error, note, line };
+    stop_for_review(tx, topology, &w, said, (&f.run_id, f.seq, children::Join::Runs)).await
 }
 
 #[cfg(test)]
