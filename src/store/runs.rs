@@ -748,15 +748,18 @@ pub async fn counts(db: impl PgExecutor<'_>) -> Result<Vec<Count>> {
 
 /// Runs by workflow and status, for `statuses` only: the unfinished ones read only their own
 /// entries of the status index, where counting every status reads one entry per run ever kept.
+/// The statuses are written into the statement: as a parameter of a generic plan the planner
+/// cannot tell how few runs they hold, and starts parallel workers (about 15 ms) for 100.
 pub async fn counts_of(db: impl PgExecutor<'_>, statuses: &[RunStatus]) -> Result<Vec<Count>> {
-    Ok(sqlx::query_as(
+    let listed: Vec<String> = statuses.iter().map(|s| format!("'{}'", s.as_str())).collect();
+    let sql = format!(
         "SELECT workflow, status, count(*) AS runs FROM trailmark.runs
-          WHERE status = ANY($1::text[])
+          WHERE status IN ({})
           GROUP BY workflow, status ORDER BY workflow, status",
-    )
-    .bind(statuses.iter().map(|s| s.as_str()).collect::<Vec<_>>())
-    .fetch_all(db)
-    .await?)
+        listed.join(", ")
+    );
+    // The statuses' own names, fixed in the code: nothing from outside is spliced in.
+    Ok(sqlx::query_as(sqlx::AssertSqlSafe(sql)).fetch_all(db).await?)
 }
 
 /// Which runs a listing shows.
