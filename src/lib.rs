@@ -90,6 +90,7 @@ inner! {
     engine;
     error;
     failpoint;
+    flow;
     guard;
     health;
     inspect;

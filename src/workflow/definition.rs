@@ -70,6 +70,8 @@ pub struct Workflow {
     pub budget: Option<Budget>,
     /// The check of a run's input; `None` accepts any JSON.
     input: Option<InputCheck>,
+    /// How its runs share capacity: concurrency keys and limits, debounce of starts.
+    pub flow: crate::flow::Rules,
 }
 
 fn boxed<F, Fut>(handler: F) -> Handler
@@ -89,6 +91,7 @@ impl Workflow {
             steps: Vec::new(),
             budget: None,
             input: None,
+            flow: crate::flow::Rules::default(),
         }
     }
 
@@ -116,6 +119,19 @@ impl Workflow {
     /// Sets this workflow's per-run budget (builder style).
     pub fn with_budget(mut self, budget: Budget) -> Self {
         self.budget = Some(budget);
+        self
+    }
+
+    /// Limits how many of its runs hold a step at once, per key and in all (builder style):
+    /// `Workflow::new("chain", 1).concurrency(Concurrency::per_key("tenant", 2)?)`.
+    pub fn concurrency(mut self, limits: crate::flow::Concurrency) -> Self {
+        self.flow.concurrency = Some(limits);
+        self
+    }
+
+    /// Debounces its run starts per key: of a burst, only the last start runs (builder style).
+    pub fn debounce(mut self, debounce: crate::flow::Debounce) -> Self {
+        self.flow.debounce = Some(debounce);
         self
     }
 
