@@ -26,14 +26,18 @@ pub enum Loop {
     Timers,
     /// The pruner (retention), beside the supervisor.
     Pruner,
+    /// The hand-off of free slots to runs waiting for one (concurrency keys), beside the
+    /// supervisor.
+    Flow,
 }
 
-const LOOPS: [Loop; 5] = [
+const LOOPS: [Loop; 6] = [
     Loop::Worker,
     Loop::Relay,
     Loop::Supervisor,
     Loop::Timers,
     Loop::Pruner,
+    Loop::Flow,
 ];
 
 /// A loop that has not come round for this long is stuck.
@@ -45,8 +49,8 @@ const SCHEMA_CHECK_FRESH: Duration = Duration::from_secs(1);
 /// The process's health, updated by its loops and read by the health endpoints.
 #[derive(Debug, Default)]
 pub struct Health {
-    running: [AtomicBool; 5],
-    beats: [AtomicU64; 5],
+    running: [AtomicBool; 6],
+    beats: [AtomicU64; 6],
     consuming: AtomicBool,
     /// Why the worker's last broker session ended, until it consumes again.
     broker_problem: std::sync::Mutex<Option<String>>,
@@ -195,6 +199,7 @@ fn name(l: Loop) -> &'static str {
         Loop::Supervisor => "supervisor",
             Loop::Timers => "timers",
         Loop::Pruner => "pruner",
+        Loop::Flow => "flow",
     }
 }
 

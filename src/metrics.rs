@@ -70,6 +70,15 @@ pub const WAITS_ENDED: &str = "trailmark_waits_ended_total";
 /// How late a due wait (a wake-up or an event timeout) was moved on after its time (histogram,
 /// seconds, database clock).
 pub const WAKE_LAG: &str = "trailmark_wake_lag_seconds";
+/// Step deliveries whose run had to wait for a slot or a token of its key, by workflow.
+pub const FLOW_WAITED: &str = "trailmark_flow_waited_total";
+/// Runs of the busiest concurrency keys, by workflow, key and state (`running`: holding a slot,
+/// `waiting`: for a slot, `throttled`: for a rate's token) (gauge, from the database). Only the
+/// [`FLOW_KEYS_SHOWN`] busiest keys are labelled by name, the rest summed under `(other)`, so
+/// the labels stay bounded however many tenants there are.
+pub const FLOW_KEYS: &str = "trailmark_flow_key_runs";
+/// How many keys [`FLOW_KEYS`] names.
+pub const FLOW_KEYS_SHOWN: i64 = 20;
 
 /// Explicit buckets, from a fast statement to a slow model call.
 const STEP_BUCKETS: [f64; 14] = [
@@ -104,6 +113,11 @@ pub fn install() -> &'static PrometheusHandle {
 pub fn render() -> String {
     gauge!(LOG_LINES_LOST).set(crate::telemetry::lines_lost() as f64);
     install().render()
+}
+
+/// Counts a step delivery whose run waits for a slot or a token of its key.
+pub fn flow_waited(workflow: &str) {
+    counter!(FLOW_WAITED, "workflow" => workflow.to_owned()).increment(1);
 }
 
 /// Records how a step ended and how long it took.
@@ -270,5 +284,40 @@ async fn refresh(
         let n = open.iter().find(|(k, _)| k == kind).map_or(0, |(_, n)| *n);
         gauge!(WAITS_OPEN, "kind" => kind).set(n as f64);
     }
+    refresh_keys(pool).await
+}
+
+/// The busiest keys' gauges; a key no longer among them (or idle) reads 0 once, then is left.
+async fn refresh_keys(pool: &PgPool) -> store::Result<()> {
+    static SHOWN: std::sync::Mutex<BTreeSet<(String, String)>> = std::sync::Mutex::new(BTreeSet::new());
+    let busiest = store::flow::busiest(pool, i64::MAX).await?;
+    let mut now = BTreeSet::new();
+    let mut other: std::collections::BTreeMap<String, [i64; 3]> = Default::default();
+    for (i, k) in busiest.iter().enumerate() {
+        let figures = [k.running, k.waiting, k.throttled];
+        if (i as i64) < FLOW_KEYS_SHOWN {
+            set_key(&k.workflow, &k.key, figures);
+            now.insert((k.workflow.clone(), k.key.clone()));
+        } else {
+            let sum = other.entry(k.workflow.clone()).or_default();
+            sum.iter_mut().zip(figures).for_each(|(s, f)| *s += f);
+        }
+    }
+    for (workflow, figures) in other {
+        set_key(&workflow, "(other)", figures);
+        now.insert((workflow, "(other)".to_owned()));
+    }
+    let mut shown = SHOWN.lock().unwrap_or_else(|e| e.into_inner());
+    for (workflow, key) in shown.difference(&now) {
+        set_key(workflow, key, [0, 0, 0]);
+    }
+    *shown = now;
     Ok(())
+}
+
+fn set_key(workflow: &str, key: &str, [running, waiting, throttled]: [i64; 3]) {
+    for (state, n) in [("running", running), ("waiting", waiting), ("throttled", throttled)] {
+        gauge!(FLOW_KEYS, "workflow" => workflow.to_owned(), "key" => key.to_owned(), "state" => state)
+            .set(n as f64);
+    }
 }

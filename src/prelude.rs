@@ -79,7 +79,7 @@ pub use tokio_util::sync::CancellationToken;
 pub use crate::config::Settings;
 pub use crate::domain::{IdError, IdempotencyKey, LocalTable, RunId, RunStatus, Threshold};
 pub use crate::embedded::{RunView, Trailmark};
-pub use crate::flow::{Concurrency, Debounce, KeyError, RuleError};
+pub use crate::flow::{Concurrency, Debounce, KeyError, Priority, RuleError};
 pub use crate::guard::Budget;
 pub use crate::model::{ChatAnswer, ChatMessage, ChatRequest};
 pub use crate::wait::EventSent;

@@ -91,6 +91,8 @@ pub async fn run(
         tasks.spawn(map_err(t, Error::Supervisor));
         let p = crate::retention::run(engine.clone(), work.clone());
         tasks.spawn(map_err(p, Error::Supervisor));
+        let f = crate::flow::dispatch::run(engine.clone(), work.clone());
+        tasks.spawn(map_err(f, Error::Supervisor));
     }
     tracing::info!(worker = c.worker, relay = c.relay, supervisor = c.supervisor, id = %engine.worker_id, "trailmark started");
     let mut ended = Ok(());

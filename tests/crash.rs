@@ -469,6 +469,8 @@ async fn the_stranded_sweep_takes_and_marks_only_runs_of_workflows_deployed_here
             input: &json!({}),
             parent: None,
             traceparent: None,
+            flow_key: None,
+            priority: 2,
         };
         assert!(runs::insert(&env.pool, &new).await.unwrap());
     }

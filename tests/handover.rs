@@ -953,6 +953,8 @@ async fn queue_run_of_version(env: &TestEnv, run: &str, version: i32) {
         input: &json!({}),
         parent: None,
         traceparent: None,
+        flow_key: None,
+        priority: 2,
     };
     assert!(runs::insert(&env.pool, &new).await.unwrap());
     let msg = env

@@ -103,6 +103,8 @@ async fn a_newer_version_step_its_run_waits_for_ends_in_the_dlq_after_the_wait_s
         input: &input,
         parent: None,
         traceparent: None,
+        flow_key: None,
+        priority: 2,
     };
     assert!(runs::insert(&env.pool, &new).await.unwrap());
     let (id, message) = v2_step(&env, &run_id, 0);

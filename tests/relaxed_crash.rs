@@ -911,6 +911,8 @@ async fn a_claim_keeps_the_acked_step_commit_before_it_and_the_run_finishes_afte
         input: &json!({}),
         parent: None,
         traceparent: None,
+        flow_key: None,
+        priority: 2,
     };
     assert!(store::runs::insert(&w.env.pool, &new).await.unwrap());
     let message = w

@@ -47,6 +47,10 @@ pub struct StartBody {
     input: Value,
     /// Why, in the starter's words; kept in the audit trail (optional).
     reason: Option<String>,
+    /// Where the run stands among runs waiting for a slot of its concurrency key: 0 (lowest)
+    /// to 4 (highest); 2 when absent.
+    #[schema(example = 3)]
+    priority: Option<i64>,
 }
 
 /// Where to read a run.
@@ -139,7 +143,15 @@ fn checked(state: &AppState, b: StartBody) -> Result<(RunStartEvent, Arc<Workflo
     }
     let run_id = RunId::parse(&b.run_id)
         .map_err(|e| ApiError::bad_request(e.to_string()).with_field("run_id"))?;
-    let event = RunStartEvent::new(run_id, &b.workflow, b.input);
+    let priority = b
+        .priority
+        .map(crate::flow::Priority::new)
+        .transpose()
+        .map_err(|e| ApiError::bad_request(e.to_string()).with_field("priority"))?;
+    let event = RunStartEvent {
+        priority,
+        ..RunStartEvent::new(run_id, &b.workflow, b.input)
+    };
     let engine = &state.engine;
     let limit = engine.settings.worker.max_message_bytes;
     let (_, workflow) =
@@ -194,7 +206,7 @@ pub async fn start(
     })?;
     let mut tx = state.engine.pool.begin().await.map_err(store::Error::from)?;
     let engine = &state.engine;
-    match run_start::create(&mut tx, (&engine.topology, None), (&workflow.name, workflow.version), &first, (&event, traceparent), |_| {}).await? {
+    match run_start::create(&mut tx, (&engine.topology, None), (&workflow.name, workflow.version, Some(&workflow.flow)), &first, (&event, traceparent), |_| {}).await? {
         Created::New { .. } => {}
         Created::Exists(existing) => {
             tx.rollback().await.map_err(store::Error::from)?;

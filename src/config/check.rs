@@ -88,7 +88,7 @@ fn distance(a: &str, b: &str) -> usize {
 }
 
 /// The whole-number settings and their ranges (inclusive).
-const LIMITS: [(&str, i128, i128); 39] = [
+const LIMITS: [(&str, i128, i128); 41] = [
     ("database.max_connections", 1, 10_000),
     ("database.connect_timeout_ms", 1, 3_600_000),
     ("broker.delivery_limit", 1, 1_000_000),
@@ -111,6 +111,8 @@ const LIMITS: [(&str, i128, i128); 39] = [
     ("relay.poll_interval_ms", 1, 3_600_000),
     ("supervisor.interval_ms", 1, 3_600_000),
     ("waits.poll_ms", 10, 60_000),
+    ("flow.poll_ms", 10, 60_000),
+    ("flow.aging_secs", 1, 86_400),
     // Up to ten years: a wait is a row and a due time, whatever its length.
     ("waits.max_secs", 1, 315_360_000),
     ("waits.event_keep_secs", 1, 315_360_000),

@@ -57,6 +57,30 @@ pub struct Settings {
     /// Traces exported with OTLP (off by default).
     #[serde(default)]
     pub tracing: TracingSettings,
+    /// Concurrency keys: how waiting runs are handed slots.
+    #[serde(default)]
+    pub flow: FlowSettings,
+}
+
+/// How runs waiting for a slot of their concurrency key are served (`docs/OPERATIONS.md`,
+/// "Concurrency keys").
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default)]
+pub struct FlowSettings {
+    /// How often the supervisor hands free slots to waiting runs when no step's end did (a slot
+    /// freed by a dead worker, a limit raised, a rate's next token), in milliseconds.
+    pub poll_ms: u64,
+    /// Seconds of waiting that lift a run one priority level, so the lowest is served in the end.
+    pub aging_secs: u64,
+}
+
+impl Default for FlowSettings {
+    fn default() -> Self {
+        Self {
+            poll_ms: 250,
+            aging_secs: 60,
+        }
+    }
 }
 
 /// Where a process sends its spans (one trace per run, see `trace`): off unless an endpoint is

@@ -56,6 +56,9 @@ pub struct RunStartEvent {
     /// Workflow input; `{}` when absent.
     #[serde(default = "empty_object")]
     pub input: Value,
+    /// Where the run stands among runs waiting for a slot of its key (0 to 4; 2 when absent).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub priority: Option<crate::flow::Priority>,
 }
 
 /// One step to execute: which run, which step, at which position.
@@ -147,6 +150,7 @@ impl RunStartEvent {
             run_id,
             workflow: workflow.into(),
             input,
+            priority: None,
         }
     }
     /// Parses a body, refusing oversized, malformed and future-version events.

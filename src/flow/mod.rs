@@ -2,8 +2,13 @@
 //! concurrency limits per key and for the whole workflow, debounce of run starts) and the
 //! machinery that holds the fleet to it.
 
+pub mod dispatch;
+pub mod gate;
 mod key;
+pub mod limits;
+mod priority;
 mod rules;
 
 pub use key::{KeyError, KeyField, MAX_KEY_LEN};
+pub use priority::{BadPriority, Priority};
 pub use rules::{Concurrency, Debounce, MAX_DEBOUNCE, RuleError, Rules};

@@ -35,6 +35,8 @@ pub struct Concurrency {
     pub per_key: u32,
     /// Runs of the whole workflow holding a step at once, at most (`None`: no such limit).
     pub total: Option<u32>,
+    /// A run without the field is not limited (else it is refused at start).
+    pub optional: bool,
 }
 
 impl Concurrency {
@@ -47,6 +49,7 @@ impl Concurrency {
             key: KeyField::parse(key)?,
             per_key,
             total: None,
+            optional: false,
         })
     }
 
@@ -57,6 +60,15 @@ impl Concurrency {
         }
         self.total = Some(total);
         Ok(self)
+    }
+}
+
+impl Concurrency {
+    /// Runs whose input lacks the field run unlimited instead of being refused at start (a
+    /// workflow that only some callers key).
+    pub fn optional(mut self) -> Self {
+        self.optional = true;
+        self
     }
 }
 
@@ -90,4 +102,19 @@ pub struct Rules {
     pub concurrency: Option<Concurrency>,
     /// Debounce of run starts, if any.
     pub debounce: Option<Debounce>,
+}
+
+impl Rules {
+    /// The concurrency key of a run started with `input`: `None` when the workflow declares no
+    /// key, or an optional one the input lacks; refused when a required one is missing or unfit.
+    pub fn key_of(&self, input: &serde_json::Value) -> Result<Option<String>, KeyError> {
+        let Some(c) = &self.concurrency else {
+            return Ok(None);
+        };
+        match c.key.value_in(input) {
+            Ok(key) => Ok(Some(key)),
+            Err(KeyError::Missing { .. }) if c.optional => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
 }

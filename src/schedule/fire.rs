@@ -180,7 +180,7 @@ impl Starter {
     ) -> Result<bool, Error> {
         let event = RunStartEvent::new(run_id, self.spec.workflow.clone(), self.spec.input.clone());
         let created =
-            run_start::create(tx, (&engine.topology, None), (&self.workflow.name, self.workflow.version), &self.first, (&event, None), |_| {})
+            run_start::create(tx, (&engine.topology, None), (&self.workflow.name, self.workflow.version, Some(&self.workflow.flow)), &self.first, (&event, None), |_| {})
                 .await?;
         Ok(matches!(created, Created::New { .. }))
     }

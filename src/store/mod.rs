@@ -8,6 +8,7 @@ pub mod console_sessions;
 pub mod decisions;
 pub mod effects;
 mod failover;
+pub mod flow;
 pub mod forks;
 pub mod idempotency;
 pub mod inbox;

@@ -82,14 +82,18 @@ pub struct NewRun<'a> {
     pub parent: Option<&'a str>,
     /// The run's trace context (a W3C `traceparent`), for steps re-queued without a header.
     pub traceparent: Option<&'a str>,
+    /// Its concurrency key, if its workflow declares one.
+    pub flow_key: Option<&'a str>,
+    /// Its priority level among runs waiting for a slot.
+    pub priority: i16,
 }
 
 /// Inserts the run unless it exists; returns whether it was created.
 pub async fn insert(db: impl PgExecutor<'_>, run: &NewRun<'_>) -> Result<bool> {
     let done = sqlx::query(
         "INSERT INTO trailmark.runs (run_id, workflow, workflow_version, status, step, input,
-                                     parent_run_id, traceparent)
-         VALUES ($1, $2, $3, $6, $4, $5, $7, $8) ON CONFLICT (run_id) DO NOTHING",
+                                     parent_run_id, traceparent, flow_key, priority)
+         VALUES ($1, $2, $3, $6, $4, $5, $7, $8, $9, $10) ON CONFLICT (run_id) DO NOTHING",
     )
     .bind(run.run_id.as_str())
     .bind(run.workflow)
@@ -99,6 +103,8 @@ pub async fn insert(db: impl PgExecutor<'_>, run: &NewRun<'_>) -> Result<bool> {
     .bind(RunStatus::Running)
     .bind(run.parent)
     .bind(run.traceparent)
+    .bind(run.flow_key)
+    .bind(run.priority)
     .execute(db)
     .await?;
     Ok(done.rows_affected() == 1)
@@ -179,6 +185,9 @@ pub struct Claim {
     pub preclaimed: bool,
     /// For a child run, its parent: the commit that ends it counts it in its fan-out.
     pub parent: Option<String>,
+    /// The concurrency key whose slot the claim holds (set by `flow::gate`): the step's end hands
+    /// the slot on, and the run's next position is not pre-claimed (it goes through the gate).
+    pub flow_key: Option<String>,
 }
 
 /// A worker asking for a run's lease to execute one step delivery (owned, so a group-commit task
@@ -386,6 +395,7 @@ fn outcome(row: ClaimRow, asked_seq: i32) -> ClaimOutcome {
         shadow: row.shadow.unwrap_or(false),
         preclaimed: false,
         parent: row.parent_run_id,
+        flow_key: None,
     })
 }
 

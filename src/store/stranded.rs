@@ -63,7 +63,7 @@ pub async fn silent_workers(
 /// free or an idle pre-claim (an expired lease is the supervisor's), no retry of their step is
 /// waiting for its time, and no message of theirs waits in the outbox for a relay (one left
 /// there a lease after it became available is held: by a frozen relay's lock, or by the broker's
-/// refusals). Their step message is then in a queue, in a delay queue, held unacknowledged by a
+/// refusals), and it does not wait for a slot of its concurrency key (`flow::gate`). Their step message is then in a queue, in a delay queue, held unacknowledged by a
 /// consumer that does not run, or in the outbox beyond reach;
 /// the caller queues a copy of it in the same transaction. Only runs of a workflow in
 /// `deployed` (names and versions, as [`crate::workflow::Registry::deployed`]) at that version
@@ -88,6 +88,8 @@ pub async fn take_stranded(
                     AND NOT EXISTS (SELECT 1 FROM trailmark.steps s
                                      WHERE s.run_id = u.run_id AND s.seq = u.step_seq
                                        AND s.retry_at > now())
+                    AND NOT EXISTS (SELECT 1 FROM trailmark.flow_waiters w
+                                     WHERE w.run_id = u.run_id AND w.seq = u.step_seq)
                     AND NOT EXISTS (SELECT 1 FROM trailmark.outbox o
                                      WHERE o.published_at IS NULL
                                        AND o.headers->>'x-trailmark-run-id' = u.run_id

@@ -530,8 +530,11 @@ async fn start(
             run_id,
             workflow: child.workflow.clone(),
             input: child.input,
+            priority: None,
         };
-        let wf = (child.workflow.as_str(), child.workflow_version);
+        // A child run is not counted under a concurrency key: it runs in its parent's slot's
+        // stead, and its parent waits for it (see docs/ARCHITECTURE.md, "Concurrency keys").
+        let wf = (child.workflow.as_str(), child.workflow_version, None);
         let created =
             run_start::create(tx, (topology, Some(parent)), wf, &child.first_step, (&event, trace.as_deref()), |_| {})
                 .await?;

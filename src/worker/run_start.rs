@@ -90,7 +90,7 @@ pub(super) async fn process(
     }
     // The publisher's trace context, if it sent one: the run's trace continues it.
     let caller = header_str(delivery.properties.headers().as_ref(), crate::trace::TRACEPARENT);
-    let created = create(&mut tx, (&engine.topology, None), (&workflow.name, workflow.version), &first, (event, caller.as_deref()), |messages| {
+    let created = create(&mut tx, (&engine.topology, None), (&workflow.name, workflow.version, Some(&workflow.flow)), &first, (event, caller.as_deref()), |messages| {
         super::published::hold_for_eager_publish(engine, messages)
     })
     .await?;
@@ -149,16 +149,19 @@ pub(crate) enum Created {
 /// has its id. One path for every start: the run-start consumer, schedules' ticks and
 /// backfills, the API, and child runs (whose `parent` is the run whose step starts them).
 /// `hold` may mark the first message for the caller's own publish. `caller` is the starter's
-/// `traceparent` (see `trace`): the run's trace continues it, or a new one begins.
+/// `traceparent` (see `trace`): the run's trace continues it, or a new one begins. `rules`: the
+/// workflow's flow rules, which name the run's concurrency key (the start was accepted, so a
+/// required key is there).
 pub(crate) async fn create(
     tx: &mut sqlx::PgConnection,
     (topology, parent): (&Topology, Option<&str>),
-    (workflow, version): (&str, i32),
+    (workflow, version, rules): (&str, i32, Option<&crate::flow::Rules>),
     first: &StepAddress,
     (event, caller): (&RunStartEvent, Option<&str>),
     hold: impl FnOnce(&mut [OutgoingMessage]),
 ) -> store::Result<Created> {
     let trace = crate::trace::run_started(caller, event.run_id.as_str(), workflow);
+    let flow_key = rules.and_then(|r| r.key_of(&event.input).ok().flatten());
     let new = runs::NewRun {
         run_id: &event.run_id,
         workflow,
@@ -167,6 +170,8 @@ pub(crate) async fn create(
         input: &event.input,
         parent,
         traceparent: trace.as_deref(),
+        flow_key: flow_key.as_deref(),
+        priority: event.priority.unwrap_or_default().level(),
     };
     if !runs::insert(&mut *tx, &new).await? {
         let id = event.run_id.as_str();

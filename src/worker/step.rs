@@ -30,6 +30,9 @@ use crate::metrics;
 use crate::store::checkpoint::{Committed, PreClaim, StepCommit};
 use crate::store::{self, decisions, runs, shadow, steps};
 use crate::trace::{Attempt, StepSpan};
+use super::published::Eager;
+use crate::flow::Concurrency;
+use crate::flow::gate::{self, Gated};
 use crate::workflow::{
     IDEMPOTENCY_KEY_HEADER, Position, Records, StepContext, StepDef, StepError, StepOutcome,
     UndoTarget, Workflow,
@@ -54,9 +57,10 @@ pub(super) async fn process(
     };
     // 2. Claim: inbox check, lease, fence + 1 and attempt, committed before anything runs (or
     //    made by the previous step's commit: a pre-claim).
-    let claim = match claim(engine, msg, owner, redelivered).await? {
-        Ok(claim) => claim,
-        Err(not_claimed) => return Ok(not_claimed),
+    let concurrency = workflow.flow.concurrency.as_ref();
+    let (claim, mut handed) = match claim(engine, msg, (owner, redelivered), concurrency).await? {
+        (Ok(claim), handed) => (claim, handed),
+        (Err(not_claimed), handed) => return Ok(with_handed(not_claimed, handed)),
     };
     engine.failpoints.hit("step.after_claim").map_err(infra)?;
     if claim.attempt > 1 {
@@ -107,6 +111,10 @@ pub(super) async fn process(
     };
     metrics::step_finished(&msg.workflow, &label, outcome, started.elapsed());
     let disposition = ended.map(|(_, disposition)| disposition)?;
+    if let (Some(key), Some(declared)) = (&claim.flow_key, concurrency) {
+        handed.extend(hand_on(engine, msg, declared, key).await);
+    }
+    let disposition = with_handed(disposition, handed);
     if claim.preclaimed && matches!(disposition, Disposition::Stale(_)) {
         // Nothing checks a pre-claim before its step starts. Fenced out, it may have been taken
         // by a worker that has since given the lease back and left the step to this very
@@ -452,15 +460,15 @@ const BUSY_RECHECKS_MS: [u64; 3] = [10, 40, 150];
 async fn claim(
     engine: &Engine,
     msg: &StepMessage,
-    owner: &str,
-    redelivered: bool,
-) -> store::Result<Result<runs::Claim, Disposition>> {
+    (owner, redelivered): (&str, bool),
+    concurrency: Option<&Concurrency>,
+) -> store::Result<(Result<runs::Claim, Disposition>, Vec<Eager>)> {
     let lease = engine.settings.worker.lease();
     let at = (&msg.run_id, msg.seq);
     let unstarted_preclaim = match engine.step_tx.preclaims.take(msg.message_id, at, (lease, redelivered)) {
         preclaim::Taken::Claim(claim) => {
             Stats::bump(&engine.stats.preclaims_used);
-            return Ok(Ok(claim));
+            return Ok((Ok(claim), Vec::new()));
         }
         preclaim::Taken::Unstarted => true,
         preclaim::Taken::Nothing => false,
@@ -477,21 +485,84 @@ async fn claim(
         unstarted_preclaim,
     };
     let mut pauses = BUSY_RECHECKS_MS.iter();
+    let mut handed = Vec::new();
     loop {
-        let why = match engine.step_tx.claim(request.clone()).await? {
-            runs::ClaimOutcome::Claimed(claim) => return Ok(Ok(claim)),
+        let (outcome, key) = match concurrency {
+            Some(declared) => match gated(engine, msg, declared, &request, &mut handed).await? {
+                Ok(claimed) => claimed,
+                Err(waits) => return Ok((Err(waits), handed)),
+            },
+            None => (engine.step_tx.claim(request.clone()).await?, None),
+        };
+        let why = match outcome {
+            runs::ClaimOutcome::Claimed(claim) => {
+                return Ok((Ok(runs::Claim { flow_key: key, ..claim }), handed));
+            }
             runs::ClaimOutcome::Duplicate => {
-                return Ok(Err(Disposition::Duplicate(
-                    "the step message was processed before",
-                )));
+                let dup = Disposition::Duplicate("the step message was processed before");
+                return Ok((Err(dup), handed));
             }
             runs::ClaimOutcome::Refused(why) => why,
         };
         match (why, pauses.next()) {
             (runs::Refusal::Busy, Some(ms)) => tokio::time::sleep(Duration::from_millis(*ms)).await,
-            (runs::Refusal::UnknownRun, _) => return Ok(Err(no_run(engine, &msg.run_id).await?)),
-            (why, _) => return Ok(Err(not_claimed(engine, msg, why))),
+            (runs::Refusal::UnknownRun, _) => {
+                return Ok((Err(no_run(engine, &msg.run_id).await?), handed));
+            }
+            (why, _) => return Ok((Err(not_claimed(engine, msg, why)), handed)),
         }
+    }
+}
+
+/// A keyed run's claim through its key's gate (`flow::gate`): the claim's outcome and the key
+/// whose slot it holds, or the acknowledgement of a delivery whose run now waits for a slot.
+/// A run without a key (an optional one it lacks) is claimed as any other.
+async fn gated(
+    engine: &Engine,
+    msg: &StepMessage,
+    declared: &Concurrency,
+    request: &runs::ClaimRequest,
+    handed: &mut Vec<Eager>,
+) -> store::Result<Result<(runs::ClaimOutcome, Option<String>), Disposition>> {
+    let hold = |m: &mut [OutgoingMessage]| published::hold_for_eager_publish(engine, m);
+    let Some((gated, ran, key)) = gate::claim(engine, msg, declared, request, hold).await? else {
+        return Ok(Ok((engine.step_tx.claim(request.clone()).await?, None)));
+    };
+    handed.extend(published::to_publish_eagerly(engine, ran.messages, &ran.rows));
+    match gated {
+        Gated::Claimed(outcome) => Ok(Ok((outcome, Some(key)))),
+        Gated::Waits(line) => {
+            tracing::debug!(line = %line, "step waits for a slot of its key");
+            metrics::flow_waited(&msg.workflow);
+            engine.step_tx.progress(&msg.run_id, msg.seq, line);
+            Ok(Err(Disposition::Committed(Vec::new())))
+        }
+    }
+}
+
+/// Hands the slot a keyed step's end freed to the runs in line (best effort: the supervisor's
+/// loop hands what this leaves); their messages, for this worker to publish.
+async fn hand_on(engine: &Engine, msg: &StepMessage, declared: &Concurrency, key: &str) -> Vec<Eager> {
+    let hold = |m: &mut [OutgoingMessage]| published::hold_for_eager_publish(engine, m);
+    let handed = match gate::hand_on(engine, declared, (&msg.workflow, key), hold).await {
+        Ok(handed) => handed,
+        Err(e) => {
+            tracing::warn!(error = %crate::error::Report(&e), key, "could not hand the freed slot on; the supervisor's loop will");
+            return Vec::new();
+        }
+    };
+    published::to_publish_eagerly(engine, handed.messages, &handed.rows)
+}
+
+/// The disposition with the step messages of runs handed a slot on the way: published with
+/// the step's own when it committed; else left to the relay (after `relay.eager_grace_ms`).
+fn with_handed(disposition: Disposition, handed: Vec<Eager>) -> Disposition {
+    match disposition {
+        Disposition::Committed(mut own) => {
+            own.extend(handed);
+            Disposition::Committed(own)
+        }
+        other => other,
     }
 }
 
@@ -743,7 +814,8 @@ fn preclaim(
     step: &mut StepCommit,
     eager: bool,
 ) -> Option<(MessageId, String)> {
-    let wanted = engine.settings.worker.preclaim && claim.undo.is_none();
+    // A keyed run's next step goes through its key's gate: runs in line get their turn.
+    let wanted = engine.settings.worker.preclaim && claim.undo.is_none() && claim.flow_key.is_none();
     if !wanted || !step_tx::preclaimable(step, eager) {
         return None;
     }

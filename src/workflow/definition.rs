@@ -110,10 +110,14 @@ impl Workflow {
 
     /// Whether `input` is one this workflow accepts; the error says what is wrong with it.
     pub fn check_input(&self, input: &Value) -> Result<(), String> {
-        match &self.input {
-            Some(check) => check(input),
-            None => Ok(()),
+        if let Some(check) = &self.input {
+            check(input)?;
         }
+        self.flow.key_of(input).map_err(|e| e.to_string())?;
+        if let Some(d) = &self.flow.debounce {
+            d.key.value_in(input).map_err(|e| e.to_string())?;
+        }
+        Ok(())
     }
 
     /// Sets this workflow's per-run budget (builder style).

@@ -140,6 +140,8 @@ impl TestEnv {
             input: &input,
             parent: None,
             traceparent: None,
+            flow_key: None,
+            priority: 2,
         };
         assert!(
             trailmark::store::runs::insert(&self.pool, &new)

@@ -79,6 +79,11 @@ enum Command {
     /// Remove finished runs past their keep time (archived first when retention.archive_dir
     /// is set), and aged tombstones, inbox ids and audit rows: what the background pruner does.
     Prune(cli::prune::PruneArgs),
+    /// Concurrency and rate limits of keyed workflows, set at run time; the busiest keys.
+    Limit {
+        #[command(subcommand)]
+        command: cli::limit::LimitCommand,
+    },
     /// Start runs on a cadence: create, list, show, pause, resume, trigger, backfill, delete.
     Schedule {
         #[command(subcommand)]
@@ -185,6 +190,7 @@ async fn dispatch(cli: Cli) -> anyhow::Result<()> {
         Command::Dlq { command } => cli::dlq::run(&settings, command).await,
         Command::Schedule { command } => cli::schedule::run(settings, registry, command).await,
         Command::Prune(args) => cli::prune::prune(settings, registry, args).await,
+        Command::Limit { command } => cli::limit::run(settings, registry, command).await,
         Command::Bench(args) => cli::bench::run(&settings, args).await,
         Command::Drill(args) => cli::drill::run(&settings, registry, *args).await,
         Command::ModelServer { .. } | Command::Token { .. } => unreachable!("handled above"),

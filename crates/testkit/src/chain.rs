@@ -8,6 +8,8 @@
 //! (`ctx.local_write`), inserted by the step's commit statement itself, as a workflow does with
 //! a table of trailmark's own database.
 //!
+//! `"tenant": T` counts the run under the concurrency key T (see [`TENANT_SLOTS`]).
+//!
 //! Two optional parts drive the engine's waits without code: `"sleep": {"at": P, "secs": S}`
 //! (after link P the run sleeps S seconds) and `"wait": {"at": P, "event": NAME,
 //! "timeout_secs": T}` (after link P the run waits for the event NAME sent with the run's id as
@@ -70,7 +72,15 @@ pub struct ChainInput {
     /// The first link stops for review (until the fix: see the module's docs).
     #[serde(default)]
     pub fail: bool,
+    /// The tenant the run is counted under: at most [`TENANT_SLOTS`] runs of one tenant hold a
+    /// step at once (`trailmark limit set chain --concurrency N [--key TENANT]` changes it); a
+    /// run without one is not limited.
+    #[serde(default)]
+    pub tenant: Option<String>,
 }
+
+/// Runs of one tenant holding a step at once, as `chain` declares it.
+pub const TENANT_SLOTS: u32 = 100;
 
 /// `{"at": P, "count": N, ...}`: after link P, the run starts N child `chain` runs.
 #[derive(Debug, Clone, serde::Deserialize)]
@@ -304,6 +314,11 @@ fn span(field: &str, secs: f64) -> Result<(), String> {
 pub fn workflow() -> Workflow {
     Workflow::new(NAME, 1)
         .input::<ChainInput>()
+        .concurrency(
+            trailmark::Concurrency::per_key("tenant", TENANT_SLOTS)
+                .expect("a valid key field and limit")
+                .optional(),
+        )
         .step(STEP, StepKind::Write, link)
         .key_recipe("run_id:link:position")
         .compensate("posts a reversal row `undo:<reference>` per link", unlink)

@@ -9,6 +9,7 @@ pub mod dlq;
 pub mod drill;
 pub mod event;
 pub mod fork;
+pub mod limit;
 pub mod migrate;
 pub mod prune;
 pub mod run;

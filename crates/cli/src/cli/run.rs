@@ -35,6 +35,18 @@ pub struct StartArgs {
     /// as the run-start message's `traceparent` header.
     #[arg(long, env = "TRACEPARENT")]
     pub traceparent: Option<String>,
+    /// Where the run stands among runs waiting for a slot of its concurrency key: 0 (lowest)
+    /// to 4 (highest); 2 when not given.
+    #[arg(long, value_parser = priority)]
+    pub priority: Option<trailmark::Priority>,
+}
+
+fn priority(text: &str) -> Result<trailmark::Priority, String> {
+    let level: i64 = text
+        .trim()
+        .parse()
+        .map_err(|_| format!("{text:?} is not a number; give 0 (lowest) to 4 (highest)"))?;
+    trailmark::Priority::new(level).map_err(|e| e.to_string())
 }
 
 /// Publishes a run-start event exactly as an upstream service would, after the checks a worker
@@ -47,7 +59,10 @@ pub async fn start(
 ) -> anyhow::Result<()> {
     let run_id = RunId::parse(&args.run_id)?;
     let input = read_input(args.input.as_deref())?;
-    let event = RunStartEvent::new(run_id.clone(), &args.workflow, input);
+    let event = RunStartEvent {
+        priority: args.priority,
+        ..RunStartEvent::new(run_id.clone(), &args.workflow, input)
+    };
     let topology = broker::Topology::new(&settings.broker.prefix, settings.broker.delivery_limit);
     let limit = settings.worker.max_message_bytes;
     let (mut message, _) = trailmark::worker::start_message(registry, &topology, limit, &event)
