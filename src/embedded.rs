@@ -330,11 +330,27 @@ impl Trailmark {
         workflow: &str,
         input: &impl Serialize,
     ) -> Result<RunId, Error> {
+        self.start_run_at(run_id, workflow, input, crate::flow::Priority::NORMAL)
+            .await
+    }
+
+    /// [`Trailmark::start_run`] with a priority among the runs waiting for a slot of the run's
+    /// concurrency key (see [`crate::Concurrency`]).
+    pub async fn start_run_at(
+        &self,
+        run_id: &str,
+        workflow: &str,
+        input: &impl Serialize,
+        priority: crate::flow::Priority,
+    ) -> Result<RunId, Error> {
         let run_id = RunId::parse(run_id).map_err(|e| Error::Refused(e.to_string()))?;
         let input = serde_json::to_value(input).map_err(|e| {
             Error::Refused(format!("run {run_id}: the input cannot be made JSON: {e}"))
         })?;
-        let event = RunStartEvent::new(run_id.clone(), workflow, input);
+        let event = RunStartEvent {
+            priority: Some(priority),
+            ..RunStartEvent::new(run_id.clone(), workflow, input)
+        };
         let engine = &self.engine;
         let limit = engine.settings.worker.max_message_bytes;
         let (message, _) =

@@ -52,6 +52,8 @@ pub struct Around {
     pub waits: Vec<waits::WaitRow>,
     /// The run that started it, and the child runs its steps started.
     pub family: children::Family,
+    /// Whether it waits for a slot or a token of its concurrency key, why and behind how many.
+    pub flow_wait: Option<store::flow::Waiting>,
 }
 
 async fn around(pool: &PgPool, run_id: &str) -> store::Result<Around> {
@@ -67,6 +69,7 @@ async fn around(pool: &PgPool, run_id: &str) -> store::Result<Around> {
         lineage: forks::lineage(pool, run_id).await?,
         waits: waits::for_run(pool, run_id).await?,
         family: children::family(pool, run_id).await?,
+        flow_wait: store::flow::waiting(pool, run_id).await?,
     })
 }
 

@@ -178,6 +178,7 @@ fn concrete(e: &Endpoint, run: &str) -> String {
         .replace("{other}", "r-ok")
         .replace("{id}", "poison-1")
         .replace("{name}", "chain")
+        .replace("{workflow}", "chain")
 }
 
 /// The run each decision is tried on, and the body of the call that should go through.
@@ -215,6 +216,10 @@ fn happy_post(e: &Endpoint) -> (&'static str, Value) {
         "requeue" | "purge" => (
             "",
             json!({"reason": "count", "reason_code": "undecodable", "preview": true}),
+        ),
+        "{workflow}" => (
+            "",
+            json!({"key": "tenant-1", "concurrency": 3, "reason": "a burst"}),
         ),
         other => panic!("no body for POST {other}: add one to happy_post"),
     }

@@ -29,6 +29,7 @@ mod events;
 mod extract;
 mod health;
 mod idempotency;
+mod limits;
 pub mod input;
 mod openapi;
 mod runs;
@@ -103,6 +104,8 @@ pub fn router(engine: Arc<Engine>) -> Result<Router, Error> {
         .route("/schedules/{name}/trigger", post(schedules::trigger))
         .route("/schedules/{name}/backfill", post(schedules::backfill))
         .route("/schedules/{name}/delete", post(schedules::delete))
+        .route("/limits", get(limits::list))
+        .route("/limits/{workflow}", post(limits::set))
         .route("/workflows", get(admin::workflows))
         .route("/workflows/{name}/contract", get(admin::contract))
         .route("/audit", get(admin::audit))

@@ -12,7 +12,7 @@ use utoipa::OpenApi;
 
 use super::auth::Role;
 use super::error::ErrorBody;
-use super::{admin, decisions, dlq, events, runs, schedules, start};
+use super::{admin, decisions, dlq, events, limits, runs, schedules, start};
 
 /// One endpoint.
 #[derive(Debug, Clone, Copy)]
@@ -224,6 +224,17 @@ pub const ENDPOINTS: &[Endpoint] = &[
         false,
     ),
     get(
+        "/api/v1/limits",
+        Role::Viewer,
+        "Concurrency and rate limits in force (declared and set) and the busiest keys with their runs running, waiting and throttled",
+    ),
+    post(
+        "/api/v1/limits/{workflow}",
+        Role::Operator,
+        "Set a keyed workflow's limits (key, concurrency, total, rate, reason) for one key or every key; in force within flow.poll_ms; audited",
+        false,
+    ),
+    get(
         "/api/v1/workflows",
         Role::Viewer,
         "The workflows this process runs",
@@ -300,6 +311,8 @@ pub fn endpoint_for(method: &str, path: &str) -> Option<&'static Endpoint> {
         schedules::trigger,
         schedules::backfill,
         schedules::delete,
+        limits::list,
+        limits::set,
         admin::workflows,
         admin::contract,
         admin::audit,

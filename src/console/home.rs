@@ -15,6 +15,8 @@ use crate::store::runs::{self, Filter, Summary};
 
 /// Runs listed per section and per page.
 const LISTED: i64 = 50;
+/// The busiest concurrency keys the home page lists.
+const BUSIEST_KEYS: i64 = 10;
 /// Up to this many dead letters the home page groups them by reason (a listing reads every one).
 const HOME_GROUPS_UP_TO: u32 = 2_000;
 
@@ -32,6 +34,7 @@ pub async fn home(State(state): State<ConsoleState>, me: Me) -> Result<Markup, S
     let review = runs::page(pool, &review, LISTED).await?;
     let stuck = runs::page(pool, &stuck, LISTED).await?;
     let counts = runs::counts(pool).await?;
+    let keys = crate::store::flow::busiest(pool, BUSIEST_KEYS).await?;
     let letters = letters_by_reason(&state).await;
     Ok(page(
         "What needs a person",
@@ -60,6 +63,10 @@ pub async fn home(State(state): State<ConsoleState>, me: Me) -> Result<Markup, S
             @else { (stuck_table(&stuck)) }
             h2 { "Runs by status" }
             (counts_view(&counts))
+            @if !keys.is_empty() {
+                h2 #keys { "Busiest concurrency keys" }
+                (keys_table(&keys))
+            }
             h2 { "Dead letters" }
             (letters)
         },
@@ -87,6 +94,23 @@ fn stuck_table(stuck: &[Summary]) -> Markup {
                         td { (maybe_time(r.retry_at)) }
                         td { (one_line(r.last_error.as_deref().unwrap_or("–"), 120)) }
                         td { (maybe_time(r.lease_expires_at)) }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The keys with the most runs waiting or running (`trailmark limit list` shows the same).
+fn keys_table(keys: &[crate::store::flow::KeyLoad]) -> Markup {
+    html! {
+        table {
+            thead { tr { th { "workflow" } th { "key" } th.num { "running" } th.num { "waiting" } th.num { "throttled" } } }
+            tbody {
+                @for k in keys {
+                    tr {
+                        td { (k.workflow) } td { (k.key) } td.num { (k.running) }
+                        td.num { (k.waiting) } td.num { (k.throttled) }
                     }
                 }
             }

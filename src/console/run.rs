@@ -170,6 +170,16 @@ fn summary(o: &Overview) -> Markup {
             "created " (time(r.created_at)) " · changed " (time(r.updated_at))
             @if let Some(f) = r.finished_at { " · finished " (time(f)) }
             @if let Some(owner) = &r.lease_owner { " · lease " (owner) " until " (maybe_time(r.lease_expires_at)) }
+            @if let Some(key) = &r.flow_key { " · concurrency key " (key) ", priority " (r.priority) }
+        }
+        @if let Some(w) = &o.around.flow_wait {
+            p.flow-wait {
+                "Waits, holding no lease, for "
+                @if w.reason == "rate" { "a token of key " (w.key) "'s rate limit (not before " (time(w.not_before)) ")" }
+                @else if w.reason == "total" { "a slot of its workflow's total limit" }
+                @else { "a slot of key " (w.key) }
+                ", since " (time(w.since)) "; " (w.ahead) " of its key ahead in line."
+            }
         }
         @if let (Some(error), false) = (&r.error, matches!(r.status, RunStatus::NeedsReview | RunStatus::Waiting)) {
             p.muted { "last error: " (error) }

@@ -94,6 +94,7 @@ pub async fn claim(
     let at = (msg.workflow.as_str(), key.as_str());
     let limits = Limits::of(declared, &rows::limits_for(&mut *tx, at.0, at.1).await?);
     let (slots, tokens) = lock(&mut tx, at, msg.run_id.as_str(), &limits).await?;
+    tracing::debug!(key = at.1, seq = msg.seq, live = slots.live, own = slots.own, queued = slots.queued, "gate");
     let mut handed = Handed::default();
     if !slots.own {
         let waiter = NewWaiter {
@@ -128,8 +129,10 @@ pub async fn claim(
             tx.commit().await?;
             return Ok(Some((Gated::Waits(line), handed, key)));
         }
-        rows::hold(&mut tx, msg.run_id.as_str(), at).await?;
     }
+    // Held by the lease from now on: a slot reserved for this run stops being a reservation
+    // (else it would stay live for a lease after the step ended).
+    rows::hold(&mut tx, msg.run_id.as_str(), at).await?;
     let outcome = runs::claim(&mut *tx, request).await?;
     match &outcome {
         runs::ClaimOutcome::Claimed(_) => tx.commit().await?,
@@ -255,6 +258,7 @@ pub async fn hand_key(
     let (slots, tokens) = lock(&mut tx, at, "", &limits).await?;
     let (handed, ids) = hand_in_tx(&mut tx, engine, (at, tokens), limits.free(&slots), None, hold).await?;
     tx.commit().await?;
+    tracing::debug!(key = at.1, live = slots.live, handed = ?ids, "hand on");
     if !ids.is_empty() {
         tracing::debug!(workflow = at.0, key = at.1, runs = ids.len(), "handed free slots to waiting runs");
     }

@@ -34,7 +34,8 @@ pub async fn run_flow(db: impl PgExecutor<'_>, run_id: &str) -> Result<Option<Ru
 }
 
 /// Limits set at run time for a workflow: for one key, and for every key ('').
-#[derive(Debug, Clone, Default, PartialEq, sqlx::FromRow)]
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize, sqlx::FromRow)]
+#[cfg_attr(feature = "ops-http", derive(utoipa::ToSchema))]
 pub struct LimitRow {
     /// The workflow.
     pub workflow: String,

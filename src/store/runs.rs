@@ -56,6 +56,12 @@ pub struct RunRow {
     /// The run whose step started it (a child run).
     #[sqlx(default)]
     pub parent_run_id: Option<String>,
+    /// The concurrency key it is counted under (`None`: none).
+    #[sqlx(default)]
+    pub flow_key: Option<String>,
+    /// Its priority among runs waiting for a slot (0 lowest to 4 highest).
+    #[sqlx(default)]
+    pub priority: i16,
 }
 
 impl RunRow {

@@ -274,6 +274,23 @@ pub async fn show(settings: &Settings, run_id: &str, as_json: bool) -> anyhow::R
             run.fence
         );
     }
+    if let Some(key) = &run.flow_key {
+        println!("concurrency key {key}  priority {}", run.priority);
+    }
+    if let Some(w) = &r.around.flow_wait {
+        let what = match w.reason.as_str() {
+            "rate" => format!(
+                "a token of key {}'s rate limit, not before {}",
+                w.key, w.not_before
+            ),
+            "total" => format!(
+                "a slot of its workflow's total limit ({} of key {} ahead)",
+                w.ahead, w.key
+            ),
+            _ => format!("a slot of key {} ({} ahead in line)", w.key, w.ahead),
+        };
+        println!("waits for {what} since {}, holding no lease", w.since);
+    }
     super::fork::print_lineage(&r.around.lineage, &r.shadow_writes);
     print_family(&run.run_id, &r.around.family);
     if let Some(error) = &run.error {
