@@ -83,7 +83,7 @@ pub async fn claim(
     declared: &Concurrency,
     request: &runs::ClaimRequest,
     hold: impl FnOnce(&mut [OutgoingMessage]),
-) -> store::Result<Option<(Gated, Handed, String)>> {
+) -> store::Result<Option<(Gated, Handed, rows::Held)>> {
     let mut tx = engine.pool.begin().await?;
     let Some(run) = rows::run_flow(&mut *tx, msg.run_id.as_str()).await? else {
         return Ok(None);
@@ -127,7 +127,8 @@ pub async fn claim(
         };
         if let Some(line) = waits {
             tx.commit().await?;
-            return Ok(Some((Gated::Waits(line), handed, key)));
+            let held = rows::Held { key, paced: limits.rate.is_some() };
+            return Ok(Some((Gated::Waits(line), handed, held)));
         }
     }
     // Held by the lease from now on: a slot reserved for this run stops being a reservation
@@ -143,7 +144,8 @@ pub async fn claim(
             handed = Handed::default();
         }
     }
-    Ok(Some((Gated::Claimed(outcome), handed, key)))
+    let held = rows::Held { key, paced: limits.rate.is_some() };
+    Ok(Some((Gated::Claimed(outcome), handed, held)))
 }
 
 /// Locks the key's row (after the workflow's, when a total applies: always in that order, so

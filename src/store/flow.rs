@@ -33,6 +33,28 @@ pub async fn run_flow(db: impl PgExecutor<'_>, run_id: &str) -> Result<Option<Ru
     )
 }
 
+/// The slot of a key a claim holds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Held {
+    /// The key.
+    pub key: String,
+    /// A rate applies to the key: every step start takes a token, so the run's next step goes
+    /// through the gate (no pre-claim).
+    pub paced: bool,
+}
+
+/// Whether runs of `key` wait for a slot now: a step's end then gives its slot to the line
+/// instead of pre-claiming the run's next step (one index probe).
+pub async fn line_waits(db: impl PgExecutor<'_>, (workflow, key): (&str, &str)) -> Result<bool> {
+    Ok(sqlx::query_scalar(
+        "SELECT EXISTS (SELECT 1 FROM trailmark.flow_waiters WHERE workflow = $1 AND key = $2)",
+    )
+    .bind(workflow)
+    .bind(key)
+    .fetch_one(db)
+    .await?)
+}
+
 /// Limits set at run time for a workflow: for one key, and for every key ('').
 #[derive(Debug, Clone, Default, PartialEq, serde::Serialize, sqlx::FromRow)]
 #[cfg_attr(feature = "ops-http", derive(utoipa::ToSchema))]

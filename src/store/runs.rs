@@ -191,9 +191,9 @@ pub struct Claim {
     pub preclaimed: bool,
     /// For a child run, its parent: the commit that ends it counts it in its fan-out.
     pub parent: Option<String>,
-    /// The concurrency key whose slot the claim holds (set by `flow::gate`): the step's end hands
-    /// the slot on, and the run's next position is not pre-claimed (it goes through the gate).
-    pub flow_key: Option<String>,
+    /// The concurrency key whose slot the claim holds (set by `flow::gate`, carried by a
+    /// pre-claim): a step's end that gives the lease up hands the slot on.
+    pub flow: Option<super::flow::Held>,
 }
 
 /// A worker asking for a run's lease to execute one step delivery (owned, so a group-commit task
@@ -401,7 +401,7 @@ fn outcome(row: ClaimRow, asked_seq: i32) -> ClaimOutcome {
         shadow: row.shadow.unwrap_or(false),
         preclaimed: false,
         parent: row.parent_run_id,
-        flow_key: None,
+        flow: None,
     })
 }
 

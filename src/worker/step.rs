@@ -58,7 +58,7 @@ pub(super) async fn process(
     // 2. Claim: inbox check, lease, fence + 1 and attempt, committed before anything runs (or
     //    made by the previous step's commit: a pre-claim).
     let concurrency = workflow.flow.concurrency.as_ref();
-    let (claim, mut handed) = match claim(engine, msg, (owner, redelivered), concurrency).await? {
+    let (claim, handed) = match claim(engine, msg, (owner, redelivered), concurrency).await? {
         (Ok(claim), handed) => (claim, handed),
         (Err(not_claimed), handed) => return Ok(with_handed(not_claimed, handed)),
     };
@@ -110,11 +110,7 @@ pub(super) async fn process(
         None => msg.step.to_string(),
     };
     metrics::step_finished(&msg.workflow, &label, outcome, started.elapsed());
-    let disposition = ended.map(|(_, disposition)| disposition)?;
-    if let (Some(key), Some(declared)) = (&claim.flow_key, concurrency) {
-        handed.extend(hand_on(engine, msg, declared, key).await);
-    }
-    let disposition = with_handed(disposition, handed);
+    let disposition = with_handed(ended.map(|(_, disposition)| disposition)?, handed);
     if claim.preclaimed && matches!(disposition, Disposition::Stale(_)) {
         // Nothing checks a pre-claim before its step starts. Fenced out, it may have been taken
         // by a worker that has since given the lease back and left the step to this very
@@ -195,6 +191,8 @@ async fn run_claimed(
             counted,
         } => {
             retry_later(engine, msg, claim, (delay, counted), &reason, limits).await?;
+            // A Delay disposition publishes nothing: the relay takes the handed runs' messages.
+            hand_on(engine, msg, claim, false).await;
             Disposition::Delay(delay)
         }
         Verdict::Stale(why) => {
@@ -496,7 +494,7 @@ async fn claim(
         };
         let why = match outcome {
             runs::ClaimOutcome::Claimed(claim) => {
-                return Ok((Ok(runs::Claim { flow_key: key, ..claim }), handed));
+                return Ok((Ok(runs::Claim { flow: key, ..claim }), handed));
             }
             runs::ClaimOutcome::Duplicate => {
                 let dup = Disposition::Duplicate("the step message was processed before");
@@ -523,7 +521,7 @@ async fn gated(
     declared: &Concurrency,
     request: &runs::ClaimRequest,
     handed: &mut Vec<Eager>,
-) -> store::Result<Result<(runs::ClaimOutcome, Option<String>), Disposition>> {
+) -> store::Result<Result<(runs::ClaimOutcome, Option<store::flow::Held>), Disposition>> {
     let hold = |m: &mut [OutgoingMessage]| published::hold_for_eager_publish(engine, m);
     let Some((gated, ran, key)) = gate::claim(engine, msg, declared, request, hold).await? else {
         return Ok(Ok((engine.step_tx.claim(request.clone()).await?, None)));
@@ -540,18 +538,45 @@ async fn gated(
     }
 }
 
-/// Hands the slot a keyed step's end freed to the runs in line (best effort: the supervisor's
-/// loop hands what this leaves); their messages, for this worker to publish.
-async fn hand_on(engine: &Engine, msg: &StepMessage, declared: &Concurrency, key: &str) -> Vec<Eager> {
-    let hold = |m: &mut [OutgoingMessage]| published::hold_for_eager_publish(engine, m);
-    let handed = match gate::hand_on(engine, declared, (&msg.workflow, key), hold).await {
+/// Hands the slot a keyed step's end freed (the lease given up, not carried to the run's next
+/// step) to the runs in line, best effort: the supervisor's loop hands what this leaves. Their
+/// messages, for this worker to publish (`eager`), else for the relay at once.
+async fn hand_on(engine: &Engine, msg: &StepMessage, claim: &runs::Claim, eager: bool) -> Vec<Eager> {
+    let (Some(held), Some(declared)) = (&claim.flow, concurrency_of(engine, msg)) else {
+        return Vec::new();
+    };
+    let key = held.key.as_str();
+    let hold = |m: &mut [OutgoingMessage]| {
+        if eager {
+            published::hold_for_eager_publish(engine, m)
+        }
+    };
+    let handed = match gate::hand_on(engine, &declared, (&msg.workflow, key), hold).await {
         Ok(handed) => handed,
         Err(e) => {
             tracing::warn!(error = %crate::error::Report(&e), key, "could not hand the freed slot on; the supervisor's loop will");
             return Vec::new();
         }
     };
-    published::to_publish_eagerly(engine, handed.messages, &handed.rows)
+    match eager {
+        true => published::to_publish_eagerly(engine, handed.messages, &handed.rows),
+        false => Vec::new(),
+    }
+}
+
+/// The concurrency limits `msg`'s workflow declares, as deployed here.
+fn concurrency_of(engine: &Engine, msg: &StepMessage) -> Option<Concurrency> {
+    engine.registry.get(&msg.workflow)?.flow.concurrency.clone()
+}
+
+/// Whether a keyed step's end keeps its slot for the run's next step (pre-claims it): only
+/// while no run of the key waits and no rate applies; else the slot goes to the line, in turn.
+async fn keeps_slot(engine: &Engine, msg: &StepMessage, claim: &runs::Claim) -> store::Result<bool> {
+    match &claim.flow {
+        None => Ok(true),
+        Some(held) if held.paced => Ok(false),
+        Some(held) => Ok(!store::flow::line_waits(&engine.pool, (&msg.workflow, &held.key)).await?),
+    }
 }
 
 /// The disposition with the step messages of runs handed a slot on the way: published with
@@ -755,7 +780,8 @@ async fn commit(
     } else {
         Vec::new()
     };
-    let next = preclaim(engine, claim, &mut step, eagerly && !messages.is_empty());
+    let keep_slot = keeps_slot(engine, msg, claim).await?;
+    let next = preclaim(engine, claim, &mut step, (eagerly && !messages.is_empty(), keep_slot));
     let fp = &engine.failpoints;
     fp.hit("step.before_commit").map_err(infra)?;
     let eager = match engine
@@ -764,13 +790,21 @@ async fn commit(
         .await
     {
         Ok(Committed::Done { preclaimed, rows }) => {
-            if let (Some((message, owner)), Some(counted)) = (next, preclaimed) {
-                let next_claim = preclaim::next_claim(claim, counted);
-                let at = (msg.run_id.clone(), msg.seq + 1);
-                let lease = engine.settings.worker.lease();
-                (engine.step_tx.preclaims).keep(message, at, owner, next_claim, lease);
+            let kept = match (next, preclaimed) {
+                (Some((message, owner)), Some(counted)) => {
+                    let next_claim = preclaim::next_claim(claim, counted);
+                    let at = (msg.run_id.clone(), msg.seq + 1);
+                    let lease = engine.settings.worker.lease();
+                    (engine.step_tx.preclaims).keep(message, at, owner, next_claim, lease);
+                    true
+                }
+                _ => false,
+            };
+            let mut eager = published::to_publish_eagerly(engine, messages, &rows);
+            if !kept {
+                eager.extend(hand_on(engine, msg, claim, true).await);
             }
-            published::to_publish_eagerly(engine, messages, &rows)
+            eager
         }
         Ok(Committed::Duplicate) => {
             return Ok(Disposition::Duplicate(
@@ -812,10 +846,11 @@ fn preclaim(
     engine: &Engine,
     claim: &runs::Claim,
     step: &mut StepCommit,
-    eager: bool,
+    (eager, keep_slot): (bool, bool),
 ) -> Option<(MessageId, String)> {
-    // A keyed run's next step goes through its key's gate: runs in line get their turn.
-    let wanted = engine.settings.worker.preclaim && claim.undo.is_none() && claim.flow_key.is_none();
+    // A keyed run whose line is not empty gives its slot up: its next step goes through the
+    // gate, in turn with the runs waiting.
+    let wanted = engine.settings.worker.preclaim && claim.undo.is_none() && keep_slot;
     if !wanted || !step_tx::preclaimable(step, eager) {
         return None;
     }

@@ -24,6 +24,7 @@ pub mod baseline;
 pub mod breakdown;
 pub mod children;
 pub mod env;
+pub mod flow;
 pub mod load;
 pub mod measure;
 pub mod peer;

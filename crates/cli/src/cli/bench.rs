@@ -84,6 +84,12 @@ pub struct BenchArgs {
     /// once, --reps times [default: 3] on --workers processes.
     #[arg(long, conflicts_with = "waits")]
     pub children: bool,
+    /// Instead of the comparison: the cost of a concurrency key (--runs `chain` runs of --steps
+    /// links [default: 500, 5] without and with a tenant, --reps times [default: 3]) and the
+    /// fairness of a full line (a big tenant's --runs runs, then a small tenant's 20, under a
+    /// total limit of 4 slots), on --workers processes.
+    #[arg(long, conflicts_with_all = ["waits", "children"])]
+    pub flow: bool,
     /// Print the report as JSON instead of a table.
     #[arg(long)]
     pub json: bool,
@@ -106,6 +112,9 @@ pub async fn run(settings: &Settings, args: BenchArgs) -> anyhow::Result<()> {
     }
     if args.children {
         return children(settings, &args).await;
+    }
+    if args.flow {
+        return flow(settings, &args).await;
     }
     let cfg = config(&args)?;
     let report = bench::run(settings, &cfg).await?;
@@ -206,6 +215,25 @@ async fn children(settings: &Settings, args: &BenchArgs) -> anyhow::Result<()> {
         trailmark::domain::MAX_CHILDREN
     );
     let report = bench::children::run(settings, &cfg).await?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        print!("{report}");
+    }
+    Ok(())
+}
+
+async fn flow(settings: &Settings, args: &BenchArgs) -> anyhow::Result<()> {
+    let mut cfg = bench::flow::FlowConfig::default();
+    cfg.runs = args.runs.unwrap_or(cfg.runs);
+    cfg.steps = args.steps.unwrap_or(cfg.steps);
+    cfg.reps = args.reps.unwrap_or(cfg.reps);
+    cfg.workers = args.workers.unwrap_or(cfg.workers);
+    anyhow::ensure!(
+        cfg.runs > 0 && cfg.steps > 0 && cfg.reps > 0 && cfg.workers > 0,
+        "--runs, --steps, --reps and --workers must be at least 1"
+    );
+    let report = bench::flow::run(settings, &cfg).await?;
     if args.json {
         println!("{}", serde_json::to_string_pretty(&report)?);
     } else {
