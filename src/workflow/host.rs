@@ -162,4 +162,6 @@ pub(crate) struct Tools {
     pub call_retries: usize,
     /// Identical tool requests per run before it counts as a loop (`guards.repeat_limit`).
     pub repeat_limit: u64,
+    /// The model endpoints this process last found at their limits.
+    pub full_endpoints: super::model_limit::FullEndpoints,
 }

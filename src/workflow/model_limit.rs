@@ -5,7 +5,9 @@
 //! usage has left the window; so the fleet stays under the provider's limit instead of learning
 //! it from refusals.
 
-use std::time::Duration;
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
 
 use super::{StepContext, StepError};
 use crate::domain::{Admission, ModelAsk};
@@ -14,6 +16,51 @@ use crate::model::{ChatRequest, Limits, ModelClient};
 /// How long after a request's own timeout its reservation may wait for the answer to be
 /// journaled before it stops counting as in flight (then it counts for another minute).
 const JOURNAL_MARGIN: Duration = Duration::from_secs(60);
+
+/// How long a process takes an endpoint's refusal as the answer for its other calls, before it
+/// asks again: soon enough to see room that answered calls freed early (their real usage below
+/// their estimates), seldom enough that a backlog of waiting steps does not queue on the
+/// endpoint's lock with refusals.
+const ASK_AGAIN: Duration = Duration::from_secs(1);
+
+/// The endpoints this process last found full, so that its waiting steps are refused without a
+/// statement while nothing can have changed (one refusal an [`ASK_AGAIN`] per endpoint and
+/// process, not one per waiting step).
+#[derive(Default)]
+pub(crate) struct FullEndpoints(Mutex<HashMap<String, Full>>);
+
+/// An endpoint's last refusal.
+struct Full {
+    /// The window's usage then: requests, tokens.
+    used: (u64, u64),
+    /// The refused call's estimate: a smaller call may fit, and asks.
+    estimate: u64,
+    /// When room was to come for it.
+    room_at: Instant,
+    /// Until when the refusal stands for this process's calls.
+    until: Instant,
+}
+
+impl FullEndpoints {
+    /// The standing refusal of a call of `estimate` at `endpoint`: the window's usage and the
+    /// time left until room comes.
+    fn refusal(&self, endpoint: &str, estimate: u64, now: Instant) -> Option<((u64, u64), Duration)> {
+        let known = self.0.lock().expect("full endpoints lock");
+        let full = known.get(endpoint)?;
+        (now < full.until && estimate >= full.estimate)
+            .then(|| (full.used, full.room_at.saturating_duration_since(now)))
+    }
+
+    fn remember(&self, endpoint: &str, full: Full) {
+        let mut known = self.0.lock().expect("full endpoints lock");
+        known.insert(endpoint.to_owned(), full);
+    }
+
+    fn forget(&self, endpoint: &str) {
+        let mut known = self.0.lock().expect("full endpoints lock");
+        known.remove(endpoint);
+    }
+}
 
 impl StepContext {
     /// Reserves the request's place at `client`'s endpoint: `None` for an endpoint without
@@ -34,6 +81,10 @@ impl StepContext {
         if limits.tokens_per_minute > 0 && estimate > limits.tokens_per_minute {
             return Err(self.larger_than_limit(&endpoint, estimate, limits.tokens_per_minute));
         }
+        let full_endpoints = &self.tools().full_endpoints;
+        if let Some((used, wait)) = full_endpoints.refusal(&endpoint, estimate, Instant::now()) {
+            return Err(self.throttled(limits, &endpoint, (used, estimate), wait));
+        }
         let ask = ModelAsk {
             endpoint: &endpoint,
             requests_per_minute: limits.requests_per_minute,
@@ -45,15 +96,31 @@ impl StepContext {
         };
         match self.tools().records.reserve_model(ask).await? {
             Admission::Reserved { id, used } => {
+                full_endpoints.forget(&endpoint);
                 crate::metrics::model_reserved(&endpoint, estimate, used.1 + estimate);
                 Ok(Some(id))
             }
             Admission::Full { used, wait } => {
-                crate::metrics::model_throttled(&endpoint, used.1);
-                tracing::debug!(endpoint, wait_ms = wait.as_millis() as u64, "model call waits for the endpoint's limit");
-                Err(StepError::throttled(full(limits, used, estimate), &endpoint, wait))
+                let now = Instant::now();
+                let until = now + wait.min(ASK_AGAIN);
+                let room_at = now + wait;
+                full_endpoints.remember(&endpoint, Full { used, estimate, room_at, until });
+                Err(self.throttled(limits, &endpoint, (used, estimate), wait))
             }
         }
+    }
+
+    /// The step's wait for `endpoint`'s room, counted and logged.
+    fn throttled(
+        &self,
+        limits: Limits,
+        endpoint: &str,
+        (used, estimate): ((u64, u64), u64),
+        wait: Duration,
+    ) -> StepError {
+        crate::metrics::model_throttled(endpoint, used.1);
+        tracing::debug!(endpoint, wait_ms = wait.as_millis() as u64, "model call waits for the endpoint's limit");
+        StepError::throttled(full(limits, used, estimate), endpoint, wait)
     }
 
     /// The reserved request failed: it counts at its estimate from now (the provider counted
@@ -95,6 +162,26 @@ fn full(limits: Limits, (requests, tokens): (u64, u64), estimate: u64) -> String
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_refusal_stands_a_second_for_calls_at_least_as_large() {
+        let known = FullEndpoints::default();
+        let now = Instant::now();
+        let full = Full {
+            used: (3, 950),
+            estimate: 84,
+            room_at: now + Duration::from_secs(20),
+            until: now + ASK_AGAIN,
+        };
+        known.remember("e", full);
+        let (used, wait) = known.refusal("e", 84, now).expect("refused without asking");
+        assert_eq!((used, wait), ((3, 950), Duration::from_secs(20)));
+        assert!(known.refusal("e", 40, now).is_none(), "a smaller call may fit: it asks");
+        assert!(known.refusal("other", 84, now).is_none());
+        assert!(known.refusal("e", 84, now + ASK_AGAIN).is_none(), "then asks again");
+        known.forget("e");
+        assert!(known.refusal("e", 84, now).is_none(), "room found: forgotten");
+    }
 
     #[test]
     fn the_wait_names_each_full_limit_with_its_usage() {
