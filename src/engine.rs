@@ -147,6 +147,7 @@ impl Engine {
             ),
             call_retries: settings.worker.call_retries,
             repeat_limit: guards.repeat_limit,
+            full_endpoints: Default::default(),
         });
         let worker_id = new_worker_id();
         Ok(Arc::new(Self {

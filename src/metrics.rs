@@ -21,7 +21,8 @@ pub const RUNS: &str = "trailmark_runs";
 pub const REVIEW_RUNS: &str = "trailmark_review_runs";
 /// A step from claim to disposition, by workflow, step and outcome (histogram, seconds).
 pub const STEP_DURATION: &str = "trailmark_step_duration_seconds";
-/// Steps retried, by class: `temporary` (from a delay queue), `infrastructure` (in place).
+/// Steps retried, by class: `temporary` (from a delay queue), `infrastructure` (in place),
+/// `breaker_open` and `throttled` (waits that spend no attempt).
 pub const STEP_RETRIES: &str = "trailmark_step_retries_total";
 /// Steps run again, by cause: `redelivery` (a claim's attempt > 1), `lease_expired`
 /// (re-queued by the supervisor), `operator` (a resume decision).
@@ -47,6 +48,14 @@ pub const RELAY_PUBLISH: &str = "trailmark_relay_publish_duration_seconds";
 pub const MODEL_TOKENS: &str = "trailmark_model_tokens_total";
 /// Model cost, by model.
 pub const MODEL_COST: &str = "trailmark_model_cost_total";
+/// Model calls a fleet-wide limit per minute held back (the step waits), by endpoint.
+pub const MODEL_THROTTLED: &str = "trailmark_model_throttled_total";
+/// Tokens reserved for model calls at limited endpoints (the calls' estimates, replaced by
+/// their real usage in the window once answered), by endpoint.
+pub const MODEL_RESERVED_TOKENS: &str = "trailmark_model_reserved_tokens_total";
+/// Tokens the fleet used (or holds reserved) at a limited endpoint in the last minute, as this
+/// process last saw it when it asked for room (gauge), by endpoint.
+pub const MODEL_WINDOW_TOKENS: &str = "trailmark_model_window_tokens";
 /// Whether a tool's circuit breaker is open in this process (gauge, 1 or 0).
 pub const BREAKER_OPEN: &str = "trailmark_breaker_open";
 /// Log lines dropped because the log sink was too slow or failing.
@@ -169,6 +178,19 @@ pub fn model_answered(model: &str, prompt: u64, completion: u64, cost: f64) {
     // A counter of cost: the exporter keeps floats for gauges only, so cost is kept as a gauge
     // that only ever goes up.
     gauge!(MODEL_COST, "model" => model.to_owned()).increment(cost);
+}
+
+/// Counts a model call admitted at a limited `endpoint` with `estimate` tokens reserved,
+/// `window` the endpoint's tokens in the last minute with it.
+pub fn model_reserved(endpoint: &str, estimate: u64, window: u64) {
+    counter!(MODEL_RESERVED_TOKENS, "endpoint" => endpoint.to_owned()).increment(estimate);
+    gauge!(MODEL_WINDOW_TOKENS, "endpoint" => endpoint.to_owned()).set(window as f64);
+}
+
+/// Counts a model call held back by `endpoint`'s limits, `window` its tokens in the last minute.
+pub fn model_throttled(endpoint: &str, window: u64) {
+    counter!(MODEL_THROTTLED, "endpoint" => endpoint.to_owned()).increment(1);
+    gauge!(MODEL_WINDOW_TOKENS, "endpoint" => endpoint.to_owned()).set(window as f64);
 }
 
 /// Counts an event sent to runs, by `outcome`.

@@ -230,8 +230,8 @@ async fn records_of_several_steps_go_in_together_and_a_call_journaled_twice_keep
         Ok(IntentOutcome::Recorded(EffectState::New))
     ));
     let group = [
-        Record::Journal(p.clone(), entry(0, "p0")),
-        Record::Journal(q.clone(), entry(0, "q0")),
+        Record::Journal(p.clone(), entry(0, "p0"), None),
+        Record::Journal(q.clone(), entry(0, "q0"), None),
         Record::EffectResult(key.clone(), json!({ "posted": 1 })),
     ];
     let answers = records::write_all(&env.pool, &group).await;
@@ -242,8 +242,8 @@ async fn records_of_several_steps_go_in_together_and_a_call_journaled_twice_keep
     // Two answers to the same call in one group (a stale worker next to the current one): the
     // first goes in, the second is told so, and the journal keeps one answer.
     let twice = [
-        Record::Journal(p.clone(), entry(1, "first")),
-        Record::Journal(p.clone(), entry(1, "second")),
+        Record::Journal(p.clone(), entry(1, "first"), None),
+        Record::Journal(p.clone(), entry(1, "second"), None),
     ];
     let answers = records::write_all(&env.pool, &twice).await;
     assert!(matches!(answers[..], [Ok(true), Ok(false)]), "{answers:?}");
@@ -461,6 +461,7 @@ async fn a_commit_claims_the_next_position_idly_and_any_delivery_may_take_it() {
             seq: 1,
             ..entry(0, "x1")
         },
+        None,
     );
     records::write_all(&env.pool, &[replayed]).await[0]
         .as_ref()

@@ -126,6 +126,10 @@ const LIMITS: [(&str, i128, i128); 41] = [
     ("guards.breaker_open_secs", 1, 86_400),
     ("guards.repeat_limit", 0, 1_000_000),
     ("model.timeout_ms", 1, 3_600_000),
+    // 0: no limit. A billion per minute is far beyond any provider's, and far below the bigint
+    // the window's sum is kept in.
+    ("model.requests_per_minute", 0, 1_000_000_000),
+    ("model.tokens_per_minute", 0, 1_000_000_000),
     ("process.startup_timeout_secs", 0, 86_400),
     ("process.drain_delay_ms", 0, 600_000),
     ("api.body_limit_bytes", 1_024, 1 << 30),
@@ -180,6 +184,7 @@ pub(super) fn ranges(s: &Settings) -> Result<(), Error> {
     super::tokens::parse_tokens(&s.api.tokens).map_err(Error)?;
     database_scheme(&s.database.url)?;
     database_hosts(&s.database.hosts)?;
+    model_limits(&s.model)?;
     let g = &s.guards;
     if g.max_cost < 0.0 || !g.max_cost.is_finite() {
         return Err(Error(format!(
@@ -188,6 +193,21 @@ pub(super) fn ranges(s: &Settings) -> Result<(), Error> {
         )));
     }
     Ok(())
+}
+
+/// Refuses a model limit with no model to hold it against: the offline answer calls nothing, so
+/// the limit would do nothing, which is most likely a `model.base_url` that was meant to be set.
+fn model_limits(m: &crate::model::ModelSettings) -> Result<(), Error> {
+    let limits = [
+        ("model.requests_per_minute", m.requests_per_minute),
+        ("model.tokens_per_minute", m.tokens_per_minute),
+    ];
+    match limits.iter().find(|(_, v)| *v > 0) {
+        Some((key, value)) if !m.is_configured() => Err(Error(format!(
+            "{key} is {value}, but model.base_url is empty: no model is configured, so there is nothing to limit; set model.base_url, or set {key} to 0"
+        ))),
+        _ => Ok(()),
+    }
 }
 
 /// Refuses a database URL of another kind of server (`mysql://...`), which the Postgres driver
@@ -394,6 +414,49 @@ mod tests {
         let refused = load("[retention]\nkeep_sec = 10\n").unwrap_err();
         assert!(
             refused.contains("did you mean retention.keep_secs?"),
+            "{refused}"
+        );
+        let _ = std::fs::remove_file(&path);
+    }
+
+    #[test]
+    fn model_limits_are_read_and_bad_ones_refused_naming_the_field_and_why() {
+        let path =
+            std::env::temp_dir().join(format!("tm-model-limits-{}.toml", std::process::id()));
+        let load = |text: &str| {
+            std::fs::write(&path, text).unwrap();
+            Settings::load_from(Some(path.to_str().unwrap())).map_err(|e| e.to_string())
+        };
+        let model = "[model]\nbase_url = \"http://127.0.0.1:1/v1\"\n";
+        let s = load(&format!(
+            "{model}requests_per_minute = 60\ntokens_per_minute = 90000\n"
+        ))
+        .unwrap();
+        assert_eq!(
+            (s.model.requests_per_minute, s.model.tokens_per_minute),
+            (60, 90_000)
+        );
+        let s = load(model).unwrap();
+        assert_eq!(
+            (s.model.requests_per_minute, s.model.tokens_per_minute),
+            (0, 0),
+            "no limit unless set"
+        );
+        let refused = load(&format!("{model}tokens_per_minute = -5\n")).unwrap_err();
+        assert!(
+            refused.contains("model.tokens_per_minute must be a whole number from 0 to 1000000000"),
+            "{refused}"
+        );
+        let refused = load(&format!("{model}requests_per_minute = 2000000000\n")).unwrap_err();
+        assert!(
+            refused.contains(
+                "model.requests_per_minute is 2000000000; it must be from 0 to 1000000000"
+            ),
+            "{refused}"
+        );
+        let refused = load("[model]\ntokens_per_minute = 1000\n").unwrap_err();
+        assert!(
+            refused.contains("model.tokens_per_minute is 1000, but model.base_url is empty"),
             "{refused}"
         );
         let _ = std::fs::remove_file(&path);

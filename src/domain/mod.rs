@@ -25,7 +25,7 @@ pub use event::{EVENT_HEADER, EVENT_STATUSES, Event};
 pub use ids::{Fence, IdError, IdempotencyKey, MessageId, RunId};
 pub use local_write::{BadLocalWrite, LocalTable, LocalWrite};
 pub use record::{
-    EffectIntent, EffectState, IntentOutcome, JournalEntry, ShadowWrite, Spent, ToolUsage,
+    Admission, ModelAsk, EffectIntent, EffectState, IntentOutcome, JournalEntry, ShadowWrite, Spent, ToolUsage,
     request_hash,
 };
 pub use signal::{

@@ -109,3 +109,42 @@ pub fn request_hash(value: &Value) -> String {
     use sha2::{Digest, Sha256};
     hex::encode(Sha256::digest(value.to_string().as_bytes()))
 }
+
+/// A model call about to be made to an endpoint with limits per minute, as it asks for room.
+#[derive(Debug, Clone)]
+pub struct ModelAsk<'a> {
+    /// The endpoint (`base_url model`, without credentials).
+    pub endpoint: &'a str,
+    /// Requests per minute allowed (0: no limit).
+    pub requests_per_minute: u64,
+    /// Tokens per minute allowed (0: no limit).
+    pub tokens_per_minute: u64,
+    /// The call's estimated tokens (an upper bound of the prompt's and the answer's).
+    pub estimate: u64,
+    /// The longest the call can last, answer journaled: an unanswered reservation counts until
+    /// a minute after that.
+    pub hold: std::time::Duration,
+    /// The run and position making the call, kept with the reservation for operators.
+    pub run_id: &'a str,
+    /// See `run_id`.
+    pub seq: i32,
+}
+
+/// Whether the window had room for the call.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Admission {
+    /// Reserved: the reservation's id, to record the call's real usage under.
+    Reserved {
+        /// The reservation.
+        id: i64,
+        /// The window's usage before this call: requests, tokens.
+        used: (u64, u64),
+    },
+    /// No room: nothing is reserved.
+    Full {
+        /// The window's usage: requests, tokens.
+        used: (u64, u64),
+        /// How long until enough usage has left the window for the call to fit.
+        wait: std::time::Duration,
+    },
+}

@@ -33,6 +33,24 @@ struct Conf {
     fallback_model: String,
     price_prompt: f64,
     price_completion: f64,
+    limits: Limits,
+    timeout: Duration,
+}
+
+/// An endpoint's fleet-wide limits per minute, from the settings (0: no limit).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Limits {
+    /// `model.requests_per_minute`.
+    pub requests_per_minute: u64,
+    /// `model.tokens_per_minute`.
+    pub tokens_per_minute: u64,
+}
+
+impl Limits {
+    /// Whether any limit is set, so that unlimited endpoints cost no statement per call.
+    pub fn any(&self) -> bool {
+        self.requests_per_minute > 0 || self.tokens_per_minute > 0
+    }
 }
 
 /// The body sent to `/chat/completions`.
@@ -93,6 +111,11 @@ impl ModelClient {
             fallback_model: settings.fallback_model.trim().to_string(),
             price_prompt: settings.cost_per_1k_prompt_tokens,
             price_completion: settings.cost_per_1k_completion_tokens,
+            limits: Limits {
+                requests_per_minute: settings.requests_per_minute,
+                tokens_per_minute: settings.tokens_per_minute,
+            },
+            timeout: Duration::from_millis(settings.timeout_ms),
         };
         Ok(Self {
             http,
@@ -104,6 +127,22 @@ impl ModelClient {
     /// The model this client asks, for logs and journal entries.
     pub fn model(&self) -> &str {
         &self.model
+    }
+
+    /// The endpoint as limits count it and metrics label it: the URL without credentials, and
+    /// the model (the fallback model is another endpoint at the same URL).
+    pub fn endpoint(&self) -> String {
+        format!("{} {}", self.conf.shown, self.model)
+    }
+
+    /// The fleet-wide limits of this endpoint.
+    pub fn limits(&self) -> Limits {
+        self.conf.limits
+    }
+
+    /// The whole-call timeout, the longest one request can last.
+    pub fn timeout(&self) -> Duration {
+        self.conf.timeout
     }
 
     /// A client for the configured fallback model, so the caller can switch after retries run out.

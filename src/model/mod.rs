@@ -8,7 +8,7 @@ mod client;
 mod error;
 pub mod offline;
 
-pub use client::ModelClient;
+pub use client::{Limits, ModelClient};
 pub use error::{Error, Result};
 
 use serde::{Deserialize, Serialize};
@@ -31,6 +31,12 @@ pub struct ModelSettings {
     pub cost_per_1k_prompt_tokens: f64,
     /// Price of 1,000 completion tokens, used to compute [`ChatAnswer::cost`].
     pub cost_per_1k_completion_tokens: f64,
+    /// Requests the whole fleet may send the endpoint per minute (0: no limit), so it stays
+    /// under the provider's limit instead of being refused; the fallback model has the same.
+    pub requests_per_minute: u64,
+    /// Tokens (prompt and answer) the whole fleet may use at the endpoint per minute (0: no
+    /// limit), counted from the journaled usage; the fallback model has the same.
+    pub tokens_per_minute: u64,
 }
 
 impl Default for ModelSettings {
@@ -43,6 +49,8 @@ impl Default for ModelSettings {
             fallback_model: String::new(),
             cost_per_1k_prompt_tokens: 0.0,
             cost_per_1k_completion_tokens: 0.0,
+            requests_per_minute: 0,
+            tokens_per_minute: 0,
         }
     }
 }
@@ -73,6 +81,8 @@ impl std::fmt::Debug for ModelSettings {
                 "cost_per_1k_completion_tokens",
                 &self.cost_per_1k_completion_tokens,
             )
+            .field("requests_per_minute", &self.requests_per_minute)
+            .field("tokens_per_minute", &self.tokens_per_minute)
             .finish()
     }
 }
@@ -144,6 +154,15 @@ impl ChatRequest {
             .sum();
         tokens_for_chars(chars)
     }
+
+    /// What the call may use, reserved against an endpoint's tokens-per-minute limit until its
+    /// answer says what it did use: the prompt estimate plus `max_tokens`, the bound of the
+    /// answer (providers estimate a request against such a limit the same way when it arrives:
+    /// the prompt's size plus `max_tokens`). Without `max_tokens` nothing bounds the answer, and
+    /// the reservation holds the prompt only until the answer arrives.
+    pub fn estimated_tokens(&self) -> u64 {
+        self.estimated_prompt_tokens() + u64::from(self.max_tokens.unwrap_or(0))
+    }
 }
 
 /// One model answer with what it cost; this is what the engine journals word for word.
@@ -214,7 +233,10 @@ mod tests {
         assert_eq!(estimate_tokens(""), 0);
         assert_eq!(estimate_tokens("abcd"), 1);
         assert_eq!(estimate_tokens("abcde"), 2);
-        let req = ChatRequest::new(vec![ChatMessage::system("abc"), ChatMessage::user("de")]);
+        let mut req = ChatRequest::new(vec![ChatMessage::system("abc"), ChatMessage::user("de")]);
         assert_eq!(req.estimated_prompt_tokens(), 2);
+        assert_eq!(req.estimated_tokens(), 2, "no max_tokens: the prompt only");
+        req.max_tokens = Some(64);
+        assert_eq!(req.estimated_tokens(), 66, "the prompt and the longest answer");
     }
 }

@@ -14,6 +14,7 @@ pub mod idempotency;
 pub mod inbox;
 pub(crate) mod inspect;
 pub mod journal;
+pub mod model_usage;
 pub mod outbox;
 pub mod parked;
 pub mod progress;

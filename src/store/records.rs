@@ -11,8 +11,10 @@ use crate::domain::{IdempotencyKey, JournalEntry, RunId};
 /// One record to write.
 #[derive(Debug, Clone)]
 pub enum Record {
-    /// A model answer; a second writer of the same call keeps the first answer.
-    Journal(RunId, JournalEntry),
+    /// A model answer, with the id of the reservation its call made in `model_usage` if its
+    /// endpoint is limited (the answer's real usage replaces the estimate in the same
+    /// statement); a second writer of the same call keeps the first answer.
+    Journal(RunId, JournalEntry, Option<i64>),
     /// The result of the outside call made under the key.
     EffectResult(IdempotencyKey, Value),
 }
@@ -21,7 +23,15 @@ pub enum Record {
 /// makes the statement fail on the key, and [`write_all`] then writes one record at a time and
 /// reports that entry as not inserted). A speculative `ON CONFLICT` insert would cost one more
 /// WAL record per entry for a case that happens only when a stale worker overlaps a new one.
-const JOURNAL: &str = "INSERT INTO trailmark.journal (run_id, seq, call_no, kind, request_hash, response, tokens, cost, latency_ms)
+/// With them, the real usage of the reservations in `$10` (NULL: none), counted from the
+/// journaling (the same `now()` as the entry's `created_at`). A statement that fails leaves
+/// those reservations at their estimates: counted too long, never too short.
+const JOURNAL: &str = "WITH used AS (
+        UPDATE trailmark.model_usage m SET tokens = u.tokens, at = now()
+          FROM UNNEST($10::int8[], $7::int8[]) AS u(id, tokens)
+         WHERE m.id = u.id
+    )
+    INSERT INTO trailmark.journal (run_id, seq, call_no, kind, request_hash, response, tokens, cost, latency_ms)
     SELECT * FROM UNNEST($1::text[], $2::int4[], $3::int4[], $4::text[], $5::text[], $6::jsonb[],
                          $7::int8[], $8::float8[], $9::int8[])";
 
@@ -30,14 +40,19 @@ const RESULTS: &str = "UPDATE trailmark.effects f SET result = u.result, complet
       FROM UNNEST($1::text[], $2::jsonb[]) AS u(key, result)
      WHERE f.idempotency_key = u.key";
 
-/// Journal entries from `$1` to `$9` and effect results in `$10` and `$11`, in one statement.
+/// Journal entries from `$1` to `$9` with their reservations' usage in `$10` (as [`JOURNAL`]),
+/// and effect results in `$11` and `$12`, in one statement.
 const BOTH: &str = "WITH ins AS (
         INSERT INTO trailmark.journal (run_id, seq, call_no, kind, request_hash, response, tokens, cost, latency_ms)
         SELECT * FROM UNNEST($1::text[], $2::int4[], $3::int4[], $4::text[], $5::text[], $6::jsonb[],
                              $7::int8[], $8::float8[], $9::int8[])
+    ), used AS (
+        UPDATE trailmark.model_usage m SET tokens = u.tokens, at = now()
+          FROM UNNEST($10::int8[], $7::int8[]) AS u(id, tokens)
+         WHERE m.id = u.id
     )
     UPDATE trailmark.effects f SET result = u.result, completed_at = now()
-      FROM UNNEST($10::text[], $11::jsonb[]) AS u(key, result)
+      FROM UNNEST($11::text[], $12::jsonb[]) AS u(key, result)
      WHERE f.idempotency_key = u.key";
 
 /// Writes `records`, answering each: for a journal entry whether it went in (`false`: another
@@ -61,7 +76,7 @@ pub async fn write_all<'a>(pool: &'a PgPool, records: &'a [Record]) -> Vec<Resul
 
 fn same_call_twice(records: &[Record]) -> bool {
     let mut calls: Vec<(&str, i32, i32)> = entries(records)
-        .map(|(run, e)| (run.as_str(), e.seq, e.call_no))
+        .map(|(run, e, _)| (run.as_str(), e.seq, e.call_no))
         .collect();
     let all = calls.len();
     calls.sort_unstable();
@@ -69,9 +84,9 @@ fn same_call_twice(records: &[Record]) -> bool {
     calls.len() != all
 }
 
-fn entries(records: &[Record]) -> impl Iterator<Item = (&RunId, &JournalEntry)> {
+fn entries(records: &[Record]) -> impl Iterator<Item = (&RunId, &JournalEntry, Option<i64>)> {
     records.iter().filter_map(|r| match r {
-        Record::Journal(run, e) => Some((run, e)),
+        Record::Journal(run, e, reserved) => Some((run, e, *reserved)),
         Record::EffectResult(..) => None,
     })
 }
@@ -90,7 +105,7 @@ async fn write(pool: &PgPool, records: &[Record]) -> Result<Vec<bool>> {
     if records.is_empty() {
         return Ok(Vec::new());
     }
-    let journal: Vec<(&RunId, &JournalEntry)> = entries(records).collect();
+    let journal: Vec<(&RunId, &JournalEntry, Option<i64>)> = entries(records).collect();
     let results: Vec<(&str, &Value)> = records
         .iter()
         .filter_map(|r| match r {
@@ -115,7 +130,8 @@ async fn write(pool: &PgPool, records: &[Record]) -> Result<Vec<bool>> {
             .bind(journal.iter().map(|j| &j.1.response).collect::<Vec<_>>())
             .bind(journal.iter().map(|j| j.1.tokens).collect::<Vec<_>>())
             .bind(journal.iter().map(|j| j.1.cost).collect::<Vec<_>>())
-            .bind(journal.iter().map(|j| j.1.latency_ms).collect::<Vec<_>>());
+            .bind(journal.iter().map(|j| j.1.latency_ms).collect::<Vec<_>>())
+            .bind(journal.iter().map(|j| j.2).collect::<Vec<_>>());
     }
     if !results.is_empty() {
         q = q

@@ -492,8 +492,8 @@ pub async fn set_undo_plan(db: impl PgExecutor<'_>, run_id: &str, plan: &UndoPla
 /// Gives a lease back without advancing the run (its step is retried after `delay_secs` from a
 /// delay queue), and notes on the step when it runs again and why it failed. Checked by position
 /// and fence, as [`heartbeat`]. `give_back`: the attempt its claim counted is taken back with the
-/// lease (a wait on an open circuit breaker made no call); a crash before this statement leaves
-/// the attempt counted, as every crash does.
+/// lease (a wait on an open circuit breaker or a model's rate limit made no call); a crash
+/// before this statement leaves the attempt counted, as every crash does.
 pub async fn release(
     db: impl PgExecutor<'_>,
     (run_id, seq): (&RunId, i32),

@@ -105,9 +105,12 @@ pub(super) enum Verdict {
         delay: Duration,
         /// What failed.
         reason: String,
-        /// Whether the attempt stays counted: `false` for a wait on an open circuit breaker,
-        /// where no call was made, so its claim's attempt is given back with the lease.
+        /// Whether the attempt stays counted: `false` for a wait on an open circuit breaker or
+        /// a model's rate limit, where no call was made, so its claim's attempt is given back
+        /// with the lease.
         counted: bool,
+        /// The class of the error that made the step wait ([`StepError::class`]).
+        class: &'static str,
     },
     /// The work is void: a newer worker owns the run.
     Stale(&'static str),
@@ -123,6 +126,11 @@ impl Verdict {
             Self::Commit(Ending::Wait { .. } | Ending::Pause { .. }) => "waiting",
             Self::Commit(Ending::Review { .. }) | Self::Review(_) => "review",
             Self::Retry { counted: true, .. } => "retry",
+            Self::Retry {
+                counted: false,
+                class: "throttled",
+                ..
+            } => "throttled_wait",
             Self::Retry { counted: false, .. } => "breaker_wait",
             Self::Stale(_) => "stale",
             Self::Infrastructure(_) => "infrastructure",
@@ -247,15 +255,18 @@ pub(super) fn decide(
                 delay,
                 reason,
                 counted: true,
+                class: "temporary",
             };
         }
-        // Before the attempt cap: a wait on a breaker spends no attempt, so it is not capped
-        // either (the run's timeout and a failing probe, which counts, still end it).
-        Err(open @ StepError::BreakerOpen { wait, .. }) => {
+        // Before the attempt cap: a wait on a breaker or a model's rate limit spends no attempt,
+        // so it is not capped either (the run's timeout and a failing probe, which counts, still
+        // end it; a rate limit's window always empties within a few minutes).
+        Err(waiting) if let Some(wait) = waiting.uncounted_wait() => {
             return Verdict::Retry {
                 delay: breaker_delay(wait),
-                reason: open.to_string(),
+                reason: waiting.to_string(),
                 counted: false,
+                class: waiting.class(),
             };
         }
         Err(StepError::Temporary { reason, .. }) => StepError::Guard(format!(
@@ -267,9 +278,10 @@ pub(super) fn decide(
     Verdict::Review(failure)
 }
 
-/// How long a step waits for a breaker that lets a probe through after `wait`: the longest delay
-/// tier that ends by then (give or take a second), so the step is back at the probe, not a tier
-/// later; a step back early is refused again at no cost.
+/// How long a step waits for a breaker that lets a probe through after `wait` (or for a model's
+/// rate limit with room after `wait`): the longest delay tier that ends by then (give or take a
+/// second), so the step is back at the probe, not a tier later; a step back early is refused
+/// again at no cost.
 fn breaker_delay(wait: Duration) -> Duration {
     let by = wait.as_millis() as u64 + 1_000;
     let tier = DELAY_TIERS_MS
@@ -741,12 +753,38 @@ mod tests {
                 delay,
                 reason,
                 counted: false,
+                class: "breaker_open",
             } = verdict
             else {
                 panic!("not an uncounted retry at attempt {attempt}: {verdict:?}");
             };
             assert_eq!(delay, Duration::from_secs(30), "back at the probe");
             assert!(reason.contains("circuit breaker of ledger"), "{reason}");
+        }
+    }
+
+    #[test]
+    fn a_wait_for_a_models_rate_limit_is_retried_uncounted_even_at_the_attempt_cap() {
+        let msg = message(StepAddress::step("a"), 0);
+        let limit = "tokens-per-minute limit (950 of 1000 used, this call needs up to 84)";
+        let full = || {
+            let wait = Duration::from_secs(12);
+            Err(StepError::throttled(limit.into(), "http://m/v1 m", wait))
+        };
+        for attempt in [1, LIMITS.max_attempts] {
+            let verdict = decide((&workflow(), &Registry::new()), &msg, running(attempt), LIMITS, full(), none());
+            assert_eq!(verdict.outcome(), "throttled_wait");
+            let Verdict::Retry {
+                delay,
+                reason,
+                counted: false,
+                class: "throttled",
+            } = verdict
+            else {
+                panic!("not an uncounted retry at attempt {attempt}: {verdict:?}");
+            };
+            assert_eq!(delay, Duration::from_secs(5), "back early, asks again at no cost");
+            assert!(reason.starts_with(&format!("waits for the model's {limit} at http://m/v1 m")), "{reason}");
         }
     }
 

@@ -189,8 +189,10 @@ async fn run_claimed(
             delay,
             reason,
             counted,
+            class,
         } => {
-            retry_later(engine, msg, claim, (delay, counted), &reason, limits).await?;
+            let why = (reason.as_str(), class);
+            retry_later(engine, msg, claim, (delay, counted), why, limits).await?;
             // A Delay disposition publishes nothing: the relay takes the handed runs' messages.
             hand_on(engine, msg, claim, false).await;
             Disposition::Delay(delay)
@@ -212,13 +214,14 @@ async fn run_claimed(
 }
 
 /// Gives the lease back for a retry after `delay` and says so in the run's progress. A wait on an
-/// open breaker (`counted` false) gives the claim's attempt back with it.
+/// open breaker or a model's rate limit (`counted` false; `class` says which) gives the claim's
+/// attempt back with it.
 async fn retry_later(
     engine: &Engine,
     msg: &StepMessage,
     claim: &runs::Claim,
     (delay, counted): (Duration, bool),
-    reason: &str,
+    (reason, class): (&str, &'static str),
     limits: Limits,
 ) -> store::Result<()> {
     let line = if counted {
@@ -233,9 +236,10 @@ async fn retry_later(
             delay.as_secs_f64()
         )
     } else {
-        metrics::step_retried("breaker_open");
-        // Debug: every waiting step says this at each return; the breaker itself logs opening and closing.
-        tracing::debug!(reason = %reason, delay_ms = delay.as_millis() as u64, "step waits for a circuit breaker");
+        metrics::step_retried(class);
+        // Debug: every waiting step says this at each return; the breaker itself logs opening
+        // and closing, and the rate limits count their refusals (`trailmark_model_throttled_total`).
+        tracing::debug!(reason = %reason, class, delay_ms = delay.as_millis() as u64, "step waits without spending an attempt");
         format!(
             "step {} (position {}) {reason}; back in {:.0} s, {} of {} attempts used",
             msg.step,
@@ -293,15 +297,10 @@ async fn run_step(
     } else {
         let ctx = context(engine, workflow, msg, claim, span.clone()).await?;
         Stats::bump(&engine.stats.handler_runs);
-        let result = match execute(engine, step, ctx.clone(), heartbeat).await {
-            // Waiting for a breaker spends no attempt only when the attempt made no call: one
-            // that called out (another of its calls met the open breaker) counts, or a step
-            // whose concurrent calls keep failing would never reach its cap.
-            Err(open @ StepError::BreakerOpen { .. }) if ctx.called_out() => {
-                Err(StepError::temporary(open.to_string()))
-            }
-            other => other,
-        };
+        // A wait that would spend no attempt counts after all when the attempt did what must
+        // count (see `StepContext::counted_wait`).
+        let result = (execute(engine, step, ctx.clone(), heartbeat).await)
+            .map_err(|e| ctx.counted_wait(e));
         let (tokens, cost) = ctx.paid();
         if tokens > 0 {
             let span = tracing::Span::current();

@@ -16,13 +16,13 @@ use sqlx::PgPool;
 use super::batch::Batcher;
 use crate::broker::Topology;
 use crate::domain::{
-    EffectIntent, Event, Fence, IdempotencyKey, IntentOutcome, JournalEntry, RunId, ShadowWrite,
-    Spent,
+    Admission, EffectIntent, Event, Fence, IdempotencyKey, IntentOutcome, JournalEntry, ModelAsk,
+    RunId, ShadowWrite, Spent,
 };
 use crate::store::checkpoint::{self, Committed, StepCommit};
 use crate::store::records::{self, Record};
 use crate::store::runs::{self, ClaimOutcome, ClaimRequest};
-use crate::store::{self, effects, journal, outbox, progress, shadow, steps};
+use crate::store::{self, effects, journal, model_usage, outbox, progress, shadow, steps};
 use crate::workflow::{BoxFuture, Records, StepError};
 
 /// Claims, records, commits and releases of one process's steps.
@@ -210,8 +210,24 @@ impl Records for StepTx {
         &'a self,
         run: &'a RunId,
         entry: JournalEntry,
+        reserved: Option<i64>,
     ) -> BoxFuture<'a, Result<bool, StepError>> {
-        Box::pin(async move { Ok(self.record(Record::Journal(run.clone(), entry)).await?) })
+        let record = Record::Journal(run.clone(), entry, reserved);
+        Box::pin(async move { Ok(self.record(record).await?) })
+    }
+
+    // On the strict pool: a reservation a Postgres crash forgot would let the fleet call past
+    // the limit. One statement, outside the group commit: reservations of one endpoint queue
+    // for its lock one after another anyway.
+    fn reserve_model<'a>(
+        &'a self,
+        ask: ModelAsk<'a>,
+    ) -> BoxFuture<'a, Result<Admission, StepError>> {
+        Box::pin(async move { Ok(model_usage::reserve(&self.pool, &ask).await?) })
+    }
+
+    fn model_call_failed(&self, reserved: i64) -> BoxFuture<'_, Result<(), StepError>> {
+        Box::pin(async move { Ok(model_usage::failed(&self.relaxed, reserved).await?) })
     }
 
     fn shadow_write<'a>(

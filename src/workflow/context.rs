@@ -83,6 +83,9 @@ pub(super) struct Inner {
     /// Whether this attempt made a call to an outside system (past its breaker): a step that
     /// did spends its attempt, even if another of its calls then met an open breaker.
     pub called_out: std::sync::atomic::AtomicBool,
+    /// Whether a call of this attempt (a model request or a tool call) failed: a wait for a
+    /// model's rate limit then spends the attempt (`StepContext::counted_wait`).
+    pub call_failed: std::sync::atomic::AtomicBool,
     /// Model answers and outside-write results this attempt read back from the journal instead
     /// of asking or calling again (counted on the step's span).
     pub replayed: (AtomicI32, AtomicI32),
@@ -111,6 +114,7 @@ impl StepContext {
             paid: Mutex::new((0, 0.0)),
             unflushed_answer: std::sync::atomic::AtomicBool::new(false),
             called_out: std::sync::atomic::AtomicBool::new(false),
+            call_failed: std::sync::atomic::AtomicBool::new(false),
             replayed: (AtomicI32::new(0), AtomicI32::new(0)),
             outgoing: Mutex::new(Vec::new()),
             parked: Mutex::new(Vec::new()),
@@ -127,6 +131,36 @@ impl StepContext {
         self.inner
             .called_out
             .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// A wait that spends no attempt, as a temporary failure that spends one when the attempt
+    /// did something that must count, so that failures hidden behind such waits still reach
+    /// `worker.max_attempts`:
+    /// - an open breaker, after the attempt called out (another of its calls met the open
+    ///   breaker): a step whose concurrent calls keep failing would never reach its cap;
+    /// - a model's rate limit, after one of the attempt's calls failed. Not after a call that
+    ///   was answered: its answer is journaled and replayed free, and a full window is the
+    ///   normal state of a busy fleet, so a step of many model calls must not run out of
+    ///   attempts while it waits for room between them.
+    pub(crate) fn counted_wait(&self, e: StepError) -> StepError {
+        use std::sync::atomic::Ordering::Relaxed;
+        let counts = match &e {
+            StepError::BreakerOpen { .. } => self.called_out(),
+            StepError::Throttled { .. } => self.inner.call_failed.load(Relaxed),
+            _ => false,
+        };
+        match e.uncounted_wait() {
+            Some(wait) if counts => StepError::Temporary {
+                reason: e.to_string(),
+                retry_after: matches!(e, StepError::Throttled { .. }).then_some(wait),
+            },
+            _ => e,
+        }
+    }
+
+    /// Notes that a call of this attempt failed (see [`Self::counted_wait`]).
+    pub(crate) fn note_failed_call(&self) {
+        (self.inner.call_failed).store(true, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Whether every model answer this attempt journaled was flushed by a later synchronous

@@ -424,6 +424,7 @@ impl StepContext {
             );
             match result {
                 Err(StepError::Temporary { reason, retry_after }) => {
+                    self.note_failed_call();
                     *failed.lock().expect("failure lock") = Some(reason.clone());
                     Err(after_failure(&tool.name, reason, retry_after, breakers))
                 }

@@ -28,6 +28,23 @@ pub enum StepError {
         /// When that is.
         until: chrono::DateTime<chrono::Utc>,
     },
+    /// A model endpoint's fleet-wide limit per minute has no room for the call, so none was
+    /// made: the step waits, holding no lease, until enough of the last minute's usage has left
+    /// the window, and the wait spends no attempt (as for an open breaker).
+    #[error(
+        "waits for the model's {limit} at {endpoint}: no call is made until enough of the last minute's use has aged out, the step tries again at {} (not counted as an attempt)",
+        .until.to_rfc3339_opts(chrono::SecondsFormat::Secs, true)
+    )]
+    Throttled {
+        /// Which limit, with the window's usage: `tokens-per-minute limit (N of M used, ...)`.
+        limit: String,
+        /// The endpoint (`URL model`).
+        endpoint: String,
+        /// How long until the call fits.
+        wait: Duration,
+        /// When that is.
+        until: chrono::DateTime<chrono::Utc>,
+    },
     /// Credentials or configuration: stop at once, no retries.
     #[error("tool auth/config failure: {0}")]
     Auth(String),
@@ -54,6 +71,7 @@ impl StepError {
         match self {
             Self::Temporary { .. } => "temporary",
             Self::BreakerOpen { .. } => "breaker_open",
+            Self::Throttled { .. } => "throttled",
             Self::Auth(_) => "tool_auth",
             Self::Conflict(_) => "conflict",
             Self::Guard(_) => "guard",
@@ -78,6 +96,26 @@ impl StepError {
             tool: tool.to_owned(),
             wait,
             until,
+        }
+    }
+
+    /// The refusal of a model endpoint's `limit` (which, and how full), with room after `wait`.
+    pub fn throttled(limit: String, endpoint: &str, wait: Duration) -> Self {
+        let until = chrono::Utc::now() + chrono::Duration::from_std(wait).unwrap_or_default();
+        Self::Throttled {
+            limit,
+            endpoint: endpoint.to_owned(),
+            wait,
+            until,
+        }
+    }
+
+    /// For a wait that spends no attempt (an open breaker, a model's rate limit: no call was
+    /// made), how long until the step may go on.
+    pub fn uncounted_wait(&self) -> Option<Duration> {
+        match self {
+            Self::BreakerOpen { wait, .. } | Self::Throttled { wait, .. } => Some(*wait),
+            _ => None,
         }
     }
 }

@@ -12,7 +12,8 @@ use sqlx::PgPool;
 
 use super::StepError;
 use crate::domain::{
-    EffectIntent, IdempotencyKey, IntentOutcome, JournalEntry, RunId, ShadowWrite, Spent,
+    Admission, EffectIntent, IdempotencyKey, IntentOutcome, JournalEntry, ModelAsk, RunId,
+    ShadowWrite, Spent,
 };
 use crate::failpoint::Failpoints;
 use crate::guard::Breakers;
@@ -34,12 +35,24 @@ pub(crate) trait Records: Send + Sync {
         call_no: i32,
     ) -> BoxFuture<'a, Result<Option<JournalEntry>, StepError>>;
 
-    /// Journals an answer at once; `false`: another worker journaled this call first.
+    /// Journals an answer at once, and with it the real usage of the call's reservation at a
+    /// limited endpoint (`reserved`); `false`: another worker journaled this call first.
     fn journal<'a>(
         &'a self,
         run: &'a RunId,
         entry: JournalEntry,
+        reserved: Option<i64>,
     ) -> BoxFuture<'a, Result<bool, StepError>>;
+
+    /// Reserves a model call's place in its endpoint's last minute, across the fleet, when the
+    /// endpoint's limits leave room for it.
+    fn reserve_model<'a>(
+        &'a self,
+        ask: ModelAsk<'a>,
+    ) -> BoxFuture<'a, Result<Admission, StepError>>;
+
+    /// The call reserved as `reserved` failed: it counts at its estimate from now.
+    fn model_call_failed(&self, reserved: i64) -> BoxFuture<'_, Result<(), StepError>>;
 
     /// What the run has spent on models.
     fn spent<'a>(&'a self, run: &'a RunId) -> BoxFuture<'a, Result<Spent, StepError>>;
@@ -149,4 +162,6 @@ pub(crate) struct Tools {
     pub call_retries: usize,
     /// Identical tool requests per run before it counts as a loop (`guards.repeat_limit`).
     pub repeat_limit: u64,
+    /// The model endpoints this process last found at their limits.
+    pub full_endpoints: super::model_limit::FullEndpoints,
 }

@@ -13,6 +13,7 @@ mod effect;
 mod error;
 mod host;
 mod model_call;
+mod model_limit;
 mod pause;
 mod reversal;
 

@@ -43,7 +43,7 @@ impl StepContext {
             guard::check_model_budget(spent, self.run_id(), budget)?;
         }
         self.drill_seam(crate::seams::Seam::Model500)?;
-        let answer = self.traced_call(request, call_no).await?;
+        let (answer, reserved) = self.traced_call(request, call_no).await?;
         self.drill_log(|| format!("model {} {} {call_no}", self.run_id(), self.seq()));
         // A crash here loses a paid answer before it is journaled: the replay asks again.
         self.fire_failpoint("model.after_answer")?;
@@ -60,7 +60,8 @@ impl StepContext {
         // Committed now, not with the step commit (in one statement with other steps' records):
         // a crash later in the step keeps the paid answer. The commit does not wait for its WAL
         // flush; the effect intent or step commit that follows does, and flushes this entry with it.
-        let journaled = records.journal(self.run_id(), entry.clone()).await?;
+        // The answer's real usage replaces its reservation's estimate in the same statement.
+        let journaled = records.journal(self.run_id(), entry.clone(), reserved).await?;
         // Ours or another worker's, the entry may not be flushed yet.
         self.inner
             .unflushed_answer
@@ -99,8 +100,13 @@ impl StepContext {
 
     /// The call under a `chat <model>` span (child of the step attempt's) with the
     /// OpenTelemetry GenAI attributes: models asked and answering, tokens in and out; and the
-    /// cost, which GenAI has no attribute for, as `trailmark.gen_ai.cost`.
-    async fn traced_call(&self, request: &ChatRequest, call_no: i32) -> Result<ChatAnswer, StepError> {
+    /// cost, which GenAI has no attribute for, as `trailmark.gen_ai.cost`. With the answer, the
+    /// reservation it was asked under at a limited endpoint.
+    async fn traced_call(
+        &self,
+        request: &ChatRequest,
+        call_no: i32,
+    ) -> Result<(ChatAnswer, Option<i64>), StepError> {
         let requested = (self.tools().models.primary.as_ref()).map_or("offline", |c| c.model());
         let span = self.span().child(
             || format!("chat {requested}"),
@@ -112,7 +118,7 @@ impl StepContext {
         );
         let answer = self.call_model(request).await;
         let attributes = || match &answer {
-            Ok(a) => vec![
+            Ok((a, _)) => vec![
                 KeyValue::new("gen_ai.response.model", a.model.clone()),
                 KeyValue::new("gen_ai.usage.input_tokens", a.prompt_tokens as i64),
                 KeyValue::new("gen_ai.usage.output_tokens", a.completion_tokens as i64),
@@ -124,40 +130,72 @@ impl StepContext {
         answer
     }
 
-    async fn call_model(&self, request: &ChatRequest) -> Result<ChatAnswer, StepError> {
+    async fn call_model(&self, request: &ChatRequest) -> Result<(ChatAnswer, Option<i64>), StepError> {
         let tools = self.tools();
         let models = &tools.models;
         let Some(primary) = models.primary.as_ref() else {
-            return Ok(model::offline::chat(request, models.offline_bytes));
+            return Ok((model::offline::chat(request, models.offline_bytes), None));
         };
         let retries = tools.call_retries;
-        match ask(primary, request, retries).await {
-            Err(e) if e.is_temporary() && models.fallback.is_some() => {
+        let asked = match self.ask(primary, request, retries).await {
+            Err(Failure::Model(e)) if e.is_temporary() && models.fallback.is_some() => {
                 let fallback = models.fallback.as_ref().expect("checked above");
                 tracing::warn!(error = %e, fallback = fallback.model(), "primary model failed; asking the fallback model");
-                ask(fallback, request, retries).await.map_err(classify)
+                self.ask(fallback, request, retries).await
             }
-            other => other.map_err(classify),
-        }
+            other => other,
+        };
+        asked.map_err(|failure| match failure {
+            Failure::Model(e) => classify(e),
+            Failure::Step(e) => e,
+        })
+    }
+
+    /// Asks `client`, retrying temporary failures in-process; every request first reserves its
+    /// place at the endpoint when it has limits (`model_limit.rs`), since the provider counts
+    /// each one. With the answer, the reservation it was asked under.
+    async fn ask(
+        &self,
+        client: &ModelClient,
+        request: &ChatRequest,
+        retries: usize,
+    ) -> Result<(ChatAnswer, Option<i64>), Failure> {
+        let policy = super::call_backoff(retries);
+        let once = || async {
+            let reserved = (self.reserve_call(client, request).await).map_err(Failure::Step)?;
+            match client.chat(request).await {
+                Ok(answer) => Ok((answer, reserved)),
+                Err(e) => {
+                    self.note_failed_call();
+                    self.reserved_call_failed(reserved).await;
+                    Err(Failure::Model(e))
+                }
+            }
+        };
+        once.retry(policy)
+            .when(|f| matches!(f, Failure::Model(e) if e.is_temporary()))
+            // Honour the server's Retry-After when it asks for longer than our own backoff.
+            .adjust(|f, delay| match f {
+                Failure::Model(model::Error::RateLimited { retry_after: Some(asked) }) => {
+                    delay.map(|d| d.max(*asked))
+                }
+                _ => delay,
+            })
+            .notify(|f, delay| {
+                if let Failure::Model(e) = f {
+                    tracing::warn!(error = %e, retry_in_ms = delay.as_millis() as u64, "model call failed; retrying");
+                }
+            })
+            .await
     }
 }
 
-async fn ask(
-    client: &ModelClient,
-    request: &ChatRequest,
-    retries: usize,
-) -> Result<ChatAnswer, model::Error> {
-    let policy = super::call_backoff(retries);
-    (|| client.chat(request))
-        .retry(policy)
-        .when(model::Error::is_temporary)
-        // Honour the server's Retry-After when it asks for longer than our own backoff.
-        .adjust(|e, delay| match e {
-            model::Error::RateLimited { retry_after: Some(asked) } => delay.map(|d| d.max(*asked)),
-            _ => delay,
-        })
-        .notify(|e, delay| tracing::warn!(error = %e, retry_in_ms = delay.as_millis() as u64, "model call failed; retrying"))
-        .await
+/// Why a model request gave no answer: the model failed (retried when temporary, then maybe
+/// asked of the fallback model), or the step cannot go on (an endpoint's rate limit has no room,
+/// trailmark's own database failed), which no retry here would change.
+enum Failure {
+    Model(model::Error),
+    Step(StepError),
 }
 
 fn replayed(entry: JournalEntry, hash: &str, ctx: &StepContext) -> Result<ChatAnswer, StepError> {

@@ -102,6 +102,12 @@ enum Command {
         /// Size of each answer in bytes.
         #[arg(long, default_value_t = 64)]
         answer_bytes: usize,
+        /// Answer 429 past this many requests per sliding minute, as a provider does (0: none).
+        #[arg(long, default_value_t = 0)]
+        requests_per_minute: u64,
+        /// Answer 429 past this many tokens per sliding minute (0: none).
+        #[arg(long, default_value_t = 0)]
+        tokens_per_minute: u64,
     },
 }
 
@@ -148,10 +154,18 @@ async fn main() -> ExitCode {
 }
 
 async fn dispatch(cli: Cli) -> anyhow::Result<()> {
-    if let Command::ModelServer { port, answer_bytes } = cli.command {
+    if let Command::ModelServer {
+        port,
+        answer_bytes,
+        requests_per_minute,
+        tokens_per_minute,
+    } = cli.command
+    {
         let opts = trailmark_standin::model_server::ModelServerOptions {
             port,
             answer_bytes,
+            requests_per_minute,
+            tokens_per_minute,
             ..Default::default()
         };
         return Ok(trailmark_standin::model_server::serve_forever(opts).await?);

@@ -9,7 +9,7 @@ use std::io::Write;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use axum::Router;
 use axum::body::Bytes;
@@ -42,6 +42,12 @@ pub struct ModelServerOptions {
     pub port: u16,
     /// When it returns `Some(text)`, that text is the answer instead of the deterministic one.
     pub responder: Option<Responder>,
+    /// Requests answered per sliding minute before it answers 429, as a provider does (0: no
+    /// limit).
+    pub requests_per_minute: u64,
+    /// Tokens (prompt and answer) answered per sliding minute before it answers 429 (0: no
+    /// limit).
+    pub tokens_per_minute: u64,
 }
 
 impl Default for ModelServerOptions {
@@ -51,6 +57,8 @@ impl Default for ModelServerOptions {
             script: Vec::new(),
             port: 0,
             responder: None,
+            requests_per_minute: 0,
+            tokens_per_minute: 0,
         }
     }
 }
@@ -62,6 +70,8 @@ impl std::fmt::Debug for ModelServerOptions {
             .field("script", &self.script)
             .field("port", &self.port)
             .field("responder", &self.responder.as_ref().map(|_| "<fn>"))
+            .field("requests_per_minute", &self.requests_per_minute)
+            .field("tokens_per_minute", &self.tokens_per_minute)
             .finish()
     }
 }
@@ -82,13 +92,76 @@ pub enum Scripted {
     Malformed,
 }
 
+/// What the stand-in answered within a minute: requests and tokens.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct Usage {
+    /// Requests answered.
+    pub requests: u64,
+    /// Their tokens, prompt and answer.
+    pub tokens: u64,
+}
+
+/// The limits a provider enforces per sliding minute, and what the stand-in answered under them.
+struct Window {
+    requests_per_minute: u64,
+    tokens_per_minute: u64,
+    /// Answers of the last minute: when, and their tokens.
+    answered: VecDeque<(Instant, u64)>,
+    /// The most answered within any 60 s: the test's measure of the limit kept.
+    busiest: Usage,
+}
+
+impl Window {
+    /// Counts an answer of `tokens` now if the last minute leaves room for it; else how long
+    /// until it would (the `Retry-After` of the 429).
+    fn admit(&mut self, tokens: u64) -> Result<(), Duration> {
+        let now = Instant::now();
+        while self
+            .answered
+            .front()
+            .is_some_and(|(at, _)| now.duration_since(*at) >= MINUTE)
+        {
+            self.answered.pop_front();
+        }
+        let requests = self.answered.len() as u64;
+        let used: u64 = self.answered.iter().map(|(_, t)| t).sum();
+        if self.fits(requests, used, tokens) {
+            self.answered.push_back((now, tokens));
+            self.busiest.requests = self.busiest.requests.max(requests + 1);
+            self.busiest.tokens = self.busiest.tokens.max(used + tokens);
+            return Ok(());
+        }
+        // The oldest answers leave first: the first whose leaving makes room is the wait.
+        let (mut left, mut freed) = (0, 0);
+        for (at, t) in &self.answered {
+            left += 1;
+            freed += t;
+            if self.fits(requests - left, used - freed, tokens) {
+                return Err(MINUTE.saturating_sub(now.duration_since(*at)));
+            }
+        }
+        Err(MINUTE)
+    }
+
+    fn fits(&self, requests: u64, used: u64, tokens: u64) -> bool {
+        (self.requests_per_minute == 0 || requests < self.requests_per_minute)
+            && (self.tokens_per_minute == 0 || used + tokens <= self.tokens_per_minute)
+    }
+}
+
+/// The window of a provider's per-minute limits.
+const MINUTE: Duration = Duration::from_secs(60);
+
 /// State shared by the handlers and the [`ModelServer`] handle.
 struct Shared {
     calls: AtomicU64,
     answered: AtomicU64,
+    /// 429s answered for a limit per minute (scripted ones not counted).
+    rate_limited: AtomicU64,
     script: Mutex<VecDeque<Scripted>>,
     answer_bytes: usize,
     responder: Option<Responder>,
+    window: Mutex<Window>,
 }
 
 impl Shared {
@@ -96,10 +169,22 @@ impl Shared {
         Arc::new(Self {
             calls: AtomicU64::new(0),
             answered: AtomicU64::new(0),
+            rate_limited: AtomicU64::new(0),
             script: Mutex::new(opts.script.into()),
             answer_bytes: opts.answer_bytes,
             responder: opts.responder,
+            window: Mutex::new(Window {
+                requests_per_minute: opts.requests_per_minute,
+                tokens_per_minute: opts.tokens_per_minute,
+                answered: VecDeque::new(),
+                busiest: Usage::default(),
+            }),
         })
+    }
+
+    fn window(&self) -> std::sync::MutexGuard<'_, Window> {
+        // Every update leaves the window whole, so a poisoned lock is still usable.
+        self.window.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     fn next_scripted(&self) -> Option<Scripted> {
@@ -151,6 +236,18 @@ impl ModelServer {
     /// Successful answers only, to check that a paid answer was asked for once.
     pub fn answered(&self) -> u64 {
         self.shared.answered.load(Ordering::SeqCst)
+    }
+
+    /// The 429s it answered because a limit per minute was reached (scripted 429s not
+    /// counted), to check that a fleet kept under the limit.
+    pub fn rate_limited(&self) -> u64 {
+        self.shared.rate_limited.load(Ordering::SeqCst)
+    }
+
+    /// The most it answered within any 60 s, requests and tokens, to check that usage in
+    /// every minute stayed under the limits.
+    pub fn busiest_minute(&self) -> Usage {
+        self.shared.window().busiest
     }
 
     /// Stops the server and waits briefly for in-flight calls, so ports are freed between tests.
@@ -266,6 +363,13 @@ fn answer(shared: &Shared, call: u64, body: &[u8]) -> Response {
     let custom = shared.responder.as_ref().and_then(|respond| respond(&req));
     let content = custom.unwrap_or_else(|| standin_answer(&req, shared.answer_bytes));
     let (prompt, completion) = (req.estimated_prompt_tokens(), estimate_tokens(&content));
+    if let Err(wait) = shared.window().admit(prompt + completion) {
+        shared.rate_limited.fetch_add(1, Ordering::SeqCst);
+        let secs = (wait.as_secs_f64().ceil() as u64).max(1);
+        let headers = [(header::RETRY_AFTER, secs.to_string())];
+        let body = error_body("rate limit reached for requests or tokens per minute");
+        return (StatusCode::TOO_MANY_REQUESTS, headers, Json(body)).into_response();
+    }
     let model = if wire.model.is_empty() {
         "stand-in".to_string()
     } else {
@@ -290,6 +394,8 @@ async fn stats(State(shared): State<Arc<Shared>>) -> Json<Value> {
     Json(json!({
         "calls": shared.calls.load(Ordering::SeqCst),
         "answered": shared.answered.load(Ordering::SeqCst),
+        "rate_limited": shared.rate_limited.load(Ordering::SeqCst),
+        "busiest_minute": shared.window().busiest,
     }))
 }
 

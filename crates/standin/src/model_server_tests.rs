@@ -97,7 +97,15 @@ async fn script_is_consumed_in_order_and_counted_in_stats() {
     assert_eq!(status, 200);
     assert!(json.get("choices").is_none(), "{json}");
     assert_eq!(post_json(&server, &body).await.0, 200);
-    assert_eq!(stats_of(&server).await, json!({"calls": 4, "answered": 1}));
+    let stats = stats_of(&server).await;
+    assert_eq!(
+        (stats["calls"].clone(), stats["answered"].clone()),
+        (json!(4), json!(1))
+    );
+    assert_eq!(
+        stats["rate_limited"], 0,
+        "scripted 429s are not the limits'"
+    );
     assert_eq!((server.calls(), server.answered()), (4, 1));
     server.shutdown().await;
 }
@@ -158,4 +166,71 @@ async fn shutdown_does_not_wait_out_a_long_scripted_delay() {
     server.shutdown().await;
     assert!(started.elapsed() < Duration::from_secs(10));
     pending.abort();
+}
+
+#[tokio::test]
+async fn limits_per_minute_answer_429_with_retry_after_and_count_what_they_refused() {
+    // Each `hello` answer is 4 prompt and 16 answer tokens: two fit in 50, a third does not.
+    let server = ModelServer::start(ModelServerOptions {
+        tokens_per_minute: 50,
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let body = json!({"messages": hello().messages}).to_string();
+    assert_eq!(post_json(&server, &body).await.0, 200);
+    assert_eq!(post_json(&server, &body).await.0, 200);
+    let refused = reqwest::Client::new()
+        .post(format!("{}/chat/completions", server.base_url()))
+        .header("content-type", "application/json")
+        .body(body.clone())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(refused.status().as_u16(), 429);
+    let retry_after: u64 = refused.headers()[header::RETRY_AFTER]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(
+        (59..=60).contains(&retry_after),
+        "room once the first answer is a minute old: {retry_after}"
+    );
+    assert_eq!(
+        (server.calls(), server.answered(), server.rate_limited()),
+        (3, 2, 1)
+    );
+    assert_eq!(
+        server.busiest_minute(),
+        Usage {
+            requests: 2,
+            tokens: 40
+        }
+    );
+    let stats = stats_of(&server).await;
+    assert_eq!(stats["rate_limited"], 1);
+    assert_eq!(
+        stats["busiest_minute"],
+        json!({"requests": 2, "tokens": 40})
+    );
+    server.shutdown().await;
+
+    let server = ModelServer::start(ModelServerOptions {
+        requests_per_minute: 1,
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    assert_eq!(post_json(&server, &body).await.0, 200);
+    assert_eq!(post_json(&server, &body).await.0, 429);
+    assert_eq!(server.rate_limited(), 1);
+    assert_eq!(
+        server.busiest_minute(),
+        Usage {
+            requests: 1,
+            tokens: 20
+        }
+    );
+    server.shutdown().await;
 }
