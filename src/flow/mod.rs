@@ -2,6 +2,7 @@
 //! concurrency limits per key and for the whole workflow, debounce of run starts) and the
 //! machinery that holds the fleet to it.
 
+pub mod debounce;
 mod key;
 mod rules;
 

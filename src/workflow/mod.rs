@@ -261,6 +261,13 @@ impl Registry {
             workflow: found.name.clone(),
             why,
         })?;
+        // A debounced start is held under its key: one without a fit key would wait for ever.
+        if let Some(debounce) = &found.flow.debounce {
+            debounce.key.value_in(input).map_err(|e| StartRefused::BadInput {
+                workflow: found.name.clone(),
+                why: e.to_string(),
+            })?;
+        }
         Ok(found)
     }
 
