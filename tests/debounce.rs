@@ -19,14 +19,14 @@ use reqwest::{Method, StatusCode};
 use serde_json::{Value, json};
 use trailmark::Debounce;
 use trailmark::domain::RunStatus;
-use trailmark::store::debounce::Entry;
+use trailmark::store::debounce::DebouncedStart;
 use trailmark::workflow::{StepKind, StepOutcome, Workflow};
 use trailmark_testkit::debounced::NAME;
 
 const WAIT: Duration = Duration::from_secs(60);
 
 /// The recorded debounced start of `run_id`, if any.
-async fn held(env: &TestEnv, run_id: &str) -> Option<Entry> {
+async fn held(env: &TestEnv, run_id: &str) -> Option<DebouncedStart> {
     trailmark::store::debounce::find(&env.pool, run_id, None)
         .await
         .unwrap()
@@ -35,7 +35,7 @@ async fn held(env: &TestEnv, run_id: &str) -> Option<Entry> {
 /// Publishes a start of `debounced` and waits until a worker recorded it (a burst's order is
 /// the order its starts are recorded in; published at once, a broker with concurrent consumers
 /// may hand them over in another).
-async fn start_held(env: &TestEnv, run_id: &str, input: Value) -> Entry {
+async fn start_held(env: &TestEnv, run_id: &str, input: Value) -> DebouncedStart {
     env.start_run(NAME, run_id, input).await;
     let what = format!("start {run_id} recorded");
     common::eventually(&what, WAIT, || held(env, run_id))
@@ -134,7 +134,7 @@ async fn a_burst_of_five_starts_with_one_key_is_one_run_of_the_last_and_repeats_
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_start_without_its_key_is_refused_naming_the_field() {
+async fn a_start_without_its_key_is_refused_naming_the_field_and_one_with_it_is_held() {
     let env = TestEnv::new().await;
     let _running = env.spawn_all(env.engine());
     env.start_run(NAME, "no-key", json!({"note": 1})).await;
@@ -178,6 +178,28 @@ async fn a_start_without_its_key_is_refused_naming_the_field() {
     let (_, stderr) = text(&out);
     assert!(!out.status.success(), "{stderr}");
     assert!(stderr.contains("no field key"), "{stderr}");
+
+    // A start with its key: held, and `--wait` says until when.
+    let args = [
+        "run",
+        "start",
+        NAME,
+        "--run-id",
+        "cli-1",
+        "--input",
+        r#"{"key": "c"}"#,
+        "--wait",
+    ];
+    let out = env.command(&args).output().unwrap();
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{stdout}{stderr}");
+    assert!(
+        stdout.contains(
+            "run cli-1 is a debounced start of workflow debounced (key c), pending until"
+        ),
+        "{stdout}"
+    );
+    env.wait_status("cli-1", RunStatus::Succeeded, WAIT).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -26,7 +26,7 @@ use super::input::{self, Kind};
 use crate::domain::{RunId, RunStartEvent, RunStatus, StepAddress, request_hash};
 use crate::operator::Decider;
 use crate::flow::debounce::{self, Held};
-use crate::store::debounce::Entry;
+use crate::store::debounce::DebouncedStart;
 use crate::store::{self, audit, runs};
 use crate::worker::run_start::{self, Created};
 use crate::workflow::{StartRefused, Workflow};
@@ -244,7 +244,7 @@ pub struct HeldStart {
     /// The start as recorded: `state` `pending` until `due_at` (then it becomes a run, unless a
     /// later start with its key replaces it), or `superseded` (by `superseded_by`).
     #[serde(flatten)]
-    pub start: Entry,
+    pub start: DebouncedStart,
     /// Whether this request recorded it; false when it was recorded before with this workflow
     /// and input.
     pub created: bool,

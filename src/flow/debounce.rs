@@ -15,7 +15,7 @@
 //! creates the runs and marks their starts `started`: two processes never take the same start,
 //! and a process killed mid-batch leaves its starts pending for the next scan. A start of a key
 //! whose pending start is overdue (the loop has not come round yet) starts that one first, in
-//! its own transaction, before it opens a new burst.
+//! the same transaction, before it opens a new burst.
 //!
 //! A superseded start keeps its row (with its burst, which names the winner) for
 //! `retention.tombstone_secs` after it was superseded: a later start of its id starts nothing (a
@@ -33,7 +33,7 @@ use super::Debounce;
 use crate::broker::Topology;
 use crate::domain::RunStartEvent;
 use crate::engine::Engine;
-use crate::store::debounce::{self as sql, Ended, Entry, NewStart, Pending};
+use crate::store::debounce::{self as sql, DebouncedStart, Ended, NewStart, Pending};
 use crate::store::{self, retention, runs};
 use crate::worker::run_start::{self, Created};
 use crate::workflow::{StartRefused, Workflow};
@@ -60,12 +60,12 @@ pub(crate) enum Held {
     /// The start is its key's pending start now (`replaced`: the pending start it superseded).
     Pending {
         /// The start as recorded.
-        entry: Entry,
+        entry: DebouncedStart,
         /// The start it superseded, if any.
         replaced: Option<String>,
     },
     /// Its run id was recorded before as a debounced start (compared with this one: `same`).
-    Known(Entry),
+    Known(DebouncedStart),
     /// A run has (or had) its id: what the one run-creation path would have found.
     Run(Created),
     /// Its key's value is missing or unfit: refused, nothing recorded.
@@ -286,12 +286,12 @@ async fn start_batch(engine: &Engine, names: &[String]) -> store::Result<(usize,
 }
 
 /// The recorded debounced start of `run_id` (for `run show` and the API, when no run has it).
-pub async fn find(db: &sqlx::PgPool, run_id: &str) -> store::Result<Option<Entry>> {
+pub async fn find(db: &sqlx::PgPool, run_id: &str) -> store::Result<Option<DebouncedStart>> {
     sql::find(db, run_id, None).await
 }
 
 /// A recorded start in words: where it stands and what to do.
-pub fn describe(e: &Entry) -> String {
+pub fn describe(e: &DebouncedStart) -> String {
     let of = format!(
         "a debounced start of workflow {} (key {})",
         e.workflow, e.key_value

@@ -88,7 +88,7 @@ pub async fn due(
 /// A recorded start, as a later start of its id, `trailmark run show` and the API see it.
 #[derive(Debug, Clone, Serialize, sqlx::FromRow)]
 #[cfg_attr(feature = "ops-http", derive(utoipa::ToSchema))]
-pub struct Entry {
+pub struct DebouncedStart {
     /// The start's run id.
     pub run_id: String,
     /// Its workflow.
@@ -128,7 +128,7 @@ pub async fn find(
     db: impl PgExecutor<'_>,
     run_id: &str,
     asked: Option<(&str, &Value)>,
-) -> Result<Option<Entry>> {
+) -> Result<Option<DebouncedStart>> {
     let (workflow, input) = asked.unzip();
     Ok(sqlx::query_as(concat!(
         "SELECT s.run_id, s.workflow, s.key_value, s.state, s.nth, s.first_at, s.arrived_at,
@@ -181,7 +181,7 @@ pub async fn insert(
     conn: &mut PgConnection,
     start: &NewStart<'_>,
     after: Option<&Pending>,
-) -> Result<Option<Entry>> {
+) -> Result<Option<DebouncedStart>> {
     Ok(sqlx::query_as(concat!(
         "INSERT INTO trailmark.debounced_starts
                 (run_id, workflow, key_value, burst, state, event, input_hash, traceparent, nth,
