@@ -36,7 +36,8 @@ CREATE TABLE trailmark.debounced_starts (
     note         TEXT
 );
 
--- One pending start per key: concurrent starts of a key queue on its row (or on this index).
+-- One pending start per key (the starts of a key are recorded one after the other under an
+-- advisory lock of the key, `store::debounce::lock_key`; this index is the guard behind it).
 CREATE UNIQUE INDEX debounced_starts_pending_key ON trailmark.debounced_starts (workflow, key_value)
     WHERE state = 'pending';
 -- The timer loop's scan of due starts, and the pending gauge.

@@ -383,3 +383,45 @@ async fn a_key_started_without_pause_still_runs_within_ten_windows() {
         window * 10
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn twenty_starts_of_one_key_published_at_once_are_one_run() {
+    let env = TestEnv::new().await;
+    let _running = env.spawn_all(env.engine());
+    let starts: Vec<_> = (1..=20)
+        .map(|i| {
+            let id = trailmark::domain::RunId::parse(&format!("c-{i}")).unwrap();
+            let event =
+                trailmark::domain::RunStartEvent::new(id, NAME, json!({"key": "c", "n": i}));
+            env.topology().run_start(&event)
+        })
+        .collect();
+    // Taken by concurrent deliveries: they queue on the key's pending row.
+    env.publish_all(&starts).await;
+    env.wait_until("one run started, nothing pending", WAIT, || async {
+        pending(&env).await == 0 && runs_of_debounced(&env).await.len() == 1
+    })
+    .await;
+    let states: Vec<(String, String, Option<String>)> = sqlx::query_as(
+        "SELECT s.run_id, s.state, w.run_id FROM trailmark.debounced_starts s
+           LEFT JOIN trailmark.debounced_starts w ON w.burst = s.burst AND w.state = 'started'
+          ORDER BY s.nth",
+    )
+    .fetch_all(&env.pool)
+    .await
+    .unwrap();
+    assert_eq!(states.len(), 20, "every start recorded once: {states:?}");
+    let winner = runs_of_debounced(&env).await.remove(0);
+    assert_eq!(
+        states.last().unwrap().0,
+        winner,
+        "the last recorded start won"
+    );
+    for (id, state, by) in &states[..19] {
+        assert_eq!(
+            (state.as_str(), by.as_deref()),
+            ("superseded", Some(winner.as_str())),
+            "{id}"
+        );
+    }
+}

@@ -70,7 +70,8 @@ pub(crate) enum Held {
     Run(Created),
     /// Its key's value is missing or unfit: refused, nothing recorded.
     Refused(StartRefused),
-    /// Another start of its key or of its id was recorded meanwhile: roll back and try again.
+    /// A start of its run id (with another key) was recorded meanwhile: roll back and try
+    /// again.
     Busy,
 }
 
@@ -104,46 +105,39 @@ pub(crate) async fn hold(
         window_secs: debounce.window.as_secs_f64(),
         cap_secs: debounce.max_hold().as_secs_f64(),
     };
-    // Twice at most: a first start of the key recorded by another transaction meanwhile is
-    // locked and superseded on the second round.
-    for _ in 0..2 {
-        // The key's pending start first: starts of one key queue here, in arrival order.
-        let pending = sql::lock_pending(tx, &workflow.name, &key).await?;
-        if let Some(known) = known(tx, event).await? {
-            return Ok(known);
-        }
-        let (after, touched) = match pending {
-            Some(p) if p.overdue => {
-                start(tx, topology, workflow, &p).await?;
-                (None, true)
-            }
-            Some(p) => {
-                sql::end(tx, &p.run_id, Ended::Superseded, None).await?;
-                (Some(p), true)
-            }
-            None => (None, false),
-        };
-        match sql::insert(tx, &new, after.as_ref()).await? {
-            Some(entry) => {
-                crate::metrics::debounced(
-                    if after.is_some() {
-                        "superseded"
-                    } else {
-                        "held"
-                    },
-                    1,
-                );
-                tracing::info!(run.id = %event.run_id, workflow = %workflow.name, key = %key,
-                    due_at = %entry.due_at, replaced = ?after.as_ref().map(|p| &p.run_id),
-                    "run start held (debounced): it becomes a run when it is due, unless a later start with its key replaces it");
-                let replaced = after.map(|p| p.run_id);
-                return Ok(Held::Pending { entry, replaced });
-            }
-            None if !touched => continue,
-            None => return Ok(Held::Busy),
-        }
+    // Starts of one key are recorded one after the other, in the order they take this lock.
+    sql::lock_key(tx, &workflow.name, &key).await?;
+    let pending = sql::lock_pending(tx, &workflow.name, &key).await?;
+    if let Some(known) = known(tx, event).await? {
+        return Ok(known);
     }
-    Ok(Held::Busy)
+    let after = match pending {
+        Some(p) if p.overdue => {
+            start(tx, topology, workflow, &p).await?;
+            None
+        }
+        Some(p) => {
+            sql::end(tx, &p.run_id, Ended::Superseded, None).await?;
+            Some(p)
+        }
+        None => None,
+    };
+    let Some(entry) = sql::insert(tx, &new, after.as_ref()).await? else {
+        return Ok(Held::Busy);
+    };
+    crate::metrics::debounced(
+        if after.is_some() {
+            "superseded"
+        } else {
+            "held"
+        },
+        1,
+    );
+    tracing::info!(run.id = %event.run_id, workflow = %workflow.name, key = %key,
+        due_at = %entry.due_at, replaced = ?after.as_ref().map(|p| &p.run_id),
+        "run start held (debounced): it becomes a run when it is due, unless a later start with its key replaces it");
+    let replaced = after.map(|p| p.run_id);
+    Ok(Held::Pending { entry, replaced })
 }
 
 /// What a start's run id already stands for: a run, a removed run's tombstone, or a debounced

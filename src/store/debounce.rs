@@ -1,6 +1,7 @@
 //! The `debounced_starts` table: starts of debounced workflows held until their key's burst
-//! ends (`crate::flow::debounce` says what they mean). One row per start; a key's one
-//! `pending` row is what concurrent starts of the key and the timer loop lock.
+//! ends (`crate::flow::debounce` says what they mean). One row per start. A start of a key
+//! takes the key's advisory lock, then the key's one `pending` row, which the timer loop locks
+//! (`SKIP LOCKED`) when it makes the start a run.
 
 use chrono::{DateTime, Utc};
 use serde::Serialize;
@@ -19,6 +20,24 @@ macro_rules! input_hash {
             "::jsonb)::text, 'UTF8')), 'hex')"
         )
     };
+}
+
+/// The class of the advisory locks of debounce keys (the lock's first key), apart from any
+/// other advisory lock in the database (`store::waits` uses 0x7477).
+const KEY_LOCK_CLASS: i32 = 0x6462;
+
+/// Takes the transaction-scoped lock of a workflow's debounce key: the starts of one key are
+/// recorded one transaction after the other, each seeing the one before (a row lock alone
+/// would not do: a start that waited on the pending row finds it superseded and cannot see the
+/// row that replaced it, which its statement's snapshot predates).
+pub async fn lock_key(conn: &mut PgConnection, workflow: &str, key_value: &str) -> Result<()> {
+    sqlx::query("SELECT pg_advisory_xact_lock($1, hashtext($2 || chr(31) || $3))")
+        .bind(KEY_LOCK_CLASS)
+        .bind(workflow)
+        .bind(key_value)
+        .execute(conn)
+        .await?;
+    Ok(())
 }
 
 /// A key's pending start, locked by the transaction that read it.
@@ -48,8 +67,9 @@ pub struct Pending {
 
 const PENDING_COLUMNS: &str = "run_id, workflow, key_value, burst, event, traceparent, nth, first_at, due_at, due_at <= now() AS overdue";
 
-/// The pending start of `key_value` of `workflow`, locked until the transaction ends (a
-/// concurrent start of the key, or the timer loop starting it, waits for it).
+/// The pending start of `key_value` of `workflow`, locked until the transaction ends (the timer
+/// loop skips it meanwhile; when the loop has it, this waits for the loop's commit and then
+/// finds no pending start). Take [`lock_key`] first.
 pub async fn lock_pending(
     conn: &mut PgConnection,
     workflow: &str,
@@ -175,8 +195,8 @@ pub struct NewStart<'a> {
 /// Records `start` as its key's pending start: the first of a new burst, or the next of the
 /// burst of `after` (the key's pending start, which the caller has superseded in this
 /// transaction): due a window after now, but never earlier than `after` was due nor later than
-/// the cap after the burst's first start. `None` when it was not recorded: another start of its
-/// key, or of its run id, was recorded meanwhile.
+/// the cap after the burst's first start. `None` when it was not recorded: a start of its run id
+/// (with another key) was recorded meanwhile.
 pub async fn insert(
     conn: &mut PgConnection,
     start: &NewStart<'_>,
