@@ -111,6 +111,18 @@ pub(crate) async fn hold(
     if let Some(known) = known(tx, event).await? {
         return Ok(known);
     }
+    record(tx, topology, workflow, &new, pending).await
+}
+
+/// Records `new` as its key's pending start, superseding `pending` (or, when that one is
+/// overdue, making it a run first and opening a new burst).
+async fn record(
+    tx: &mut PgConnection,
+    topology: &Topology,
+    workflow: &Workflow,
+    new: &NewStart<'_>,
+    pending: Option<Pending>,
+) -> store::Result<Held> {
     let after = match pending {
         Some(p) if p.overdue => {
             start(tx, topology, workflow, &p).await?;
@@ -122,18 +134,16 @@ pub(crate) async fn hold(
         }
         None => None,
     };
-    let Some(entry) = sql::insert(tx, &new, after.as_ref()).await? else {
+    let Some(entry) = sql::insert(tx, new, after.as_ref()).await? else {
         return Ok(Held::Busy);
     };
-    crate::metrics::debounced(
-        if after.is_some() {
-            "superseded"
-        } else {
-            "held"
-        },
-        1,
-    );
-    tracing::info!(run.id = %event.run_id, workflow = %workflow.name, key = %key,
+    let outcome = if after.is_some() {
+        "superseded"
+    } else {
+        "held"
+    };
+    crate::metrics::debounced(outcome, 1);
+    tracing::info!(run.id = %new.run_id, workflow = %workflow.name, key = %new.key_value,
         due_at = %entry.due_at, replaced = ?after.as_ref().map(|p| &p.run_id),
         "run start held (debounced): it becomes a run when it is due, unless a later start with its key replaces it");
     let replaced = after.map(|p| p.run_id);
