@@ -324,6 +324,9 @@ impl Trailmark {
     /// would (published with confirms; the worker creates the run). Starting the same id again
     /// with the same workflow and input starts nothing and is not an error; with another input
     /// it is refused. An input the workflow does not accept is refused before anything is sent.
+    /// A workflow that debounces its starts ([`crate::Workflow::debounce`]) holds the start under
+    /// its key: [`Trailmark::run`] finds no run until the burst ends, and none if a later start
+    /// with the key replaced this one.
     pub async fn start_run(
         &self,
         run_id: &str,

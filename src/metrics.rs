@@ -88,6 +88,13 @@ pub const FLOW_WAITED: &str = "trailmark_flow_waited_total";
 pub const FLOW_KEYS: &str = "trailmark_flow_key_runs";
 /// How many keys [`FLOW_KEYS`] names.
 pub const FLOW_KEYS_SHOWN: i64 = 20;
+/// Debounced run starts waiting for their key's burst to end, by workflow (gauge, from the
+/// database).
+pub const DEBOUNCED_PENDING: &str = "trailmark_debounced_starts_pending";
+/// Debounced run starts, by outcome: `held` (the first of a burst), `superseded` (a later one,
+/// which replaced the pending start), `started` (due, made a run), `refused` (due, its run id
+/// taken meanwhile).
+pub const DEBOUNCED: &str = "trailmark_debounced_starts_total";
 
 /// Explicit buckets, from a fast statement to a slow model call.
 const STEP_BUCKETS: [f64; 14] = [
@@ -212,6 +219,16 @@ pub fn wait_ended(by: &'static str, late_secs: Option<f64>) {
     }
 }
 
+/// Counts debounced run starts by `outcome`.
+pub fn debounced(outcome: &'static str, n: u64) {
+    counter!(DEBOUNCED, "outcome" => outcome).increment(n);
+}
+
+/// Sets the pending debounced starts of `workflow`.
+pub fn debounced_pending(workflow: &str, n: i64) {
+    gauge!(DEBOUNCED_PENDING, "workflow" => workflow.to_owned()).set(n as f64);
+}
+
 /// A batch of runs removed (and how many of them archived).
 pub fn pruned(r: &store::retention::Removed, archived: u64) {
     for (what, n) in [
@@ -306,6 +323,7 @@ async fn refresh(
         let n = open.iter().find(|(k, _)| k == kind).map_or(0, |(_, n)| *n);
         gauge!(WAITS_OPEN, "kind" => kind).set(n as f64);
     }
+    crate::flow::debounce::refresh_gauge(pool).await?;
     refresh_keys(pool).await
 }
 

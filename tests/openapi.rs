@@ -297,6 +297,7 @@ async fn every_answer_of_every_endpoint_is_documented_and_fits_its_schema() {
         posts_refused(&api, &mut doc, e, &path).await;
     }
     starts_refused(&api, &mut doc).await;
+    debounced_starts(&api, &mut doc).await;
     events_refused(&api, &mut doc).await;
     for e in gets {
         let token = Some(api.token(e.role));
@@ -389,6 +390,40 @@ async fn starts_refused(api: &Api, doc: &mut Checked) {
         let (status, body) = probe(api, doc, e, ask).await;
         assert_eq!(status, expected, "{body}");
     }
+}
+
+/// Starts of a debounced workflow: held (202), the superseded start again (202), another input
+/// under its id (409), a missing key (422), and the superseded start read as a run (404).
+async fn debounced_starts(api: &Api, doc: &mut Checked) {
+    let find = |method: &str, path: &str| {
+        ENDPOINTS
+            .iter()
+            .find(|e| e.method == method && e.path == path)
+            .unwrap()
+    };
+    let e = find("POST", "/api/v1/runs");
+    let token = Some(api.token(Role::Operator));
+    let start = |run_id: &str, input: Value| {
+        let body = json!({"workflow": "debounced", "run_id": run_id, "input": input});
+        Ask::to(e.path, token).json(&body)
+    };
+    for (ask, expected) in [
+        (start("d-1", json!({"key": "k"})), StatusCode::ACCEPTED),
+        (start("d-2", json!({"key": "k"})), StatusCode::ACCEPTED),
+        (start("d-1", json!({"key": "k"})), StatusCode::ACCEPTED),
+        (
+            start("d-1", json!({"key": "k", "n": 1})),
+            StatusCode::CONFLICT,
+        ),
+        (start("d-3", json!({})), StatusCode::UNPROCESSABLE_ENTITY),
+    ] {
+        let (status, body) = probe(api, doc, e, ask).await;
+        assert_eq!(status, expected, "{body}");
+    }
+    let show = find("GET", "/api/v1/runs/{run_id}");
+    let ask = Ask::to("/api/v1/runs/d-1", Some(api.token(Role::Viewer)));
+    let (status, body) = probe(api, doc, show, ask).await;
+    assert_eq!(status, StatusCode::NOT_FOUND, "{body}");
 }
 
 /// The refusals of an event: the same event again (a duplicate, 200), its id with another

@@ -4,6 +4,7 @@
 use std::collections::BTreeMap;
 
 use axum::Json;
+use axum::http::StatusCode;
 use axum::extract::State;
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
@@ -148,7 +149,7 @@ const STEPS_SHOWN: i64 = 50;
     params(("run_id" = String, Path, description = "the run")),
     responses(
         (status = 200, description = "the run with its newest steps", body = timeline::Overview),
-        (status = 404, description = "no such run", body = ErrorBody),
+        (status = 404, description = "no such run (`not_found`), or a debounced start that is no run (`debounced`: pending until its due time, or superseded by a later start, which the message names)", body = ErrorBody),
         (status = 503, description = "Postgres is unreachable; try again", body = ErrorBody),
     ),
 )]
@@ -156,10 +157,15 @@ pub async fn show(
     State(state): State<AppState>,
     Path(run_id): Path<String>,
 ) -> Result<Json<timeline::Overview>, ApiError> {
-    timeline::overview(&state.engine.pool, &run_id, None, STEPS_SHOWN)
-        .await?
-        .map(Json)
-        .ok_or_else(|| ApiError::not_found(format!("run {run_id} not found")))
+    let pool = &state.engine.pool;
+    if let Some(overview) = timeline::overview(pool, &run_id, None, STEPS_SHOWN).await? {
+        return Ok(Json(overview));
+    }
+    // A start a debounce held or superseded has no run (yet): say so, not "not found".
+    Err(match crate::flow::debounce::find(pool, &run_id).await? {
+        Some(held) => ApiError::new(StatusCode::NOT_FOUND, "debounced", crate::flow::debounce::describe(&held)),
+        None => ApiError::not_found(format!("run {run_id} not found")),
+    })
 }
 
 /// Paging through a run's positions.

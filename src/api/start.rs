@@ -25,6 +25,8 @@ use super::extract::Body;
 use super::input::{self, Kind};
 use crate::domain::{RunId, RunStartEvent, RunStatus, StepAddress, request_hash};
 use crate::operator::Decider;
+use crate::flow::debounce::{self, Held};
+use crate::store::debounce::DebouncedStart;
 use crate::store::{self, audit, runs};
 use crate::worker::run_start::{self, Created};
 use crate::workflow::{StartRefused, Workflow};
@@ -176,10 +178,11 @@ fn checked(state: &AppState, b: StartBody) -> Result<(RunStartEvent, Arc<Workflo
         (status = 201, description = "the run was made (status running; its first step is queued)", body = StartedRun,
             headers(("location" = String, description = "the run's path"))),
         (status = 200, description = "the run existed, started with this workflow and input: nothing new was started", body = StartedRun),
+        (status = 202, description = "the workflow debounces its starts: the start is held under its key, `pending` until `due_at` (then it becomes a run unless a later start with its key replaces it), or was recorded before (`created` false; `superseded` when a later start replaced it)", body = HeldStart),
         (status = 409, description = "run_conflict: a run with this id exists (or existed and was removed by retention) with another workflow or input; it was not changed", body = ErrorBody),
         (status = 410, description = "run_pruned: the run existed with this workflow and input, finished and was removed by retention; nothing was started", body = ErrorBody),
         (status = 413, description = "oversized: the run-start event would be over worker.max_message_bytes (pass large inputs by reference)", body = ErrorBody),
-        (status = 422, description = "unknown_workflow: no such workflow here; bad_input: the workflow's input check refused the input", body = ErrorBody),
+        (status = 422, description = "unknown_workflow: no such workflow here; bad_input: the workflow's input check refused the input, or the field its debounce key is read from is missing, not a string, number or boolean, or too long", body = ErrorBody),
         (status = 503, description = "Postgres is unreachable; try again (the same body is safe to send again)", body = ErrorBody),
     ),
 )]
@@ -206,7 +209,18 @@ pub async fn start(
     })?;
     let mut tx = state.engine.pool.begin().await.map_err(store::Error::from)?;
     let engine = &state.engine;
-    match run_start::create(&mut tx, (&engine.topology, None), (&workflow.name, workflow.version, Some(&workflow.flow)), &first, (&event, traceparent), |_| {}).await? {
+    let made = match &workflow.flow.debounce {
+        // Held under its key (`flow::debounce`), unless its run id stands for a run already.
+        Some(debounce) => {
+            let rules = (workflow.as_ref(), debounce);
+            match debounce::hold(&mut tx, &engine.topology, rules, (&event, traceparent)).await? {
+                Held::Run(created) => created,
+                held => return held_start(tx, (&caller, &reason), &event, held).await,
+            }
+        }
+        None => run_start::create(&mut tx, (&engine.topology, None), (&workflow.name, workflow.version, Some(&workflow.flow)), &first, (&event, traceparent), |_| {}).await?,
+    };
+    match made {
         Created::New { .. } => {}
         Created::Exists(existing) => {
             tx.rollback().await.map_err(store::Error::from)?;
@@ -234,6 +248,66 @@ pub async fn start(
     tx.commit().await.map_err(store::Error::from)?;
     tracing::info!(run.id = %event.run_id, workflow = %workflow.name, "run started through the API");
     created(StartedRun::new(run, true))
+}
+
+/// A start of a debounced workflow, held rather than started: where it stands.
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+pub struct HeldStart {
+    /// The start as recorded: `state` `pending` until `due_at` (then it becomes a run, unless a
+    /// later start with its key replaces it), or `superseded` (by `superseded_by`).
+    #[serde(flatten)]
+    pub start: DebouncedStart,
+    /// Whether this request recorded it; false when it was recorded before with this workflow
+    /// and input.
+    pub created: bool,
+    /// The pending start this one replaced (it will not run), if any.
+    pub replaced: Option<String>,
+    /// Where it stands, in words.
+    pub message: String,
+}
+
+/// `202` with a held start (recorded now, or before), `409` for another input under a recorded
+/// start's id, `422` for a missing key; committed only when this request recorded it.
+async fn held_start(
+    mut tx: sqlx::Transaction<'_, sqlx::Postgres>,
+    (caller, reason): (&Caller, &str),
+    event: &RunStartEvent,
+    held: Held,
+) -> Result<Response, ApiError> {
+    let (start, created, replaced) = match held {
+        Held::Pending { entry, replaced } => (entry, true, replaced),
+        Held::Known(entry) if entry.same => (entry, false, None),
+        Held::Known(entry) => {
+            return Err(ApiError::new(StatusCode::CONFLICT, "run_conflict", format!(
+                "{}. This start asks for workflow {} with other input; start the new work under another run id",
+                debounce::describe(&entry), event.workflow
+            ))
+            .with_field("run_id"));
+        }
+        Held::Refused(why) => return Err(refused(&event.run_id, why)),
+        Held::Busy | Held::Run(_) => {
+            return Err(ApiError::conflict(format!(
+                "run {}: another start with its key or id was recorded at the same moment; send the start again",
+                event.run_id
+            )));
+        }
+    };
+    if created {
+        let details = json!({
+            "workflow": event.workflow,
+            "input_hash": request_hash(&event.input),
+            "debounced": {"key": start.key_value, "due_at": start.due_at, "replaced": replaced},
+        });
+        let who = caller.decider(reason);
+        audit::insert(&mut *tx, &who.audit_entry("run.start", event.run_id.as_str(), &details)).await?;
+        tx.commit().await.map_err(store::Error::from)?;
+        tracing::info!(run.id = %event.run_id, due_at = %start.due_at, "run start held through the API (debounced)");
+    } else {
+        tx.rollback().await.map_err(store::Error::from)?;
+    }
+    let message = debounce::describe(&start);
+    let body = HeldStart { start, created, replaced, message };
+    Ok((StatusCode::ACCEPTED, Json(body)).into_response())
 }
 
 /// A second start of an existing run: the run when it was started the same way, else refused.

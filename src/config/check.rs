@@ -88,7 +88,7 @@ fn distance(a: &str, b: &str) -> usize {
 }
 
 /// The whole-number settings and their ranges (inclusive).
-const LIMITS: [(&str, i128, i128); 41] = [
+const LIMITS: [(&str, i128, i128); 43] = [
     ("database.max_connections", 1, 10_000),
     ("database.connect_timeout_ms", 1, 3_600_000),
     ("broker.delivery_limit", 1, 1_000_000),

@@ -2,6 +2,7 @@
 //! concurrency limits per key and for the whole workflow, debounce of run starts) and the
 //! machinery that holds the fleet to it.
 
+pub mod debounce;
 pub mod dispatch;
 pub mod gate;
 mod key;

@@ -157,6 +157,7 @@ pub async fn prune(
     }
     for (what, secs) in [
         (Aged::Tombstones, policy.tombstone_secs),
+        (Aged::Debounced, policy.tombstone_secs),
         (Aged::Inbox, policy.inbox_secs),
         (Aged::Audit, policy.audit_secs),
     ] {

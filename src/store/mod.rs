@@ -5,6 +5,7 @@ pub mod audit;
 pub mod checkpoint;
 pub mod children;
 pub mod console_sessions;
+pub mod debounce;
 pub mod decisions;
 pub mod effects;
 mod failover;

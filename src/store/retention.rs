@@ -284,11 +284,15 @@ pub async fn gone(db: impl PgExecutor<'_>, run_id: &str) -> Result<Option<Gone>>
     .await?)
 }
 
-/// What ages out by itself: tombstones, processed message ids, audit rows.
+/// What ages out by itself: tombstones, debounced starts that ended, processed message ids,
+/// audit rows.
 #[derive(Debug, Clone, Copy)]
 pub enum Aged {
     /// Tombstones of removed runs (`pruned_at`).
     Tombstones,
+    /// Debounced starts superseded, started or refused (`ended_at`), kept as long as
+    /// tombstones: a late start of a superseded id must find its row.
+    Debounced,
     /// The inbox's processed message ids (`processed_at`).
     Inbox,
     /// The audit trail (`at`).
@@ -300,6 +304,7 @@ impl Aged {
     fn table(self) -> (&'static str, &'static str) {
         match self {
             Aged::Tombstones => ("trailmark.pruned_runs", "pruned_at"),
+            Aged::Debounced => ("trailmark.debounced_starts", "ended_at"),
             Aged::Inbox => ("trailmark.inbox", "processed_at"),
             Aged::Audit => ("trailmark.audit", "at"),
         }
@@ -309,6 +314,7 @@ impl Aged {
     pub fn name(self) -> &'static str {
         match self {
             Aged::Tombstones => "tombstones",
+            Aged::Debounced => "debounced_starts",
             Aged::Inbox => "inbox",
             Aged::Audit => "audit",
         }

@@ -1,6 +1,6 @@
 //! The timer loop: every `waits.poll_ms` it moves on the runs whose wait is due (a sleep's
 //! wake-up, an event wait's timeout), in batches, each in one transaction with their outbox
-//! rows; and now and then it marks events no wait took as expired (logging each) and removes
+//! rows; it makes runs of the debounced starts that came due (`flow::debounce`); and now and then it marks events no wait took as expired (logging each) and removes
 //! those past their time in sight.
 //!
 //! No broker message waits for a wake-up: a due time is a column of an indexed row, read by
@@ -38,6 +38,10 @@ pub async fn run(engine: Arc<Engine>, shutdown: CancellationToken) -> Result<(),
                 false
             }
         };
+        // Debounced starts whose burst ended become runs on the same clock (`flow::debounce`).
+        if let Err(e) = crate::flow::debounce::start_due(&engine).await {
+            tracing::warn!(error = %crate::error::Report(&e), "scan of due debounced starts failed; will try again");
+        }
         if kept_at.elapsed() >= HOUSEKEEPING {
             kept_at = Instant::now();
             if let Err(e) = housekeeping(&engine).await {

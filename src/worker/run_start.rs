@@ -16,6 +16,7 @@ use super::RUN_START_CONSUMER;
 use super::outcome::{Disposition, dead, dead_letter_headers as h};
 use crate::domain::{MessageId, OutgoingMessage, RunStartEvent, StepAddress, request_hash};
 use crate::engine::{Engine, Stats};
+use crate::flow::debounce::{self, Held};
 use crate::store::inbox::{self, Recorded};
 use crate::broker::header_str;
 use crate::broker::{Outgoing, Topology};
@@ -90,10 +91,21 @@ pub(super) async fn process(
     }
     // The publisher's trace context, if it sent one: the run's trace continues it.
     let caller = header_str(delivery.properties.headers().as_ref(), crate::trace::TRACEPARENT);
-    let created = create(&mut tx, (&engine.topology, None), (&workflow.name, workflow.version, Some(&workflow.flow)), &first, (event, caller.as_deref()), |messages| {
-        super::published::hold_for_eager_publish(engine, messages)
-    })
-    .await?;
+    let created = match &workflow.flow.debounce {
+        // Held under its key instead (`flow::debounce`), unless its run id already stands for
+        // a run, which is judged below as for any start.
+        Some(debounce) => {
+            let rules = (workflow.as_ref(), debounce);
+            match debounce::hold(&mut tx, &engine.topology, rules, (event, caller.as_deref())).await? {
+                Held::Run(created) => created,
+                held => return settle_held(tx, event, held, engine).await,
+            }
+        }
+        None => create(&mut tx, (&engine.topology, None), (&workflow.name, workflow.version, Some(&workflow.flow)), &first, (event, caller.as_deref()), |messages| {
+            super::published::hold_for_eager_publish(engine, messages)
+        })
+        .await?,
+    };
     let (first_message, rows) = match created {
         Created::New { message, rows } => (message, rows),
         Created::Exists(existing) => {
@@ -125,6 +137,47 @@ pub(super) async fn process(
     tracing::info!("run started");
     let eager = super::published::to_publish_eagerly(engine, vec![first_message], &rows);
     Ok(Disposition::Committed(eager))
+}
+
+/// A debounced start's disposition: recorded (committed, nothing to publish), a repeat of a
+/// recorded start (dropped), another input under a recorded start's id (`run_conflict`), a key
+/// missing from the input (`bad_input`), or a race with another start (tried again).
+async fn settle_held(
+    tx: sqlx::Transaction<'_, sqlx::Postgres>,
+    event: &RunStartEvent,
+    held: Held,
+    engine: &Engine,
+) -> store::Result<Disposition> {
+    if let Held::Pending { .. } = held {
+        tx.commit().await?;
+        return Ok(Disposition::Committed(Vec::new()));
+    }
+    tx.rollback().await?;
+    Ok(match held {
+        Held::Known(entry) if entry.same => {
+            Disposition::Duplicate("the start was recorded before as a debounced start")
+        }
+        Held::Known(entry) => {
+            let new = request_hash(&event.input);
+            tracing::warn!(event_input = %new, "a start of a debounced start's id with another workflow or input; dead-lettered as run_conflict");
+            Disposition::DeadLetter {
+                reason: "run_conflict",
+                detail: format!(
+                    "{}. This event asks for workflow {} with input {new}, not what that start asked; start the new work under another run id",
+                    debounce::describe(&entry),
+                    event.workflow
+                ),
+                evidence: BTreeMap::from([(h::EVENT_INPUT_HASH.to_owned(), new)]),
+            }
+        }
+        Held::Refused(refused) => dead(
+            refused.reason(),
+            format!("run {}: {refused}; fix the publisher and start the run again", event.run_id),
+        ),
+        Held::Busy | Held::Pending { .. } | Held::Run(_) => Disposition::Delay(
+            std::time::Duration::from_millis(engine.settings.worker.busy_retry_ms),
+        ),
+    })
 }
 
 /// What [`create`] found.

@@ -114,6 +114,7 @@ impl Workflow {
             check(input)?;
         }
         self.flow.key_of(input).map_err(|e| e.to_string())?;
+        // A debounced start is held under its key: one without a fit key would wait for ever.
         if let Some(d) = &self.flow.debounce {
             d.key.value_in(input).map_err(|e| e.to_string())?;
         }

@@ -6,6 +6,8 @@ use serde_json::{Value, json};
 use trailmark::broker;
 use trailmark::config::Settings;
 use trailmark::domain::{RunId, RunStartEvent, RunStatus};
+use trailmark::flow::debounce;
+use trailmark::store::debounce as debounce_store;
 use trailmark::store::{self, runs};
 use trailmark::timeline;
 use trailmark::workflow::Registry;
@@ -65,8 +67,9 @@ pub async fn start(
     };
     let topology = broker::Topology::new(&settings.broker.prefix, settings.broker.delivery_limit);
     let limit = settings.worker.max_message_bytes;
-    let (mut message, _) = trailmark::worker::start_message(registry, &topology, limit, &event)
-        .map_err(|refused| anyhow::anyhow!("{refused}; nothing was published"))?;
+    let (mut message, workflow) =
+        trailmark::worker::start_message(registry, &topology, limit, &event)
+            .map_err(|refused| anyhow::anyhow!("{refused}; nothing was published"))?;
     if let Some(tp) = &args.traceparent {
         let traced = [(trailmark::trace::TRACEPARENT.to_owned(), tp.clone())];
         message.headers = broker::map_to_headers(&traced.into_iter().collect());
@@ -96,6 +99,21 @@ pub async fn start(
         );
         return Ok(());
     }
+    if let Some(pool) = &pool
+        && workflow.flow.debounce.is_some()
+        && let Some(held) =
+            debounce_store::find(pool, run_id.as_str(), Some((&event.workflow, &event.input)))
+                .await?
+    {
+        if !held.same {
+            bail!(
+                "{}; a second start with another input would be refused as run_conflict. Use another run id",
+                debounce::describe(&held)
+            );
+        }
+        println!("{}; nothing to start", debounce::describe(&held));
+        return Ok(());
+    }
     broker::publish_once(&settings.broker, "cli", &message)
         .await
         .map_err(|e| match e {
@@ -108,6 +126,9 @@ pub async fn start(
         event.workflow,
         topology.runs_exchange()
     );
+    if let Some(rules) = &workflow.flow.debounce {
+        return debounced(pool.as_ref(), &event, rules, &args).await;
+    }
     match pool {
         Some(pool) if args.follow => {
             super::watch::watch(&pool, run_id.as_str(), args.wait_secs).await
@@ -116,6 +137,66 @@ pub async fn start(
         None if args.follow => bail!("--follow needs the database to see the run"),
         _ => Ok(()),
     }
+}
+
+/// After a start of a debounced workflow was published: what becomes of it, and with `--wait`
+/// or `--follow` where it stands once a worker recorded it (pending until when, or the run when
+/// its id had one); `--follow` then follows the run once it starts.
+async fn debounced(
+    pool: Option<&sqlx::PgPool>,
+    event: &RunStartEvent,
+    rules: &trailmark::flow::Debounce,
+    args: &StartArgs,
+) -> anyhow::Result<()> {
+    let key = rules.key.value_in(&event.input).unwrap_or_default();
+    println!(
+        "workflow {} debounces its starts by {} (window {} s): this start is held under key {key} and becomes a run {} s after the last start with this key (at most {} s after the burst's first), unless a later start replaces it; `trailmark run show {}` says where it stands",
+        event.workflow,
+        rules.key.name(),
+        rules.window.as_secs_f64(),
+        rules.window.as_secs_f64(),
+        rules.max_hold().as_secs_f64(),
+        event.run_id
+    );
+    let Some(pool) = pool.filter(|_| args.wait || args.follow) else {
+        if args.follow {
+            bail!("--follow needs the database to see the run");
+        }
+        return Ok(());
+    };
+    let id = event.run_id.as_str();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(args.wait_secs);
+    let held = loop {
+        if runs::get(pool, id).await?.is_some() {
+            break None;
+        }
+        if let Some(held) = debounce_store::find(pool, id, None).await? {
+            break Some(held);
+        }
+        if std::time::Instant::now() >= deadline {
+            bail!(
+                "start {id} was not recorded within {} s: check `trailmark dlq list` (a refused start is dead-lettered with its reason) and that a worker runs",
+                args.wait_secs
+            );
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    };
+    let appear_secs = match &held {
+        Some(held) => {
+            println!("{}", debounce::describe(held));
+            let until_due = (held.due_at - chrono::Utc::now()).num_seconds().max(0) as u64;
+            if held.state != "pending" || !args.follow {
+                return Ok(());
+            }
+            until_due + args.wait_secs
+        }
+        None => args.wait_secs,
+    };
+    if args.follow {
+        return super::watch::watch(pool, id, appear_secs).await;
+    }
+    println!("run {id} exists");
+    Ok(())
 }
 
 /// The input as given: inline JSON, `@FILE`, or `-` for standard input; `{}` when absent.
@@ -183,11 +264,21 @@ pub async fn not_found(settings: &Settings, run_id: &str) -> String {
     if let Some(gone) = removed(settings, run_id).await {
         return gone;
     }
+    if let Some(held) = held(settings, run_id).await {
+        return held;
+    }
     let note = waiting_start(settings)
         .await
         .map(|n| format!("; {n}"))
         .unwrap_or_default();
     format!("run {run_id} not found: list runs with `trailmark run list`{note}")
+}
+
+/// A start a debounce holds or superseded, in words (`None`: no such start).
+async fn held(settings: &Settings, run_id: &str) -> Option<String> {
+    let pool = store::connect(&settings.database).await.ok()?;
+    let held = debounce_store::find(&pool, run_id, None).await.ok()??;
+    Some(debounce::describe(&held))
 }
 
 /// What retention left of a removed run (its tombstone), in words.
