@@ -495,6 +495,40 @@ async fn an_operator_pauses_resumes_and_triggers_a_schedule_from_the_console() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_operator_sets_a_tenants_limit_from_the_console_and_it_is_in_force() {
+    let env = common::TestEnv::new().await;
+    let tokens = Tokens::new();
+    let (base, running) = serve(&env, &tokens, registry_with(vec![])).await;
+    let env = &env;
+    Browser::open(&base, "limits")
+        .await
+        .run(|b| async move {
+            b.login(&tokens.operator).await;
+            b.goto("/limits").await;
+            b.fill("#set-limit input[name=key]", "acme").await;
+            b.fill("#set-limit input[name=concurrency]", "3").await;
+            b.fill("#set-limit input[name=reason]", "acme's burst")
+                .await;
+            b.click("#set-limit button").await;
+            b.wait_text("p.done", "set chain key acme: concurrency 3")
+                .await;
+            let table = b.text("#limits").await;
+            assert!(table.contains("acme"), "{table}");
+            let rows = audit(env).await;
+            assert_eq!(rows, ["otto console limit.set chain/acme"]);
+        })
+        .await;
+    let set: Option<i32> = sqlx::query_scalar(
+        "SELECT concurrency FROM trailmark.flow_limits WHERE workflow = 'chain' AND key = 'acme'",
+    )
+    .fetch_one(&env.pool)
+    .await
+    .unwrap();
+    assert_eq!(set, Some(3));
+    running.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_run_waiting_for_an_event_shows_what_it_waits_for_then_the_event_it_received() {
     let env = common::TestEnv::new().await;
     let tokens = Tokens::new();

@@ -33,6 +33,7 @@ pub fn page(title: &str, person: Option<&Person>, body: Markup) -> Markup {
                             a href="/runs" { "Runs" }
                             a href="/dead-letters" { "Dead letters" }
                             a href="/schedules" { "Schedules" }
+                            a href="/limits" { "Limits" }
                             a href="/workflows" { "Workflows" }
                             @if p.role >= Role::Admin { a href="/audit" { "Audit" } }
                         }

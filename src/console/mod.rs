@@ -18,6 +18,7 @@ mod admin;
 mod home;
 mod layout;
 mod letters;
+mod limits;
 mod once;
 mod run;
 mod schedules;
@@ -63,6 +64,7 @@ pub(crate) fn router(engine: Arc<Engine>, tokens: Arc<Vec<Token>>) -> Router {
             "/dead-letters/act/{action}",
             get(letters::confirm).post(letters::act),
         )
+        .route("/limits", get(limits::list).post(limits::set))
         .route("/schedules", get(schedules::list))
         .route("/schedules/{name}/{action}", post(schedules::act))
         .route("/workflows", get(admin::workflows))
