@@ -66,41 +66,59 @@ pub struct ChildrenReport {
 /// Runs the children bench on the servers of `base`, in an environment of its own, removed
 /// after.
 pub async fn run(base: &Settings, cfg: &ChildrenConfig) -> Result<ChildrenReport> {
-    let background = background_cores(BACKGROUND_SPAN).await?;
-    let mut env = BenchEnv::create(base, None).await?;
-    let result = measure(&mut env, cfg, background).await;
-    let left = env.teardown().await;
-    if !left.is_empty() {
-        tracing::warn!(left = ?left, "the children bench could not remove everything it created");
-    }
-    result
-}
-
-async fn measure(
-    env: &mut BenchEnv,
-    cfg: &ChildrenConfig,
-    background: f64,
-) -> Result<ChildrenReport> {
-    let pool = env.pool_for(cfg.workers).await?;
-    env.set_child_pool(pool);
-    let system = System::Trailmark;
-    let mut procs = system.spawn(env, cfg.workers, "children", super::BUILTIN_ANSWER_BYTES)?;
-    system
-        .wait_ready(env, &mut procs, Duration::from_secs(60))
-        .await?;
     let mut report = ChildrenReport {
         children: cfg.children,
         steps: cfg.steps,
         workers: cfg.workers,
-        cores: std::thread::available_parallelism().map_or(1, |n| n.get()),
-        background_cores: background,
         ..ChildrenReport::default()
     };
-    let done = reps(env, cfg, &mut procs, &mut report).await;
+    let (cores, background) = with_servers(base, cfg.workers, "children", async |env, procs| {
+        reps(env, cfg, procs, &mut report).await
+    })
+    .await?;
+    (report.cores, report.background_cores) = (cores, background);
+    Ok(report)
+}
+
+/// Runs `work` against `workers` `trailmark serve` processes in a bench environment of its own
+/// (removed after, whatever `work` did); the machine's cores and the cores other work kept busy
+/// before it started.
+pub async fn with_servers(
+    base: &Settings,
+    workers: usize,
+    label: &str,
+    work: impl AsyncFnOnce(&BenchEnv, &mut [Proc]) -> Result<()>,
+) -> Result<(usize, f64)> {
+    let background = background_cores(BACKGROUND_SPAN).await?;
+    let mut env = BenchEnv::create(base, None).await?;
+    let done = serve(&mut env, workers, label, work).await;
+    let left = env.teardown().await;
+    if !left.is_empty() {
+        tracing::warn!(left = ?left, "the {label} bench could not remove everything it created");
+    }
+    done?;
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    Ok((cores, background))
+}
+
+async fn serve(
+    env: &mut BenchEnv,
+    workers: usize,
+    label: &str,
+    work: impl AsyncFnOnce(&BenchEnv, &mut [Proc]) -> Result<()>,
+) -> Result<()> {
+    let pool = env.pool_for(workers).await?;
+    env.set_child_pool(pool);
+    let system = System::Trailmark;
+    let mut procs = system.spawn(env, workers, label, super::BUILTIN_ANSWER_BYTES)?;
+    system
+        .wait_ready(env, &mut procs, Duration::from_secs(60))
+        .await?;
+    let done = work(env, &mut procs).await;
     for p in &mut procs {
         p.stop(Duration::from_secs(10)).await;
     }
-    done.map(|()| report)
+    done
 }
 
 async fn reps(
@@ -169,7 +187,7 @@ async fn independent(
 }
 
 /// Polls `probe` until it gives the figure (at most ten minutes), checking the processes live.
-async fn until(
+pub async fn until(
     env: &BenchEnv,
     label: &str,
     procs: &mut [Proc],

@@ -9,16 +9,13 @@
 //! big tenant starts `--runs` runs, then a small one `SMALL` runs; each step's wait (from the
 //! end of the run's previous step, or its creation, to its claim) per tenant, p50 and p99.
 
-use std::time::{Duration, Instant};
-
 use serde::Serialize;
 use serde_json::json;
 
+use super::children::{until, with_servers};
 use super::env::{BenchEnv, Proc};
 use super::load::ids;
-use super::systems::System;
-use super::window::{BACKGROUND_SPAN, background_cores};
-use super::{Error, Result, progress};
+use super::{Result, progress};
 use trailmark::config::Settings;
 use trailmark::inspect;
 use trailmark::store::flow::{self, LimitChange};
@@ -88,37 +85,18 @@ pub struct FlowReport {
 
 /// Runs the flow bench on the servers of `base`, in an environment of its own, removed after.
 pub async fn run(base: &Settings, cfg: &FlowConfig) -> Result<FlowReport> {
-    let background = background_cores(BACKGROUND_SPAN).await?;
-    let mut env = BenchEnv::create(base, None).await?;
-    let result = measure(&mut env, cfg, background).await;
-    let left = env.teardown().await;
-    if !left.is_empty() {
-        tracing::warn!(left = ?left, "the flow bench could not remove everything it created");
-    }
-    result
-}
-
-async fn measure(env: &mut BenchEnv, cfg: &FlowConfig, background: f64) -> Result<FlowReport> {
-    let pool = env.pool_for(cfg.workers).await?;
-    env.set_child_pool(pool);
-    let system = System::Trailmark;
-    let mut procs = system.spawn(env, cfg.workers, "flow", super::BUILTIN_ANSWER_BYTES)?;
-    system
-        .wait_ready(env, &mut procs, Duration::from_secs(60))
-        .await?;
     let mut report = FlowReport {
         runs: cfg.runs,
         steps: cfg.steps,
         workers: cfg.workers,
-        cores: std::thread::available_parallelism().map_or(1, |n| n.get()),
-        background_cores: background,
         ..FlowReport::default()
     };
-    let done = phases(env, cfg, &mut procs, &mut report).await;
-    for p in &mut procs {
-        p.stop(Duration::from_secs(10)).await;
-    }
-    done.map(|()| report)
+    let (cores, background) = with_servers(base, cfg.workers, "flow", async |env, procs| {
+        phases(env, cfg, procs, &mut report).await
+    })
+    .await?;
+    (report.cores, report.background_cores) = (cores, background);
+    Ok(report)
 }
 
 async fn phases(
@@ -232,31 +210,6 @@ async fn waits(env: &BenchEnv, tenant: &str) -> Result<Waits> {
         p50_ms: p50.unwrap_or_default(),
         p99_ms: p99.unwrap_or_default(),
     })
-}
-
-/// Polls `probe` until it gives the figure (at most ten minutes), checking the processes live.
-async fn until(
-    env: &BenchEnv,
-    label: &str,
-    procs: &mut [Proc],
-    probe: impl AsyncFn() -> Result<Option<f64>>,
-) -> Result<f64> {
-    let deadline = Instant::now() + Duration::from_secs(600);
-    loop {
-        if let Some(secs) = probe().await? {
-            return Ok(secs);
-        }
-        for p in procs.iter_mut() {
-            p.check_alive()?;
-        }
-        if Instant::now() > deadline {
-            return Err(Error::Failed(format!(
-                "{label}: not done within 10 minutes; logs in {}",
-                env.log_dir.display()
-            )));
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
 }
 
 impl std::fmt::Display for FlowReport {

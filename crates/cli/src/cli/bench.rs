@@ -181,17 +181,41 @@ async fn waits(settings: &Settings, args: &BenchArgs) -> anyhow::Result<()> {
     let mut cfg = bench::waits::WaitsConfig::default();
     cfg.waiting = args.waiting.unwrap_or(cfg.waiting);
     cfg.sleepers = args.sleepers.unwrap_or(cfg.sleepers);
-    cfg.runs = args.runs.unwrap_or(cfg.runs);
-    cfg.steps = args.steps.unwrap_or(cfg.steps);
-    cfg.reps = args.reps.unwrap_or(cfg.reps);
-    cfg.workers = args.workers.unwrap_or(cfg.workers);
+    shape(
+        args,
+        (
+            &mut cfg.runs,
+            &mut cfg.steps,
+            &mut cfg.reps,
+            &mut cfg.workers,
+        ),
+    )?;
+    print_report(args, &bench::waits::run(settings, &cfg).await?)
+}
+
+/// `--runs`, `--steps`, `--reps` and `--workers` over a phase's defaults, each at least 1.
+fn shape(
+    args: &BenchArgs,
+    (runs, steps, reps, workers): (&mut usize, &mut i32, &mut usize, &mut usize),
+) -> anyhow::Result<()> {
+    *runs = args.runs.unwrap_or(*runs);
+    *steps = args.steps.unwrap_or(*steps);
+    *reps = args.reps.unwrap_or(*reps);
+    *workers = args.workers.unwrap_or(*workers);
     anyhow::ensure!(
-        cfg.runs > 0 && cfg.steps > 0 && cfg.reps > 0 && cfg.workers > 0,
+        *runs > 0 && *steps > 0 && *reps > 0 && *workers > 0,
         "--runs, --steps, --reps and --workers must be at least 1"
     );
-    let report = bench::waits::run(settings, &cfg).await?;
+    Ok(())
+}
+
+/// A phase's report, as JSON with `--json`, else as its table.
+fn print_report<R: serde::Serialize + std::fmt::Display>(
+    args: &BenchArgs,
+    report: &R,
+) -> anyhow::Result<()> {
     if args.json {
-        println!("{}", serde_json::to_string_pretty(&report)?);
+        println!("{}", serde_json::to_string_pretty(report)?);
     } else {
         print!("{report}");
     }
@@ -201,45 +225,36 @@ async fn waits(settings: &Settings, args: &BenchArgs) -> anyhow::Result<()> {
 /// `--children`: a fan-out against as many independent runs.
 async fn children(settings: &Settings, args: &BenchArgs) -> anyhow::Result<()> {
     let mut cfg = bench::children::ChildrenConfig::default();
-    cfg.children = args.runs.unwrap_or(cfg.children);
-    cfg.steps = args.steps.unwrap_or(cfg.steps);
-    cfg.reps = args.reps.unwrap_or(cfg.reps);
-    cfg.workers = args.workers.unwrap_or(cfg.workers);
+    shape(
+        args,
+        (
+            &mut cfg.children,
+            &mut cfg.steps,
+            &mut cfg.reps,
+            &mut cfg.workers,
+        ),
+    )?;
     anyhow::ensure!(
-        cfg.children > 0
-            && cfg.children <= trailmark::domain::MAX_CHILDREN
-            && cfg.steps > 0
-            && cfg.reps > 0
-            && cfg.workers > 0,
-        "--runs must be from 1 to {}, --steps, --reps and --workers at least 1",
+        cfg.children <= trailmark::domain::MAX_CHILDREN,
+        "--runs must be from 1 to {}",
         trailmark::domain::MAX_CHILDREN
     );
-    let report = bench::children::run(settings, &cfg).await?;
-    if args.json {
-        println!("{}", serde_json::to_string_pretty(&report)?);
-    } else {
-        print!("{report}");
-    }
-    Ok(())
+    print_report(args, &bench::children::run(settings, &cfg).await?)
 }
 
+/// `--flow`: a concurrency key's cost and the fairness of a full line.
 async fn flow(settings: &Settings, args: &BenchArgs) -> anyhow::Result<()> {
     let mut cfg = bench::flow::FlowConfig::default();
-    cfg.runs = args.runs.unwrap_or(cfg.runs);
-    cfg.steps = args.steps.unwrap_or(cfg.steps);
-    cfg.reps = args.reps.unwrap_or(cfg.reps);
-    cfg.workers = args.workers.unwrap_or(cfg.workers);
-    anyhow::ensure!(
-        cfg.runs > 0 && cfg.steps > 0 && cfg.reps > 0 && cfg.workers > 0,
-        "--runs, --steps, --reps and --workers must be at least 1"
-    );
-    let report = bench::flow::run(settings, &cfg).await?;
-    if args.json {
-        println!("{}", serde_json::to_string_pretty(&report)?);
-    } else {
-        print!("{report}");
-    }
-    Ok(())
+    shape(
+        args,
+        (
+            &mut cfg.runs,
+            &mut cfg.steps,
+            &mut cfg.reps,
+            &mut cfg.workers,
+        ),
+    )?;
+    print_report(args, &bench::flow::run(settings, &cfg).await?)
 }
 
 async fn b3_worker(settings: &Settings, args: &BenchArgs) -> anyhow::Result<()> {
