@@ -100,8 +100,8 @@ async fn a_tenants_limit_holds_across_two_processes_and_a_kill_and_strands_nothi
     }
     assert_eq!(most, 2, "the limit was reached");
     let back = back_to_two.expect("a's running count came back to 2 after the kill");
-    // A slot is a lease: free once Postgres sees the killed process gone, at the latest when
-    // its lease (3 s in tests) ends; the supervisor's loop then hands it on.
+    // A slot is a lease: free when the killed process's lease (3 s in tests) ends; the
+    // supervisor's loop then hands it on.
     assert!(
         back < Duration::from_secs(3 + 2),
         "a's slots came back after {back:?} (ms after the kill, running): {after_kill:?}"

@@ -1,6 +1,6 @@
 //! The supervisor's hand-off loop: every `flow.poll_ms` it hands free slots to runs waiting for
-//! one, for the slots no step's end handed on: a killed worker's (free once Postgres sees its
-//! connection gone), a frozen one's (once its lease expires), a reservation that lapsed, a
+//! one, for the slots no step's end handed on: a killed or frozen worker's (free once its lease
+//! expires), a reservation that lapsed, a
 //! limit an operator raised, a rate's next token. Any number of supervisors may run it: each
 //! hand-off holds the key's row locked.
 

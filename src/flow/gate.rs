@@ -1,9 +1,9 @@
 //! The gate a keyed run's step passes before its claim, and the hand-off of freed slots to the
 //! runs waiting for one.
 //!
-//! A slot is a lease: a run holds one of its key while its lease is live, so a killed worker's
-//! slot is free the moment Postgres sees its presence connection gone, and a frozen one's when
-//! its lease expires; nothing has to give it back. Counting a key's slots and taking one happen
+//! A slot is a lease: a run holds one of its key while its lease is live, so a killed or frozen
+//! worker's slot is free when its lease expires; nothing has to give it back (a dead presence
+//! connection alone frees no slot: see `store::flow`). Counting a key's slots and taking one happen
 //! in one transaction that holds the key's row locked, with the claim itself, so two workers
 //! never both take the last slot. A run that finds no slot (or others already in line) is
 //! recorded as waiting and its message acknowledged: it holds no lease and no message while it

@@ -7,12 +7,15 @@ use sqlx::{PgConnection, PgExecutor};
 use super::Result;
 use super::runs::ExpiredLease;
 
-/// When a slot row is live: reserved for a run whose step message is on its way, or held by a
-/// run whose lease is (an idle pre-claim of a living process too). A dead process's slot is free
-/// at once, a frozen one's when its lease expires.
+/// When a slot row is live: reserved for a run whose step message is on its way, or held by an
+/// executing run whose lease is (an idle pre-claim too). A slot outlives a dead worker only
+/// until its lease expires; a dead presence connection alone does not free it, because a worker
+/// whose connection dropped is still running its step and renews its lease through its pool
+/// once it can: counted free, its key would run over its limit when it does (the drill's
+/// Postgres fault showed 16 runs of a key limited to 10).
 const LIVE: &str = "(s.reserved_until > now() OR (r.lease_owner IS NOT NULL
                      AND (r.lease_expires_at IS NULL OR r.lease_expires_at > now())
-                     AND NOT trailmark.process_gone(r.lease_pid)))";
+                     AND r.status IN ('running', 'compensating')))";
 
 /// What a run's own row says before its step is gated.
 #[derive(Debug, sqlx::FromRow)]
