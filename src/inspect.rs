@@ -350,6 +350,22 @@ pub async fn outbox_backlog(db: impl PgExecutor<'_>) -> Result<Vec<OutboxBacklog
     sql::outbox_backlog(db).await
 }
 
+/// Runs of `workflow` holding a step now (a live lease), by concurrency key: what a key's
+/// limit bounds, as the drill samples it.
+pub async fn running_by_key(db: impl PgExecutor<'_>, workflow: &str) -> Result<Vec<(String, i64)>> {
+    sql::running_by_key(db, workflow).await
+}
+
+/// (run, position) of every run of `workflow` waiting in a key's line (for a slot or a token).
+pub async fn key_waiters(db: impl PgExecutor<'_>, workflow: &str) -> Result<Vec<(String, i32)>> {
+    sql::key_waiters(db, workflow).await
+}
+
+/// Runs a slot is still reserved for although they no longer execute (a slot kept from use).
+pub async fn reserved_for_ended(db: impl PgExecutor<'_>) -> Result<Vec<String>> {
+    sql::reserved_for_ended(db).await
+}
+
 /// The runs in review whose error or handover note contains `text` (literally), by id.
 pub async fn runs_in_review_mentioning(db: impl PgExecutor<'_>, text: &str) -> Result<Vec<String>> {
     sql::in_review_mentioning(db, text).await

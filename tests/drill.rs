@@ -1,7 +1,9 @@
 //! `trailmark drill` against the real servers: the CI profile (every fault: kills and seam
 //! kills, pauses past the lease, the broker closing connections, Postgres ending backends,
 //! latency with cuts, duplicated deliveries, poison, and the engine seams) on `chain` and on
-//! `reconcile` keeps every invariant; and a drill whose receiver shows a write done twice fails.
+//! `reconcile` keeps every invariant; a drill of `chain` spread over tenants with a low limit
+//! keeps each key's limit through kills and strands no run in a line; and a drill whose receiver
+//! shows a write done twice fails.
 
 mod common;
 
@@ -274,5 +276,78 @@ async fn the_ci_profile_on_chain_runs_that_fan_out_starts_each_child_once_and_jo
     assert!(
         names.contains(&"no child run started twice") && names.contains(&"no parent joined twice"),
         "{names:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drill_over_tenants_keeps_each_keys_limit_through_kills_and_strands_no_run() {
+    // 60 runs over 3 tenants (20 each) with a limit of 2 per key, while 4 processes are
+    // killed: the line is used all along (each worker takes up to 128 deliveries at once).
+    let input = r#"{"steps": 5, "step_delay_ms": 50}"#;
+    let r = drill_cli(&[
+        "chain",
+        "--input",
+        input,
+        "--runs",
+        "60",
+        "--profile",
+        "none",
+        "--kill",
+        "4",
+        "--tenants",
+        "3",
+        "--tenant-limit",
+        "2",
+        "--seed",
+        "35",
+    ]);
+    for inv in r["invariants"].as_array().expect("invariants") {
+        assert_eq!(inv["ok"], true, "invariant failed: {inv}");
+    }
+    let names = invariant_names(&r);
+    for name in [
+        "no key had more runs holding a step than its limit",
+        "no run left waiting for a slot",
+        "no slot reserved for a run that ended",
+    ] {
+        assert!(names.contains(&name), "{name} not checked: {names:?}");
+    }
+    assert_eq!(r["runs"]["succeeded"], 60, "{}", r["runs"]);
+    assert_eq!(r["effects"]["applied"], 300);
+    assert_eq!(r["effects"]["duplicated"], 0);
+    let kills = r["faults"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|f| f["fault"] == "kill")
+        .cloned()
+        .expect("kills reported");
+    assert_eq!(kills["injected"], 4);
+    let k = &r["keys"];
+    assert_eq!(
+        (
+            k["field"].as_str(),
+            k["tenants"].as_u64(),
+            k["limit"].as_i64()
+        ),
+        (Some("tenant"), Some(3), Some(2)),
+        "{k}"
+    );
+    // The limit was reached and runs waited for it: the sampler saw the line in use.
+    assert_eq!(k["running_max"], 2, "{k}");
+    let by_key = k["running_max_by_key"].as_object().expect("per key");
+    assert_eq!(by_key.keys().collect::<Vec<_>>(), ["t0", "t1", "t2"], "{k}");
+    assert!(k["waits_seen"].as_u64().unwrap() > 0, "{k}");
+    assert!(k["samples"].as_u64().unwrap() > 20, "{k}");
+    assert_eq!(k["over_limit"], json!([]));
+    assert_eq!(k["waiters_left"], json!([]));
+    assert_eq!(k["reserved_for_ended"], json!([]));
+    assert!(
+        r["replay"]
+            .as_str()
+            .unwrap()
+            .ends_with("--tenants 3 --tenant-limit 2"),
+        "{}",
+        r["replay"]
     );
 }

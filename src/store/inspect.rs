@@ -421,6 +421,48 @@ pub(crate) async fn outbox_backlog(db: impl PgExecutor<'_>) -> Result<Vec<Outbox
     .await?)
 }
 
+/// Runs of `workflow` holding a step now, by concurrency key: a live lease (set, not expired,
+/// its process not gone), read from the runs alone so that it checks the gate's slot rows
+/// rather than repeating them.
+pub(crate) async fn running_by_key(
+    db: impl PgExecutor<'_>,
+    workflow: &str,
+) -> Result<Vec<(String, i64)>> {
+    Ok(sqlx::query_as(
+        "SELECT flow_key, count(*) FROM trailmark.runs
+          WHERE workflow = $1 AND flow_key IS NOT NULL AND lease_owner IS NOT NULL
+            AND (lease_expires_at IS NULL OR lease_expires_at > now())
+            AND NOT trailmark.process_gone(lease_pid)
+          GROUP BY flow_key ORDER BY flow_key",
+    )
+    .bind(workflow)
+    .fetch_all(db)
+    .await?)
+}
+
+/// (run, position) of every run of `workflow` waiting for a slot or a token of its key.
+pub(crate) async fn key_waiters(db: impl PgExecutor<'_>, workflow: &str) -> Result<Vec<(String, i32)>> {
+    Ok(sqlx::query_as(
+        "SELECT run_id, seq FROM trailmark.flow_waiters WHERE workflow = $1 ORDER BY run_id, seq",
+    )
+    .bind(workflow)
+    .fetch_all(db)
+    .await?)
+}
+
+/// Runs with a slot still reserved for them that are no longer executing: a slot held out of
+/// use for a run that will never claim it.
+pub(crate) async fn reserved_for_ended(db: impl PgExecutor<'_>) -> Result<Vec<String>> {
+    Ok(sqlx::query_scalar(
+        "SELECT s.run_id FROM trailmark.flow_slots s LEFT JOIN trailmark.runs r USING (run_id)
+          WHERE s.reserved_until > now() AND (r.status IS NULL OR NOT r.status = ANY($1::text[]))
+          ORDER BY s.run_id",
+    )
+    .bind(&RunStatus::EXECUTING[..])
+    .fetch_all(db)
+    .await?)
+}
+
 /// Runs in review whose error or handover note contains `text` (as is: no wildcard).
 pub(crate) async fn in_review_mentioning(
     db: impl PgExecutor<'_>,

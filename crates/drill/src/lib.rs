@@ -12,6 +12,7 @@
 //! | `tap.rs` | the dup fault: step messages published again with the same id |
 //! | `events.rs` | events for runs that wait: sent early, twice, or with a conflicting payload |
 //! | `settle.rs` | the drive loop: progress, faults at their moment, forced reviews resumed |
+//! | `keys.rs` | runs spread over concurrency keys; each key's limit sampled, lines left |
 //! | `check.rs` | counts, call logs, the DLQ, and each invariant's verdict |
 //! | `report.rs` | the report, as text and JSON |
 
@@ -19,6 +20,7 @@ pub mod check;
 pub mod events;
 pub mod faults;
 pub mod fleet;
+pub mod keys;
 pub mod proxy;
 pub mod report;
 pub mod schedule;
@@ -34,6 +36,7 @@ use serde_json::Value;
 use sqlx::PgPool;
 
 pub use faults::{BrokerFault, PostgresFault};
+pub use keys::Tenants;
 pub use report::Report;
 use schedule::Fault;
 pub use schedule::Hook;
@@ -304,6 +307,9 @@ pub struct Config {
     /// The program the processes are started from, with `worker`, `relay` and `supervisor`
     /// as their argument (default: the current executable).
     pub program: Option<std::path::PathBuf>,
+    /// Spread the runs over keys of the workflow's concurrency key, each limited (default: the
+    /// input as given, the declared limits).
+    pub tenants: Option<Tenants>,
 }
 
 impl Config {
@@ -323,6 +329,7 @@ impl Config {
             progress: true,
             worker_concurrency: None,
             program: None,
+            tenants: None,
         }
     }
 }
@@ -351,6 +358,15 @@ pub async fn drill(
             target.workflow
         ))
     })?;
+    let keyed = match cfg.tenants {
+        Some(t) => {
+            let keyed = keys::Keyed::new(&wf, t, &target.input)?;
+            wf.check_input(&keyed.input(&target.input, 0))
+                .map_err(|e| Error::Failed(format!("the input with a tenant is refused: {e}")))?;
+            Some(keyed)
+        }
+        None => None,
+    };
     if cfg.runs == 0 || cfg.workers == 0 {
         return Err(Error::Failed(
             "a drill needs at least one run and one worker".into(),
@@ -362,7 +378,7 @@ pub async fn drill(
     } else {
         None
     };
-    let result = settle::run(&base, registry, &target, cfg, vhost.as_deref()).await;
+    let result = settle::run(&base, registry, &target, cfg, vhost.as_deref(), keyed).await;
     if let Some(vh) = &vhost
         && !cfg.keep
         && let Err(e) = faults::delete_vhost(vh)
@@ -442,6 +458,9 @@ fn replay(target: &Target, cfg: &Config) -> String {
         .worker_concurrency
         .map_or(String::new(), |n| format!(" --concurrency {n}"))
         + &format!(" --lease-secs {}", cfg.lease_secs)
+        + &cfg.tenants.map_or(String::new(), |t| {
+            format!(" --tenants {} --tenant-limit {}", t.count, t.limit)
+        })
         + &cfg
             .pause_secs
             .map_or(String::new(), |n| format!(" --pause-secs {n}"))

@@ -45,6 +45,8 @@ pub struct Report {
     pub events: Option<super::events::EventFigures>,
     /// The fan-outs the runs' steps made (child runs), when they make any.
     pub fan_outs: Option<trailmark::inspect::FanOuts>,
+    /// The concurrency keys, when the runs were spread over them (`--tenants`).
+    pub keys: Option<super::keys::KeyFigures>,
 }
 
 /// Where the drill's runs ended.
@@ -254,6 +256,20 @@ impl fmt::Display for Report {
                 ev.consumed_once,
                 ev.conflicts_refused,
                 ev.publish_retries
+            )?;
+        }
+        if let Some(k) = &self.keys {
+            writeln!(
+                f,
+                "keys       {} tenants of {}, limit {}  most running in one key {}  waits seen {} (up to {} at once)  samples {} ({} unread)",
+                k.tenants,
+                k.field,
+                k.limit,
+                k.running_max,
+                k.waits_seen,
+                k.waiting_max,
+                k.samples,
+                k.samples_unread
             )?;
         }
         let s = &self.engine_seams;

@@ -9,6 +9,7 @@ use chrono::{DateTime, Utc};
 use super::check;
 use super::events::Events;
 use super::fleet::Fleet;
+use super::keys::{KeyFigures, Keyed};
 use super::proxy::Proxy;
 use super::report::{EngineSeams, FaultFigures, Report};
 use super::schedule::{self, Fault, Planned, Rng};
@@ -44,6 +45,9 @@ struct Drill<'a> {
     reviews_resumed: i64,
     /// The runs' events, when they wait for one.
     events: Option<Events>,
+    /// The concurrency keys the runs are spread over (`--tenants`), and what was seen of them.
+    keyed: Option<Keyed>,
+    key_figures: Option<KeyFigures>,
 }
 
 /// Runs the whole drill in its own environment, which is removed afterwards (unless kept)
@@ -54,6 +58,7 @@ pub async fn run(
     target: &Target,
     cfg: &Config,
     vhost: Option<&str>,
+    keyed: Option<Keyed>,
 ) -> Result<Report> {
     let mut env = BenchEnv::create_named(base, None, "drill").await?;
     say(
@@ -68,7 +73,8 @@ pub async fn run(
     let mut target = target.clone();
     let outcome = match prepare(&mut env, cfg, &mut target).await {
         Ok((proxies, calls_dir)) => {
-            drive(env, registry, &target, cfg, vhost, proxies, calls_dir).await
+            let own = (vhost, keyed);
+            drive(env, registry, &target, cfg, own, proxies, calls_dir).await
         }
         Err(e) => Err((e, env)),
     };
@@ -177,7 +183,7 @@ async fn drive(
     registry: Registry,
     target: &Target,
     cfg: &Config,
-    vhost: Option<&str>,
+    (vhost, keyed): (Option<&str>, Option<Keyed>),
     proxies: Vec<Proxy>,
     calls_dir: std::path::PathBuf,
 ) -> Outcome {
@@ -209,6 +215,8 @@ async fn drive(
         injected: BTreeMap::new(),
         reviews_resumed: 0,
         events: None,
+        keyed,
+        key_figures: None,
     };
     drill.events = Events::new(
         &target.input,
@@ -233,6 +241,14 @@ impl Drill<'_> {
                 Duration::from_secs(60),
             )
             .await?;
+        // The limit is in force before the first start, and sampled from then on.
+        let watch = match &self.keyed {
+            Some(keyed) => {
+                keyed.set_limit(&self.env.pool).await?;
+                Some(keyed.watch(self.env.pool.clone()))
+            }
+            None => None,
+        };
         let tap = (self.cfg.faults.dup > 0.0).then(|| {
             Tap::start(
                 self.env.settings.broker.clone(),
@@ -257,7 +273,12 @@ impl Drill<'_> {
             Some(tap) => tap.stop().await,
             None => 0,
         };
+        let keys = match watch {
+            Some(watch) => Some(watch.stop(&self.env.pool).await),
+            None => None,
+        };
         let (ids, steps_per_run, keys_per_run, twice) = outcome?;
+        self.key_figures = keys.transpose()?;
         self.report(target, &ids, steps_per_run, keys_per_run, twice, copies)
             .await
     }
@@ -323,10 +344,14 @@ impl Drill<'_> {
         let topology = self.env.topology();
         let mut msgs: Vec<Outgoing> = Vec::new();
         let mut doubled = Vec::new();
-        for id in ids {
+        for (i, id) in ids.iter().enumerate() {
             let run_id =
                 RunId::parse(id).map_err(|e| Error::Failed(format!("drill run id {id}: {e}")))?;
-            let event = RunStartEvent::new(run_id, &target.workflow, target.input.clone());
+            let input = match &self.keyed {
+                Some(keyed) => keyed.input(&target.input, i),
+                None => target.input.clone(),
+            };
+            let event = RunStartEvent::new(run_id, &target.workflow, input);
             msgs.push(topology.run_start(&event));
             if self.rng.unit() < twice {
                 doubled.push(topology.run_start(&event));
@@ -580,6 +605,10 @@ impl Drill<'_> {
             let (figures, invariants) = events.check(&pool, refused).await?;
             report.events = Some(figures);
             report.invariants.extend(invariants);
+        }
+        if let Some(k) = self.key_figures.take() {
+            report.invariants.extend(super::keys::verdicts(&k));
+            report.keys = Some(k);
         }
         let fan_outs = inspect::fan_outs(&pool, ids).await?;
         if fan_outs.fan_outs > 0 {

@@ -123,6 +123,15 @@ pub struct DrillArgs {
     /// step delay in the input, to keep runs in flight through a long fault schedule).
     #[arg(long)]
     pub concurrency: Option<u32>,
+    /// Spread the runs over this many values of the workflow's concurrency key (`t0`, `t1`,
+    /// ...) and check, sampled every 100 ms through the faults, that no key ever has more runs
+    /// holding a step than --tenant-limit, and that no run is left in a key's line.
+    #[arg(long, requires = "tenant_limit")]
+    pub tenants: Option<usize>,
+    /// The limit set for every key before the runs start (keep it well below the runs per
+    /// tenant, so runs wait in the line).
+    #[arg(long, requires = "tenants")]
+    pub tenant_limit: Option<u32>,
     /// Give up waiting after this long without a committed step, seconds.
     #[arg(long, default_value_t = 90)]
     pub quiet_secs: u64,
@@ -150,6 +159,10 @@ pub async fn run(settings: &Settings, registry: Registry, args: DrillArgs) -> an
     cfg.keep = args.keep;
     cfg.worker_concurrency = args.concurrency;
     cfg.faults = faults(&args)?;
+    cfg.tenants = args
+        .tenants
+        .zip(args.tenant_limit)
+        .map(|(count, limit)| drill::Tenants { count, limit });
     let target = drill::Target {
         receiver: receiver(&args.workflow),
         workflow: args.workflow.clone(),
