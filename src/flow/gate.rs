@@ -46,6 +46,15 @@ impl Limits {
         }
     }
 
+    /// What a claim under these limits holds.
+    fn held(&self, key: String) -> rows::Held {
+        rows::Held {
+            key,
+            paced: self.rate.is_some(),
+            shared: self.total.is_some(),
+        }
+    }
+
     /// Slots free for runs in line: within the key's limit and the workflow's.
     fn free(&self, s: &Slots) -> i64 {
         let key = self.per_key - s.live;
@@ -127,8 +136,7 @@ pub async fn claim(
         };
         if let Some(line) = waits {
             tx.commit().await?;
-            let held = rows::Held { key, paced: limits.rate.is_some() };
-            return Ok(Some((Gated::Waits(line), handed, held)));
+            return Ok(Some((Gated::Waits(line), handed, limits.held(key))));
         }
     }
     // Held by the lease from now on: a slot reserved for this run stops being a reservation
@@ -144,8 +152,7 @@ pub async fn claim(
             handed = Handed::default();
         }
     }
-    let held = rows::Held { key, paced: limits.rate.is_some() };
-    Ok(Some((Gated::Claimed(outcome), handed, held)))
+    Ok(Some((Gated::Claimed(outcome), handed, limits.held(key))))
 }
 
 /// Locks the key's row (after the workflow's, when a total applies: always in that order, so

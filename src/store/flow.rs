@@ -44,16 +44,32 @@ pub struct Held {
     /// A rate applies to the key: every step start takes a token, so the run's next step goes
     /// through the gate (no pre-claim).
     pub paced: bool,
+    /// A total applies to the workflow: its keys take turns, so a run keeps its slot only while
+    /// no run of the workflow waits.
+    pub shared: bool,
 }
 
-/// Whether runs of `key` wait for a slot now: a step's end then gives its slot to the line
-/// instead of pre-claiming the run's next step (one index probe).
-pub async fn line_waits(db: impl PgExecutor<'_>, (workflow, key): (&str, &str)) -> Result<bool> {
+/// Whether a run waits that should go before `run_id` (which holds a slot of the key): one that
+/// ranks ahead of it in its key's line, or, under a workflow total (`shared`), any run of the
+/// workflow (keys take turns). A step's end then gives its slot to the line instead of
+/// pre-claiming the run's next step. One index probe.
+pub async fn line_ahead(
+    db: impl PgExecutor<'_>,
+    (workflow, key): (&str, &str),
+    run_id: &str,
+    (shared, aging_secs): (bool, f64),
+) -> Result<bool> {
     Ok(sqlx::query_scalar(
-        "SELECT EXISTS (SELECT 1 FROM trailmark.flow_waiters WHERE workflow = $1 AND key = $2)",
+        "SELECT CASE WHEN $4 THEN EXISTS (SELECT 1 FROM trailmark.flow_waiters WHERE workflow = $1)
+                ELSE EXISTS (SELECT 1 FROM trailmark.flow_waiters w, trailmark.runs r
+                              WHERE r.run_id = $3 AND w.workflow = $1 AND w.key = $2
+                                AND w.rank_at < r.created_at - make_interval(secs => $5 * r.priority)) END",
     )
     .bind(workflow)
     .bind(key)
+    .bind(run_id)
+    .bind(shared)
+    .bind(aging_secs)
     .fetch_one(db)
     .await?)
 }

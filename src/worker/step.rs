@@ -568,14 +568,20 @@ fn concurrency_of(engine: &Engine, msg: &StepMessage) -> Option<Concurrency> {
     engine.registry.get(&msg.workflow)?.flow.concurrency.clone()
 }
 
-/// Whether a keyed step's end keeps its slot for the run's next step (pre-claims it): only
-/// while no run of the key waits and no rate applies; else the slot goes to the line, in turn.
+/// Whether a keyed step's end keeps its slot for the run's next step (pre-claims it): unless a
+/// rate applies or a run waits that should go first (one ranked ahead of it, or any under a
+/// workflow total, whose keys take turns). So the runs holding slots go on to their end while
+/// younger runs wait, instead of every step going round the line.
 async fn keeps_slot(engine: &Engine, msg: &StepMessage, claim: &runs::Claim) -> store::Result<bool> {
-    match &claim.flow {
-        None => Ok(true),
-        Some(held) if held.paced => Ok(false),
-        Some(held) => Ok(!store::flow::line_waits(&engine.pool, (&msg.workflow, &held.key)).await?),
+    let Some(held) = &claim.flow else {
+        return Ok(true);
+    };
+    if held.paced {
+        return Ok(false);
     }
+    let aging = engine.settings.flow.aging_secs as f64;
+    let at = (msg.workflow.as_str(), held.key.as_str());
+    Ok(!store::flow::line_ahead(&engine.pool, at, msg.run_id.as_str(), (held.shared, aging)).await?)
 }
 
 /// The disposition with the step messages of runs handed a slot on the way: published with

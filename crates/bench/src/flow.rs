@@ -1,9 +1,10 @@
 //! `trailmark bench --flow`: what a concurrency key costs and how fairly a full line is served.
 //!
 //! Cost: `--runs` `chain` runs of `--steps` links without a tenant (no gate) against as many
-//! with one (each step claims a slot of its key in the claim's transaction, and hands it on
-//! when it ends), the key's limit far above what the fleet runs at once, `--reps` times in
-//! turn; steps per second from the first run's creation to the last one's end.
+//! with one (a run's first step claims a slot of its key in the claim's transaction, each
+//! step's end asks whether a run waits that should go first, the run's end hands its slot on),
+//! the key's limit set to `--runs` so that it does not bind, `--reps` times in turn; steps per
+//! second from the first run's creation to the last one's end.
 //!
 //! Fairness: the workflow's total limit set below what the fleet could run (`TOTAL` slots), a
 //! big tenant starts `--runs` runs, then a small one `SMALL` runs; each step's wait (from the
@@ -106,6 +107,13 @@ async fn phases(
     report: &mut FlowReport,
 ) -> Result<()> {
     let steps = (cfg.runs as f64) * f64::from(cfg.steps);
+    // A limit that does not bind: what the gate itself costs, not the waiting it imposes.
+    let roomy = LimitChange {
+        concurrency: Some(i32::try_from(cfg.runs).unwrap_or(i32::MAX)),
+        total: None,
+        rate: None,
+    };
+    flow::set_limit(&env.pool, ("chain", ""), &roomy, "bench").await?;
     for rep in 0..cfg.reps {
         let plain = json!({"steps": cfg.steps});
         let secs = batch(env, &format!("u{rep}"), cfg.runs, &plain, procs).await?;
