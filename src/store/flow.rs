@@ -74,6 +74,20 @@ pub async fn line_ahead(
     .await?)
 }
 
+/// Whether any run waits in `key`'s line (or, `shared`, in any line of the workflow): a step's
+/// end that freed a slot hands it on only then, and leaves the locked hand-off out otherwise (a
+/// run that starts waiting meanwhile is handed a slot by the supervisor's loop). One index probe.
+pub async fn anyone_waits(db: impl PgExecutor<'_>, (workflow, key): (&str, &str), shared: bool) -> Result<bool> {
+    Ok(sqlx::query_scalar(
+        "SELECT EXISTS (SELECT 1 FROM trailmark.flow_waiters WHERE workflow = $1 AND ($3 OR key = $2))",
+    )
+    .bind(workflow)
+    .bind(key)
+    .bind(shared)
+    .fetch_one(db)
+    .await?)
+}
+
 /// Limits set at run time for a workflow: for one key, and for every key ('').
 #[derive(Debug, Clone, Default, PartialEq, serde::Serialize, sqlx::FromRow)]
 #[cfg_attr(feature = "ops-http", derive(utoipa::ToSchema))]

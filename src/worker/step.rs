@@ -545,6 +545,14 @@ async fn hand_on(engine: &Engine, msg: &StepMessage, claim: &runs::Claim, eager:
         return Vec::new();
     };
     let key = held.key.as_str();
+    match store::flow::anyone_waits(&engine.pool, (&msg.workflow, key), held.shared).await {
+        Ok(true) => {}
+        Ok(false) => return Vec::new(),
+        Err(e) => {
+            tracing::warn!(error = %crate::error::Report(&e), key, "could not see whether runs wait for the freed slot; the supervisor's loop will hand it");
+            return Vec::new();
+        }
+    }
     let hold = |m: &mut [OutgoingMessage]| {
         if eager {
             published::hold_for_eager_publish(engine, m)
