@@ -64,7 +64,7 @@ async fn pending(env: &TestEnv) -> i64 {
 async fn a_burst_of_five_starts_with_one_key_is_one_run_of_the_last_and_repeats_start_nothing() {
     let env = TestEnv::new().await;
     let engine = env.engine();
-    let _running = env.spawn_all(engine.clone());
+    let running = env.spawn_all(engine.clone());
     // Two keys, their bursts interleaved: a's five starts and b's two.
     let mut first_due = None;
     for i in 1..=5 {
@@ -131,12 +131,14 @@ async fn a_burst_of_five_starts_with_one_key_is_one_run_of_the_last_and_repeats_
     assert!(detail.contains("superseded by a-5 (debounced)"), "{detail}");
     assert_eq!(pending(&env).await, 0, "no repeat opened a burst");
     assert_eq!(runs_of_debounced(&env).await, ["a-5", "b-2"]);
+    // Stopped before the environment goes: a worker still draining would declare its queues again.
+    running.stop().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_start_without_its_key_is_refused_naming_the_field_and_one_with_it_is_held() {
     let env = TestEnv::new().await;
-    let _running = env.spawn_all(env.engine());
+    let running = env.spawn_all(env.engine());
     env.start_run(NAME, "no-key", json!({"note": 1})).await;
     env.start_run(NAME, "long-key", json!({"key": "x".repeat(200)}))
         .await;
@@ -200,6 +202,8 @@ async fn a_start_without_its_key_is_refused_naming_the_field_and_one_with_it_is_
         "{stdout}"
     );
     env.wait_status("cli-1", RunStatus::Succeeded, WAIT).await;
+    // Stopped before the environment goes: a worker still draining would declare its queues again.
+    running.stop().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -343,7 +347,7 @@ async fn a_key_started_without_pause_still_runs_within_ten_windows() {
         });
     let mut registry = trailmark_testkit::registry();
     registry.register(stream);
-    let _running = env.spawn_all(env.engine_with(registry, Default::default()));
+    let running = env.spawn_all(env.engine_with(registry, Default::default()));
     let ran = || async {
         sqlx::query_as::<_, (String, chrono::DateTime<chrono::Utc>)>(
             "SELECT run_id, created_at FROM trailmark.runs WHERE workflow = 'stream'",
@@ -382,12 +386,14 @@ async fn a_key_started_without_pause_still_runs_within_ten_windows() {
         "held {held_for:?}; the cap is 10 windows ({:?})",
         window * 10
     );
+    // Stopped before the environment goes: a worker still draining would declare its queues again.
+    running.stop().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn twenty_starts_of_one_key_published_at_once_are_one_run() {
     let env = TestEnv::new().await;
-    let _running = env.spawn_all(env.engine());
+    let running = env.spawn_all(env.engine());
     let starts: Vec<_> = (1..=20)
         .map(|i| {
             let id = trailmark::domain::RunId::parse(&format!("c-{i}")).unwrap();
@@ -424,4 +430,6 @@ async fn twenty_starts_of_one_key_published_at_once_are_one_run() {
             "{id}"
         );
     }
+    // Stopped before the environment goes: a worker still draining would declare its queues again.
+    running.stop().await;
 }
