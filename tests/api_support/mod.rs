@@ -112,6 +112,46 @@ impl Api {
 }
 
 impl Api {
+    /// A request that announces a body of `length` bytes and sends none of it: the answer of a
+    /// server that refuses from the header alone. Written on a bare socket because an HTTP
+    /// client still writing a body the server refused can lose the answer to a broken pipe.
+    pub async fn announced_body(&self, path: &str, length: usize) -> (StatusCode, Value) {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let host = self.base.trim_start_matches("http://");
+        let mut socket = tokio::net::TcpStream::connect(host)
+            .await
+            .expect("connected");
+        let head = format!(
+            "POST {path} HTTP/1.1\r\nhost: {host}\r\nauthorization: Bearer {}\r\n\
+             content-type: application/json\r\ncontent-length: {length}\r\n\
+             connection: close\r\n\r\n",
+            self.admin
+        );
+        socket.write_all(head.as_bytes()).await.expect("head sent");
+        let mut answer = Vec::new();
+        tokio::time::timeout(WAIT, socket.read_to_end(&mut answer))
+            .await
+            .expect("the server answered and closed within the wait")
+            .expect("answer read");
+        let answer = String::from_utf8_lossy(&answer);
+        let (head, body) = answer.split_once("\r\n\r\n").expect("a head and a body");
+        let status: u16 = head
+            .split(' ')
+            .nth(1)
+            .and_then(|code| code.parse().ok())
+            .unwrap_or_else(|| panic!("a status line: {head}"));
+        assert!(
+            !head
+                .to_ascii_lowercase()
+                .contains("transfer-encoding: chunked"),
+            "a refusal is short enough to come with its length: {head}"
+        );
+        let value = serde_json::from_str(body).unwrap_or(Value::String(body.to_string()));
+        (StatusCode::from_u16(status).expect("a status"), value)
+    }
+}
+
+impl Api {
     /// A raw request: any body bytes, any content type, extra headers.
     pub async fn raw(
         &self,

@@ -27,6 +27,9 @@ pub struct TestEnv {
     pub pool: PgPool,
     pub db_name: String,
     pub prefix: String,
+    /// Components spawned in this process and not yet ended: the teardown waits for them, since
+    /// a worker still draining would declare the deleted queues again.
+    live: Arc<std::sync::atomic::AtomicUsize>,
 }
 
 /// The `trailmark` binary of this build. It belongs to the workspace member `trailmark-cli`, so
@@ -198,6 +201,7 @@ impl TestEnv {
             pool,
             db_name,
             prefix,
+            live: Arc::default(),
         }
     }
 
@@ -223,7 +227,11 @@ impl TestEnv {
     /// Runs worker + relay + supervisor in this process until the returned guard stops them.
     pub fn spawn(&self, engine: Arc<Engine>, components: Components) -> Running {
         let shutdown = CancellationToken::new();
-        let handle = tokio::spawn(process::run(engine, components, shutdown.clone()));
+        let (live, stop) = (LiveGuard::enter(&self.live), shutdown.clone());
+        let handle = tokio::spawn(async move {
+            let _live = live;
+            process::run(engine, components, stop).await
+        });
         Running {
             shutdown,
             handle: Some(handle),
@@ -433,6 +441,7 @@ impl TestEnv {
 impl Drop for TestEnv {
     /// Drops the database and deletes the topology, even when the test failed.
     fn drop(&mut self) {
+        self.await_components();
         let (settings, db, prefix) = (
             self.settings.clone(),
             self.db_name.clone(),
@@ -447,6 +456,36 @@ impl Drop for TestEnv {
             rt.block_on(Self::teardown(settings, db, prefix));
         })
         .join();
+    }
+}
+
+impl TestEnv {
+    /// Waits (bounded) for components dropped without [`Running::stop`] to end. A runtime with
+    /// one thread cannot run them while its thread waits here; their tasks end with it instead.
+    fn await_components(&self) {
+        use std::sync::atomic::Ordering;
+        let multi = tokio::runtime::Handle::try_current()
+            .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread);
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while multi && self.live.load(Ordering::SeqCst) > 0 && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+/// Counts a spawned component task as live until the task ends (or is dropped).
+struct LiveGuard(Arc<std::sync::atomic::AtomicUsize>);
+
+impl LiveGuard {
+    fn enter(live: &Arc<std::sync::atomic::AtomicUsize>) -> Self {
+        live.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        Self(live.clone())
+    }
+}
+
+impl Drop for LiveGuard {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
     }
 }
 
