@@ -20,18 +20,20 @@ const LIVE: &str = "(s.reserved_until > now() OR (r.lease_owner IS NOT NULL
 /// What a run's own row says before its step is gated.
 #[derive(Debug, sqlx::FromRow)]
 pub struct RunFlow {
+    /// The run.
+    pub run_id: String,
     /// Its key (`None`: not counted under one).
     pub flow_key: Option<String>,
     /// Its priority level.
     pub priority: i16,
 }
 
-/// The run's key and priority (`None`: no such run).
-pub async fn run_flow(db: impl PgExecutor<'_>, run_id: &str) -> Result<Option<RunFlow>> {
+/// The keys and priorities of the runs `run_ids` that exist.
+pub async fn run_flows(db: impl PgExecutor<'_>, run_ids: &[&str]) -> Result<Vec<RunFlow>> {
     Ok(
-        sqlx::query_as("SELECT flow_key, priority FROM trailmark.runs WHERE run_id = $1")
-            .bind(run_id)
-            .fetch_optional(db)
+        sqlx::query_as("SELECT run_id, flow_key, priority FROM trailmark.runs WHERE run_id = ANY($1)")
+            .bind(run_ids)
+            .fetch_all(db)
             .await?,
     )
 }
@@ -117,6 +119,16 @@ pub async fn limits_for(db: impl PgExecutor<'_>, workflow: &str, key: &str) -> R
     .bind(key)
     .fetch_all(db)
     .await?)
+}
+
+/// Every limit set at run time for the workflows `workflows`.
+pub async fn limits_of(db: impl PgExecutor<'_>, workflows: &[&str]) -> Result<Vec<LimitRow>> {
+    Ok(
+        sqlx::query_as("SELECT * FROM trailmark.flow_limits WHERE workflow = ANY($1) ORDER BY workflow, key")
+            .bind(workflows)
+            .fetch_all(db)
+            .await?,
+    )
 }
 
 /// Every limit set at run time, by workflow and key.
@@ -218,23 +230,24 @@ pub async fn set_tokens(tx: &mut PgConnection, (workflow, key): (&str, &str), to
 /// Slots of a key as a claim finds them, with the key's row locked.
 #[derive(Debug, Default, sqlx::FromRow)]
 pub struct Slots {
-    /// Live slots of the key, the asking run's left out.
+    /// Live slots of the key, the asking runs' own included.
     pub live: i64,
-    /// Live slots of the whole workflow, the asking run's left out (counted only when asked).
+    /// Live slots of the whole workflow (counted only when asked).
     pub total_live: Option<i64>,
-    /// The asking run holds a live slot of the key already (one reserved for it, or held by the
-    /// lease of another delivery of its step).
-    pub own: bool,
+    /// The asking runs that hold a live slot of the key already (one reserved for them, or held
+    /// by the lease of another delivery of their step).
+    pub own: Vec<String>,
     /// Runs of the key wait for a slot now (not for a later token).
     pub queued: bool,
 }
 
-/// Counts the live slots of `key` (and of the workflow when `total`), and removes the slots
-/// that ended (their run gave its lease back, died, or ended). Call with the key's row locked.
+/// Counts the live slots of `key` (and of the workflow when `total`), names those of `askers`
+/// that hold one, and removes the slots that ended (their run gave its lease back, died, or
+/// ended). Call with the key's row locked.
 pub async fn slots(
     tx: &mut PgConnection,
     (workflow, key): (&str, &str),
-    run_id: &str,
+    askers: &[&str],
     total: bool,
 ) -> Result<Slots> {
     let sql = format!(
@@ -246,9 +259,10 @@ pub async fn slots(
              DELETE FROM trailmark.flow_slots f USING s
               WHERE f.run_id = s.run_id AND NOT s.live AND s.key = $2
          )
-         SELECT count(*) FILTER (WHERE live AND key = $2 AND run_id <> $3) AS live,
-                CASE WHEN $4 THEN count(*) FILTER (WHERE live AND run_id <> $3) END AS total_live,
-                bool_or(live AND run_id = $3) IS TRUE AS own,
+         SELECT count(*) FILTER (WHERE live AND key = $2) AS live,
+                CASE WHEN $4 THEN count(*) FILTER (WHERE live) END AS total_live,
+                COALESCE(array_agg(run_id) FILTER (WHERE live AND key = $2 AND run_id = ANY($3)),
+                         '{{}}') AS own,
                 EXISTS (SELECT 1 FROM trailmark.flow_waiters w
                          WHERE w.workflow = $1 AND w.key = $2 AND w.not_before <= now()) AS queued
            FROM s"
@@ -256,19 +270,20 @@ pub async fn slots(
     Ok(sqlx::query_as(sqlx::AssertSqlSafe(sql))
         .bind(workflow)
         .bind(key)
-        .bind(run_id)
+        .bind(askers)
         .bind(total)
         .fetch_one(&mut *tx)
         .await?)
 }
 
-/// Gives `run_id` a slot of `key` held by its lease from now on (a reservation becomes held).
-pub async fn hold(tx: &mut PgConnection, run_id: &str, (workflow, key): (&str, &str)) -> Result<()> {
+/// Gives the runs `run_ids` a slot of `key` held by their leases from now on (a reservation
+/// becomes held).
+pub async fn hold(tx: &mut PgConnection, run_ids: &[&str], (workflow, key): (&str, &str)) -> Result<()> {
     sqlx::query(
-        "INSERT INTO trailmark.flow_slots (run_id, workflow, key) VALUES ($1, $2, $3)
+        "INSERT INTO trailmark.flow_slots (run_id, workflow, key) SELECT unnest($1::text[]), $2, $3
          ON CONFLICT (run_id) DO UPDATE SET workflow = $2, key = $3, reserved_until = NULL",
     )
-    .bind(run_id)
+    .bind(run_ids)
     .bind(workflow)
     .bind(key)
     .execute(&mut *tx)

@@ -719,6 +719,6 @@ where
 /// Whether a failed batch statement may have failed because of one of its items, rather than
 /// because Postgres is unreachable: any error Postgres answered with (a refused fence, a
 /// deadlock, bad data), as opposed to I/O, pool and protocol failures.
-fn caused_by_one_item(e: &Error) -> bool {
+pub(crate) fn caused_by_one_item(e: &Error) -> bool {
     matches!(e.sqlx_cause(), Some(sqlx::Error::Database(_)))
 }

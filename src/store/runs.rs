@@ -343,6 +343,15 @@ pub async fn claim(db: impl PgExecutor<'_>, r: &ClaimRequest) -> Result<ClaimOut
     Ok(outcomes.remove(0))
 }
 
+/// Claims for several deliveries in one statement on `db` (a transaction of the caller's), each
+/// with the outcome [`claim`] would give it; none asked, no statement.
+pub async fn claim_in(db: impl PgExecutor<'_>, reqs: &[ClaimRequest]) -> Result<Vec<ClaimOutcome>> {
+    if reqs.is_empty() {
+        return Ok(Vec::new());
+    }
+    claim_batch(db, reqs).await
+}
+
 /// Claims for several deliveries, each with the outcome [`claim`] would give it: in one statement,
 /// or one by one when that fails (two processes' batches that lock the same runs in opposite
 /// orders deadlock, and one of them is aborted).

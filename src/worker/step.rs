@@ -521,11 +521,21 @@ async fn gated(
     request: &runs::ClaimRequest,
     handed: &mut Vec<Eager>,
 ) -> store::Result<Result<(runs::ClaimOutcome, Option<store::flow::Held>), Disposition>> {
-    let hold = |m: &mut [OutgoingMessage]| published::hold_for_eager_publish(engine, m);
-    let Some((gated, ran, key)) = gate::claim(engine, msg, declared, request, hold).await? else {
+    let publish = published::publishes_eagerly(engine)
+        .then(|| (engine.settings.relay.eager_grace_ms, super::presence::pid(engine)));
+    let ask = gate::Ask {
+        msg: msg.clone(),
+        declared: declared.clone(),
+        request: request.clone(),
+        reserve_secs: engine.settings.worker.lease_secs as f64,
+        aging_secs: engine.settings.flow.aging_secs as f64,
+        publish,
+    };
+    let (answer, ran) = engine.step_tx.gate(ask).await?;
+    handed.extend(published::to_publish_eagerly(engine, ran.messages, &ran.rows));
+    let Some((gated, key)) = answer else {
         return Ok(Ok((engine.step_tx.claim(request.clone()).await?, None)));
     };
-    handed.extend(published::to_publish_eagerly(engine, ran.messages, &ran.rows));
     match gated {
         Gated::Claimed(outcome) => Ok(Ok((outcome, Some(key)))),
         Gated::Waits(line) => {

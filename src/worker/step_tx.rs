@@ -15,6 +15,7 @@ use sqlx::PgPool;
 
 use super::batch::Batcher;
 use crate::broker::Topology;
+use crate::flow::gate;
 use crate::domain::{
     Admission, EffectIntent, Event, Fence, IdempotencyKey, IntentOutcome, JournalEntry, ModelAsk,
     RunId, ShadowWrite, Spent,
@@ -35,6 +36,8 @@ pub(crate) struct StepTx {
     relaxed: PgPool,
     max_batch: usize,
     claims: OnceLock<Batcher<ClaimRequest, ClaimOutcome>>,
+    /// Claims of keyed runs, through their keys' gate.
+    gates: OnceLock<Batcher<gate::Ask, gate::Reply>>,
     records: OnceLock<Batcher<Record, bool>>,
     /// Effect intents go through the strict pool: an intent is durable before its call.
     intents: OnceLock<Batcher<EffectIntent, IntentOutcome>>,
@@ -66,6 +69,7 @@ impl StepTx {
             topology,
             max_batch,
             claims: OnceLock::new(),
+            gates: OnceLock::new(),
             records: OnceLock::new(),
             intents: OnceLock::new(),
             commits: OnceLock::new(),
@@ -100,6 +104,18 @@ impl StepTx {
             runs::claim_all(&pool, &batch).await
         });
         batcher.call(request).await
+    }
+
+    /// Gates and claims a keyed run's delivery (`flow::gate`), with the other keyed deliveries of
+    /// the moment: one transaction and one commit per key (per workflow under a total) instead
+    /// of one per delivery, each holding the key's lock through its commit.
+    pub async fn gate(&self, ask: gate::Ask) -> store::Result<gate::Reply> {
+        let topology = self.topology.clone();
+        let batcher = self.batcher(&self.gates, &self.pool, move |pool, batch| {
+            let topology = topology.clone();
+            async move { gate::claim_all(&pool, &topology, &batch).await }
+        });
+        batcher.call(ask).await
     }
 
     /// Commits a step (inbox row, fenced run advance, checkpoint, parked items, outbox rows),
