@@ -349,3 +349,108 @@ async fn bad_limits_keys_and_priorities_are_refused_naming_the_field() {
     );
     let _ = RunStatus::Running;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_batch_of_deliveries_takes_only_the_free_slots_the_highest_priority_first() {
+    use trailmark::domain::{MessageId, RunId, StepMessage};
+    use trailmark::flow::{Concurrency, gate};
+    use trailmark::store::runs;
+    let env = TestEnv::new().await;
+    let ids = ["held", "b-1", "b-2", "b-3", "b-4", "urgent"];
+    for id in ids {
+        env.insert_chain_run(id).await;
+        sqlx::query("UPDATE trailmark.runs SET flow_key = 'b', priority = $2 WHERE run_id = $1")
+            .bind(id)
+            .bind(if id == "urgent" { 4_i16 } else { 2 })
+            .execute(&env.pool)
+            .await
+            .unwrap();
+    }
+    // A slot of b was handed to `held` (reserved for it): the key has 1 of its 3 in use.
+    sqlx::query(
+        "INSERT INTO trailmark.flow_slots (run_id, workflow, key, reserved_until)
+         VALUES ('held', 'chain', 'b', now() + interval '30 seconds')",
+    )
+    .execute(&env.pool)
+    .await
+    .unwrap();
+    let declared = Concurrency::per_key("tenant", 3).unwrap();
+    let asks: Vec<gate::Ask> = ids
+        .iter()
+        .map(|id| {
+            let run_id = RunId::parse(id).unwrap();
+            let message_id = MessageId::new();
+            gate::Ask {
+                msg: StepMessage {
+                    v: 1,
+                    message_id,
+                    run_id: run_id.clone(),
+                    workflow: "chain".into(),
+                    version: 1,
+                    step: "link".into(),
+                    seq: 0,
+                    trace: None,
+                },
+                declared: declared.clone(),
+                request: runs::ClaimRequest {
+                    run_id,
+                    seq: 0,
+                    step: "link".into(),
+                    owner: format!("w-test/{id}"),
+                    lease_secs: 30.0,
+                    presence_pid: None,
+                    message: ("steps", message_id),
+                    redelivered: false,
+                    unstarted_preclaim: false,
+                },
+                reserve_secs: 30.0,
+                aging_secs: 60.0,
+                publish: None,
+            }
+        })
+        .collect();
+    let replies = gate::claim_all(&env.pool, &env.topology(), &asks).await;
+    let mut claimed = Vec::new();
+    let mut waiting = Vec::new();
+    for (id, reply) in ids.iter().zip(replies) {
+        match reply.unwrap().0 {
+            Some((gate::Gated::Claimed(runs::ClaimOutcome::Claimed(_)), held)) => {
+                assert_eq!(held.key, "b");
+                claimed.push(*id);
+            }
+            Some((gate::Gated::Waits(line), _)) => {
+                assert!(
+                    line.contains("3 of 3 slots of key b are in use"),
+                    "{id}: {line}"
+                );
+                waiting.push(*id);
+            }
+            other => panic!("{id}: {other:?}"),
+        }
+    }
+    // The reserved run claims on its own slot; the two free ones go to the urgent run, then
+    // the first of the rest; the others wait in line, holding nothing.
+    assert_eq!(claimed, ["held", "b-1", "urgent"]);
+    assert_eq!(waiting, ["b-2", "b-3", "b-4"]);
+    let held: Vec<(String, bool)> = sqlx::query_as(
+        "SELECT run_id, reserved_until IS NULL FROM trailmark.flow_slots ORDER BY run_id",
+    )
+    .fetch_all(&env.pool)
+    .await
+    .unwrap();
+    let held_by_lease = |id: &str| (id.to_owned(), true);
+    assert_eq!(
+        held,
+        [
+            held_by_lease("b-1"),
+            held_by_lease("held"),
+            held_by_lease("urgent")
+        ]
+    );
+    let line: Vec<String> =
+        sqlx::query_scalar("SELECT run_id FROM trailmark.flow_waiters ORDER BY run_id")
+            .fetch_all(&env.pool)
+            .await
+            .unwrap();
+    assert_eq!(line, ["b-2", "b-3", "b-4"]);
+}

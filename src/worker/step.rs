@@ -143,6 +143,7 @@ async fn run_claimed(
     // The lease is renewed until the step's ending is committed: a commit waiting for a
     // connection must not see its lease expire and the step taken over.
     let heartbeat = Heartbeat::start(engine, (msg.run_id.clone(), msg.seq), claim.fence);
+    let look = SlotLook::start(engine, msg, claim);
     // 3. Run the handler, unless a guard or a doubt about the run's items stops it first.
     let run_timeout = engine.settings.guards.run_timeout_secs;
     let refused = ending::refuse_before_running(msg, claimed, limits, claim.age_secs, run_timeout)
@@ -174,7 +175,7 @@ async fn run_claimed(
     let mut outcome = verdict.outcome();
     let disposition = match verdict {
         Verdict::Commit(ending) => {
-            match commit(engine, msg, claim, ending, answers_flushed).await {
+            match commit(engine, msg, (claim, look), ending, answers_flushed).await {
                 // The row a local write brought was refused, and with it the whole commit: the
                 // run stops at the step, which wrote nothing.
                 Err(refused @ store::Error::LocalWrite { .. }) => {
@@ -194,7 +195,7 @@ async fn run_claimed(
             let why = (reason.as_str(), class);
             retry_later(engine, msg, claim, (delay, counted), why, limits).await?;
             // A Delay disposition publishes nothing: the relay takes the handed runs' messages.
-            hand_on(engine, msg, claim, false).await;
+            hand_on(engine, msg, claim, (false, None)).await;
             Disposition::Delay(delay)
         }
         Verdict::Stale(why) => {
@@ -271,7 +272,8 @@ async fn review(
         class: failure.class(),
         note: handover::note(msg, claim.attempt, &failure, evidence),
     };
-    commit(engine, msg, claim, ending, false).await
+    // A run stopped for a person gives its slot up.
+    commit(engine, msg, (claim, SlotLook::Known(false)), ending, false).await
 }
 
 /// The step's handler (or its freeze), the verdict on what it returned, and whether every model
@@ -549,20 +551,25 @@ async fn gated(
 
 /// Hands the slot a keyed step's end freed (the lease given up, not carried to the run's next
 /// step) to the runs in line, best effort: the supervisor's loop hands what this leaves. Their
-/// messages, for this worker to publish (`eager`), else for the relay at once.
-async fn hand_on(engine: &Engine, msg: &StepMessage, claim: &runs::Claim, eager: bool) -> Vec<Eager> {
+/// messages, for this worker to publish (`eager`), else for the relay at once. `waits`: whether
+/// anyone waits, when already looked up.
+async fn hand_on(
+    engine: &Engine,
+    msg: &StepMessage,
+    claim: &runs::Claim,
+    (eager, waits): (bool, Option<bool>),
+) -> Vec<Eager> {
     let (Some(held), Some(declared)) = (&claim.flow, concurrency_of(engine, msg)) else {
         return Vec::new();
     };
-    let key = held.key.as_str();
-    match store::flow::anyone_waits(&engine.pool, (&msg.workflow, key), held.shared).await {
-        Ok(true) => {}
-        Ok(false) => return Vec::new(),
-        Err(e) => {
-            tracing::warn!(error = %crate::error::Report(&e), key, "could not see whether runs wait for the freed slot; the supervisor's loop will hand it");
-            return Vec::new();
-        }
+    let waits = match waits {
+        Some(waits) => waits,
+        None => anyone_waits(engine, msg, claim).await,
+    };
+    if !waits {
+        return Vec::new();
     }
+    let key = held.key.as_str();
     let hold = |m: &mut [OutgoingMessage]| {
         if eager {
             published::hold_for_eager_publish(engine, m)
@@ -581,6 +588,23 @@ async fn hand_on(engine: &Engine, msg: &StepMessage, claim: &runs::Claim, eager:
     }
 }
 
+/// Whether any run waits in the line of the key `claim` holds (any of the workflow's, under a
+/// total): only then does a freed slot go through the locked hand-off. One index probe; a
+/// failure counts as no (the supervisor's loop hands what this leaves).
+async fn anyone_waits(engine: &Engine, msg: &StepMessage, claim: &runs::Claim) -> bool {
+    let Some(held) = &claim.flow else {
+        return false;
+    };
+    let key = held.key.as_str();
+    match store::flow::anyone_waits(&engine.pool, (&msg.workflow, key), held.shared).await {
+        Ok(waits) => waits,
+        Err(e) => {
+            tracing::warn!(error = %crate::error::Report(&e), key, "could not see whether runs wait for the freed slot; the supervisor's loop will hand it");
+            false
+        }
+    }
+}
+
 /// The concurrency limits `msg`'s workflow declares, as deployed here.
 fn concurrency_of(engine: &Engine, msg: &StepMessage) -> Option<Concurrency> {
     engine.registry.get(&msg.workflow)?.flow.concurrency.clone()
@@ -589,17 +613,40 @@ fn concurrency_of(engine: &Engine, msg: &StepMessage) -> Option<Concurrency> {
 /// Whether a keyed step's end keeps its slot for the run's next step (pre-claims it): unless a
 /// rate applies or a run waits that should go first (one ranked ahead of it, or any under a
 /// workflow total, whose keys take turns). So the runs holding slots go on to their end while
-/// younger runs wait, instead of every step going round the line.
-async fn keeps_slot(engine: &Engine, msg: &StepMessage, claim: &runs::Claim) -> store::Result<bool> {
-    let Some(held) = &claim.flow else {
-        return Ok(true);
-    };
-    if held.paced {
-        return Ok(false);
+/// younger runs wait, instead of every step going round the line. Looked up while the handler
+/// runs, so its round trip overlaps the step instead of adding to it (a quarter of a keyed
+/// step's time in `bench --flow`); a run that starts waiting during the step is seen at the
+/// run's next step's end.
+enum SlotLook {
+    /// Known without a look: no key (kept), or a rate (given up).
+    Known(bool),
+    /// The look at the key's line, under way.
+    Looking(tokio::task::JoinHandle<store::Result<bool>>),
+}
+
+impl SlotLook {
+    fn start(engine: &Arc<Engine>, msg: &StepMessage, claim: &runs::Claim) -> Self {
+        let held = match &claim.flow {
+            None => return Self::Known(true),
+            Some(held) if held.paced => return Self::Known(false),
+            Some(held) => held.clone(),
+        };
+        let (engine, workflow, run_id) = (engine.clone(), msg.workflow.clone(), msg.run_id.clone());
+        Self::Looking(tokio::spawn(async move {
+            let aging = engine.settings.flow.aging_secs as f64;
+            let at = (workflow.as_str(), held.key.as_str());
+            Ok(!store::flow::line_ahead(&engine.pool, at, run_id.as_str(), (held.shared, aging)).await?)
+        }))
     }
-    let aging = engine.settings.flow.aging_secs as f64;
-    let at = (msg.workflow.as_str(), held.key.as_str());
-    Ok(!store::flow::line_ahead(&engine.pool, at, msg.run_id.as_str(), (held.shared, aging)).await?)
+
+    async fn keeps(self) -> store::Result<bool> {
+        match self {
+            Self::Known(keeps) => Ok(keeps),
+            Self::Looking(look) => look
+                .await
+                .map_err(|e| store::Error::unavailable("the look at the key's line stopped", e))?,
+        }
+    }
 }
 
 /// The disposition with the step messages of runs handed a slot on the way: published with
@@ -781,7 +828,7 @@ async fn execute(
 async fn commit(
     engine: &Engine,
     msg: &StepMessage,
-    claim: &runs::Claim,
+    (claim, look): (&runs::Claim, SlotLook),
     ending: Ending,
     answers_flushed: bool,
 ) -> store::Result<Disposition> {
@@ -803,15 +850,16 @@ async fn commit(
     } else {
         Vec::new()
     };
-    let keep_slot = keeps_slot(engine, msg, claim).await?;
+    let keep_slot = look.keeps().await?;
     let next = preclaim(engine, claim, &mut step, (eagerly && !messages.is_empty(), keep_slot));
     let fp = &engine.failpoints;
     fp.hit("step.before_commit").map_err(infra)?;
-    let eager = match engine
-        .step_tx
-        .commit(step, (answers_flushed, claim.preclaimed))
-        .await
-    {
+    // A slot not carried to the run's next step is handed on after the commit, if anyone waits:
+    // looked up beside the commit rather than after it.
+    let freed = next.is_none() && claim.flow.is_some();
+    let waits = async { if freed { Some(anyone_waits(engine, msg, claim).await) } else { None } };
+    let (committed, waits) = tokio::join!(engine.step_tx.commit(step, (answers_flushed, claim.preclaimed)), waits);
+    let eager = match committed {
         Ok(Committed::Done { preclaimed, rows }) => {
             let kept = match (next, preclaimed) {
                 (Some((message, owner)), Some(counted)) => {
@@ -825,7 +873,7 @@ async fn commit(
             };
             let mut eager = published::to_publish_eagerly(engine, messages, &rows);
             if !kept {
-                eager.extend(hand_on(engine, msg, claim, true).await);
+                eager.extend(hand_on(engine, msg, claim, (true, waits)).await);
             }
             eager
         }
