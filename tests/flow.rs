@@ -352,7 +352,7 @@ async fn bad_limits_keys_and_priorities_are_refused_naming_the_field() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_batch_of_deliveries_takes_only_the_free_slots_the_highest_priority_first() {
-    use trailmark::domain::{MessageId, RunId, StepMessage};
+    use trailmark::domain::{MessageId, RunId};
     use trailmark::flow::{Concurrency, gate};
     use trailmark::store::runs;
     let env = TestEnv::new().await;
@@ -381,16 +381,7 @@ async fn one_batch_of_deliveries_takes_only_the_free_slots_the_highest_priority_
             let run_id = RunId::parse(id).unwrap();
             let message_id = MessageId::new();
             gate::Ask {
-                msg: StepMessage {
-                    v: 1,
-                    message_id,
-                    run_id: run_id.clone(),
-                    workflow: "chain".into(),
-                    version: 1,
-                    step: "link".into(),
-                    seq: 0,
-                    trace: None,
-                },
+                msg: TestEnv::chain_first_step(&run_id, message_id),
                 declared: declared.clone(),
                 request: runs::ClaimRequest {
                     run_id,

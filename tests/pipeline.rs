@@ -11,7 +11,7 @@ use serde_json::json;
 use trailmark::broker::{Outgoing, map_to_headers};
 use trailmark::domain::{
     EffectIntent, EffectState, Fence, IdempotencyKey, IntentOutcome, MessageId, RunId, RunStatus,
-    STEP_ROUTING_KEY, StepMessage,
+    STEP_ROUTING_KEY,
 };
 use trailmark::engine::Engine;
 use trailmark::failpoint::{Action, Failpoints};
@@ -177,16 +177,7 @@ async fn same_step_message_delivered_twice_changes_nothing() {
     let env = TestEnv::new().await;
     let engine = env.engine();
     let run_id = env.insert_chain_run("r-dup").await;
-    let msg = StepMessage {
-        v: 1,
-        message_id: MessageId::new(),
-        run_id: run_id.clone(),
-        workflow: "chain".into(),
-        version: 1,
-        step: "link".into(),
-        seq: 0,
-        trace: None,
-    };
+    let msg = TestEnv::chain_first_step(&run_id, MessageId::new());
     let out = Outgoing {
         message_id: msg.message_id.to_string(),
         exchange: env.topology().steps_exchange(),

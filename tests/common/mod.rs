@@ -132,6 +132,24 @@ pub fn amqp_url() -> String {
 
 impl TestEnv {
     /// Creates a one-step `chain` run directly in the store (no start event, no step message).
+    /// The message of `chain`'s first step (`link` at position 0) of `run_id`, as the engine
+    /// publishes it.
+    pub fn chain_first_step(
+        run_id: &trailmark::domain::RunId,
+        message_id: trailmark::domain::MessageId,
+    ) -> trailmark::domain::StepMessage {
+        trailmark::domain::StepMessage {
+            v: 1,
+            message_id,
+            run_id: run_id.clone(),
+            workflow: "chain".into(),
+            version: 1,
+            step: "link".into(),
+            seq: 0,
+            trace: None,
+        }
+    }
+
     pub async fn insert_chain_run(&self, id: &str) -> trailmark::domain::RunId {
         let run_id = trailmark::domain::RunId::parse(id).unwrap();
         let input = serde_json::json!({"steps": 1});
