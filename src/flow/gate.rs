@@ -272,7 +272,7 @@ async fn decide(
     order.sort_by_key(|(_, run)| std::cmp::Reverse(run.priority));
     let mut free = limits.free(slots).min(*total_left);
     let mut decided = Vec::new();
-    let (mut waited, mut taken) = (false, 0);
+    let (mut waiting, mut taken) = (Vec::new(), 0);
     for (i, run) in order {
         let ask = &k.asks[*i];
         let claim = || Decision::Claim { key: at.1.to_owned(), held: held.clone() };
@@ -293,15 +293,14 @@ async fn decide(
             // The slots this batch took count as the key's.
             let live = slots.live + taken;
             let reason = if free > 0 || live >= limits.per_key { "slot" } else { "total" };
-            rows::wait(tx, &NewWaiter { reason, ..waiter }).await?;
-            waited = true;
+            waiting.push(NewWaiter { reason, ..waiter });
             let line = waits_line(&ask.msg, at.1, reason, limits, live);
             decided.push((*i, Decision::Waits { line, held: held.clone() }));
             continue;
         }
         if let (Some(rate), Some(t)) = (limits.rate, tokens.filter(|t| *t < 1.0)) {
             let after_secs = (1.0 - t) / rate;
-            rows::wait(tx, &NewWaiter { reason: "rate", after_secs, ..waiter }).await?;
+            waiting.push(NewWaiter { reason: "rate", after_secs, ..waiter });
             let line = rate_line(&ask.msg, at.1, limits, after_secs);
             decided.push((*i, Decision::Waits { line, held: held.clone() }));
             continue;
@@ -312,8 +311,9 @@ async fn decide(
         *total_left -= 1;
         decided.push((*i, claim()));
     }
+    rows::wait_all(tx, &waiting).await?;
     let mut handed = Handed::default();
-    if waited && free > 0 {
+    if waiting.iter().any(|w| w.reason != "rate") && free > 0 {
         // Slots free while runs wait (a hand-off not made yet) go to the line in its order,
         // which may put some of these asks first: their messages are queued like the others'.
         let first = &k.asks[k.of_key[0].0];

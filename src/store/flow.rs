@@ -316,22 +316,39 @@ pub struct NewWaiter<'a> {
 /// `aging_secs` per priority level: a higher level goes first, and a lower one is passed only by
 /// higher ones that started less than the levels between them times `aging_secs` after it.
 pub async fn wait(tx: &mut PgConnection, w: &NewWaiter<'_>) -> Result<()> {
+    wait_all(tx, std::slice::from_ref(w)).await
+}
+
+/// Records runs of one key as waiting, as [`wait`] does each, in one statement (a position
+/// named twice is recorded once).
+pub async fn wait_all(tx: &mut PgConnection, waiters: &[NewWaiter<'_>]) -> Result<()> {
+    let mut unique: Vec<&NewWaiter<'_>> = Vec::with_capacity(waiters.len());
+    for w in waiters {
+        if !unique.iter().any(|u| (u.run_id, u.seq) == (w.run_id, w.seq)) {
+            unique.push(w);
+        }
+    }
+    let Some(first) = unique.first() else {
+        return Ok(());
+    };
     sqlx::query(
         "INSERT INTO trailmark.flow_waiters (run_id, seq, workflow, key, priority, reason, not_before, rank_at)
-         SELECT $1, $2, $3, $4, $5, $6, now() + make_interval(secs => $7),
-                r.created_at - make_interval(secs => $8 * $5)
-           FROM trailmark.runs r WHERE r.run_id = $1
+         SELECT w.run_id, w.seq, $3, $4, w.priority, w.reason, now() + make_interval(secs => w.after_secs),
+                r.created_at - make_interval(secs => $5 * w.priority)
+           FROM UNNEST($1::text[], $2::int4[], $6::int2[], $7::text[], $8::float8[])
+                AS w(run_id, seq, priority, reason, after_secs)
+           JOIN trailmark.runs r ON r.run_id = w.run_id
          ON CONFLICT (run_id, seq) DO UPDATE SET reason = EXCLUDED.reason,
                 not_before = GREATEST(flow_waiters.not_before, EXCLUDED.not_before)",
     )
-    .bind(w.run_id)
-    .bind(w.seq)
-    .bind(w.at.0)
-    .bind(w.at.1)
-    .bind(w.priority)
-    .bind(w.reason)
-    .bind(w.after_secs)
-    .bind(w.aging_secs)
+    .bind(unique.iter().map(|w| w.run_id).collect::<Vec<_>>())
+    .bind(unique.iter().map(|w| w.seq).collect::<Vec<_>>())
+    .bind(first.at.0)
+    .bind(first.at.1)
+    .bind(first.aging_secs)
+    .bind(unique.iter().map(|w| w.priority).collect::<Vec<_>>())
+    .bind(unique.iter().map(|w| w.reason).collect::<Vec<_>>())
+    .bind(unique.iter().map(|w| w.after_secs).collect::<Vec<_>>())
     .execute(&mut *tx)
     .await?;
     Ok(())
