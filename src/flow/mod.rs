@@ -7,6 +7,7 @@ pub mod dispatch;
 pub mod gate;
 mod key;
 pub mod limits;
+pub mod lines;
 mod priority;
 mod rules;
 

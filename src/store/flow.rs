@@ -54,18 +54,20 @@ pub struct Held {
 /// Whether a run waits that should go before `run_id` (which holds a slot of the key): one that
 /// ranks ahead of it in its key's line, or, under a workflow total (`shared`), any run of the
 /// workflow (keys take turns). A step's end then gives its slot to the line instead of
-/// pre-claiming the run's next step. One index probe.
+/// pre-claiming the run's next step. With whether anyone waits in that line at all (a key's
+/// line, or the workflow's when `shared`). Index probes, one round trip.
 pub async fn line_ahead(
     db: impl PgExecutor<'_>,
     (workflow, key): (&str, &str),
     run_id: &str,
     (shared, aging_secs): (bool, f64),
-) -> Result<bool> {
-    Ok(sqlx::query_scalar(
+) -> Result<(bool, bool)> {
+    Ok(sqlx::query_as(
         "SELECT CASE WHEN $4 THEN EXISTS (SELECT 1 FROM trailmark.flow_waiters WHERE workflow = $1)
                 ELSE EXISTS (SELECT 1 FROM trailmark.flow_waiters w, trailmark.runs r
                               WHERE r.run_id = $3 AND w.workflow = $1 AND w.key = $2
-                                AND w.rank_at < r.created_at - make_interval(secs => $5 * r.priority)) END",
+                                AND w.rank_at < r.created_at - make_interval(secs => $5 * r.priority)) END,
+                EXISTS (SELECT 1 FROM trailmark.flow_waiters WHERE workflow = $1 AND ($4 OR key = $2))",
     )
     .bind(workflow)
     .bind(key)

@@ -542,6 +542,7 @@ async fn gated(
         Gated::Claimed(outcome) => Ok(Ok((outcome, Some(key)))),
         Gated::Waits(line) => {
             tracing::debug!(line = %line, "step waits for a slot of its key");
+            engine.step_tx.lines.forget(&msg.workflow, &key.key);
             metrics::flow_waited(&msg.workflow);
             engine.step_tx.progress(&msg.run_id, msg.seq, line);
             Ok(Err(Disposition::Committed(Vec::new())))
@@ -596,8 +597,14 @@ async fn anyone_waits(engine: &Engine, msg: &StepMessage, claim: &runs::Claim) -
         return false;
     };
     let key = held.key.as_str();
+    if engine.step_tx.lines.empty(&msg.workflow, key, held.shared) {
+        return false;
+    }
     match store::flow::anyone_waits(&engine.pool, (&msg.workflow, key), held.shared).await {
-        Ok(waits) => waits,
+        Ok(waits) => {
+            engine.step_tx.lines.saw(&msg.workflow, key, held.shared, !waits);
+            waits
+        }
         Err(e) => {
             tracing::warn!(error = %crate::error::Report(&e), key, "could not see whether runs wait for the freed slot; the supervisor's loop will hand it");
             false
@@ -631,11 +638,17 @@ impl SlotLook {
             Some(held) if held.paced => return Self::Known(false),
             Some(held) => held.clone(),
         };
+        if engine.step_tx.lines.empty(&msg.workflow, &held.key, held.shared) {
+            return Self::Known(true);
+        }
         let (engine, workflow, run_id) = (engine.clone(), msg.workflow.clone(), msg.run_id.clone());
         Self::Looking(tokio::spawn(async move {
             let aging = engine.settings.flow.aging_secs as f64;
             let at = (workflow.as_str(), held.key.as_str());
-            Ok(!store::flow::line_ahead(&engine.pool, at, run_id.as_str(), (held.shared, aging)).await?)
+            let look = (held.shared, aging);
+            let (ahead, anyone) = store::flow::line_ahead(&engine.pool, at, run_id.as_str(), look).await?;
+            engine.step_tx.lines.saw(at.0, at.1, held.shared, !anyone);
+            Ok(!ahead)
         }))
     }
 

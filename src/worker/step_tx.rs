@@ -47,6 +47,8 @@ pub(crate) struct StepTx {
     advances: OnceLock<Batcher<StepCommit, Committed>>,
     /// Next positions this process's commits claimed, waiting for their deliveries.
     pub preclaims: super::preclaim::PreClaims,
+    /// Keys' lines this process found empty a moment ago (`flow::lines`).
+    pub lines: crate::flow::lines::Lines,
     /// Progress lines, written in batches by a task of their own.
     progress: OnceLock<tokio::sync::mpsc::UnboundedSender<progress::NewLine>>,
     /// The process's failpoints, for the spots inside a commit's transaction (a fan-out's
@@ -75,6 +77,7 @@ impl StepTx {
             commits: OnceLock::new(),
             advances: OnceLock::new(),
             preclaims: Default::default(),
+            lines: Default::default(),
             progress: OnceLock::new(),
             failpoints: Default::default(),
         }
