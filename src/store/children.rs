@@ -216,25 +216,28 @@ pub async fn ended(
         .await?)
 }
 
-/// Marks the fan-out joined, once: `false` when it was joined before (the caller then moves
-/// nothing).
-pub async fn join_once(conn: &mut PgConnection, (run_id, seq): (&str, i32)) -> Result<bool> {
-    let done = sqlx::query(
-        "UPDATE trailmark.fan_outs SET joined_at = now()
-          WHERE run_id = $1 AND seq = $2 AND joined_at IS NULL",
-    )
-    .bind(run_id)
-    .bind(seq)
-    .execute(&mut *conn)
-    .await?;
-    sqlx::query(
-        "UPDATE trailmark.children SET state = 'skipped'
-          WHERE parent_run_id = $1 AND seq = $2 AND state = 'pending'",
-    )
-    .bind(run_id)
-    .bind(seq)
-    .execute(conn)
-    .await?;
+/// Marks the fan-out's `join` done, once: `false` when it was before (the caller then moves
+/// nothing). The join on the children's runs also skips the children never started (a
+/// first-n fan-out that had enough).
+pub async fn join_once(conn: &mut PgConnection, (run_id, seq): (&str, i32), join: Join) -> Result<bool> {
+    let sql = format!(
+        "UPDATE trailmark.fan_outs SET {0} = now() WHERE run_id = $1 AND seq = $2 AND {0} IS NULL",
+        join.joined_column()
+    );
+    // Column names from `Join` only: nothing from outside is spliced in.
+    let done = (sqlx::query(sqlx::AssertSqlSafe(sql)).bind(run_id).bind(seq))
+        .execute(&mut *conn)
+        .await?;
+    if join == Join::Runs {
+        sqlx::query(
+            "UPDATE trailmark.children SET state = 'skipped'
+              WHERE parent_run_id = $1 AND seq = $2 AND state = 'pending'",
+        )
+        .bind(run_id)
+        .bind(seq)
+        .execute(conn)
+        .await?;
+    }
     Ok(done.rows_affected() == 1)
 }
 
@@ -248,6 +251,14 @@ pub enum Join {
 }
 
 impl Join {
+    /// The fan-out's column saying when this join was made.
+    fn joined_column(self) -> &'static str {
+        match self {
+            Join::Runs => "joined_at",
+            Join::Undo => "undo_joined_at",
+        }
+    }
+
     /// The fan-out's column saying when this join stopped its parent.
     fn stopped_column(self) -> &'static str {
         match self {
@@ -884,15 +895,3 @@ pub async fn undo_ended(
         .await?)
 }
 
-/// Marks a fan-out's undo joined, once: `false` when it was before.
-pub async fn undo_join_once(conn: &mut PgConnection, (run_id, seq): (&str, i32)) -> Result<bool> {
-    let done = sqlx::query(
-        "UPDATE trailmark.fan_outs SET undo_joined_at = now()
-          WHERE run_id = $1 AND seq = $2 AND undo_joined_at IS NULL",
-    )
-    .bind(run_id)
-    .bind(seq)
-    .execute(conn)
-    .await?;
-    Ok(done.rows_affected() == 1)
-}

@@ -298,7 +298,7 @@ async fn settle_undo(tx: &mut PgConnection, topology: &Topology, f: children::Un
     if f.undo_failed > 0 {
         return stop_undo(tx, topology, waiting, &f).await;
     }
-    if f.undone >= f.undo_total && children::undo_join_once(&mut *tx, (&f.run_id, f.seq)).await? {
+    if f.undone >= f.undo_total && children::join_once(&mut *tx, (&f.run_id, f.seq), children::Join::Undo).await? {
         let line = format!(
             "children undone: the {} child run(s) of position {} are compensated",
             f.undo_total, f.seq
@@ -480,7 +480,7 @@ async fn settle(
             start(tx, (topology, failpoints), &f.run_id, next).await
         }
         Join::GoOn => {
-            if children::join_once(&mut *tx, (&f.run_id, f.seq)).await? {
+            if children::join_once(&mut *tx, (&f.run_id, f.seq), children::Join::Runs).await? {
                 let line = format!(
                     "children joined: {} succeeded, {} failed of {}",
                     f.succeeded, f.failed, f.total
