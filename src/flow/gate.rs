@@ -5,7 +5,8 @@
 //! worker's slot is free when its lease expires; nothing has to give it back (a dead presence
 //! connection alone frees no slot: see `store::flow`). Counting a key's slots and taking one happen
 //! in one transaction that holds the key's row locked, with the claim itself, so two workers
-//! never both take the last slot. A run that finds no slot (or others already in line) is
+//! never both take the last slot; a process's deliveries of a key that arrive together share
+//! that transaction and its commit. A run that finds no slot (or others already in line) is
 //! recorded as waiting and its message acknowledged: it holds no lease and no message while it
 //! waits. Whoever frees a slot (a step's end, or the supervisor's loop for slots freed by a
 //! death, a raised limit or a rate's next token) hands it to the first in line: the slot is
