@@ -273,16 +273,21 @@ async fn decide(
     order.sort_by_key(|(_, run)| std::cmp::Reverse(run.priority));
     let mut free = limits.free(slots).min(*total_left);
     let mut decided = Vec::new();
-    let (mut waiting, mut taken) = (Vec::new(), 0);
+    let mut waiting = Vec::new();
+    // Runs that took a slot in this batch: another delivery of the same step in it claims on
+    // that slot (the claim statement gives the lease to one of them), as it would had it come
+    // after, instead of taking a second slot or waiting in line for one.
+    let mut took: Vec<&str> = Vec::new();
     for (i, run) in order {
         let ask = &k.asks[*i];
+        let run_id = ask.msg.run_id.as_str();
         let claim = || Decision::Claim { key: at.1.to_owned(), held: held.clone() };
-        if slots.own.iter().any(|id| id == ask.msg.run_id.as_str()) {
+        if slots.own.iter().any(|id| id == run_id) || took.contains(&run_id) {
             decided.push((*i, claim()));
             continue;
         }
         let waiter = NewWaiter {
-            run_id: ask.msg.run_id.as_str(),
+            run_id,
             seq: ask.msg.seq,
             at,
             priority: run.priority,
@@ -292,7 +297,7 @@ async fn decide(
         };
         if free <= 0 || slots.queued {
             // The slots this batch took count as the key's.
-            let live = slots.live + taken;
+            let live = slots.live + took.len() as i64;
             let reason = if free > 0 || live >= limits.per_key { "slot" } else { "total" };
             waiting.push(NewWaiter { reason, ..waiter });
             let line = waits_line(&ask.msg, at.1, reason, limits, live);
@@ -308,7 +313,7 @@ async fn decide(
         }
         tokens = tokens.map(|t| t - 1.0);
         free -= 1;
-        taken += 1;
+        took.push(run_id);
         *total_left -= 1;
         decided.push((*i, claim()));
     }
