@@ -117,6 +117,26 @@ impl OutgoingMessage {
     }
 }
 
+/// How a committer that publishes its messages itself marks their outbox rows: the relay
+/// leaves a row alone for `relay_after_ms`, or until the `holder_pid` backend is gone.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EagerHold {
+    /// How long the relay leaves the rows alone.
+    pub relay_after_ms: i64,
+    /// The committer's presence backend pid.
+    pub holder_pid: Option<i32>,
+}
+
+impl EagerHold {
+    /// Marks `messages` as held by their committer.
+    pub fn apply(&self, messages: &mut [OutgoingMessage]) {
+        for m in messages {
+            m.relay_after_ms = self.relay_after_ms;
+            m.holder_pid = self.holder_pid;
+        }
+    }
+}
+
 fn empty_object() -> Value {
     Value::Object(Default::default())
 }

@@ -18,6 +18,7 @@ pub use children::{
     ChildResult, ChildStart, ChildrenSummary, FanOut, MAX_CHILDREN, Threshold, allowed_failures, child_run_id, never,
 };
 pub use envelope::{
+    EagerHold,
     DecodeError, OutgoingMessage, RUN_START_ROUTING_KEY, RunStartEvent, STEP_ROUTING_KEY,
     StepMessage,
 };

@@ -16,7 +16,7 @@ use sqlx::{PgConnection, PgPool};
 
 use super::Concurrency;
 use crate::broker::Topology;
-use crate::domain::{OutgoingMessage, RunId, StepMessage};
+use crate::domain::{EagerHold, OutgoingMessage, RunId, StepMessage};
 use crate::engine::Engine;
 use crate::store::flow::{self as rows, LimitRow, NewWaiter, Slots};
 use crate::store::{self, outbox, runs};
@@ -104,9 +104,9 @@ pub struct Ask {
     pub reserve_secs: f64,
     /// Seconds of waiting that lift a run one priority level (`flow.aging_secs`).
     pub aging_secs: f64,
-    /// The asking worker publishes the messages of runs handed a slot on the way itself: the
-    /// relay's grace and the worker's presence pid to mark them with (`None`: the relay does).
-    pub publish: Option<(i64, Option<i32>)>,
+    /// How the asking worker marks the messages of runs handed a slot on the way, which it
+    /// publishes itself (`None`: the relay publishes them).
+    pub publish: Option<EagerHold>,
 }
 
 /// The gate's answer to one ask: claimed under the key's slot, or waiting for one; `None` when
@@ -323,7 +323,7 @@ async fn decide(
         // Slots free while runs wait (a hand-off not made yet) go to the line in its order,
         // which may put some of these asks first: their messages are queued like the others'.
         let first = &k.asks[k.of_key[0].0];
-        let (ran, ids) = hand_in_tx(tx, topology, (at, tokens), (free, first.reserve_secs), |m| mark(first, m)).await?;
+        let (ran, ids) = hand_in_tx(tx, topology, (at, tokens), (free, first.reserve_secs), |m| first.publish.iter().for_each(|hold| hold.apply(m))).await?;
         *total_left -= ids.len() as i64;
         handed = ran;
     } else if let Some(t) = tokens {
@@ -376,16 +376,6 @@ fn with_handed(answers: Vec<(usize, Answer)>, mut handed: Handed) -> Vec<(usize,
         .into_iter()
         .map(|(i, answer)| (i, (answer, std::mem::take(&mut handed))))
         .collect()
-}
-
-/// Marks handed runs' messages for the asking worker's own publish, when it publishes.
-fn mark(ask: &Ask, messages: &mut [OutgoingMessage]) {
-    if let Some((after_ms, holder)) = ask.publish {
-        for m in messages {
-            m.relay_after_ms = after_ms;
-            m.holder_pid = holder;
-        }
-    }
 }
 
 fn fail_all(n: usize, e: &store::Error) -> Vec<store::Result<Reply>> {

@@ -13,7 +13,7 @@ use std::time::Duration;
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 
-use crate::domain::OutgoingMessage;
+use crate::domain::{EagerHold, OutgoingMessage};
 use crate::engine::Engine;
 use crate::store::outbox;
 
@@ -87,10 +87,14 @@ async fn gather(rx: &mut mpsc::UnboundedReceiver<i64>, batch: &mut Vec<i64>) {
 /// `relay.eager_grace_ms`, or until this process's presence connection is gone; 0 turns eager
 /// publishing off and the relay publishes at once).
 pub(super) fn hold_for_eager_publish(engine: &Engine, messages: &mut [OutgoingMessage]) {
-    let holder = super::presence::pid(engine);
-    for m in messages {
-        m.relay_after_ms = engine.settings.relay.eager_grace_ms;
-        m.holder_pid = holder;
+    eager_hold(engine).apply(messages)
+}
+
+/// How this worker marks the rows it publishes itself (see [`hold_for_eager_publish`]).
+pub(super) fn eager_hold(engine: &Engine) -> EagerHold {
+    EagerHold {
+        relay_after_ms: engine.settings.relay.eager_grace_ms,
+        holder_pid: super::presence::pid(engine),
     }
 }
 

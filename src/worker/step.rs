@@ -523,8 +523,7 @@ async fn gated(
     request: &runs::ClaimRequest,
     handed: &mut Vec<Eager>,
 ) -> store::Result<Result<(runs::ClaimOutcome, Option<store::flow::Held>), Disposition>> {
-    let publish = published::publishes_eagerly(engine)
-        .then(|| (engine.settings.relay.eager_grace_ms, super::presence::pid(engine)));
+    let publish = published::publishes_eagerly(engine).then(|| published::eager_hold(engine));
     let ask = gate::Ask {
         msg: msg.clone(),
         declared: declared.clone(),
