@@ -16,6 +16,10 @@ use std::time::{Duration, Instant};
 /// How long a line found empty counts as empty without a new look.
 pub const FRESH: Duration = Duration::from_millis(50);
 
+/// Past this many lines remembered, a look that finds one empty drops the stale ones: a fleet
+/// with many keys does not keep one entry per key it ever saw.
+const PRUNE_ABOVE: usize = 1024;
+
 /// The lines this process found empty, and when.
 #[derive(Debug, Default)]
 pub struct Lines {
@@ -38,13 +42,21 @@ impl Lines {
 
     /// Notes what a look at the line found.
     pub fn saw(&self, workflow: &str, key: &str, shared: bool, empty: bool) {
-        let mut seen = self.empty_at.lock().expect("lines lock");
         let line = Self::line(workflow, key, shared);
-        if empty {
-            seen.insert(line, Instant::now());
-        } else {
-            seen.remove(&line);
+        match empty {
+            true => self.saw_empty_at(line, Instant::now()),
+            false => {
+                self.empty_at.lock().expect("lines lock").remove(&line);
+            }
         }
+    }
+
+    fn saw_empty_at(&self, line: (String, String), at: Instant) {
+        let mut seen = self.empty_at.lock().expect("lines lock");
+        if seen.len() >= PRUNE_ABOVE {
+            seen.retain(|_, at| at.elapsed() < FRESH);
+        }
+        seen.insert(line, at);
     }
 
     /// Forgets what was seen of `key`'s line and its workflow's: a run of it started waiting here.
@@ -57,7 +69,8 @@ impl Lines {
 
 #[cfg(test)]
 mod tests {
-    use super::Lines;
+    use super::{FRESH, Lines, PRUNE_ABOVE};
+    use std::time::Instant;
 
     #[test]
     fn a_line_seen_empty_is_empty_until_a_run_of_it_waits_here_or_a_look_finds_one() {
@@ -73,5 +86,18 @@ mod tests {
         assert!(lines.empty("chain", "c", true), "under a total every key looks at one line");
         lines.saw("chain", "c", true, false);
         assert!(!lines.empty("chain", "b", true));
+    }
+
+    #[test]
+    fn lines_seen_long_ago_are_dropped_once_many_are_remembered() {
+        let lines = Lines::default();
+        let long_ago = Instant::now().checked_sub(FRESH * 2).expect("a clock past FRESH");
+        for i in 0..PRUNE_ABOVE {
+            lines.saw_empty_at(("chain".into(), format!("k{i}")), long_ago);
+        }
+        lines.saw("chain", "now", false, true);
+        let seen = lines.empty_at.lock().unwrap();
+        assert_eq!(seen.len(), 1, "only the line seen just now is kept");
+        assert!(seen.contains_key(&("chain".to_owned(), "now".to_owned())));
     }
 }
