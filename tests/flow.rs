@@ -218,7 +218,7 @@ async fn the_line_is_served_by_priority_and_a_long_wait_lifts_a_low_one() {
             after_secs: 0.0,
             aging_secs: 60.0,
         };
-        flow::wait(&mut tx, &waiter).await.unwrap();
+        flow::wait_all(&mut tx, &[waiter]).await.unwrap();
         tx.commit().await.unwrap();
     }
     let mut order = Vec::new();

@@ -312,17 +312,12 @@ pub struct NewWaiter<'a> {
     pub aging_secs: f64,
 }
 
-/// Records a run as waiting (a repeat of the same position keeps its place in the line). Its
-/// rank is its run's start, so a run that began earlier goes on before runs that began later
-/// (runs finish in the order they came instead of all of them late), moved earlier by
-/// `aging_secs` per priority level: a higher level goes first, and a lower one is passed only by
-/// higher ones that started less than the levels between them times `aging_secs` after it.
-pub async fn wait(tx: &mut PgConnection, w: &NewWaiter<'_>) -> Result<()> {
-    wait_all(tx, std::slice::from_ref(w)).await
-}
-
-/// Records runs of one key as waiting, as [`wait`] does each, in one statement (a position
-/// named twice is recorded once).
+/// Records runs of one key as waiting, in one statement (a repeat of the same position keeps
+/// its place in the line; a position named twice is recorded once). A run's rank is its start,
+/// so a run that began earlier goes on before runs that began later (runs finish in the order
+/// they came instead of all of them late), moved earlier by `aging_secs` per priority level: a
+/// higher level goes first, and a lower one is passed only by higher ones that started less than
+/// the levels between them times `aging_secs` after it.
 pub async fn wait_all(tx: &mut PgConnection, waiters: &[NewWaiter<'_>]) -> Result<()> {
     let mut unique: Vec<&NewWaiter<'_>> = Vec::with_capacity(waiters.len());
     for w in waiters {
