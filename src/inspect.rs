@@ -133,8 +133,24 @@ pub async fn erase_runs(db: impl PgExecutor<'_>) -> Result<()> {
 /// How far the runs whose id starts with `prefix` are: succeeded, positions committed, the
 /// first that stopped.
 pub async fn progress(db: impl PgExecutor<'_>, prefix: &str) -> Result<Progress> {
-    let (succeeded, steps_committed, run_id, status, error) =
-        sql::progress(db, &sql::like_prefix(prefix)).await?;
+    progress_from(sql::progress(db, &sql::like_prefix(prefix)).await?)
+}
+
+/// [`progress`] of the runs `ids` names: its cost does not grow with the runs beside them (the
+/// bench's growth phase polls it beside ten million finished steps).
+pub async fn progress_of(db: impl PgExecutor<'_>, ids: &[String]) -> Result<Progress> {
+    progress_from(sql::progress_of(db, ids).await?)
+}
+
+fn progress_from(
+    (succeeded, steps_committed, run_id, status, error): (
+        i64,
+        i64,
+        Option<String>,
+        Option<RunStatus>,
+        Option<String>,
+    ),
+) -> Result<Progress> {
     let stopped = match (run_id, status) {
         (Some(run_id), Some(status)) => Some(StoppedRun {
             run_id,

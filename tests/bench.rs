@@ -18,7 +18,15 @@ use trailmark::broker::{self, Topology};
 use trailmark::config::Settings;
 
 /// Every column of the report's figures, by its JSON key.
-const SYSTEMS: [&str; 5] = ["trailmark", "trailmark_effect", "b3", "b3_local", "dbos"];
+const SYSTEMS: [&str; 7] = [
+    "trailmark",
+    "trailmark_effect",
+    "b3",
+    "b3_journal",
+    "b3_fenced",
+    "b3_local",
+    "dbos",
+];
 
 /// Figures that are positive for any system that did any work.
 const ALWAYS_POSITIVE: [&str; 7] = [
@@ -88,7 +96,7 @@ async fn quick_bench_reports_every_figure_for_every_system_and_cleans_up() {
         let f = figures.iter().find(|f| f["key"] == key).unwrap();
         f["target_dbos"]["text"].as_str().map(str::to_owned)
     };
-    assert_eq!(target("steps_per_s").as_deref(), Some("≥ 1.3 × DBOS"));
+    assert_eq!(target("steps_per_s").as_deref(), Some("≥ 2 × DBOS"));
     assert_eq!(target("run_p50_ms").as_deref(), Some("< DBOS"));
     for f in figures {
         for system in SYSTEMS {
@@ -122,6 +130,8 @@ async fn quick_bench_reports_every_figure_for_every_system_and_cleans_up() {
         "trailmark",
         "trailmark effect",
         "B3",
+        "B3 +journal",
+        "B3 +journal +fencing",
         "B3 in-process",
         "DBOS",
     ] {
@@ -132,6 +142,27 @@ async fn quick_bench_reports_every_figure_for_every_system_and_cleans_up() {
         assert_eq!(l["expected"].as_i64(), Some(runs * steps), "{l}");
         assert_eq!(l["rows"].as_i64(), Some(runs * steps), "{l}");
         assert_eq!(l["distinct"].as_i64(), Some(runs * steps), "{l}");
+    }
+
+    // The price list: B3, then each promise's records added, then trailmark; every line has
+    // every priced figure, and each line after the first its ratio to the line above.
+    let lines = report["price_list"].as_array().expect("price_list");
+    let systems: Vec<&str> = lines
+        .iter()
+        .map(|l| l["system"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        systems,
+        ["B3", "B3 +journal", "B3 +journal +fencing", "trailmark"],
+        "{lines:?}"
+    );
+    for (i, line) in lines.iter().enumerate() {
+        let priced = line["figures"].as_array().expect("figures");
+        assert_eq!(priced.len(), 5, "{line}");
+        for p in priced {
+            assert!(p["median"].as_f64().is_some_and(|m| m > 0.0), "{line}");
+            assert_eq!(p["vs_above"].is_null(), i == 0, "{line}");
+        }
     }
 
     // Both step shapes are broken down: the local write's (3 segments), the effect's (4).
@@ -223,4 +254,78 @@ async fn a_failed_scale_point_keeps_the_points_before_it_and_exits_1() {
     let why = report["scale_failure"].as_str().expect("scale_failure");
     assert!(why.contains("max_connections"), "{why}");
     assert!(stderr.contains("scale phase stopped early"), "{stderr}");
+}
+
+/// `--growth --quick`: the history is put in place (real template runs copied in bulk, with
+/// their journal, effects and inbox rows), the load runs beside it and beside `trailmark prune`,
+/// pruning removes only history older than a day, and both databases are removed at the end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn quick_growth_bench_loads_the_history_prunes_it_beside_the_load_and_cleans_up() {
+    let pool = sqlx::PgPool::connect(&format!("{}/postgres", base_url()))
+        .await
+        .expect("connect");
+    let out = bench(&["--growth", "--quick", "--json"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "bench failed: {stderr}");
+    let report: Value = serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("--json prints JSON ({e}); stderr: {stderr}"));
+
+    // 10 template runs of 4 steps, copied until 4,000 steps: 100 copies, 1,000 runs.
+    assert_eq!(report["history_steps"].as_u64(), Some(4_000), "{report}");
+    assert_eq!(report["history_runs"].as_u64(), Some(1_000), "{report}");
+    let sides = report["sides"].as_array().expect("sides");
+    let names: Vec<&str> = sides.iter().map(|s| s["name"].as_str().unwrap()).collect();
+    assert_eq!(names, ["empty", "history", "history, pruning"]);
+    for side in sides {
+        for key in [
+            "steps_per_s",
+            "idle_gap_p50_ms",
+            "gap_p99_ms",
+            "wal_kib_per_step",
+        ] {
+            assert!(
+                side[key]["median"].as_f64().is_some_and(|v| v > 0.0),
+                "{key}: {side}"
+            );
+        }
+    }
+    // The history's tables hold the copies' rows (as ANALYZE counted them): one step row, journal
+    // entry, effect record and ledger row per step, beside the template's; the empty side none.
+    let rows = |side: &Value, table: &str| {
+        side["tables"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|t| t["table"] == table)
+            .and_then(|t| t["rows"].as_i64())
+            .unwrap_or_else(|| panic!("no {table} in {side}"))
+    };
+    for table in ["steps", "journal", "effects", "chain_ledger", "inbox"] {
+        assert!(rows(&sides[1], table) >= 4_040, "{table}: {}", sides[1]);
+        assert_eq!(rows(&sides[0], table), 0, "{table}: {}", sides[0]);
+    }
+    assert!(rows(&sides[1], "runs") >= 1_010, "{}", sides[1]);
+    // Copy k of 100 finished k x 6/100 days ago: copies 17 to 100 are older than a day, 840
+    // runs, all pruned; the younger copies, the template and the load's runs are kept.
+    assert_eq!(
+        report["pruning"]["runs_removed"].as_i64(),
+        Some(840),
+        "{}",
+        report["pruning"]
+    );
+
+    // Both databases are gone.
+    let databases: Vec<String> = report["databases"]
+        .as_array()
+        .expect("databases")
+        .iter()
+        .map(|d| d.as_str().unwrap().to_owned())
+        .collect();
+    assert_eq!(databases.len(), 2, "{report}");
+    let left: i64 = sqlx::query_scalar("SELECT count(*) FROM pg_database WHERE datname = ANY($1)")
+        .bind(&databases)
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(left, 0, "the growth bench left {databases:?} behind");
 }

@@ -19,12 +19,15 @@
 //! | `window.rs` | a measured window: wall time and CPU by who used it |
 //! | `waits.rs` | `--waits`: throughput beside 100k waiting runs, wake-up lag of sleepers |
 //! | `children.rs` | `--children`: a fan-out of 1,000 children against 1,000 independent runs |
+//! | `flow.rs` | `--flow`: what a concurrency key costs, and the fairness of a full line |
+//! | `growth.rs` | `--growth`: steps beside ten million finished ones, and beside pruning them |
 
 pub mod baseline;
 pub mod breakdown;
 pub mod children;
 pub mod env;
 pub mod flow;
+pub mod growth;
 pub mod load;
 pub mod measure;
 pub mod peer;
@@ -183,11 +186,17 @@ impl Config {
         }
     }
 
-    /// The systems every repetition measures, in the order of odd repetitions: B3 in-process
-    /// only when B3's answers come over HTTP (with the built-in model they are in-process
-    /// already), the peer only when asked for.
+    /// The systems every repetition measures, in the order of odd repetitions: the price list's
+    /// B3 variants always, B3 in-process only when B3's answers come over HTTP (with the
+    /// built-in model they are in-process already), the peer only when asked for.
     pub fn systems(&self) -> Vec<System> {
-        let mut systems = vec![System::Trailmark, System::TrailmarkEffect, System::B3];
+        let mut systems = vec![
+            System::Trailmark,
+            System::TrailmarkEffect,
+            System::B3,
+            System::B3Journal,
+            System::B3Fenced,
+        ];
         if matches!(self.model, ModelMode::Http { .. }) {
             systems.push(System::B3Local);
         }
@@ -353,7 +362,7 @@ fn build(
         answer_bytes: cfg.answer_bytes(),
         peer,
     };
-    let mut left_out = vec!["recovery and scale of B3, B3 in-process and DBOS (they are the throughput and latency baselines only)".to_owned()];
+    let mut left_out = vec!["recovery and scale of B3, its variants and DBOS (they are the throughput and latency baselines only)".to_owned()];
     if cfg.peer.is_none() {
         left_out.push(
             "a DBOS-Rust peer (opt-in: --peer dbos, after `cargo build --release -p trailmark-peer-dbos`)"
@@ -372,11 +381,13 @@ fn build(
             "scale: 1, 2, 4 workers x 1k, 10k, 100k runs (opt-in: --scale; long on 2 cores)".into(),
         );
     }
+    let figures = report::figures(reps);
     Report {
         setup,
         fsync,
         workload,
-        figures: report::figures(reps),
+        price_list: report::price_list(&figures),
+        figures,
         breakdown: report::breakdown(report::of(reps, System::Trailmark), &breakdown::SEGMENTS),
         breakdown_effect: report::breakdown(
             report::of(reps, System::TrailmarkEffect),

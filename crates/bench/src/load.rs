@@ -66,6 +66,30 @@ pub async fn repetition(
         .wait_ready(env, &mut procs, Duration::from_secs(90))
         .await?;
     let label = format!("{} rep {rep}/{}", system.name(), cfg.reps);
+    let figures = measure_on(env, system, cfg, rep, &label, model, &mut procs).await;
+    for p in &mut procs {
+        p.stop(Duration::from_secs(10)).await;
+    }
+    let figures = figures?;
+    progress(&format!(
+        "{label}: {:.0} steps/s, {:.3} ms CPU/step, run p50 {:.1} ms",
+        figures.steps_per_s, figures.cpu_ms_per_step, figures.run_p50_ms
+    ));
+    Ok(figures)
+}
+
+/// One repetition's figures on processes already running, leaving the tables as they are: a
+/// warm-up, the unloaded runs, then the loaded phase. Run ids carry `rep`, so that it must differ
+/// between repetitions in one database.
+pub async fn measure_on(
+    env: &BenchEnv,
+    system: System,
+    cfg: &Config,
+    rep: usize,
+    label: &str,
+    model: Option<&Proc>,
+    procs: &mut [Proc],
+) -> Result<RepFigures> {
     let warm = ids(&format!("w{rep}"), cfg.warmup_runs);
     drive(
         env,
@@ -73,7 +97,7 @@ pub async fn repetition(
         &warm,
         cfg.steps,
         &format!("{label} warm-up"),
-        &mut procs,
+        procs,
     )
     .await?;
     // Unloaded first: a burst leaves checkpoint I/O and vacuum work behind that would slow it.
@@ -85,7 +109,7 @@ pub async fn repetition(
         &loaded,
         cfg.steps,
         &format!("{label} loaded"),
-        &mut procs,
+        procs,
         model,
     )
     .await?;
@@ -99,14 +123,7 @@ pub async fn repetition(
     figures.pg_cpu_ms_per_step = w.postgres_ms / steps;
     figures.broker_cpu_ms_per_step = w.broker_ms / steps;
     figures.wal_kib_per_step = w.wal_bytes / 1024.0 / steps;
-    figures.peak_rss_mib = peak_rss_mib(&procs)?;
-    for p in &mut procs {
-        p.stop(Duration::from_secs(10)).await;
-    }
-    progress(&format!(
-        "{label}: {:.0} steps/s, {:.3} ms CPU/step, run p50 {:.1} ms",
-        figures.steps_per_s, figures.cpu_ms_per_step, figures.run_p50_ms
-    ));
+    figures.peak_rss_mib = peak_rss_mib(procs)?;
     Ok(figures)
 }
 
@@ -124,7 +141,7 @@ async fn unloaded_figures(
     let breakdown = match system {
         System::Trailmark => Some(breakdown::local(env, &prefix).await?),
         System::TrailmarkEffect => Some(breakdown::effect(env, &prefix).await?),
-        System::B3 | System::B3Local | System::Dbos => None,
+        _ => None,
     };
     Ok(RepFigures {
         idle_gap_p50_ms,
@@ -159,36 +176,33 @@ pub async fn drive(
     label: &str,
     procs: &mut [Proc],
 ) -> Result<Duration> {
-    let Some(prefix) = ids
-        .first()
-        .and_then(|id| id.rsplit_once('-'))
-        .map(|(p, _)| format!("{p}-"))
-    else {
+    if ids.is_empty() {
         return Ok(Duration::ZERO);
-    };
+    }
     let started = Instant::now();
     system.start_runs(env, ids, steps).await?;
-    wait_all(env, system, &prefix, ids.len(), steps, label, procs).await?;
+    wait_all(env, system, ids, steps, label, procs).await?;
     Ok(started.elapsed())
 }
 
-/// Waits until `runs` runs with ids starting with `prefix` have finished, printing progress on
-/// stderr; fails if a run stops unfinished, a process dies, or no step commits for a long time.
+/// Waits until the runs `ids` names have finished, printing progress on stderr; fails if a run
+/// stops unfinished, a process dies, or no step commits for a long time. Progress is read by
+/// id, so the poll costs the same however many other runs the tables hold.
 pub async fn wait_all(
     env: &BenchEnv,
     system: System,
-    prefix: &str,
-    runs: usize,
+    ids: &[String],
     steps: i32,
     label: &str,
     procs: &mut [Proc],
 ) -> Result<()> {
+    let runs = ids.len();
     let total = runs as i64 * steps as i64;
     let poll = Duration::from_millis((runs as u64 / 40).clamp(25, 500));
     let started = Instant::now();
     let (mut last_steps, mut last_change, mut last_print) = (-1, Instant::now(), Instant::now());
     loop {
-        let p = system.progress(env, prefix).await?;
+        let p = system.progress_of(env, ids).await?;
         if p.runs_done >= runs as i64 {
             return Ok(());
         }

@@ -130,7 +130,7 @@ async fn scenario(
         "{label}: killed worker pid {pid} at {killed_at_steps}/{total} steps; it held {} leases",
         stranded.len()
     ));
-    wait_all(env, system, &prefix, runs, cfg.steps, &label, &mut procs).await?;
+    wait_all(env, system, &ids(tag, runs), cfg.steps, &label, &mut procs).await?;
     let next_commit_ms = first_commit_after(env, &prefix, killed_at).await?;
     let resumed = resumed_after(env, &stranded, killed_at).await?;
     let (ledger_rows, ledger_distinct) = ledger(env, &prefix).await?;

@@ -24,6 +24,9 @@ pub struct Report {
     pub workload: Workload,
     /// One row per figure, every system.
     pub figures: Vec<Figure>,
+    /// What each promise's records cost: B3, B3 with the journal, with attempts and fencing as
+    /// well, then trailmark (empty when the B3 variants did not run).
+    pub price_list: Vec<PriceLine>,
     /// What the loaded phases left in each system's ledger (exactly one row per step expected).
     pub ledger: Vec<LedgerCheck>,
     /// Where an unloaded trailmark step spends its time.
@@ -105,6 +108,10 @@ pub struct Figure {
     pub b3: Spread,
     /// B3 with in-process answers of the same size (none with `--builtin-model`).
     pub b3_local: Option<Spread>,
+    /// B3 with every answer journaled on arrival (the price list's second line).
+    pub b3_journal: Option<Spread>,
+    /// B3 with the journal, attempts and fencing (the price list's third line).
+    pub b3_fenced: Option<Spread>,
     /// The DBOS peer (none without `--peer dbos`).
     pub dbos: Option<Spread>,
     /// trailmark median / B3 median.
@@ -179,6 +186,95 @@ pub fn breakdown(trailmark: &[RepFigures], segments: &[&'static str]) -> Vec<Seg
             }
         })
         .collect()
+}
+
+/// One line of the price list: a system with the records it keeps, and its figures.
+#[derive(Debug, Clone, Serialize)]
+pub struct PriceLine {
+    /// What this line adds to the one above.
+    pub what: &'static str,
+    /// The system measured (its name in the table).
+    pub system: &'static str,
+    /// Its medians of the priced figures.
+    pub figures: Vec<Priced>,
+}
+
+/// One figure of a price line.
+#[derive(Debug, Clone, Serialize)]
+pub struct Priced {
+    /// The figure's key (as in `figures`).
+    pub key: &'static str,
+    /// Median over the repetitions.
+    pub median: f64,
+    /// Median / the line above's median (none on the first line).
+    pub vs_above: Option<f64>,
+}
+
+/// The figures the price list shows: throughput, unloaded latency, CPU and WAL per step.
+const PRICED: [(&str, &str); 5] = [
+    ("steps_per_s", "steps/s"),
+    ("idle_gap_p50_ms", "step p50 unloaded (ms)"),
+    ("run_p50_ms", "run p50 unloaded (ms)"),
+    ("cpu_ms_per_step", "CPU/step (ms)"),
+    ("wal_kib_per_step", "WAL/step (KiB)"),
+];
+
+type Column = fn(&Figure) -> Option<&Spread>;
+
+/// The price list from the figures: each line adds the records of one promise to the line
+/// above, and trailmark against the last B3 line is the engine's own overhead.
+pub fn price_list(figures: &[Figure]) -> Vec<PriceLine> {
+    let lines: [(&str, System, Column); 4] = [
+        ("the bare loop", System::B3, |f| Some(&f.b3)),
+        (
+            "+ every answer journaled on arrival",
+            System::B3Journal,
+            |f| f.b3_journal.as_ref(),
+        ),
+        ("+ attempts and fencing", System::B3Fenced, |f| {
+            f.b3_fenced.as_ref()
+        }),
+        ("the engine's own overhead", System::Trailmark, |f| {
+            Some(&f.trailmark)
+        }),
+    ];
+    let median = |key: &str, column: Column| {
+        figures
+            .iter()
+            .find(|f| f.key == key)
+            .and_then(column)
+            .map(|s| s.median)
+    };
+    if median("steps_per_s", lines[2].2).is_none() {
+        return Vec::new();
+    }
+    let mut out: Vec<PriceLine> = Vec::new();
+    for (what, system, column) in lines {
+        let above = out.last().map(|l: &PriceLine| l.figures.clone());
+        let figures = PRICED
+            .iter()
+            .enumerate()
+            .map(|(i, (key, _))| {
+                let median = median(key, column).unwrap_or(0.0);
+                let vs_above = above
+                    .as_ref()
+                    .map(|a| a[i].median)
+                    .filter(|m| *m > 0.0)
+                    .map(|m| median / m);
+                Priced {
+                    key,
+                    median,
+                    vs_above,
+                }
+            })
+            .collect();
+        out.push(PriceLine {
+            what,
+            system: system.name(),
+            figures,
+        });
+    }
+    out
 }
 
 /// A target and whether the median meets it.
@@ -258,6 +354,8 @@ pub fn figures(reps: &[(System, Vec<RepFigures>)]) -> Vec<Figure> {
                     .then(|| spread(System::TrailmarkEffect)),
                 b3: b,
                 b3_local: ran(System::B3Local).then(|| spread(System::B3Local)),
+                b3_journal: ran(System::B3Journal).then(|| spread(System::B3Journal)),
+                b3_fenced: ran(System::B3Fenced).then(|| spread(System::B3Fenced)),
                 dbos,
                 ratio,
                 ratio_dbos,
@@ -279,7 +377,7 @@ fn ratio_of(t: &Spread, other: &Spread) -> f64 {
 /// The targets against the DBOS peer: 1.3 times its throughput, a lower unloaded run p50.
 fn target_dbos(key: &str, ratio: f64) -> Option<Target> {
     let (text, pass) = match key {
-        "steps_per_s" => ("≥ 1.3 × DBOS", ratio >= 1.3),
+        "steps_per_s" => ("≥ 2 × DBOS", ratio >= 2.0),
         "run_p50_ms" => ("< DBOS", ratio > 0.0 && ratio < 1.0),
         _ => return None,
     };
@@ -290,15 +388,13 @@ fn target_dbos(key: &str, ratio: f64) -> Option<Target> {
 }
 
 /// The performance targets, all as ratios to B3 measured in the same run (a machine whose speed
-/// moves by the hour makes absolute limits meaningless): throughput at least 1.1 times B3's,
-/// unloaded step and run latency at most 1.2 times, CPU per step (whole machine) at most B3's,
-/// WAL per step at most 1.5 times.
+/// moves by the hour makes absolute limits meaningless): throughput at least 0.9 times B3's and
+/// CPU per step (whole machine) at most B3's. Latency and WAL have no target against B3: they are
+/// the records the promises rest on, which are kept, and the price list shows what each costs.
 fn target(key: &str, ratio: f64) -> Option<Target> {
     let (text, pass) = match key {
-        "steps_per_s" => ("≥ 1.1 × B3", ratio >= 1.1),
-        "idle_gap_p50_ms" | "run_p50_ms" => ("≤ 1.2 × B3", ratio <= 1.2),
+        "steps_per_s" => ("≥ 0.9 × B3", ratio >= 0.9),
         "cpu_ms_per_step" => ("≤ 1.0 × B3", ratio <= 1.0),
-        "wal_kib_per_step" => ("≤ 1.5 × B3", ratio <= 1.5),
         _ => return None,
     };
     Some(Target {
@@ -320,7 +416,7 @@ pub fn recovery_target(recovery: &[Recovery]) -> Option<Target> {
 }
 
 /// A number with as many decimals as its size deserves.
-fn num(v: f64) -> String {
+pub(crate) fn num(v: f64) -> String {
     match v.abs() {
         a if a >= 1000.0 => format!("{v:.0}"),
         a if a >= 100.0 => format!("{v:.0}"),
@@ -345,6 +441,7 @@ pub fn render(r: &Report) -> String {
     let mut o = String::new();
     header(&mut o, r);
     table(&mut o, r);
+    price_table(&mut o, r);
     ledger_line(&mut o, r);
     segments(&mut o, r);
     recovery(&mut o, r);
@@ -403,6 +500,33 @@ fn table(o: &mut String, r: &Report) {
             .filter(|m| !m.is_empty())
             .collect();
         let _ = writeln!(o, "{line}{}", targets.join("; "));
+    }
+}
+
+/// The price list: one line per set of records, each figure with its ratio to the line above.
+fn price_table(o: &mut String, r: &Report) {
+    if r.price_list.is_empty() {
+        return;
+    }
+    let _ = writeln!(
+        o,
+        "\nprice list: what the records of each promise cost (medians; x the line above)"
+    );
+    let mut head = format!("{:<62}", "line");
+    for (_, label) in PRICED {
+        head += &format!("{label:<24}");
+    }
+    let _ = writeln!(o, "{}", head.trim_end());
+    for line in &r.price_list {
+        let mut text = format!("{:<62}", format!("{}: {}", line.system, line.what));
+        for p in &line.figures {
+            let cell = match p.vs_above {
+                Some(x) => format!("{} ({x:.2}x)", num(p.median)),
+                None => num(p.median),
+            };
+            text += &format!("{cell:<24}");
+        }
+        let _ = writeln!(o, "{}", text.trim_end());
     }
 }
 

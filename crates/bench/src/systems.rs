@@ -29,6 +29,12 @@ pub enum System {
     /// The same bare loop with its answers made in-process (same size, no HTTP): what B3 costs
     /// without the model call's own overhead.
     B3Local,
+    /// B3 with every answer journaled the moment it arrives ([`baseline::Promises::Journal`]):
+    /// the price list's first line.
+    B3Journal,
+    /// B3 with the journal, attempts and fencing ([`baseline::Promises::Fenced`]): the records
+    /// trailmark's promises rest on, so trailmark against it is the engine's own overhead.
+    B3Fenced,
     /// The opt-in DBOS-Rust peer of [`peer`] (`trailmark-peer-dbos` processes).
     Dbos,
 }
@@ -44,6 +50,23 @@ pub struct Progress {
     pub stopped: Option<String>,
 }
 
+impl From<inspect::Progress> for Progress {
+    fn from(p: inspect::Progress) -> Self {
+        Self {
+            runs_done: p.succeeded,
+            steps_done: p.steps_committed,
+            stopped: p.stopped.map(|r| {
+                format!(
+                    "{} is {}: {}",
+                    r.run_id,
+                    r.status,
+                    r.error.unwrap_or_default()
+                )
+            }),
+        }
+    }
+}
+
 /// NOTIFY channel of the baseline's and the peer's finished runs, used by the unloaded phase
 /// only (trailmark's is the engine's [`inspect::RUN_FINISHED_CHANNEL`]).
 pub const DONE_CHANNEL: &str = "bench_done";
@@ -56,6 +79,8 @@ impl System {
             Self::TrailmarkEffect => "trailmark effect",
             Self::B3 => "B3",
             Self::B3Local => "B3 in-process",
+            Self::B3Journal => "B3 +journal",
+            Self::B3Fenced => "B3 +journal +fencing",
             Self::Dbos => "DBOS",
         }
     }
@@ -68,7 +93,9 @@ impl System {
                 trailmark_testkit::ledger::erase_ledger(&env.pool).await?;
                 return Ok(());
             }
-            Self::B3 | Self::B3Local => "TRUNCATE b3.inbox, b3.checkpoints, b3.ledger, b3.outbox",
+            Self::B3 | Self::B3Local | Self::B3Journal | Self::B3Fenced => {
+                "TRUNCATE b3.inbox, b3.checkpoints, b3.ledger, b3.outbox, b3.journal, b3.runs, b3.steps"
+            }
             Self::Dbos => peer::RESET,
         };
         sqlx::raw_sql(sql).execute(&env.pool).await?;
@@ -106,6 +133,24 @@ impl System {
                         "--b3-local-answers",
                     ],
                 ),
+                Self::B3Journal | Self::B3Fenced => {
+                    let promises = if self == Self::B3Journal {
+                        baseline::Promises::Journal
+                    } else {
+                        baseline::Promises::Fenced
+                    };
+                    env.spawn(
+                        &format!("{tag}-b3{}-{i}", promises.arg()),
+                        &[
+                            "bench",
+                            "--b3-worker",
+                            "--answer-bytes",
+                            &bytes,
+                            "--b3-promises",
+                            promises.arg(),
+                        ],
+                    )
+                }
                 Self::Dbos => env.spawn_program(
                     &format!("{tag}-dbos-{i}"),
                     &peer::dbos_binary(&env.exe)?,
@@ -127,7 +172,9 @@ impl System {
         let workers = procs.len();
         let queue = match self {
             Self::Trailmark | Self::TrailmarkEffect => env.topology().steps_queue(),
-            Self::B3 | Self::B3Local => baseline::queue(&env.prefix),
+            Self::B3 | Self::B3Local | Self::B3Journal | Self::B3Fenced => {
+                baseline::queue(&env.prefix)
+            }
             Self::Dbos => return peer_ready(env, procs, within).await,
         };
         env.wait_consumers(&queue, workers as u32, within).await
@@ -149,7 +196,9 @@ impl System {
             .map(|id| match self {
                 Self::Trailmark => trailmark_start(env, id, steps, Ledger::Local),
                 Self::TrailmarkEffect => trailmark_start(env, id, steps, Ledger::Effect),
-                Self::B3 | Self::B3Local => Ok(baseline::Message::start(&env.prefix, id, steps)),
+                Self::B3 | Self::B3Local | Self::B3Journal | Self::B3Fenced => {
+                    Ok(baseline::Message::start(&env.prefix, id, steps))
+                }
                 Self::Dbos => unreachable!("DBOS runs are enqueued above"),
             })
             .collect::<Result<Vec<_>>>()?;
@@ -160,21 +209,9 @@ impl System {
     pub async fn progress(self, env: &BenchEnv, prefix: &str) -> Result<Progress> {
         let sql = match self {
             Self::Trailmark | Self::TrailmarkEffect => {
-                let p = inspect::progress(&env.pool, prefix).await?;
-                return Ok(Progress {
-                    runs_done: p.succeeded,
-                    steps_done: p.steps_committed,
-                    stopped: p.stopped.map(|r| {
-                        format!(
-                            "{} is {}: {}",
-                            r.run_id,
-                            r.status,
-                            r.error.unwrap_or_default()
-                        )
-                    }),
-                });
+                return Ok(Progress::from(inspect::progress(&env.pool, prefix).await?));
             }
-            Self::B3 | Self::B3Local => {
+            Self::B3 | Self::B3Local | Self::B3Journal | Self::B3Fenced => {
                 "SELECT count(*) FILTER (WHERE done), count(*) FILTER (WHERE seq >= 0), NULL::text
                    FROM b3.checkpoints WHERE run_id LIKE $1"
             }
@@ -184,6 +221,34 @@ impl System {
             .bind(format!("{prefix}%"))
             .fetch_one(&env.pool)
             .await?;
+        Ok(Progress {
+            runs_done,
+            steps_done,
+            stopped,
+        })
+    }
+
+    /// Progress of the runs `ids` names, read through the primary key where the system has one
+    /// on its run ids, so that polling it costs the same beside any number of other runs.
+    pub async fn progress_of(self, env: &BenchEnv, ids: &[String]) -> Result<Progress> {
+        let sql = match self {
+            Self::Trailmark | Self::TrailmarkEffect => {
+                return Ok(Progress::from(inspect::progress_of(&env.pool, ids).await?));
+            }
+            Self::B3 | Self::B3Local | Self::B3Journal | Self::B3Fenced => {
+                "SELECT count(*) FILTER (WHERE done), count(*) FILTER (WHERE seq >= 0), NULL::text
+                   FROM b3.checkpoints WHERE run_id = ANY($1)"
+            }
+            Self::Dbos => {
+                let prefix = ids
+                    .first()
+                    .and_then(|id| id.rsplit_once('-'))
+                    .map_or(String::new(), |(p, _)| format!("{p}-"));
+                return self.progress(env, &prefix).await;
+            }
+        };
+        let (runs_done, steps_done, stopped) =
+            sqlx::query_as(sql).bind(ids).fetch_one(&env.pool).await?;
         Ok(Progress {
             runs_done,
             steps_done,
@@ -202,7 +267,7 @@ impl System {
                 return Ok((g.p50_ms.unwrap_or(0.0), g.p99_ms.unwrap_or(0.0)));
             }
             Self::Dbos => peer::STEP_GAPS,
-            Self::B3 | Self::B3Local => {
+            Self::B3 | Self::B3Local | Self::B3Journal | Self::B3Fenced => {
                 "WITH g AS (SELECT committed_at - lag(committed_at) OVER (PARTITION BY run_id ORDER BY seq) AS gap
                               FROM b3.checkpoints WHERE run_id LIKE $1 AND seq >= 0)
                  SELECT percentile_cont(0.5) WITHIN GROUP (ORDER BY EXTRACT(EPOCH FROM gap))::float8 * 1000,
@@ -221,7 +286,9 @@ impl System {
     pub fn done_channel(self) -> &'static str {
         match self {
             Self::Trailmark | Self::TrailmarkEffect => inspect::RUN_FINISHED_CHANNEL,
-            Self::B3 | Self::B3Local | Self::Dbos => DONE_CHANNEL,
+            Self::B3 | Self::B3Local | Self::B3Journal | Self::B3Fenced | Self::Dbos => {
+                DONE_CHANNEL
+            }
         }
     }
 
@@ -276,7 +343,7 @@ impl System {
                 let c = trailmark_testkit::ledger::ledger_counts(&env.pool, prefix).await?;
                 return Ok((c.rows, c.distinct));
             }
-            Self::B3 | Self::B3Local => {
+            Self::B3 | Self::B3Local | Self::B3Journal | Self::B3Fenced => {
                 "SELECT count(*), count(DISTINCT reference) FROM b3.ledger WHERE run_id LIKE $1"
             }
             Self::Dbos => {

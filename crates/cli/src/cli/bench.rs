@@ -90,6 +90,15 @@ pub struct BenchArgs {
     /// total limit of 4 slots), on --workers processes.
     #[arg(long, conflicts_with_all = ["waits", "children"])]
     pub flow: bool,
+    /// Instead of the comparison: step throughput and latency of the default load (--reps
+    /// [default: 3]) in an empty database and beside --history-steps finished steps, then
+    /// beside `trailmark prune` removing them at full speed; retention on in both.
+    #[arg(long, conflicts_with_all = ["waits", "children", "flow", "peer", "scale"])]
+    pub growth: bool,
+    /// With --growth: finished steps (with their journal, effects and inbox rows) put in the
+    /// history database [default: 10000000; --quick: 4000].
+    #[arg(long, requires = "growth")]
+    pub history_steps: Option<u64>,
     /// Print the report as JSON instead of a table.
     #[arg(long)]
     pub json: bool,
@@ -100,6 +109,11 @@ pub struct BenchArgs {
     /// server is configured (the bench's "B3 in-process" column).
     #[arg(long, hide = true, requires = "b3_worker")]
     pub b3_local_answers: bool,
+    /// With --b3-worker: the records B3 keeps beside its one statement: bare, journal (every
+    /// answer journaled on arrival) or fenced (journal, attempts and fencing), the bench's price
+    /// list.
+    #[arg(long, hide = true, requires = "b3_worker", default_value = "bare", value_parser = baseline::Promises::parse)]
+    pub b3_promises: baseline::Promises,
 }
 
 /// Runs the bench (or, with `--b3-worker`, one baseline process) and prints the report.
@@ -115,6 +129,9 @@ pub async fn run(settings: &Settings, args: BenchArgs) -> anyhow::Result<()> {
     }
     if args.flow {
         return flow(settings, &args).await;
+    }
+    if args.growth {
+        return growth(settings, &args).await;
     }
     let cfg = config(&args)?;
     let report = bench::run(settings, &cfg).await?;
@@ -257,6 +274,24 @@ async fn flow(settings: &Settings, args: &BenchArgs) -> anyhow::Result<()> {
     print_report(args, &bench::flow::run(settings, &cfg).await?)
 }
 
+/// `--growth`: the load in an empty database, beside a long history, and beside its pruning.
+async fn growth(settings: &Settings, args: &BenchArgs) -> anyhow::Result<()> {
+    let mut cfg = if args.quick {
+        bench::growth::GrowthConfig::quick()
+    } else {
+        bench::growth::GrowthConfig::default()
+    };
+    let reps = args.reps.unwrap_or(cfg.load.reps);
+    cfg.load = Config {
+        reps,
+        recovery: false,
+        ..config(args)?
+    };
+    cfg.history_steps = args.history_steps.unwrap_or(cfg.history_steps);
+    anyhow::ensure!(cfg.history_steps > 0, "--history-steps must be at least 1");
+    print_report(args, &bench::growth::run(settings, &cfg).await?)
+}
+
 async fn b3_worker(settings: &Settings, args: &BenchArgs) -> anyhow::Result<()> {
     let answers = if !args.b3_local_answers && settings.model.is_configured() {
         let client = trailmark::model::ModelClient::new(&settings.model)
@@ -274,5 +309,5 @@ async fn b3_worker(settings: &Settings, args: &BenchArgs) -> anyhow::Result<()> 
         }
         stop.cancel();
     });
-    Ok(baseline::serve(settings.clone(), answers, shutdown).await?)
+    Ok(baseline::serve(settings.clone(), answers, args.b3_promises, shutdown).await?)
 }
