@@ -173,10 +173,11 @@ impl Topology {
     pub fn runs_exchange(&self) -> String {
         format!("{}.runs", self.prefix)
     }
-    /// `event` as upstream services publish it: to the runs exchange with the run-start key.
+    /// `event` as upstream services publish it: to the runs exchange with the run-start key,
+    /// under a fresh time-ordered message id (see [`crate::domain::MessageId::new`]).
     pub fn run_start(&self, event: &RunStartEvent) -> Outgoing {
         Outgoing {
-            message_id: uuid::Uuid::new_v4().to_string(),
+            message_id: crate::domain::MessageId::new().to_string(),
             exchange: self.runs_exchange(),
             routing_key: RUN_START_ROUTING_KEY.into(),
             headers: Default::default(),
