@@ -88,7 +88,7 @@ fn distance(a: &str, b: &str) -> usize {
 }
 
 /// The whole-number settings and their ranges (inclusive).
-const LIMITS: [(&str, i128, i128); 43] = [
+const LIMITS: [(&str, i128, i128); 44] = [
     ("database.max_connections", 1, 10_000),
     ("database.connect_timeout_ms", 1, 3_600_000),
     ("broker.delivery_limit", 1, 1_000_000),
@@ -123,6 +123,7 @@ const LIMITS: [(&str, i128, i128); 43] = [
     ("retention.audit_secs", 0, 315_360_000),
     ("retention.interval_secs", 1, 86_400),
     ("retention.batch", 1, 10_000),
+    ("retention.duty_percent", 1, 100),
     ("guards.breaker_open_secs", 1, 86_400),
     ("guards.repeat_limit", 0, 1_000_000),
     ("model.timeout_ms", 1, 3_600_000),

@@ -277,6 +277,10 @@ pub struct RetentionSettings {
     pub interval_secs: u64,
     /// Most runs (or rows, for the inbox and the audit trail) one transaction removes.
     pub batch: u64,
+    /// The share of its time (percent) a pruner spends in its batches: after a batch that took
+    /// t it rests t x (100 - duty) / duty, so that removing a long history beside live steps
+    /// takes a bounded share of the machine whatever its speed (100: no rest).
+    pub duty_percent: u64,
 }
 
 /// How a long-running process (`serve`, `worker`, `relay`, `supervisor`, `api`) starts and stops.

@@ -70,6 +70,7 @@ pub struct Policy {
     inbox_secs: u64,
     audit_secs: u64,
     batch: i64,
+    duty_percent: u32,
 }
 
 impl Policy {
@@ -83,7 +84,29 @@ impl Policy {
             inbox_secs: s.inbox_secs,
             audit_secs: s.audit_secs,
             batch: s.batch as i64,
+            duty_percent: s.duty_percent.clamp(1, 100) as u32,
         }
+    }
+
+    /// The same, spending `percent` (1-100) of its time in batches (`trailmark prune --duty`).
+    pub fn duty(mut self, percent: u32) -> Self {
+        self.duty_percent = percent.clamp(1, 100);
+        self
+    }
+
+    /// Rests after a batch that took `took`, so that batches fill `duty_percent` of the time:
+    /// on a busy machine a batch takes longer and the rest with it, so the pruner's share of
+    /// the machine stays bounded whatever its speed.
+    async fn rest(&self, took: Duration) {
+        let rest = self.rest_after(took);
+        if !rest.is_zero() {
+            tokio::time::sleep(rest).await;
+        }
+    }
+
+    fn rest_after(&self, took: Duration) -> Duration {
+        let duty = self.duty_percent;
+        took * (100 - duty) / duty
     }
 
     /// The same, with every workflow's finished runs kept only `older_than` (`trailmark prune
@@ -146,6 +169,7 @@ pub async fn prune(
     scopes.push((Scope::Others(&names), default_keep));
     for (scope, keep) in scopes.into_iter().filter(|(_, keep)| *keep > 0) {
         loop {
+            let started = std::time::Instant::now();
             let n = batch(engine, policy, scope, keep, dry_run, &mut done).await?;
             on_batch(&done);
             // Not only a full batch calls for another: a removed parent makes its children
@@ -153,6 +177,7 @@ pub async fn prune(
             if dry_run || n == 0 {
                 break;
             }
+            policy.rest(started.elapsed()).await;
         }
     }
     for (what, secs) in [
@@ -215,6 +240,7 @@ async fn age_out(
 ) -> Result<i64, Error> {
     let mut total = 0;
     loop {
+        let started = std::time::Instant::now();
         let mut tx = my_turn(engine).await?;
         let n = sql::forget(&mut *tx, what, secs as i64, policy.batch, dry_run).await?;
         tx.commit().await?;
@@ -223,6 +249,7 @@ async fn age_out(
             crate::metrics::aged_out(what.name(), total);
             return Ok(total);
         }
+        policy.rest(started.elapsed()).await;
     }
 }
 
@@ -264,5 +291,27 @@ pub async fn run(engine: Arc<Engine>, shutdown: CancellationToken) -> Result<(),
             _ = shutdown.cancelled() => return Ok(()),
             _ = tokio::time::sleep(Duration::from_secs(1).min(period)) => {}
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn policy(duty: u64) -> Policy {
+        let mut s = crate::config::Settings::load_from(None).expect("default settings");
+        s.retention.duty_percent = duty;
+        Policy::from_settings(&s.retention)
+    }
+
+    #[test]
+    fn a_pruner_rests_so_that_its_batches_fill_its_duty_of_the_time() {
+        let took = Duration::from_millis(30);
+        assert_eq!(policy(10).rest_after(took), Duration::from_millis(270));
+        assert_eq!(policy(50).rest_after(took), took);
+        assert_eq!(policy(100).rest_after(took), Duration::ZERO);
+        assert_eq!(policy(100).duty(25).rest_after(took), Duration::from_millis(90));
+        // Out of range: the configuration refuses it; the policy keeps to 1..=100 anyway.
+        assert_eq!(policy(10).duty(0).rest_after(took), took * 99);
     }
 }

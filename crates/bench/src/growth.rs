@@ -314,7 +314,7 @@ async fn on_serve(
     model: Option<&Proc>,
 ) -> Result<RepFigures> {
     let mut procs = serve(env, cfg, &format!("rep{rep}")).await?;
-    let label = format!("{side} rep {rep}/{}", cfg.load.reps);
+    let label = format!("{side} rep {}/{}", (rep - 1) % 100 + 1, cfg.load.reps);
     let figures = measure_on(
         env,
         System::Trailmark,

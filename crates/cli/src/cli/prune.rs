@@ -22,6 +22,11 @@ pub struct PruneArgs {
     /// the configured keep times.
     #[arg(long, value_parser = older_than)]
     pub older_than: Option<Duration>,
+    /// Spend this share of the time removing (percent, 1-100; after a batch that took t, rest
+    /// t x (100 - duty) / duty) instead of `retention.duty_percent`; 100 removes as fast as
+    /// Postgres allows, for a maintenance window.
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=100))]
+    pub duty: Option<u32>,
     /// Print JSON.
     #[arg(long)]
     pub json: bool,
@@ -45,6 +50,9 @@ pub async fn prune(settings: Settings, registry: Registry, args: PruneArgs) -> a
         eprintln!(
             "retention.keep_secs and retention.workflows keep every finished run; only tombstones, inbox ids and audit rows age out (give --older-than to remove runs by hand)"
         );
+    }
+    if let Some(duty) = args.duty {
+        policy = policy.duty(duty);
     }
     let engine = Engine::new(settings, registry).await?;
     let done = retention::prune(&engine, &policy, args.dry_run, |so_far| {
