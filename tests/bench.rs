@@ -306,13 +306,12 @@ async fn quick_growth_bench_loads_the_history_prunes_it_beside_the_load_and_clea
     }
     assert!(rows(&sides[1], "runs") >= 1_010, "{}", sides[1]);
     // Copy k of 100 finished k x 6/100 days ago: copies 17 to 100 are older than a day, 840
-    // runs, all pruned; the younger copies, the template and the load's runs are kept.
-    assert_eq!(
-        report["pruning"]["runs_removed"].as_i64(),
-        Some(840),
-        "{}",
-        report["pruning"]
-    );
+    // runs. The pruner rests between batches (`retention.duty_percent`), so how many of them it
+    // removed while the load ran depends on the machine; none it removed was younger.
+    let pruning = &report["pruning"];
+    let removed = pruning["runs_removed"].as_i64().unwrap();
+    assert!((1..=840).contains(&removed), "{pruning}");
+    assert_eq!(pruning["younger_removed"].as_i64(), Some(0), "{pruning}");
 
     // Both databases are gone.
     let databases: Vec<String> = report["databases"]

@@ -328,6 +328,44 @@ impl BenchEnv {
     }
 }
 
+/// `n` environments for a bench that compares several sides, `f` on them, then each one torn
+/// down whatever `f` returned (what could not be removed is said on stderr).
+pub async fn with_envs<T>(
+    base: &Settings,
+    n: usize,
+    pool: Option<u32>,
+    f: impl AsyncFnOnce(&mut [BenchEnv]) -> Result<T>,
+) -> Result<T> {
+    let mut envs = Vec::with_capacity(n);
+    let mut made = Ok(());
+    for _ in 0..n {
+        match BenchEnv::create(base, pool).await {
+            Ok(env) => envs.push(env),
+            Err(e) => {
+                made = Err(e);
+                break;
+            }
+        }
+    }
+    let result = match made {
+        Ok(()) => f(&mut envs).await,
+        Err(e) => Err(e),
+    };
+    for env in envs {
+        for left in env.teardown().await {
+            super::progress(&format!("could not remove {left}; remove it by hand"));
+        }
+    }
+    result
+}
+
+/// Stops `procs` (SIGTERM, then SIGKILL after 10 s).
+pub async fn stop_all(procs: &mut [Proc]) {
+    for p in procs {
+        p.stop(Duration::from_secs(10)).await;
+    }
+}
+
 fn durable() -> QueueDeclareOptions {
     QueueDeclareOptions {
         durable: true,

@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 use serde_json::json;
 
-use super::env::{BenchEnv, Proc};
+use super::env::{BenchEnv, Proc, stop_all, with_envs};
 use super::load::{RepFigures, ids, measure_on};
 use super::measure::Spread;
 use super::report::num;
@@ -124,6 +124,8 @@ pub struct Pruning {
     pub steps_removed: i64,
     /// Over this long (s).
     pub secs: f64,
+    /// Runs removed that had finished less than a day before (`--older-than 1d`: must be 0).
+    pub younger_removed: i64,
     /// Whether `trailmark prune` was still removing at the end of every repetition (if not, the
     /// later repetitions ran beside less pruning than the figure claims).
     pub throughout: bool,
@@ -169,31 +171,14 @@ pub struct GrowthReport {
 /// Runs the growth bench on the servers of `base`, in two environments of its own, removed after.
 pub async fn run(base: &Settings, cfg: &GrowthConfig) -> Result<GrowthReport> {
     let before = background_cores(BACKGROUND_SPAN).await?;
-    let mut envs = Vec::with_capacity(2);
-    let mut made = Ok(());
-    for _ in 0..2 {
-        match BenchEnv::create(base, cfg.load.pool).await {
-            Ok(mut env) => {
-                let keep = (KEEP_DAYS * 86_400).to_string();
-                env.set_child_env("TRAILMARK__RETENTION__KEEP_SECS", &keep);
-                envs.push(env);
-            }
-            Err(e) => {
-                made = Err(e);
-                break;
-            }
+    with_envs(base, 2, cfg.load.pool, async |envs| {
+        let keep = (KEEP_DAYS * 86_400).to_string();
+        for env in envs.iter_mut() {
+            env.set_child_env("TRAILMARK__RETENTION__KEEP_SECS", &keep);
         }
-    }
-    let result = match made {
-        Ok(()) => phases(&mut envs, cfg, before).await,
-        Err(e) => Err(e),
-    };
-    for env in envs {
-        for left in env.teardown().await {
-            progress(&format!("could not remove {left}; remove it by hand"));
-        }
-    }
-    result
+        phases(envs, cfg, before).await
+    })
+    .await
 }
 
 async fn phases(envs: &mut [BenchEnv], cfg: &GrowthConfig, before: f64) -> Result<GrowthReport> {
@@ -299,12 +284,6 @@ async fn serve(env: &BenchEnv, cfg: &GrowthConfig, tag: &str) -> Result<Vec<Proc
     Ok(procs)
 }
 
-async fn stop(procs: &mut [Proc]) {
-    for p in procs {
-        p.stop(Duration::from_secs(10)).await;
-    }
-}
-
 /// One repetition of the load on `env`, on processes started for it.
 async fn on_serve(
     env: &BenchEnv,
@@ -325,7 +304,7 @@ async fn on_serve(
         &mut procs,
     )
     .await;
-    stop(&mut procs).await;
+    stop_all(&mut procs).await;
     let figures = figures?;
     progress(&format!(
         "{label}: {:.0} steps/s, unloaded step p50 {:.2} ms p99 {:.2} ms, loaded step p99 {:.0} ms, {:.2} KiB WAL/step",
@@ -373,8 +352,13 @@ async fn beside_pruning(
         figures.push(f?);
     }
     let secs = started.elapsed().as_secs_f64();
-    let runs_removed = removed().await? - from;
     pruner.stop(Duration::from_secs(10)).await;
+    let runs_removed = removed().await? - from;
+    let younger_removed: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM trailmark.pruned_runs WHERE finished_at > now() - interval '1 day'",
+    )
+    .fetch_one(&env.pool)
+    .await?;
     progress(&format!(
         "pruning beside the load: {runs_removed} runs removed in {secs:.1} s{}",
         if throughout {
@@ -387,6 +371,7 @@ async fn beside_pruning(
         Pruning {
             runs_removed,
             steps_removed: runs_removed * i64::from(cfg.load.steps),
+            younger_removed,
             secs,
             throughout,
         },
@@ -413,7 +398,7 @@ async fn put_history(env: &BenchEnv, cfg: &GrowthConfig) -> Result<(u64, u64)> {
         .await
     }
     .await;
-    stop(&mut procs).await;
+    stop_all(&mut procs).await;
     driven?;
     let per_copy = (cfg.template_runs as u64) * u64::try_from(cfg.load.steps).unwrap_or(1);
     let copies = cfg.history_steps.div_ceil(per_copy.max(1));
@@ -615,6 +600,13 @@ impl std::fmt::Display for GrowthReport {
                 "; pruning ran out before the last repetition ended"
             }
         )?;
+        if p.younger_removed > 0 {
+            writeln!(
+                f,
+                "BROKEN: {} removed runs had finished less than a day before (--older-than 1d)",
+                p.younger_removed
+            )?;
+        }
         writeln!(f, "\ntables before the load (rows, MiB)")?;
         for (s, name) in self.sides.iter().zip(SIDES).take(2) {
             let parts: Vec<String> = s

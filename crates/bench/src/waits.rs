@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 use serde_json::json;
 
-use super::env::{BenchEnv, Proc};
+use super::env::{BenchEnv, Proc, stop_all, with_envs};
 use super::load::ids;
 use super::measure::Spread;
 use super::systems::System;
@@ -96,28 +96,10 @@ const SIDES: [&str; 3] = ["empty", "finished", "waiting"];
 /// Runs the waits bench on the servers of `base`, in environments of its own, removed after.
 pub async fn run(base: &Settings, cfg: &WaitsConfig) -> Result<WaitsReport> {
     let background = background_cores(BACKGROUND_SPAN).await?;
-    let mut envs = Vec::with_capacity(SIDES.len());
-    let mut made = Ok(());
-    for _ in SIDES {
-        match BenchEnv::create(base, None).await {
-            Ok(env) => envs.push(env),
-            Err(e) => {
-                made = Err(e);
-                break;
-            }
-        }
-    }
-    let result = match made {
-        Ok(()) => phases(&mut envs, cfg, background).await,
-        Err(e) => Err(e),
-    };
-    for env in envs {
-        let left = env.teardown().await;
-        if !left.is_empty() {
-            tracing::warn!(left = ?left, "the waits bench could not remove everything it created");
-        }
-    }
-    result
+    with_envs(base, SIDES.len(), None, async |envs| {
+        phases(envs, cfg, background).await
+    })
+    .await
 }
 
 /// `trailmark serve` processes on `env`, consuming.
@@ -132,12 +114,6 @@ async fn serve(env: &mut BenchEnv, cfg: &WaitsConfig, tag: &str) -> Result<Vec<P
     Ok(procs)
 }
 
-async fn stop(procs: &mut [Proc]) {
-    for p in procs {
-        p.stop(Duration::from_secs(10)).await;
-    }
-}
-
 /// `f` on processes started for it on `env` and stopped after, whatever it returned.
 async fn on_processes<T>(
     env: &mut BenchEnv,
@@ -147,7 +123,7 @@ async fn on_processes<T>(
 ) -> Result<T> {
     let mut procs = serve(env, cfg, tag).await?;
     let done = f(env, &mut procs).await;
-    stop(&mut procs).await;
+    stop_all(&mut procs).await;
     done
 }
 
