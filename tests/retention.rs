@@ -337,3 +337,63 @@ async fn a_parent_and_its_children_are_removed_together_children_after_their_par
     assert_eq!(left, 0, "fan-out rows left behind");
     running.stop().await;
 }
+
+/// A pruner working through a long backlog at a low duty (a batch of one run, then a rest 99
+/// times as long) is in the middle of its pass when `serve` gets SIGTERM: the process stops
+/// without waiting for the pass, the batch it was in is whole or absent, and the next process
+/// removes the rest, each run once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_stops_a_pruner_mid_pass_and_the_next_process_removes_the_rest() {
+    let env = TestEnv::new().await;
+    let runs: Vec<String> = (0..30).map(|i| format!("slow-{i}")).collect();
+    for id in &runs {
+        env.start_run("chain", id, json!({"steps": 1})).await;
+    }
+    let mut serve = env.spawn_process_with(None, &[]);
+    for id in &runs {
+        env.wait_status(id, RunStatus::Succeeded, WAIT).await;
+    }
+    drop(serve);
+    let pruning = [
+        ("TRAILMARK__RETENTION__KEEP_SECS", "1".to_owned()),
+        ("TRAILMARK__RETENTION__INTERVAL_SECS", "1".to_owned()),
+        ("TRAILMARK__RETENTION__BATCH", "1".to_owned()),
+        ("TRAILMARK__RETENTION__DUTY_PERCENT", "1".to_owned()),
+    ];
+    serve = env.spawn_process_with(None, &pruning);
+    let removed = || async {
+        sqlx::query_scalar::<_, i64>("SELECT count(*) FROM trailmark.pruned_runs")
+            .fetch_one(&env.pool)
+            .await
+            .unwrap()
+    };
+    env.wait_until("the pass to begin", WAIT, || async { removed().await >= 1 })
+        .await;
+    serve.signal(libc::SIGTERM);
+    let status = common::wait_exit(&mut serve, Duration::from_secs(30))
+        .await
+        .expect("serve stops on SIGTERM without finishing the pass");
+    assert!(status.success(), "{status:?}");
+    let at_stop = removed().await;
+    assert!(at_stop < 30, "the pass was cut short: {at_stop} removed");
+    // Every run is either removed with its tombstone or still whole.
+    let kept: i64 = sqlx::query_scalar("SELECT count(*) FROM trailmark.runs")
+        .fetch_one(&env.pool)
+        .await
+        .unwrap();
+    assert_eq!(kept + at_stop, 30);
+
+    let faster = [
+        ("TRAILMARK__RETENTION__KEEP_SECS", "1".to_owned()),
+        ("TRAILMARK__RETENTION__INTERVAL_SECS", "1".to_owned()),
+        ("TRAILMARK__RETENTION__DUTY_PERCENT", "100".to_owned()),
+    ];
+    let _next = env.spawn_process_with(None, &faster);
+    env.wait_until("the rest removed", WAIT, || async { removed().await == 30 })
+        .await;
+    let kept: i64 = sqlx::query_scalar("SELECT count(*) FROM trailmark.runs")
+        .fetch_one(&env.pool)
+        .await
+        .unwrap();
+    assert_eq!(kept, 0, "every run removed, none twice (30 tombstones)");
+}

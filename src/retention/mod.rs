@@ -97,10 +97,15 @@ impl Policy {
     /// Rests after a batch that took `took`, so that batches fill `duty_percent` of the time:
     /// on a busy machine a batch takes longer and the rest with it, so the pruner's share of
     /// the machine stays bounded whatever its speed.
-    async fn rest(&self, took: Duration) {
-        let rest = self.rest_after(took);
-        if !rest.is_zero() {
-            tokio::time::sleep(rest).await;
+    /// `beat` is called at least once a second while it rests, so the loop's liveness
+    /// (`/livez`) does not take a long rest for a stuck pruner.
+    async fn rest(&self, took: Duration, mut beat: impl FnMut()) {
+        let mut left = self.rest_after(took);
+        while !left.is_zero() {
+            let slice = left.min(Duration::from_secs(1));
+            tokio::time::sleep(slice).await;
+            left -= slice;
+            beat();
         }
     }
 
@@ -149,7 +154,8 @@ pub struct Pruned {
 }
 
 /// One pass: every due run in batches, then what aged out. `on_batch` sees the totals after
-/// each batch (the CLI prints progress).
+/// each batch and at least once a second while the pruner rests (the CLI prints progress, the
+/// background pruner beats its liveness).
 pub async fn prune(
     engine: &Engine,
     policy: &Policy,
@@ -169,15 +175,14 @@ pub async fn prune(
     scopes.push((Scope::Others(&names), default_keep));
     for (scope, keep) in scopes.into_iter().filter(|(_, keep)| *keep > 0) {
         loop {
-            let started = std::time::Instant::now();
-            let n = batch(engine, policy, scope, keep, dry_run, &mut done).await?;
+            let (n, worked) = batch(engine, policy, scope, keep, dry_run, &mut done).await?;
             on_batch(&done);
             // Not only a full batch calls for another: a removed parent makes its children
             // due, which the next batch takes.
             if dry_run || n == 0 {
                 break;
             }
-            policy.rest(started.elapsed()).await;
+            policy.rest(worked, || on_batch(&done)).await;
         }
     }
     for (what, secs) in [
@@ -187,14 +192,16 @@ pub async fn prune(
         (Aged::Audit, policy.audit_secs),
     ] {
         if secs > 0 {
-            let n = age_out(engine, policy, what, secs, dry_run).await?;
+            let n = age_out(engine, policy, (what, secs), dry_run, &mut || on_batch(&done)).await?;
             *done.aged.entry(what.name()).or_default() += n;
         }
     }
     Ok(done)
 }
 
-/// One batch of one scope in one transaction; returns how many runs were due.
+/// One batch of one scope in one transaction; returns how many runs were due and how long the
+/// batch worked once it had the pruner's turn (what its rest is measured from: waiting for
+/// another process's batch is not work).
 async fn batch(
     engine: &Engine,
     policy: &Policy,
@@ -202,14 +209,15 @@ async fn batch(
     keep: u64,
     dry_run: bool,
     done: &mut Pruned,
-) -> Result<usize, Error> {
+) -> Result<(usize, Duration), Error> {
     let mut tx = my_turn(engine).await?;
+    let started = std::time::Instant::now();
     let due = sql::due(&mut tx, scope, keep as i64, policy.batch).await?;
     let ids: Vec<String> = due.iter().map(|d| d.run_id.clone()).collect();
     if dry_run || ids.is_empty() {
         done.run_ids.extend(ids);
         tx.rollback().await?;
-        return Ok(due.len());
+        return Ok((due.len(), started.elapsed()));
     }
     let archived_to = match &policy.archive_dir {
         Some(dir) => {
@@ -227,29 +235,31 @@ async fn batch(
     done.removed.add(removed);
     done.archived += archived;
     done.run_ids.extend(ids);
-    Ok(due.len())
+    Ok((due.len(), started.elapsed()))
 }
 
-/// Removes (or counts) what of `what` is older than `secs`, a batch at a time.
+/// Removes (or counts) what of `what` is older than `secs`, a batch at a time, calling `beat`
+/// after each batch and while it rests.
 async fn age_out(
     engine: &Engine,
     policy: &Policy,
-    what: Aged,
-    secs: u64,
+    (what, secs): (Aged, u64),
     dry_run: bool,
+    beat: &mut impl FnMut(),
 ) -> Result<i64, Error> {
     let mut total = 0;
     loop {
-        let started = std::time::Instant::now();
         let mut tx = my_turn(engine).await?;
+        let started = std::time::Instant::now();
         let n = sql::forget(&mut *tx, what, secs as i64, policy.batch, dry_run).await?;
         tx.commit().await?;
         total += n;
+        beat();
         if dry_run || n < policy.batch {
             crate::metrics::aged_out(what.name(), total);
             return Ok(total);
         }
-        policy.rest(started.elapsed()).await;
+        policy.rest(started.elapsed(), &mut *beat).await;
     }
 }
 
@@ -278,7 +288,14 @@ pub async fn run(engine: Arc<Engine>, shutdown: CancellationToken) -> Result<(),
         engine.health.beat(Loop::Pruner);
         if tokio::time::Instant::now() >= next {
             let pass = prune(&engine, &policy, false, |_| engine.health.beat(Loop::Pruner));
-            match pass.await {
+            // A pass over a long history takes minutes at its duty; a shutdown does not wait
+            // for it. Dropping it mid-batch rolls that batch's transaction back (an archive file
+            // it wrote is written again by the next pass).
+            let done = tokio::select! {
+                done = pass => done,
+                _ = shutdown.cancelled() => return Ok(()),
+            };
+            match done {
                 Ok(_) => crate::metrics::prune_finished(),
                 Err(Error::Busy) => {}
                 Err(e) => {

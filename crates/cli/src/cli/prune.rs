@@ -55,9 +55,12 @@ pub async fn prune(settings: Settings, registry: Registry, args: PruneArgs) -> a
         policy = policy.duty(duty);
     }
     let engine = Engine::new(settings, registry).await?;
+    // Called after each batch and every second of the rests between them: say only what moved.
+    let mut shown: i64 = 0;
     let done = retention::prune(&engine, &policy, args.dry_run, |so_far| {
-        if !so_far.dry_run && so_far.removed.runs > 0 {
-            eprintln!("… {} runs removed so far", so_far.removed.runs);
+        if !so_far.dry_run && so_far.removed.runs > shown {
+            shown = so_far.removed.runs;
+            eprintln!("… {shown} runs removed so far");
         }
     })
     .await?;
