@@ -167,6 +167,14 @@ mod tests {
     use super::*;
 
     #[test]
+    fn message_ids_made_one_after_another_sort_in_the_order_they_were_made() {
+        // What keeps the inbox's primary key growing at its end (see `MessageId::new`).
+        let ids: Vec<MessageId> = (0..10_000).map(|_| MessageId::new()).collect();
+        assert!(ids.windows(2).all(|w| w[0].0 < w[1].0), "not time-ordered");
+        assert!(ids.iter().all(|id| id.0.get_version_num() == 7));
+    }
+
+    #[test]
     fn run_ids_accept_the_documented_alphabet_only() {
         assert!(RunId::parse("run-2026-10-13-ldh").is_ok());
         assert!(RunId::parse("").is_err());
