@@ -88,13 +88,18 @@ impl Promises {
     }
 
     /// The variant `--b3-promises` names; the error lists the choices.
-    pub fn parse(s: &str) -> std::result::Result<Self, String> {
+    pub fn parse(s: &str) -> std::result::Result<Self, UnknownPromises> {
         [Self::Bare, Self::Journal, Self::Fenced]
             .into_iter()
             .find(|p| p.arg() == s)
-            .ok_or_else(|| format!("--b3-promises {s:?}: expected bare, journal or fenced"))
+            .ok_or_else(|| UnknownPromises(s.to_owned()))
     }
 }
+
+/// A `--b3-promises` value that names no variant.
+#[derive(Debug, thiserror::Error)]
+#[error("--b3-promises {0:?}: expected bare, journal or fenced")]
+pub struct UnknownPromises(pub String);
 
 /// The whole step in one statement. The inbox row is a plain insert: a repeated message fails
 /// the statement on its key (and is then acknowledged as a duplicate), which costs less than a
@@ -529,7 +534,9 @@ impl B3 {
     ) -> Result<Option<(i64, Option<String>)>> {
         match self.promises {
             Promises::Bare => Ok(Some((0, None))),
-            // A first delivery has no earlier attempt whose answer could be journaled.
+            // A first delivery has no earlier attempt whose answer could be journaled, but for a
+            // relay's copy of a message also published eagerly: its call is paid again, and the
+            // journal's key hands back the answer on record.
             Promises::Journal if !redelivered => Ok(Some((0, None))),
             Promises::Journal => Ok(Some((0, self.journaled(msg).await?))),
             // This process's own message, on the position its last statement pre-claimed.

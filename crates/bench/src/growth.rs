@@ -13,14 +13,16 @@
 //! The load (the default bench's: `chain` runs with local ledger rows, a warm-up, runs one at a
 //! time, then runs all started at once) runs `--reps` times in each, alternating which goes
 //! first; then again in the history while `trailmark prune --older-than 1d` removes the history
-//! at full speed beside it. Table sizes are read before the load, WAL per step over each loaded
-//! phase. The figures a user relies on: history/empty for throughput and unloaded latency
+//! at its default pace (`retention.duty_percent`) beside it; these repetitions run last, so a
+//! drift of the machine's speed over the run is not separated from pruning's effect. Table
+//! sizes are read before the load, WAL per step over each loaded phase. The figures a user relies on: history/empty for throughput and unloaded latency
 //! (target within 10%), pruning/history for the loaded step p99 (target below 1.1).
 
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
 use serde_json::json;
+use sqlx::Connection;
 
 use super::env::{BenchEnv, Proc, stop_all, with_envs};
 use super::load::{RepFigures, ids, measure_on};
@@ -318,7 +320,7 @@ async fn on_serve(
 }
 
 /// The load's repetitions in the history while `trailmark prune --older-than 1d` removes the
-/// history's older five sixths beside it at full speed (batch after batch, no pause).
+/// history's older five sixths beside it at its default pace (`retention.duty_percent`).
 async fn beside_pruning(
     env: &BenchEnv,
     cfg: &GrowthConfig,
@@ -410,12 +412,15 @@ async fn put_history(env: &BenchEnv, cfg: &GrowthConfig) -> Result<(u64, u64)> {
 /// connection that skips triggers (foreign keys, notifications: bulk rows, not engine traffic)
 /// and does not wait for each chunk's WAL flush.
 async fn copy_template(env: &BenchEnv, copies: u64) -> Result<()> {
-    let mut conn = env.pool.acquire().await?;
+    // A connection of its own, closed at the end: the session settings below (triggers off,
+    // commits not waiting for their flush; the first needs a superuser) must not go back to the
+    // pool, whatever happens.
+    let mut conn = sqlx::PgConnection::connect_with(&env.pool.connect_options()).await?;
     sqlx::raw_sql(
         "SET session_replication_role = replica; SET synchronous_commit = off;
          CREATE SCHEMA growth_tpl;",
     )
-    .execute(&mut *conn)
+    .execute(&mut conn)
     .await?;
     let tables = per_run_tables(&mut conn).await?;
     let mut statements = Vec::with_capacity(tables.len());
@@ -429,7 +434,7 @@ async fn copy_template(env: &BenchEnv, copies: u64) -> Result<()> {
         let snapshot =
             format!("CREATE TABLE growth_tpl.{table} AS SELECT * FROM trailmark.{table}{filter}");
         sqlx::raw_sql(sqlx::AssertSqlSafe(snapshot))
-            .execute(&mut *conn)
+            .execute(&mut conn)
             .await?;
         statements.push(copy_statement(&mut conn, table).await?);
     }
@@ -443,7 +448,7 @@ async fn copy_template(env: &BenchEnv, copies: u64) -> Result<()> {
                 .bind(lo as i64)
                 .bind(hi as i64)
                 .bind(span_secs / copies as f64)
-                .execute(&mut *conn)
+                .execute(&mut conn)
                 .await?;
         }
         progress(&format!(
@@ -452,9 +457,10 @@ async fn copy_template(env: &BenchEnv, copies: u64) -> Result<()> {
         ));
         lo = hi + 1;
     }
-    sqlx::raw_sql("DROP SCHEMA growth_tpl CASCADE; RESET session_replication_role;")
-        .execute(&mut *conn)
+    sqlx::raw_sql("DROP SCHEMA growth_tpl CASCADE")
+        .execute(&mut conn)
         .await?;
+    conn.close().await?;
     Ok(())
 }
 

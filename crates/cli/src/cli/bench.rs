@@ -92,7 +92,7 @@ pub struct BenchArgs {
     pub flow: bool,
     /// Instead of the comparison: step throughput and latency of the default load (--reps
     /// [default: 3]) in an empty database and beside --history-steps finished steps, then
-    /// beside `trailmark prune` removing them at full speed; retention on in both.
+    /// beside `trailmark prune` removing them at its default pace; retention on in both.
     #[arg(long, conflicts_with_all = ["waits", "children", "flow", "peer", "scale"])]
     pub growth: bool,
     /// With --growth: finished steps (with their journal, effects and inbox rows) put in the
