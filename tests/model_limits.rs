@@ -204,12 +204,22 @@ async fn a_step_with_no_room_waits_without_a_lease_or_an_attempt_and_run_show_sa
             && line.ends_with(" s, 0 of 5 attempts used"),
         "{line}"
     );
+    // The progress line is written when the step finds no room, before the worker gives the
+    // lease back in a statement of its own: wait for that, bounded.
+    env.wait_until("the waiting step to give its lease back", WAIT, || async {
+        let run = trailmark::store::runs::get(&env.pool, "throttled")
+            .await
+            .unwrap()
+            .unwrap();
+        run.lease_owner.is_none()
+    })
+    .await;
     let run = trailmark::store::runs::get(&env.pool, "throttled")
         .await
         .unwrap()
         .unwrap();
     assert_eq!(run.status, RunStatus::Running);
-    assert_eq!(run.step_seq, 2);
+    assert_eq!(run.step_seq, 2, "still waiting at the third link");
     assert_eq!(run.lease_owner, None, "the waiting step holds no lease");
     assert_eq!(
         env.attempts("throttled", 2).await,
