@@ -53,6 +53,10 @@ pub struct StartBody {
     /// to 4 (highest); 2 when absent.
     #[schema(example = 3)]
     priority: Option<i64>,
+    /// The workflow version the run starts on and keeps until it ends (one this process
+    /// carries); the newest when absent.
+    #[schema(example = 2)]
+    version: Option<i32>,
 }
 
 /// Where to read a run.
@@ -115,6 +119,7 @@ fn refused(run_id: &RunId, why: StartRefused) -> ApiError {
     let (status, field) = match why {
         StartRefused::TooLarge { .. } => (StatusCode::PAYLOAD_TOO_LARGE, "input"),
         StartRefused::UnknownWorkflow { .. } => (StatusCode::UNPROCESSABLE_ENTITY, "workflow"),
+        StartRefused::UnknownVersion { .. } => (StatusCode::UNPROCESSABLE_ENTITY, "version"),
         StartRefused::BadInput { .. } => (StatusCode::UNPROCESSABLE_ENTITY, "input"),
     };
     let message = format!("run {run_id}: {why}; nothing was started");
@@ -152,6 +157,7 @@ fn checked(state: &AppState, b: StartBody) -> Result<(RunStartEvent, Arc<Workflo
         .map_err(|e| ApiError::bad_request(e.to_string()).with_field("priority"))?;
     let event = RunStartEvent {
         priority,
+        version: b.version,
         ..RunStartEvent::new(run_id, &b.workflow, b.input)
     };
     let engine = &state.engine;

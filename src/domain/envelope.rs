@@ -59,6 +59,10 @@ pub struct RunStartEvent {
     /// Where the run stands among runs waiting for a slot of its key (0 to 4; 2 when absent).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub priority: Option<crate::flow::Priority>,
+    /// The workflow version the run starts on (pinned for its whole life); the newest the
+    /// receiving worker carries when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub version: Option<i32>,
 }
 
 /// One step to execute: which run, which step, at which position.
@@ -171,6 +175,7 @@ impl RunStartEvent {
             workflow: workflow.into(),
             input,
             priority: None,
+            version: None,
         }
     }
     /// Parses a body, refusing oversized, malformed and future-version events.

@@ -59,7 +59,7 @@ async fn waiting_at(
             ),
         ));
     }
-    let wf = engine.registry.get(&run.workflow).ok_or_else(|| {
+    let wf = engine.registry.for_run(&run.workflow, run.workflow_version).ok_or_else(|| {
         refused(
             &run,
             action,

@@ -83,7 +83,10 @@ pub async fn resume(engine: &Engine, run_id: &str, who: &Decider, how: Resume) -
     let max = engine.settings.worker.max_attempts;
     let mut version = run.workflow_version;
     if after_fix {
-        let deployed = engine.registry.get(&run.workflow).ok_or_else(|| {
+        // The run's own version when this build carries it (the fix is in that version's
+        // code), else the newest: moving a run to another version is otherwise
+        // `trailmark workflow move`'s, an explicit and audited act.
+        let deployed = engine.registry.for_run(&run.workflow, run.workflow_version).ok_or_else(|| {
             refused(&run, action, format!("workflow {} is not deployed in this build; run the command from a build that has the fix", run.workflow))
         })?;
         version = deployed.version;

@@ -440,7 +440,7 @@ fn undoable(engine: &Engine, run: &runs::RunRow) -> Result<Arc<Workflow>> {
             ),
         ));
     }
-    engine.registry.get(&run.workflow).ok_or_else(|| {
+    engine.registry.for_run(&run.workflow, run.workflow_version).ok_or_else(|| {
         refused(
             run,
             "undo",

@@ -153,7 +153,7 @@ impl Starter {
     pub(super) fn of(engine: &Engine, spec: Spec) -> Result<Self, Error> {
         let workflow = engine
             .registry
-            .accepting(&spec.workflow, &spec.input)
+            .accepting(&spec.workflow, None, &spec.input)
             .map_err(|refused| super::invalid("workflow", refused.to_string()))?;
         let first = workflow
             .first_step()

@@ -7,6 +7,7 @@ pub mod children;
 pub mod console_sessions;
 pub mod debounce;
 pub mod decisions;
+pub mod deployments;
 pub mod effects;
 mod failover;
 pub mod flow;

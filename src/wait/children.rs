@@ -531,6 +531,7 @@ async fn start(
             workflow: child.workflow.clone(),
             input: child.input,
             priority: None,
+            version: Some(child.workflow_version),
         };
         // A child run is not counted under a concurrency key: it runs in its parent's slot's
         // stead, and its parent waits for it (see docs/ARCHITECTURE.md, "Concurrency keys").

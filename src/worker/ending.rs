@@ -385,7 +385,7 @@ fn fan_out(registry: &Registry, msg: &StepMessage, c: &Children) -> Result<FanOu
     let mut children = Vec::with_capacity(total);
     for (index, (name, input)) in c.children.iter().enumerate() {
         let found = registry
-            .accepting(name, input)
+            .accepting(name, None, input)
             .map_err(|e| refuse(format!("child {index}: {e}")))?;
         let first_step = found
             .first_step()

@@ -27,7 +27,10 @@ pub(super) async fn hold(engine: Arc<Engine>, shutdown: CancellationToken) {
             Ok(mut conn) => {
                 backoff = Duration::from_millis(200);
                 match store::backend_pid(&mut conn).await {
-                    Ok(pid) => engine.presence_pid.store(pid, Ordering::SeqCst),
+                    Ok(pid) => {
+                        engine.presence_pid.store(pid, Ordering::SeqCst);
+                        announce(&engine, &mut conn, pid).await;
+                    }
                     Err(e) => {
                         tracing::warn!(error = %crate::error::Report(&e), "presence connection: cannot read its pid")
                     }
@@ -46,6 +49,19 @@ pub(super) async fn hold(engine: Arc<Engine>, shutdown: CancellationToken) {
             _ = shutdown.cancelled() => {}
         }
         backoff = (backoff * 2).min(Duration::from_secs(5));
+    }
+    // Stopping: the versions it carries are no longer carried here (a step of them that
+    // another worker meets waits only for the live ones).
+    if let Err(e) = store::deployments::unregister(&engine.pool, &engine.worker_id).await {
+        tracing::warn!(error = %crate::error::Report(&e), "could not remove this worker's workflow versions from trailmark.deployments; they stop counting when its presence backend ends");
+    }
+}
+
+/// Records the workflow versions this process carries, under its presence backend's `pid`.
+async fn announce(engine: &Engine, conn: &mut sqlx::PgConnection, pid: i32) {
+    let deployed = engine.registry.deployed();
+    if let Err(e) = store::deployments::register(conn, &engine.worker_id, pid, &deployed).await {
+        tracing::warn!(error = %crate::error::Report(&e), "could not record this worker's workflow versions; other workers stop a run of a version only this one carries for review instead of waiting for it");
     }
 }
 

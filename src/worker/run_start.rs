@@ -39,7 +39,7 @@ pub fn start_message(
     if bytes > limit {
         return Err(StartRefused::TooLarge { bytes, limit });
     }
-    let workflow = registry.accepting(&event.workflow, &event.input)?;
+    let workflow = registry.accepting(&event.workflow, event.version, &event.input)?;
     Ok((message, workflow))
 }
 
@@ -49,11 +49,11 @@ pub(super) async fn process(
     delivery: &Delivery,
     event: &RunStartEvent,
 ) -> store::Result<Disposition> {
-    let workflow = match engine.registry.accepting(&event.workflow, &event.input) {
+    let workflow = match engine.registry.accepting(&event.workflow, event.version, &event.input) {
         Ok(workflow) => workflow,
         Err(refused) => {
             let next = match refused {
-                StartRefused::UnknownWorkflow { .. } => {
+                StartRefused::UnknownWorkflow { .. } | StartRefused::UnknownVersion { .. } => {
                     "fix the publisher or deploy the workflow, then requeue"
                 }
                 _ => "fix the publisher and start the run again",

@@ -46,9 +46,10 @@ pub(super) async fn process(
     (owner, redelivered, waited): (&str, bool, Option<Waited>),
 ) -> store::Result<Disposition> {
     engine.failpoints.hit("worker.received").map_err(infra)?;
-    // 1. The workflow and step it names, deployed in this worker. A step of a newer version
-    //    waits for a worker that runs it, for a bounded time, while its run waits for it.
-    if let Some(deployed) = version_wait::deployed_if_older(engine, msg) {
+    // 1. The workflow and step it names, at the run's version, carried by this worker. A step
+    //    of a version carried only elsewhere (or newer than any here) waits for a worker that
+    //    carries it, for a bounded time, while its run waits for it.
+    if let Some(deployed) = version_wait::elsewhere(engine, msg).await? {
         return version_wait::process(engine, msg, deployed, waited).await;
     }
     let (workflow, step) = match resolve(engine, msg) {
@@ -387,13 +388,14 @@ async fn say_resuming(engine: &Engine, msg: &StepMessage, attempt: i32) -> store
 
 /// The workflow and the step definition the message names, or the dead letter for a message
 /// this worker cannot execute. A compensation runs its step's declared compensation.
-/// The step is `None` only for a run of an older version whose step this version lacks (a step
-/// of a newer version never gets here: `version_wait.rs`).
+/// The run's own version when carried here, else the newest (for a run of an older version no
+/// live worker carries, refused below). The step is `None` only for such a run whose step the
+/// newest version lacks (a step of a newer version never gets here: `version_wait.rs`).
 fn resolve(
     engine: &Engine,
     msg: &StepMessage,
 ) -> Result<(Arc<Workflow>, Option<StepDef>), Disposition> {
-    let Some(workflow) = engine.registry.get(&msg.workflow) else {
+    let Some(workflow) = engine.registry.for_run(&msg.workflow, msg.version) else {
         return Err(dead(
             "unknown_workflow",
             format!(

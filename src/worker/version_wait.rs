@@ -1,8 +1,11 @@
-//! A step of a workflow version newer than the one this worker runs: a rolling upgrade under way,
-//! or a version that was never deployed here. The message waits in the delay queues for a worker
-//! that runs its version, but only while its run still waits at that position, and only for
-//! `worker.newer_version_wait_secs`: then it is dead-lettered where an operator sees it, instead
-//! of circling through the delay queues for ever.
+//! A step of a workflow version this worker does not carry: a newer one (a rolling upgrade under
+//! way, or a version never deployed), or an older one that another live worker still carries
+//! (the other side of a rolling upgrade: `trailmark.deployments` says who carries what). The
+//! message waits in the delay queues for a worker that carries its version, but only while its
+//! run still waits at that position, and only for `worker.newer_version_wait_secs`: then it is
+//! dead-lettered where an operator sees it, instead of circling through the delay queues for
+//! ever. An older version no live worker carries does not wait: its run is claimed and stopped
+//! for review (`ending::refuse_older_version`), for a person to move it on.
 //!
 //! How long it has waited travels with the message, in two headers the first wait sets (when it
 //! was first seen, how many waits since), so every worker it meets counts the same wait.
@@ -51,13 +54,30 @@ impl Waited {
     }
 }
 
-/// The version of `msg`'s workflow this worker runs, when `msg` is of a newer one.
-pub(super) fn deployed_if_older(engine: &Engine, msg: &StepMessage) -> Option<i32> {
-    let workflow = engine.registry.get(&msg.workflow)?;
-    (msg.version > workflow.version).then_some(workflow.version)
+/// The newest version of `msg`'s workflow this worker carries, when `msg` must wait for another
+/// worker: its version is not carried here, and it is newer than every version carried here or
+/// another live worker carries it. `None`: run it here (or refuse it here).
+pub(super) async fn elsewhere(engine: &Engine, msg: &StepMessage) -> store::Result<Option<i32>> {
+    let Some(newest) = engine.registry.get(&msg.workflow) else {
+        return Ok(None);
+    };
+    if engine.registry.version(&msg.workflow, msg.version).is_some() {
+        return Ok(None);
+    }
+    if msg.version > newest.version {
+        return Ok(Some(newest.version));
+    }
+    let carried = store::deployments::carried_elsewhere(
+        &engine.pool,
+        &msg.workflow,
+        msg.version,
+        &engine.worker_id,
+    )
+    .await?;
+    Ok(carried.then_some(newest.version))
 }
 
-/// What becomes of a step of version `msg.version` met by a worker of version `deployed`:
+/// What becomes of a step of version `msg.version` met by a worker whose newest is `deployed`:
 /// stale when its run ended or moved past it (whatever its version), dead-lettered once it has
 /// waited `worker.newer_version_wait_secs`, else one more wait in a delay queue.
 pub(super) async fn process(
@@ -90,9 +110,9 @@ pub(super) async fn process(
     let delay = delay(engine, so_far);
     if warns(waited.is_none(), so_far, delay) {
         tracing::warn!(run.id = %msg.run_id, version = msg.version, deployed, waited_secs = so_far.as_secs(),
-            limit_secs = limit, "step of a newer workflow version; it waits for a worker that runs that version (a rolling upgrade under way?), then goes to the DLQ");
+            limit_secs = limit, "step of a workflow version this worker does not carry; it waits for a worker that carries it (a rolling upgrade under way?), then goes to the DLQ");
     } else {
-        tracing::debug!(version = msg.version, deployed, waited_secs = so_far.as_secs(), "step of a newer workflow version waits again");
+        tracing::debug!(version = msg.version, deployed, waited_secs = so_far.as_secs(), "step of a workflow version not carried here waits again");
     }
     Ok(Disposition::WaitForVersion {
         delay,
@@ -124,7 +144,7 @@ fn delay(engine: &Engine, so_far: Duration) -> Duration {
 /// The dead letter's detail: which run, step and versions, how long it waited, what to do.
 fn detail(msg: &StepMessage, deployed: i32, so_far: Duration, times: u32, limit: u64) -> String {
     format!(
-        "run {} step {} (position {}) is of {} v{}, but the workers that met it run v{deployed}; no worker of v{} took it within {} s ({times} waits; worker.newer_version_wait_secs = {limit}); deploy v{} of {}, then `trailmark dlq requeue {}`",
+        "run {} step {} (position {}) is of {} v{}, but the workers that met it run v{deployed} at newest; no worker of v{} took it within {} s ({times} waits; worker.newer_version_wait_secs = {limit}); deploy v{} of {}, then `trailmark dlq requeue {}`",
         msg.run_id,
         msg.step,
         msg.seq,

@@ -195,6 +195,18 @@ pub enum StartRefused {
         /// The registered names.
         known: String,
     },
+    /// The start names a version of the workflow this binary does not carry.
+    #[error(
+        "workflow {workflow} v{version} is not deployed here (this binary carries {carried}); start without a version to take the newest, or deploy v{version} first"
+    )]
+    UnknownVersion {
+        /// The workflow.
+        workflow: String,
+        /// The version asked for.
+        version: i32,
+        /// The versions carried here.
+        carried: String,
+    },
     /// The workflow's input check refused the input.
     #[error("workflow {workflow} does not accept this input: {why}")]
     BadInput {
@@ -220,16 +232,19 @@ impl StartRefused {
     pub fn reason(&self) -> &'static str {
         match self {
             Self::UnknownWorkflow { .. } => "unknown_workflow",
+            Self::UnknownVersion { .. } => "unknown_version",
             Self::BadInput { .. } => "bad_input",
             Self::TooLarge { .. } => "oversized",
         }
     }
 }
 
-/// The workflows a process can execute.
+/// The workflows a process can execute: every version of each that this binary carries, so a
+/// run stays on the version it started with while new runs start on the newest.
 #[derive(Clone, Default)]
 pub struct Registry {
-    workflows: HashMap<String, Arc<Workflow>>,
+    /// Per name, the carried versions, oldest first.
+    workflows: HashMap<String, std::collections::BTreeMap<i32, Arc<Workflow>>>,
 }
 
 impl Registry {
@@ -238,26 +253,68 @@ impl Registry {
         Self::default()
     }
 
-    /// Registers a workflow; a later registration of the same name replaces it.
+    /// Registers a workflow version beside the others of its name; a later registration of the
+    /// same name and version replaces it.
     pub fn register(&mut self, workflow: Workflow) -> &mut Self {
         self.workflows
-            .insert(workflow.name.clone(), Arc::new(workflow));
+            .entry(workflow.name.clone())
+            .or_default()
+            .insert(workflow.version, Arc::new(workflow));
         self
     }
 
-    /// The workflow called `name`.
+    /// The newest version of the workflow called `name`: the one new runs start on.
     pub fn get(&self, name: &str) -> Option<Arc<Workflow>> {
-        self.workflows.get(name).cloned()
+        self.workflows
+            .get(name)?
+            .last_key_value()
+            .map(|(_, w)| w.clone())
     }
 
-    /// The workflow that serves runs of `workflow` started with `input`, or why none does: the
-    /// one check every face that starts runs makes (the worker, `trailmark run start`, the
-    /// embedded handle), so all of them refuse the same starts with the same words.
-    pub fn accepting(&self, workflow: &str, input: &Value) -> Result<Arc<Workflow>, StartRefused> {
-        let found = self.get(workflow).ok_or_else(|| StartRefused::UnknownWorkflow {
+    /// Version `version` of the workflow called `name`, if this binary carries it: the code a
+    /// run pinned to that version runs on.
+    pub fn version(&self, name: &str, version: i32) -> Option<Arc<Workflow>> {
+        self.workflows.get(name)?.get(&version).cloned()
+    }
+
+    /// The versions of `name` this binary carries, oldest first (empty for an unknown name).
+    pub fn versions(&self, name: &str) -> Vec<i32> {
+        self.workflows
+            .get(name)
+            .map(|v| v.keys().copied().collect())
+            .unwrap_or_default()
+    }
+
+    /// The version a run of `name` follows: its own when carried here, else the newest (what
+    /// an operator's `resume --after-fix` or fork moves it to).
+    pub fn for_run(&self, name: &str, version: i32) -> Option<Arc<Workflow>> {
+        self.version(name, version).or_else(|| self.get(name))
+    }
+
+    /// The workflow that serves runs of `workflow` started with `input`, on `version` or the
+    /// newest, or why none does: the one check every face that starts runs makes (the worker,
+    /// `trailmark run start`, the embedded handle), so all of them refuse the same starts with
+    /// the same words.
+    pub fn accepting(
+        &self,
+        workflow: &str,
+        version: Option<i32>,
+        input: &Value,
+    ) -> Result<Arc<Workflow>, StartRefused> {
+        let newest = self.get(workflow).ok_or_else(|| StartRefused::UnknownWorkflow {
             name: workflow.to_owned(),
             known: self.names().join(", "),
         })?;
+        let found = match version {
+            None => newest,
+            Some(v) => self
+                .version(workflow, v)
+                .ok_or_else(|| StartRefused::UnknownVersion {
+                    workflow: workflow.to_owned(),
+                    version: v,
+                    carried: versions_text(&self.versions(workflow)),
+                })?,
+        };
         found.check_input(input).map_err(|why| StartRefused::BadInput {
             workflow: found.name.clone(),
             why,
@@ -265,12 +322,13 @@ impl Registry {
         Ok(found)
     }
 
-    /// Every registered workflow's name and version, as two matching lists: what a query
-    /// filters by to touch only the runs this process can execute.
+    /// Every registered workflow's name and version, as two matching lists (a name once per
+    /// carried version): what a query filters by to touch only the runs this process can
+    /// execute.
     pub fn deployed(&self) -> (Vec<String>, Vec<i32>) {
         self.workflows
-            .values()
-            .map(|w| (w.name.clone(), w.version))
+            .iter()
+            .flat_map(|(name, versions)| versions.keys().map(move |v| (name.clone(), *v)))
             .unzip()
     }
 
@@ -280,6 +338,12 @@ impl Registry {
         names.sort();
         names
     }
+}
+
+/// Versions as an error message names them: `v1, v2`.
+pub(crate) fn versions_text(versions: &[i32]) -> String {
+    let named: Vec<String> = versions.iter().map(|v| format!("v{v}")).collect();
+    named.join(", ")
 }
 
 /// The in-process retry policy of model and tool calls: exponential from 100 ms to 5 s with

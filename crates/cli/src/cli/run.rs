@@ -41,6 +41,10 @@ pub struct StartArgs {
     /// to 4 (highest); 2 when not given.
     #[arg(long, value_parser = priority)]
     pub priority: Option<trailmark::Priority>,
+    /// The workflow version the run starts on and keeps until it ends (`trailmark workflow
+    /// versions` lists them); the newest this binary carries when not given.
+    #[arg(long)]
+    pub version: Option<i32>,
 }
 
 fn priority(text: &str) -> Result<trailmark::Priority, String> {
@@ -63,6 +67,7 @@ pub async fn start(
     let input = read_input(args.input.as_deref())?;
     let event = RunStartEvent {
         priority: args.priority,
+        version: args.version,
         ..RunStartEvent::new(run_id.clone(), &args.workflow, input)
     };
     let topology = broker::Topology::new(&settings.broker.prefix, settings.broker.delivery_limit);
