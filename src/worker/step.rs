@@ -741,6 +741,7 @@ async fn context(
     let pos = Position {
         run_id: msg.run_id.clone(),
         workflow: msg.workflow.clone(),
+        version: msg.version,
         step: msg.step.clone(),
         seq: msg.seq,
         attempt: claim.attempt,

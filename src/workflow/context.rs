@@ -48,6 +48,8 @@ pub struct UndoTarget {
 pub(crate) struct Position {
     pub run_id: RunId,
     pub workflow: String,
+    /// The workflow version the run is pinned to.
+    pub version: i32,
     pub step: StepAddress,
     pub seq: i32,
     pub attempt: i32,
@@ -180,6 +182,10 @@ impl StepContext {
     /// The workflow name.
     pub fn workflow(&self) -> &str {
         &self.inner.pos.workflow
+    }
+    /// The workflow version the run started on and stays on.
+    pub fn version(&self) -> i32 {
+        self.inner.pos.version
     }
     /// This step's address: its declared name, or `undo:<step>@<seq>` for a compensation.
     pub fn step(&self) -> &str {

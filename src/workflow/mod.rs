@@ -15,6 +15,7 @@ mod host;
 mod model_call;
 mod model_limit;
 mod pause;
+mod patch;
 mod reversal;
 
 use std::collections::HashMap;
@@ -35,6 +36,7 @@ pub use effect::{Lookup, Tool};
 pub use error::{ResultExt, StepError};
 pub(crate) use pause::Pause;
 pub use pause::{EventWait, OnTimeout, ReceivedEvent};
+pub use patch::PATCH_KIND;
 pub(crate) use host::{BoxFuture, Models, RecordedEffect, Records, Tools};
 pub use reversal::{ListFuture, Lister, PreviewContext, Reversal};
 
