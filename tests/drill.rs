@@ -96,6 +96,29 @@ fn assert_kept(r: &Value, runs: i64) {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_ci_profile_across_two_builds_side_by_side_keeps_every_promise_and_each_run_on_its_version()
+ {
+    let r = drill_cli(&[
+        "chain",
+        "--runs",
+        "60",
+        "--mixed-versions",
+        "--seed",
+        "20261204",
+    ]);
+    assert_kept(&r, 60);
+    assert!(invariant_names(&r).contains(&"every link ran on its run's workflow version"));
+    let v = &r["versions"];
+    assert_eq!(v["mismatched"], 0, "{v}");
+    assert_eq!(
+        v["v1_runs"].as_i64().unwrap() + v["v2_runs"].as_i64().unwrap(),
+        60,
+        "{v}"
+    );
+    assert!(r["replay"].as_str().unwrap().ends_with("--mixed-versions"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_ci_profile_on_chain_keeps_every_promise() {
     let r = drill_cli(&["chain", "--runs", "200", "--seed", "20261201"]);
     assert_kept(&r, 200);

@@ -461,6 +461,69 @@ pub fn verdicts(r: &Report, unpublished: i64) -> Vec<Invariant> {
     ]
 }
 
+/// The drill's runs per workflow version, and the links that ran on another version's code.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
+pub struct Versions {
+    /// Runs started on v1.
+    pub v1_runs: i64,
+    /// Runs started on v2.
+    pub v2_runs: i64,
+    /// Committed links whose output names another version's code than their run's.
+    pub mismatched: i64,
+    /// Up to ten of them, `run:position`.
+    pub examples: Vec<String>,
+}
+
+/// The drill's runs per version, and the links whose code (`"code"` in a `chain` link's
+/// output, absent at v1) is not their run's version.
+pub async fn versions(pool: &PgPool, ids: &[String]) -> Result<Versions> {
+    let (v1_runs, v2_runs): (i64, i64) = sqlx::query_as(
+        "SELECT count(*) FILTER (WHERE workflow_version = 1),
+                count(*) FILTER (WHERE workflow_version = 2)
+           FROM trailmark.runs WHERE run_id = ANY($1)",
+    )
+    .bind(ids)
+    .fetch_one(pool)
+    .await
+    .map_err(trailmark::store::Error::from)?;
+    let mismatched: Vec<String> = sqlx::query_scalar(
+        "SELECT s.run_id || ':' || s.seq FROM trailmark.steps s
+           JOIN trailmark.runs r USING (run_id)
+          WHERE r.run_id = ANY($1) AND s.finished_at IS NOT NULL AND s.step = 'link'
+            AND COALESCE((s.output->>'code')::int, 1) <> r.workflow_version
+          ORDER BY 1",
+    )
+    .bind(ids)
+    .fetch_all(pool)
+    .await
+    .map_err(trailmark::store::Error::from)?;
+    Ok(Versions {
+        v1_runs,
+        v2_runs,
+        mismatched: mismatched.len() as i64,
+        examples: mismatched.into_iter().take(10).collect(),
+    })
+}
+
+/// The versions invariant: every link ran on its run's version, and (with two workers or
+/// more, one of each build) runs of both versions were drilled.
+pub fn versions_verdict(v: &Versions, workers: usize) -> Invariant {
+    let both = workers < 2 || (v.v1_runs > 0 && v.v2_runs > 0);
+    Invariant {
+        name: "every link ran on its run's workflow version".into(),
+        ok: v.mismatched == 0 && both,
+        detail: format!(
+            "{} runs on v1, {} on v2, {} links on another version's code{}",
+            v.v1_runs,
+            v.v2_runs,
+            v.mismatched,
+            v.examples
+                .first()
+                .map_or(String::new(), |x| format!(" (e.g. {x})"))
+        ),
+    }
+}
+
 /// The fan-out invariants: no child started twice (each fan-out counted as many children
 /// started as it has started rows and child runs), no parent joined twice (one join line per
 /// position a join moved a parent to).

@@ -55,6 +55,9 @@ struct Slot {
 /// The drill's processes.
 pub struct Fleet {
     slots: Vec<Slot>,
+    /// Workers at odd slots stand for the old build (`chain` v1 only), the others for the new
+    /// one (v1 and v2): a rolling deploy for the whole drill.
+    mixed: bool,
     next_seam: usize,
     kills: usize,
     /// Self-kills at a seam, by seam.
@@ -66,18 +69,19 @@ pub struct Fleet {
 }
 
 impl Fleet {
-    /// Starts `workers` workers, `relays` relays and `supervisors` supervisors.
+    /// Starts `workers` workers, `relays` relays and `supervisors` supervisors; with `mixed`,
+    /// the workers carry two builds of `chain` (see [`Fleet::mixed`]).
     pub fn start(
         env: &BenchEnv,
-        workers: usize,
-        relays: usize,
-        supervisors: usize,
+        (workers, relays, supervisors): (usize, usize, usize),
+        mixed: bool,
     ) -> Result<Self> {
         let roles = std::iter::repeat_n(Role::Worker, workers)
             .chain(std::iter::repeat_n(Role::Relay, relays))
             .chain(std::iter::repeat_n(Role::Supervisor, supervisors));
         let mut fleet = Self {
             slots: Vec::new(),
+            mixed,
             next_seam: 0,
             kills: 0,
             seam_kills: BTreeMap::new(),
@@ -85,7 +89,7 @@ impl Fleet {
             names: Default::default(),
         };
         for (index, role) in roles.enumerate() {
-            let proc = spawn(env, role, index, 0, None)?;
+            let proc = spawn(env, role, (index, fleet.mixed), 0, None)?;
             fleet.names.insert(proc.pid(), proc.name.clone());
             fleet.slots.push(Slot {
                 role,
@@ -117,7 +121,13 @@ impl Fleet {
                 )),
             }
             slot.generation += 1;
-            slot.proc = spawn(env, slot.role, slot.index, slot.generation, None)?;
+            slot.proc = spawn(
+                env,
+                slot.role,
+                (slot.index, self.mixed),
+                slot.generation,
+                None,
+            )?;
             self.names.insert(slot.proc.pid(), slot.proc.name.clone());
         }
         Ok(fired)
@@ -158,7 +168,7 @@ impl Fleet {
         slot.proc = spawn(
             env,
             slot.role,
-            slot.index,
+            (slot.index, self.mixed),
             slot.generation,
             armed.as_deref(),
         )?;
@@ -198,14 +208,21 @@ impl Fleet {
 fn spawn(
     env: &BenchEnv,
     role: Role,
-    index: usize,
+    (index, mixed): (usize, bool),
     generation: u32,
     failpoints: Option<&str>,
 ) -> Result<Proc> {
     let name = format!("{}-{index}.{generation}", role.command());
-    let extra: Vec<(String, String)> = failpoints
+    let mut extra: Vec<(String, String)> = failpoints
         .map(|fp| ("TRAILMARK_FAILPOINTS".to_owned(), fp.to_owned()))
         .into_iter()
         .collect();
+    if mixed && role == Role::Worker {
+        let build = if index % 2 == 1 { "1" } else { "1,2" };
+        extra.push((
+            trailmark_testkit::CHAIN_VERSIONS.to_owned(),
+            build.to_owned(),
+        ));
+    }
     Ok(env.spawn_with(&name, &[role.command()], &extra)?)
 }

@@ -310,6 +310,9 @@ pub struct Config {
     /// Spread the runs over keys of the workflow's concurrency key, each limited (default: the
     /// input as given, the declared limits).
     pub tenants: Option<Tenants>,
+    /// A rolling deploy for the whole drill: half the workers carry `chain` v1 only, the
+    /// others v1 and v2, and every link must run on its run's version.
+    pub mixed_versions: bool,
 }
 
 impl Config {
@@ -330,6 +333,7 @@ impl Config {
             worker_concurrency: None,
             program: None,
             tenants: None,
+            mixed_versions: false,
         }
     }
 }
@@ -367,6 +371,12 @@ pub async fn drill(
         }
         None => None,
     };
+    if cfg.mixed_versions && target.workflow != trailmark_testkit::chain::NAME {
+        return Err(Error::Failed(format!(
+            "--mixed-versions drills `chain`, the one workflow built at two versions here, not {:?}",
+            target.workflow
+        )));
+    }
     if cfg.runs == 0 || cfg.workers == 0 {
         return Err(Error::Failed(
             "a drill needs at least one run and one worker".into(),
@@ -461,6 +471,11 @@ fn replay(target: &Target, cfg: &Config) -> String {
         + &cfg.tenants.map_or(String::new(), |t| {
             format!(" --tenants {} --tenant-limit {}", t.count, t.limit)
         })
+        + if cfg.mixed_versions {
+            " --mixed-versions"
+        } else {
+            ""
+        }
         + &cfg
             .pause_secs
             .map_or(String::new(), |n| format!(" --pause-secs {n}"))

@@ -47,6 +47,9 @@ pub struct Report {
     pub fan_outs: Option<trailmark::inspect::FanOuts>,
     /// The concurrency keys, when the runs were spread over them (`--tenants`).
     pub keys: Option<super::keys::KeyFigures>,
+    /// The runs per workflow version, when the workers carried two builds
+    /// (`--mixed-versions`).
+    pub versions: Option<super::check::Versions>,
 }
 
 /// Where the drill's runs ended.

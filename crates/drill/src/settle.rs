@@ -196,7 +196,11 @@ async fn drive(
         Ok(engine) => engine,
         Err(e) => return Err((Error::Failed(format!("the drill's engine: {e}")), env)),
     };
-    let fleet = match Fleet::start(&env, cfg.workers, cfg.relays, cfg.supervisors) {
+    let fleet = match Fleet::start(
+        &env,
+        (cfg.workers, cfg.relays, cfg.supervisors),
+        cfg.mixed_versions,
+    ) {
         Ok(fleet) => fleet,
         Err(e) => return Err((e, env)),
     };
@@ -623,6 +627,13 @@ impl Drill<'_> {
         if let Some(k) = self.key_figures.take() {
             report.invariants.extend(super::keys::verdicts(&k));
             report.keys = Some(k);
+        }
+        if self.cfg.mixed_versions {
+            let v = check::versions(&pool, ids).await?;
+            report
+                .invariants
+                .push(check::versions_verdict(&v, self.cfg.workers));
+            report.versions = Some(v);
         }
         let fan_outs = inspect::fan_outs(&pool, ids).await?;
         if fan_outs.fan_outs > 0 {

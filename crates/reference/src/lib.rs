@@ -106,3 +106,12 @@ pub fn registry() -> trailmark::workflow::Registry {
     r.register(workflow::workflow());
     r
 }
+
+/// [`registry`] with the `chain` versions `TRAILMARK_CHAIN_VERSIONS` names (`1,2`: a process
+/// standing for a build that carries both), or why its value is wrong.
+pub fn registry_from_env() -> std::result::Result<trailmark::workflow::Registry, String> {
+    let versions = trailmark_testkit::chain_versions_from_env()?;
+    let mut r = trailmark_testkit::registry_with(&versions);
+    r.register(workflow::workflow());
+    Ok(r)
+}

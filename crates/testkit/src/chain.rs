@@ -10,6 +10,14 @@
 //!
 //! `"tenant": T` counts the run under the concurrency key T (see [`TENANT_SLOTS`]).
 //!
+//! Versions, for deploy tests and drills: [`workflow_v`] builds `chain` at any version, and a
+//! link of version 2 or later says its version in its output (`"code": N`), so a test sees
+//! which version's code ran each link. A process started with the failpoint `chain.patch`
+//! armed (`error`) stands for a build that changed the link's prompt in place, guarded by
+//! `ctx.patched("chain.prompt-2")`: each link's output then says which path it took
+//! (`"patched": bool`). With `chain.new_prompt` armed the prompt changes unguarded: the
+//! incompatible edit a replay check must catch.
+//!
 //! Two optional parts drive the engine's waits without code: `"sleep": {"at": P, "secs": S}`
 //! (after link P the run sleeps S seconds) and `"wait": {"at": P, "event": NAME,
 //! "timeout_secs": T}` (after link P the run waits for the event NAME sent with the run's id as
@@ -310,16 +318,22 @@ fn span(field: &str, secs: f64) -> Result<(), String> {
     ))
 }
 
-/// The `chain` workflow definition.
+/// The `chain` workflow definition (version 1).
 pub fn workflow() -> Workflow {
-    Workflow::new(NAME, 1)
+    workflow_v(1)
+}
+
+/// `chain` at `version`: the same steps; from version 2 on, each link's output carries
+/// `"code": version`.
+pub fn workflow_v(version: i32) -> Workflow {
+    Workflow::new(NAME, version)
         .input::<ChainInput>()
         .concurrency(
             trailmark::Concurrency::per_key("tenant", TENANT_SLOTS)
                 .expect("a valid key field and limit")
                 .optional(),
         )
-        .step(STEP, StepKind::Write, link)
+        .step(STEP, StepKind::Write, move |ctx| link(ctx, version))
         .key_recipe("run_id:link:position")
         .compensate("posts a reversal row `undo:<reference>` per link", unlink)
         .reversals(unlink_preview)
@@ -396,15 +410,31 @@ fn params(input: &Value) -> Result<Params, StepError> {
     })
 }
 
-async fn link(ctx: StepContext) -> Result<StepOutcome, StepError> {
+/// The link's prompt: the original, or (with `chain.patch` or `chain.new_prompt` armed) the
+/// changed one; `Some(taken)` when the change is guarded by a patch.
+async fn prompt(ctx: &StepContext) -> Result<(&'static str, Option<bool>), StepError> {
+    const OLD: &str = "You are one link of a chain. Answer briefly.";
+    const NEW: &str = "You are one link of a chain. Answer in one word.";
+    if ctx.failpoint("chain.patch").is_err() {
+        let taken = ctx.patched("chain.prompt-2").await?;
+        return Ok((if taken { NEW } else { OLD }, Some(taken)));
+    }
+    if ctx.failpoint("chain.new_prompt").is_err() {
+        return Ok((NEW, None));
+    }
+    Ok((OLD, None))
+}
+
+async fn link(ctx: StepContext, version: i32) -> Result<StepOutcome, StepError> {
     let p = params(ctx.input())?;
     let i = ctx.seq();
     if !p.delay.is_zero() {
         tokio::time::sleep(p.delay).await;
     }
+    let (system, patched) = prompt(&ctx).await?;
     let request = ChatRequest {
         messages: vec![
-            ChatMessage::system("You are one link of a chain. Answer briefly."),
+            ChatMessage::system(system),
             ChatMessage::user(format!("Link {i} of {} in run {}.", p.steps, ctx.run_id())),
         ],
         max_tokens: Some(64),
@@ -424,6 +454,12 @@ async fn link(ctx: StepContext) -> Result<StepOutcome, StepError> {
     // The checkpoint names the answer by its hash: the journal already holds it word for word,
     // and storing it twice would double the bytes a step writes.
     let mut output = json!({ "link": i, "answer_sha256": payload });
+    if version >= 2 {
+        output["code"] = json!(version);
+    }
+    if let Some(taken) = patched {
+        output["patched"] = json!(taken);
+    }
     if p.wait.as_ref().is_some_and(|w| w.at + 1 == i as i64) {
         // The link after the wait says what it received: the drill and the tests check it.
         let event = ctx.event().await?;

@@ -132,6 +132,10 @@ pub struct DrillArgs {
     /// tenant, so runs wait in the line).
     #[arg(long, requires = "tenants")]
     pub tenant_limit: Option<u32>,
+    /// A rolling deploy for the whole drill (`chain` only): odd-numbered workers carry chain v1
+    /// only, the others v1 and v2; every link must run on its run's version.
+    #[arg(long)]
+    pub mixed_versions: bool,
     /// Give up waiting after this long without a committed step, seconds.
     #[arg(long, default_value_t = 90)]
     pub quiet_secs: u64,
@@ -158,6 +162,7 @@ pub async fn run(settings: &Settings, registry: Registry, args: DrillArgs) -> an
     cfg.quiet_secs = args.quiet_secs;
     cfg.keep = args.keep;
     cfg.worker_concurrency = args.concurrency;
+    cfg.mixed_versions = args.mixed_versions;
     cfg.faults = faults(&args)?;
     cfg.tenants = args
         .tenants
