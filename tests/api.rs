@@ -323,9 +323,10 @@ async fn a_run_started_over_http_runs_to_its_end_and_a_second_start_is_the_same_
     // Starts a worker would refuse, refused with the worker's words and reason codes.
     let registry = trailmark_testkit::registry();
     let topology = env.topology();
-    for (workflow, input, status, code, field) in [
+    for (workflow, version, input, status, code, field) in [
         (
             "nope",
+            None,
             json!({}),
             StatusCode::UNPROCESSABLE_ENTITY,
             "unknown_workflow",
@@ -333,6 +334,15 @@ async fn a_run_started_over_http_runs_to_its_end_and_a_second_start_is_the_same_
         ),
         (
             "chain",
+            Some(7),
+            json!({"steps": 1}),
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "unknown_version",
+            "version",
+        ),
+        (
+            "chain",
+            None,
             json!({"steps": "many"}),
             StatusCode::UNPROCESSABLE_ENTITY,
             "bad_input",
@@ -340,6 +350,7 @@ async fn a_run_started_over_http_runs_to_its_end_and_a_second_start_is_the_same_
         ),
         (
             "chain",
+            None,
             json!({"blob": "z".repeat(8 * 1024)}),
             StatusCode::PAYLOAD_TOO_LARGE,
             "oversized",
@@ -347,13 +358,16 @@ async fn a_run_started_over_http_runs_to_its_end_and_a_second_start_is_the_same_
         ),
     ] {
         let run_id = trailmark::domain::RunId::parse("r-refused").unwrap();
-        let event = trailmark::domain::RunStartEvent::new(run_id, workflow, input.clone());
+        let event = trailmark::domain::RunStartEvent {
+            version,
+            ..trailmark::domain::RunStartEvent::new(run_id, workflow, input.clone())
+        };
         let Err(refused) = trailmark::worker::start_message(&registry, &topology, 4096, &event)
         else {
             panic!("{workflow}: the start is refused");
         };
         let words = refused.to_string();
-        let body = json!({"workflow": workflow, "run_id": "r-refused", "input": input});
+        let body = json!({"workflow": workflow, "run_id": "r-refused", "input": input, "version": version});
         let (s, _, why) = start_over_http(&api, Role::Operator, body).await;
         assert_eq!(
             (s, why["error"].as_str(), why["field"].as_str()),
