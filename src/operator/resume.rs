@@ -14,8 +14,8 @@ pub enum Resume {
     /// was passing (an outage, a limit since raised).
     #[default]
     Again,
-    /// The cause was fixed and deployed: the step's attempts start over, on the workflow version
-    /// deployed now; the answers it already has are replayed (paid once).
+    /// The cause was fixed and deployed: the step's attempts start over, on the run's version if
+    /// this build carries it, else the newest; the answers it already has are replayed (paid once).
     AfterFix,
     /// As [`Resume::AfterFix`], and the stopped step's journaled answers are set aside (kept in
     /// `journal_set_aside`, not replayed), so the step asks the model again: the fix was to the
