@@ -613,9 +613,11 @@ async fn anyone_waits(engine: &Engine, msg: &StepMessage, claim: &runs::Claim) -
     }
 }
 
-/// The concurrency limits `msg`'s workflow declares, as deployed here.
+/// The concurrency limits `msg`'s workflow declares at the run's version (the newest when this
+/// build does not carry it).
 fn concurrency_of(engine: &Engine, msg: &StepMessage) -> Option<Concurrency> {
-    engine.registry.get(&msg.workflow)?.flow.concurrency.clone()
+    let workflow = engine.registry.for_run(&msg.workflow, msg.version)?;
+    workflow.flow.concurrency.clone()
 }
 
 /// Whether a keyed step's end keeps its slot for the run's next step (pre-claims it): unless a
