@@ -37,6 +37,7 @@ pub use error::{ResultExt, StepError};
 pub(crate) use pause::Pause;
 pub use pause::{EventWait, OnTimeout, ReceivedEvent};
 pub use patch::PATCH_KIND;
+pub(crate) use model_call::REQUEST_DIFFERS;
 pub(crate) use host::{BoxFuture, Models, RecordedEffect, Records, Tools};
 pub use reversal::{ListFuture, Lister, PreviewContext, Reversal};
 
@@ -356,4 +357,46 @@ pub(crate) fn call_backoff(retries: usize) -> backon::ExponentialBuilder {
         .with_min_delay(std::time::Duration::from_millis(100))
         .with_max_delay(std::time::Duration::from_secs(5))
         .with_max_times(retries)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn carrying(versions: &[i32]) -> Registry {
+        let mut r = Registry::new();
+        for v in versions {
+            r.register(Workflow::new("invoice", *v));
+        }
+        r
+    }
+
+    #[test]
+    fn a_registry_keeps_every_version_and_starts_new_runs_on_the_newest() {
+        let r = carrying(&[2, 1]);
+        assert_eq!(r.versions("invoice"), [1, 2]);
+        assert_eq!(r.get("invoice").map(|w| w.version), Some(2));
+        assert_eq!(r.version("invoice", 1).map(|w| w.version), Some(1));
+        assert!(r.version("invoice", 3).is_none());
+        // A run on a version no longer carried goes to the newest only through for_run.
+        assert_eq!(r.for_run("invoice", 7).map(|w| w.version), Some(2));
+        let (names, versions) = r.deployed();
+        assert_eq!((names.len(), versions.len()), (2, 2));
+        let json = serde_json::json!({});
+        assert_eq!(r.accepting("invoice", None, &json).unwrap().version, 2);
+        assert_eq!(r.accepting("invoice", Some(1), &json).unwrap().version, 1);
+    }
+
+    #[test]
+    fn a_start_naming_a_version_not_carried_is_refused_with_the_carried_ones() {
+        let refused = carrying(&[1, 2])
+            .accepting("invoice", Some(3), &serde_json::json!({}))
+            .err()
+            .expect("refused");
+        assert_eq!(refused.reason(), "unknown_version");
+        assert_eq!(
+            refused.to_string(),
+            "workflow invoice v3 is not deployed here (this binary carries v1, v2); start without a version to take the newest, or deploy v3 first"
+        );
+    }
 }

@@ -198,10 +198,14 @@ enum Failure {
     Step(StepError),
 }
 
+/// What a replayed model call whose request changed says, word for word: `trailmark
+/// replay-check` (`crate::replay`) tells this refusal from other handler errors by it.
+pub(crate) const REQUEST_DIFFERS: &str = "the request differs from the journaled one";
+
 fn replayed(entry: JournalEntry, hash: &str, ctx: &StepContext) -> Result<ChatAnswer, StepError> {
     if entry.request_hash != hash {
         return Err(StepError::Unknown(format!(
-            "run {run} step {} (seq {}) model call {}: the request differs from the journaled one, so its recorded answer cannot be reused; if the prompt was changed on purpose (a fix), `trailmark run resume {run} --after-fix --ask-again` asks the model again, else make the step build its request from its input and checkpoint only",
+            "run {run} step {} (seq {}) model call {}: {REQUEST_DIFFERS}, so its recorded answer cannot be reused; if the prompt was changed on purpose (a fix), `trailmark run resume {run} --after-fix --ask-again` asks the model again, else make the step build its request from its input and checkpoint only",
             ctx.step(),
             ctx.seq(),
             entry.call_no,

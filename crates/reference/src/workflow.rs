@@ -221,7 +221,6 @@ async fn flag(ctx: StepContext) -> Result<StepOutcome, StepError> {
 }
 
 async fn post_adjustments(ctx: StepContext) -> Result<StepOutcome, StepError> {
-    let (_, pool) = setup(&ctx).await?;
     let flagged: Flagged = prior(&ctx, FLAG).await?;
     let fence = ctx.fence().0;
     let mut writes = Vec::with_capacity(flagged.mismatches.len());
@@ -230,8 +229,11 @@ async fn post_adjustments(ctx: StepContext) -> Result<StepOutcome, StepError> {
         let entry = logic::entry(ctx.run_id().as_str(), m);
         let request = serde_json::to_value(&entry).expect("entries serialise");
         let outcome = keyed(&ctx, "ledger", &entry.reference, &request, || {
-            let (pool, entry, ctx) = (pool.clone(), entry.clone(), ctx.clone());
+            let (entry, ctx) = (entry.clone(), ctx.clone());
             async move {
+                // The outside database is reached inside the write only: a replay check, which
+                // makes no write, then checks this step's writes without any database.
+                let pool = outside::pool_for(ctx.pool()).await?;
                 let posted = ledger::post(&pool, &entry, Some(fence)).await?;
                 // A crash here: the ledger has the entry, trailmark has only the intent. The
                 // resumed step posts again under the same key and the ledger recognises it.
@@ -251,7 +253,7 @@ async fn post_adjustments(ctx: StepContext) -> Result<StepOutcome, StepError> {
 }
 
 async fn update_stock(ctx: StepContext) -> Result<StepOutcome, StepError> {
-    let (night, pool) = setup(&ctx).await?;
+    let night = Night::from_input(ctx.input())?;
     let flagged: Flagged = prior(&ctx, FLAG).await?;
     let fence = ctx.fence().0;
     let mut writes = Vec::with_capacity(flagged.mismatches.len());
@@ -268,8 +270,12 @@ async fn update_stock(ctx: StepContext) -> Result<StepOutcome, StepError> {
         let request = serde_json::to_value(&adj).expect("adjustments serialise");
         let key = adj.reference.clone();
         let outcome = keyed(&ctx, "stock", &key, &request, || {
-            let (pool, adj) = (pool.clone(), adj.clone());
-            async move { Ok(stock::adjust(&pool, &adj, fence).await?) }
+            let (trailmark, adj) = (ctx.pool().clone(), adj.clone());
+            // As for the ledger: the outside database inside the write only.
+            async move {
+                let pool = outside::pool_for(&trailmark).await?;
+                Ok(stock::adjust(&pool, &adj, fence).await?)
+            }
         })
         .await?;
         writes.push(Write {

@@ -100,15 +100,18 @@ fn said(p: &Pruned) -> String {
     out
 }
 
-/// `run export ID`: the run's whole record as JSON on stdout.
-pub async fn export(settings: &Settings, run_id: &str) -> anyhow::Result<()> {
+/// `run export ID`: the run's whole record as JSON, on stdout or in `output`.
+pub async fn export(
+    settings: &Settings,
+    run_id: &str,
+    output: Option<&std::path::Path>,
+) -> anyhow::Result<()> {
     let pool = store::connect(&settings.database).await?;
     let docs = sql::export(&pool, &[run_id.to_owned()])
         .await
         .with_context(|| format!("run {run_id} could not be exported"))?;
     if let Some((_, doc)) = docs.into_iter().next() {
-        println!("{}", serde_json::to_string_pretty(&doc)?);
-        return Ok(());
+        return super::replay::write_json(&doc, output);
     }
     anyhow::bail!("{}", super::run::not_found(settings, run_id).await)
 }
