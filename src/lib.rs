@@ -25,6 +25,7 @@
 //! | `workflow` | the API for writing workflows: steps, kinds, context, next-step choice |
 //! | `worker` | delivery -> dedup -> lease -> handler -> one commit -> ack; owns the step transaction |
 //! | `relay` | outbox -> RabbitMQ with publisher confirms |
+//! | `replay` | the replay check: a run's recorded history exported, and replayed against the workflows of this build to find where a change would take it down another path |
 //! | `retention` | finished runs removed after their keep time (archived first), tombstones, aged inbox ids and audit rows; `trailmark prune` |
 //! | `supervisor` | expired leases -> the step re-queued through the outbox; late decisions escalated |
 //! | `wait` | runs that wait for an event, a time or child runs: events sent to them, the wait's registration, the timer loop, fan-outs and their joins |
@@ -101,6 +102,7 @@ inner! {
     reaction;
     redact;
     relay;
+    replay;
     retention;
     schedule;
     seams;

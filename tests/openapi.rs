@@ -221,6 +221,11 @@ fn happy_post(e: &Endpoint) -> (&'static str, Value) {
             "",
             json!({"key": "tenant-1", "concurrency": 3, "reason": "a burst"}),
         ),
+        // No run of chain is at v0: an empty plan.
+        "move" => (
+            "",
+            json!({"reason": "retire v0", "from": 0, "to": 1, "preview": true}),
+        ),
         other => panic!("no body for POST {other}: add one to happy_post"),
     }
 }

@@ -16,6 +16,7 @@
 //! | `decisions.rs` | resume, undo (with a preview), cancel, approve, reject; the export |
 //! | `dlq.rs` | dead letters |
 //! | `admin.rs` | workflows, contracts, the audit trail |
+//! | `versions.rs` | workflow versions with their runs in flight, and moving runs between them |
 //! | `health.rs` | `/livez`, `/readyz`, `/metrics` |
 //! | `openapi.rs` | the endpoint table and the OpenAPI document generated from the handlers |
 
@@ -35,6 +36,7 @@ mod openapi;
 mod runs;
 mod schedules;
 mod start;
+mod versions;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -107,6 +109,8 @@ pub fn router(engine: Arc<Engine>) -> Result<Router, Error> {
         .route("/limits", get(limits::list))
         .route("/limits/{workflow}", post(limits::set))
         .route("/workflows", get(admin::workflows))
+        .route("/workflows/versions", get(versions::list))
+        .route("/workflows/{workflow}/move", post(versions::move_runs))
         .route("/workflows/{name}/contract", get(admin::contract))
         .route("/audit", get(admin::audit))
         .route("/openapi.json", get(openapi::openapi_json))

@@ -12,7 +12,7 @@ use utoipa::OpenApi;
 
 use super::auth::Role;
 use super::error::ErrorBody;
-use super::{admin, decisions, dlq, events, limits, runs, schedules, start};
+use super::{admin, decisions, dlq, events, limits, runs, schedules, start, versions};
 
 /// One endpoint.
 #[derive(Debug, Clone, Copy)]
@@ -245,6 +245,17 @@ pub const ENDPOINTS: &[Endpoint] = &[
         "A workflow's recovery contract",
     ),
     get(
+        "/api/v1/workflows/versions",
+        Role::Viewer,
+        "Every workflow version known to this process, a live worker or a run in flight: who carries it, its runs in flight by status, the oldest one's age, and whether it can be removed from the code",
+    ),
+    post(
+        "/api/v1/workflows/{workflow}/move",
+        Role::Operator,
+        "Move runs stopped for review or waiting from one version to another (reason, from, to, runs, preview); runs executing a step or at a step the target lacks stay and are listed; each moved run is audited. With preview: true it changes nothing",
+        true,
+    ),
+    get(
         "/api/v1/audit",
         Role::Admin,
         "Who did what, when and why, newest first (target, before, limit)",
@@ -315,6 +326,8 @@ pub fn endpoint_for(method: &str, path: &str) -> Option<&'static Endpoint> {
         limits::set,
         admin::workflows,
         admin::contract,
+        versions::list,
+        versions::move_runs,
         admin::audit,
         openapi_json,
     ),

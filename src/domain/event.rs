@@ -28,6 +28,10 @@ pub struct Event {
     /// Its workflow.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub workflow: Option<String>,
+    /// The workflow version the run is pinned to (after the change the event reports), so a
+    /// subscriber tells runs of an old version from runs of the new one during a deploy.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub workflow_version: Option<i32>,
     /// The run's new status.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub status: Option<RunStatus>,
@@ -73,6 +77,7 @@ impl Event {
             event,
             run_id: None,
             workflow: None,
+            workflow_version: None,
             status: None,
             step: None,
             seq: None,
@@ -85,17 +90,18 @@ impl Event {
         }
     }
 
-    /// A run stopped after step `at` to wait for an event or a time (`run.waiting`); `what` is
-    /// the note that says what for.
+    /// A run of `workflow` (name and version) stopped after step `at` to wait for an event or
+    /// a time (`run.waiting`); `what` is the note that says what for.
     pub fn waiting(
         run_id: &RunId,
-        workflow: &str,
+        workflow: (&str, i32),
         at: (&StepAddress, i32),
         what: serde_json::Value,
     ) -> Self {
         Self {
             run_id: Some(run_id.clone()),
-            workflow: Some(workflow.to_owned()),
+            workflow: Some(workflow.0.to_owned()),
+            workflow_version: Some(workflow.1),
             status: Some(RunStatus::Waiting),
             step: Some(at.0.clone()),
             seq: Some(at.1),
@@ -104,18 +110,19 @@ impl Event {
         }
     }
 
-    /// A waiting run went on to step `at` (`run.resumed`): `by` says what moved it (`event
-    /// <id>`, `timeout`, `wake-up`).
+    /// A waiting run of `workflow` (name and version) went on to step `at` (`run.resumed`):
+    /// `by` says what moved it (`event <id>`, `timeout`, `wake-up`).
     pub fn resumed(
         run_id: &RunId,
-        workflow: &str,
+        workflow: (&str, i32),
         status: RunStatus,
         at: (&StepAddress, i32),
         by: &str,
     ) -> Self {
         Self {
             run_id: Some(run_id.clone()),
-            workflow: Some(workflow.to_owned()),
+            workflow: Some(workflow.0.to_owned()),
+            workflow_version: Some(workflow.1),
             status: Some(status),
             step: Some(at.0.clone()),
             seq: Some(at.1),
@@ -124,16 +131,18 @@ impl Event {
         }
     }
 
-    /// A run moved to `status`, if that is an event ([`EVENT_STATUSES`]).
+    /// A run of `workflow` (name and version) moved to `status`, if that is an event
+    /// ([`EVENT_STATUSES`]).
     pub fn run(
         run_id: &RunId,
-        workflow: &str,
+        workflow: (&str, i32),
         status: RunStatus,
         at: Option<(&StepAddress, i32)>,
     ) -> Option<Self> {
         EVENT_STATUSES.contains(&status).then(|| Self {
             run_id: Some(run_id.clone()),
-            workflow: Some(workflow.to_owned()),
+            workflow: Some(workflow.0.to_owned()),
+            workflow_version: Some(workflow.1),
             status: Some(status),
             step: at.map(|(s, _)| s.clone()),
             seq: at.map(|(_, q)| q),
@@ -148,11 +157,13 @@ impl Event {
         self
     }
 
-    /// A tool refused its credentials in a run: stop and alert.
-    pub fn tool_auth_failed(run_id: &RunId, workflow: &str, error: &str) -> Self {
+    /// A tool refused its credentials in a run of `workflow` (name and version): stop and
+    /// alert.
+    pub fn tool_auth_failed(run_id: &RunId, workflow: (&str, i32), error: &str) -> Self {
         Self {
             run_id: Some(run_id.clone()),
-            workflow: Some(workflow.to_owned()),
+            workflow: Some(workflow.0.to_owned()),
+            workflow_version: Some(workflow.1),
             error_class: Some("tool_auth".into()),
             error: Some(error.to_owned()),
             ..Self::new("tool.auth_failed".into())
@@ -192,15 +203,25 @@ mod tests {
     #[test]
     fn only_ends_and_reviews_are_run_events_and_their_keys_name_the_workflow() {
         let run = RunId::parse("r1").unwrap();
-        assert!(Event::run(&run, "chain", RunStatus::Running, None).is_none());
-        assert!(Event::run(&run, "chain", RunStatus::Waiting, None).is_none());
-        let e = Event::run(&run, "chain", RunStatus::NeedsReview, None).unwrap();
+        assert!(Event::run(&run, ("chain", 1), RunStatus::Running, None).is_none());
+        assert!(Event::run(&run, ("chain", 1), RunStatus::Waiting, None).is_none());
+        let e = Event::run(&run, ("chain", 3), RunStatus::NeedsReview, None).unwrap();
         assert_eq!(e.routing_key(), "run.needs_review.chain");
+        assert_eq!(e.workflow_version, Some(3));
+        assert!(
+            String::from_utf8(e.encode())
+                .unwrap()
+                .contains(r#""workflow_version":3"#)
+        );
         assert_eq!(
             Event::breaker("ledger", true).routing_key(),
             "breaker.opened.ledger"
         );
         let back: Event = serde_json::from_slice(&e.encode()).unwrap();
         assert_eq!(back, e);
+        // An event published before events carried the version still reads.
+        let old = br#"{"v":1,"event":"run.failed","run_id":"r1","workflow":"chain","at":"2026-12-01T02:11:22Z"}"#;
+        let read: Event = serde_json::from_slice(old).unwrap();
+        assert_eq!(read.workflow_version, None);
     }
 }

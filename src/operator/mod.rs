@@ -2,19 +2,25 @@
 //! approve, reject, and fork (a new run from another's checkpoint). Each is one transaction that checks the run's status, changes the run,
 //! records who/when/what/why with the status before and after (a decision row and an audit
 //! row), and queues the next step message through the outbox. None restarts a run from zero.
+//! The move of runs at rest to another workflow version (`move_version`, beside the listing
+//! of versions that tells which can go, `versions`) records a decision per run the same way.
 
 mod fork;
 mod human;
+mod move_version;
 mod resume;
 mod undo;
+mod versions;
 
 use serde_json::{Value, json};
 use sqlx::{PgConnection, Postgres, Transaction};
 
 pub use fork::{ForkPlan, ForkPoint, ForkRequest, fork, plan as fork_plan};
 pub use human::{approve, reject};
+pub use move_version::{MoveAsk, MovePlan, RunMove, Verdict, move_runs, preview as move_preview};
 pub use resume::{Resume, resume};
 pub use undo::{Preview, PreviewChild, PreviewStep, UndoOptions, preview as undo_preview, undo};
+pub use versions::{VersionState, versions};
 
 use crate::domain::{Event, IllegalMove, RunId, RunStatus, StepAddress};
 use crate::engine::Engine;
@@ -37,6 +43,15 @@ pub enum Error {
         action: &'static str,
         /// The run's status when it was refused.
         status: RunStatus,
+        /// What is in the way and what to do instead.
+        why: String,
+    },
+    /// A move of runs to another workflow version that cannot be made as asked (the target
+    /// version is not carried here, or is the version they are on).
+    #[error("cannot move runs of workflow {workflow}: {why}")]
+    Version {
+        /// The workflow.
+        workflow: String,
         /// What is in the way and what to do instead.
         why: String,
     },
@@ -240,10 +255,10 @@ async fn record_in(
     who: &Decider,
     decided: Decided<'_>,
 ) -> Result<Outcome> {
-    let (after, step) = (decided.after, decided.step);
+    let (after, step, version) = (decided.after, decided.step, decided.version_after);
     let outcome = record_quietly(tx, run, who, decided).await?;
     if let Ok(run_id) = RunId::parse(&run.run_id)
-        && let Some(event) = Event::run(&run_id, &run.workflow, after, step)
+        && let Some(event) = Event::run(&run_id, (&run.workflow, version), after, step)
     {
         outbox::insert(&mut *tx, &[engine.topology.event_message(&event)]).await?;
     }

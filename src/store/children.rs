@@ -476,13 +476,13 @@ pub async fn rewait_child(conn: &mut PgConnection, child: &str) -> Result<Option
 /// caller's transaction (which holds `run_id`'s row): fence + 1, no lease, open waits closed;
 /// their `children` rows become `cancelled` (started) or `skipped` (never started). With `seq`,
 /// only the children of the fan-out at that position (and theirs). Returns the runs cancelled
-/// (id, workflow, step, position), for their events.
+/// (id, workflow, version, step, position), for their events.
 pub async fn cancel_below(
     conn: &mut PgConnection,
     (run_id, seq): (&str, Option<i32>),
     reason: &str,
-) -> Result<Vec<(String, String, Option<StepAddress>, i32)>> {
-    let cancelled: Vec<(String, String, Option<StepAddress>, i32)> = sqlx::query_as(
+) -> Result<Vec<(String, String, i32, Option<StepAddress>, i32)>> {
+    let cancelled: Vec<(String, String, i32, Option<StepAddress>, i32)> = sqlx::query_as(
         "WITH RECURSIVE below(run_id, depth) AS (
             SELECT r.run_id, 1 FROM trailmark.runs r WHERE r.parent_run_id = $1
                AND ($3::int4 IS NULL OR EXISTS (SELECT 1 FROM trailmark.children c
@@ -501,7 +501,7 @@ pub async fn cancel_below(
            FROM below b
           WHERE r.run_id = b.run_id
             AND r.status IN ('running', 'waiting', 'needs_review', 'compensating')
-         RETURNING r.run_id, r.workflow, r.step, r.step_seq",
+         RETURNING r.run_id, r.workflow, r.workflow_version, r.step, r.step_seq",
     )
     .bind(run_id)
     .bind(reason)

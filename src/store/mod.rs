@@ -12,6 +12,7 @@ pub mod effects;
 mod failover;
 pub mod flow;
 pub mod forks;
+pub mod history;
 pub mod idempotency;
 pub mod inbox;
 pub(crate) mod inspect;
@@ -28,6 +29,7 @@ pub mod shadow;
 pub mod steps;
 pub mod stranded;
 mod types;
+pub mod versions;
 pub mod waits;
 
 use std::time::Duration;

@@ -139,7 +139,12 @@ async fn escalated(
     };
     decisions::insert(&mut *tx, &d).await?;
     if let Ok(run_id) = RunId::parse(&run.run_id)
-        && let Some(event) = Event::run(&run_id, &run.workflow, RunStatus::NeedsReview, None)
+        && let Some(event) = Event::run(
+            &run_id,
+            (&run.workflow, run.workflow_version),
+            RunStatus::NeedsReview,
+            None,
+        )
     {
         let event = event.with_error("human_timeout", d.reason);
         outbox::insert(&mut *tx, &[engine.topology.event_message(&event)]).await?;

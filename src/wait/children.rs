@@ -272,7 +272,8 @@ async fn begin_child_undo(
         Some(step) => {
             Some(topology.step_message(&run_id, &child.workflow, child.workflow_version, step, seq))
         }
-        None => Event::run(&run_id, &child.workflow, to, None).map(|e| topology.event_message(&e)),
+        None => Event::run(&run_id, (&child.workflow, child.workflow_version), to, None)
+            .map(|e| topology.event_message(&e)),
     };
     let line = progress::NewLine {
         run_id: child.run_id.clone(),
@@ -392,7 +393,12 @@ async fn stop_for_review(
     }
     children::stopped(&mut *tx, (fan_out, seq), join).await?;
     if let Ok(run_id) = RunId::parse(&w.run_id)
-        && let Some(event) = Event::run(&run_id, &w.workflow, RunStatus::NeedsReview, Some((&w.step, w.seq)))
+        && let Some(event) = Event::run(
+            &run_id,
+            (&w.workflow, w.workflow_version),
+            RunStatus::NeedsReview,
+            Some((&w.step, w.seq)),
+        )
     {
         let event = event.with_error(said.class, &said.error);
         outbox::insert(&mut *tx, &[topology.event_message(&event)]).await?;
@@ -417,10 +423,10 @@ pub(crate) async fn cancel_below(
     let cancelled = children::cancel_below(&mut *tx, (run_id, seq), reason).await?;
     let events: Vec<_> = cancelled
         .iter()
-        .filter_map(|(id, workflow, step, seq)| {
+        .filter_map(|(id, workflow, version, step, seq)| {
             let id = RunId::parse(id).ok()?;
             let at = step.as_ref().map(|s| (s, *seq));
-            Event::run(&id, workflow, RunStatus::Cancelled, at)
+            Event::run(&id, (workflow, *version), RunStatus::Cancelled, at)
         })
         .map(|e| topology.event_message(&e))
         .collect();

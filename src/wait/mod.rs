@@ -173,10 +173,15 @@ fn announce(topology: &Topology, run_id: &RunId, g: &Going) -> Vec<crate::domain
     let w = &g.waiting;
     let at = (&g.step, w.seq + 1);
     match &g.error {
-        Some(error) => Event::run(run_id, &w.workflow, RunStatus::NeedsReview, Some(at))
-            .map(|e| topology.event_message(&e.with_error("wait_timeout", error)))
-            .into_iter()
-            .collect(),
+        Some(error) => Event::run(
+            run_id,
+            (&w.workflow, w.workflow_version),
+            RunStatus::NeedsReview,
+            Some(at),
+        )
+        .map(|e| topology.event_message(&e.with_error("wait_timeout", error)))
+        .into_iter()
+        .collect(),
         None => {
             let by = match &g.signal_id {
                 Some(id) => format!("event {id}"),
@@ -184,7 +189,8 @@ fn announce(topology: &Topology, run_id: &RunId, g: &Going) -> Vec<crate::domain
                 None if w.kind == "children" => "children".to_owned(),
                 None => "timeout".to_owned(),
             };
-            let resumed = Event::resumed(run_id, &w.workflow, g.status, at, &by);
+            let resumed =
+                Event::resumed(run_id, (&w.workflow, w.workflow_version), g.status, at, &by);
             vec![
                 topology.step_message(run_id, &w.workflow, w.workflow_version, &g.step, at.1),
                 topology.event_message(&resumed),

@@ -501,7 +501,8 @@ pub(super) fn to_commit(
         } => {
             let note = what.note(&msg.step, msg.seq);
             let at = (&msg.step, msg.seq);
-            let waiting = Event::waiting(&msg.run_id, &msg.workflow, at, note.clone());
+            let waiting =
+                Event::waiting(&msg.run_id, (&msg.workflow, msg.version), at, note.clone());
             sent.push(topology.event_message(&waiting));
             let to = stay(RunStatus::Waiting, Some(note))?;
             wait = Some(what);
@@ -520,7 +521,8 @@ pub(super) fn to_commit(
             review_class = Some(class);
             let mut events = Vec::new();
             if class == "tool_auth" {
-                let auth = Event::tool_auth_failed(&msg.run_id, &msg.workflow, &error);
+                let auth =
+                    Event::tool_auth_failed(&msg.run_id, (&msg.workflow, msg.version), &error);
                 events.push(topology.event_message(&auth));
             }
             let to = Advance {
@@ -532,7 +534,7 @@ pub(super) fn to_commit(
     };
     let mut outbox = outbox;
     let at = Some((&msg.step, msg.seq));
-    if let Some(event) = Event::run(&msg.run_id, &msg.workflow, to.status.to, at) {
+    if let Some(event) = Event::run(&msg.run_id, (&msg.workflow, msg.version), to.status.to, at) {
         let event = match (&to.error, review_class) {
             (Some(error), Some(class)) => event.with_error(class, error),
             _ => event,

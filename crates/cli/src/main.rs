@@ -63,6 +63,12 @@ enum Command {
     },
     /// The reference scenario end to end: a worker killed in step 7, a fresh one resumes, figures.
     Demo(cli::demo::DemoArgs),
+    /// Workflow versions: which ones runs in flight still need (`versions`), and the audited
+    /// move of runs from one version to another (`move`).
+    Workflow {
+        #[command(subcommand)]
+        command: cli::workflow::WorkflowCommand,
+    },
     /// Print a workflow's recovery contract, derived from its step declarations.
     Contract {
         /// Workflow name.
@@ -79,6 +85,10 @@ enum Command {
     /// Remove finished runs past their keep time (archived first when retention.archive_dir
     /// is set), and aged tombstones, inbox ids and audit rows: what the background pruner does.
     Prune(cli::prune::PruneArgs),
+    /// Replay recorded run histories (`run export ID --history`) against the workflows of this
+    /// binary, before deploying it: exit 1, naming run, step and difference, when a run would
+    /// take another path or call outside systems otherwise. Needs no database or broker.
+    ReplayCheck(cli::replay::ReplayArgs),
     /// Concurrency and rate limits of keyed workflows, set at run time; the busiest keys.
     Limit {
         #[command(subcommand)]
@@ -173,8 +183,11 @@ async fn dispatch(cli: Cli) -> anyhow::Result<()> {
     if let Command::Token { command } = cli.command {
         return cli::admin::token(command);
     }
+    if let Command::ReplayCheck(args) = cli.command {
+        return cli::replay::check(args).await;
+    }
     let settings = Settings::load_from(cli.config.as_deref())?;
-    let registry = trailmark_reference::registry();
+    let registry = trailmark_reference::registry_from_env().map_err(anyhow::Error::msg)?;
     let only = |worker, relay, supervisor| Components {
         worker,
         relay,
@@ -198,6 +211,7 @@ async fn dispatch(cli: Cli) -> anyhow::Result<()> {
         Command::Run { command } => cli::runs::dispatch(settings, registry, command).await,
         Command::Event { command } => cli::event::dispatch(settings, registry, command).await,
         Command::Demo(args) => cli::demo::run(&settings, args).await,
+        Command::Workflow { command } => cli::workflow::run(settings, registry, command).await,
         Command::Contract { workflow, json } => {
             cli::decide::print_contract(&registry, &workflow, json)
         }
@@ -207,7 +221,9 @@ async fn dispatch(cli: Cli) -> anyhow::Result<()> {
         Command::Limit { command } => cli::limit::run(settings, registry, command).await,
         Command::Bench(args) => cli::bench::run(&settings, args).await,
         Command::Drill(args) => cli::drill::run(&settings, registry, *args).await,
-        Command::ModelServer { .. } | Command::Token { .. } => unreachable!("handled above"),
+        Command::ModelServer { .. } | Command::Token { .. } | Command::ReplayCheck(_) => {
+            unreachable!("handled above")
+        }
     }
 }
 

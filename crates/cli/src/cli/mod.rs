@@ -12,12 +12,14 @@ pub mod fork;
 pub mod limit;
 pub mod migrate;
 pub mod prune;
+pub mod replay;
 pub mod run;
 pub mod runs;
 pub mod schedule;
 pub mod serve;
 mod table;
 pub mod watch;
+pub mod workflow;
 
 /// The exit code for an error: 2 when a server is down or the configuration is wrong (what an
 /// operator or a supervisor like systemd must look at), 1 when the request itself was refused.

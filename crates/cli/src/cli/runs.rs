@@ -21,10 +21,19 @@ pub enum RunCommand {
         json: bool,
     },
     /// Print the run's whole record as JSON (`trailmark.run.v1`, the archive's format): the
-    /// run, its steps, journal, outside writes, decisions, waits and events received.
+    /// run, its steps, journal, outside writes, decisions, waits and events received; with
+    /// --history, its replayable history instead (`trailmark.history/1`, what `replay-check`
+    /// reads).
     Export {
         /// Run id.
         run_id: String,
+        /// The run's history for `trailmark replay-check`: each position with where the run
+        /// went on, the journal, the outside writes in order, events and children received.
+        #[arg(long)]
+        history: bool,
+        /// Write the document to this file instead of stdout.
+        #[arg(long, value_name = "FILE")]
+        output: Option<std::path::PathBuf>,
     },
     /// Follow a run: its step and attempt, its progress lines and status changes, until it
     /// ends (exit 0 when it succeeded, 1 when it failed, was cancelled or needs review).
@@ -54,7 +63,8 @@ pub enum RunCommand {
     Resume {
         /// Run id.
         run_id: String,
-        /// Reset the failed step's attempts and continue on the workflow version deployed now.
+        /// Reset the failed step's attempts and continue on the run's version if this build
+        /// carries it, else on the newest it carries.
         #[arg(long)]
         after_fix: bool,
         /// With --after-fix: set the stopped step's journaled model answers aside (kept, not
@@ -152,7 +162,14 @@ pub async fn dispatch(
     match command {
         RunCommand::Start(args) => super::run::start(&settings, &registry, args).await,
         RunCommand::Show { run_id, json } => super::run::show(&settings, &run_id, json).await,
-        RunCommand::Export { run_id } => super::prune::export(&settings, &run_id).await,
+        RunCommand::Export {
+            run_id,
+            history: true,
+            output,
+        } => super::replay::export(&settings, &run_id, output.as_deref()).await,
+        RunCommand::Export { run_id, output, .. } => {
+            super::prune::export(&settings, &run_id, output.as_deref()).await
+        }
         RunCommand::Watch { run_id, wait_secs } => {
             let pool = trailmark::store::connect(&settings.database).await?;
             // Said at once, not after the wait: a mistyped id should not look like a quiet run.
