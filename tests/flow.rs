@@ -387,6 +387,7 @@ async fn one_batch_of_deliveries_takes_only_the_free_slots_the_highest_priority_
                 msg: TestEnv::chain_first_step(&run_id, message_id),
                 declared: declared.clone(),
                 request: runs::ClaimRequest {
+                    version: 1,
                     run_id,
                     seq: 0,
                     step: "link".into(),

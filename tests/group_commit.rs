@@ -14,6 +14,7 @@ use trailmark::store::{self, checkpoint, effects, runs};
 
 fn request(run_id: &RunId, owner: &str, message: MessageId) -> runs::ClaimRequest {
     runs::ClaimRequest {
+        version: 1,
         run_id: run_id.clone(),
         seq: 0,
         step: "link".into(),
@@ -28,6 +29,7 @@ fn request(run_id: &RunId, owner: &str, message: MessageId) -> runs::ClaimReques
 
 async fn claim(env: &TestEnv, run_id: &RunId, owner: &str, lease_secs: f64) -> Fence {
     let r = runs::ClaimRequest {
+        version: 1,
         lease_secs,
         ..request(run_id, owner, MessageId::new())
     };
@@ -435,6 +437,7 @@ fn preclaiming(
 /// A claim at position 1, as the next step's delivery asks it.
 fn next_request(run: &RunId, owner: &str, redelivered: bool) -> runs::ClaimRequest {
     runs::ClaimRequest {
+        version: 1,
         seq: 1,
         redelivered,
         ..request(run, owner, MessageId::new())
@@ -567,6 +570,7 @@ async fn a_commit_claims_the_next_position_idly_and_any_delivery_may_take_it() {
         .await
         .unwrap();
     let back = runs::ClaimRequest {
+        version: 1,
         unstarted_preclaim: true,
         ..next_request(&u, "w-a/next", true)
     };

@@ -131,6 +131,7 @@ async fn commit_with_note(env: &TestEnv, id: &str, note: (&str, i32)) -> checkpo
 
 async fn claim(env: &TestEnv, run: &RunId) -> trailmark::domain::Fence {
     let request = runs::ClaimRequest {
+        version: 1,
         run_id: run.clone(),
         seq: 0,
         step: "link".into(),

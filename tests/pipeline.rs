@@ -245,6 +245,7 @@ async fn relay_crash_between_confirm_and_mark_publishes_twice_consumes_once() {
 /// Claims run `run_id` at position 0 for `owner`, as a delivery of a fresh message would.
 async fn claim(env: &TestEnv, run_id: &RunId, owner: &str, lease_secs: f64) -> runs::Claim {
     let request = runs::ClaimRequest {
+        version: 1,
         run_id: run_id.clone(),
         seq: 0,
         step: "link".into(),
@@ -500,6 +501,7 @@ async fn a_live_worker_keeps_its_lease_after_its_presence_connection_is_reopened
     // Another worker with a fresh delivery of the same step must not get the run.
     let run_id = RunId::parse("r-presence").unwrap();
     let request = runs::ClaimRequest {
+        version: 1,
         run_id: run_id.clone(),
         seq: 0,
         step: "link".into(),

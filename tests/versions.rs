@@ -621,3 +621,52 @@ async fn the_api_lists_versions_and_moves_a_stopped_run_once_per_idempotency_key
         .unwrap();
     assert_eq!((trail.len(), trail[0].via.as_str()), (1, "api"));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_step_message_of_the_version_a_run_was_moved_from_claims_nothing() {
+    let env = TestEnv::new().await;
+    // A run at position 0 on v2, as a move from v1 leaves it; a copy of its v1 message arrives.
+    let run_id = RunId::parse("r-moved").unwrap();
+    let input = json!({"steps": 1});
+    let new = runs::NewRun {
+        run_id: &run_id,
+        workflow: "chain",
+        version: 2,
+        first_step: &"link".into(),
+        input: &input,
+        parent: None,
+        traceparent: None,
+        flow_key: None,
+        priority: 2,
+    };
+    assert!(runs::insert(&env.pool, &new).await.unwrap());
+    let request = |version| runs::ClaimRequest {
+        version,
+        run_id: run_id.clone(),
+        seq: 0,
+        step: "link".into(),
+        owner: "w-test".into(),
+        lease_secs: 30.0,
+        presence_pid: None,
+        message: ("steps", MessageId::new()),
+        redelivered: false,
+        unstarted_preclaim: false,
+    };
+    let old = runs::claim(&env.pool, &request(1)).await.unwrap();
+    assert!(
+        matches!(old, runs::ClaimOutcome::Refused(runs::Refusal::Version(2))),
+        "{old:?}"
+    );
+    let run = runs::get(&env.pool, "r-moved").await.unwrap().unwrap();
+    assert_eq!(
+        (run.fence, run.lease_owner),
+        (0, None),
+        "the old copy touched the run"
+    );
+    assert_eq!(env.attempts("r-moved", 0).await, 0);
+    let current = runs::claim(&env.pool, &request(2)).await.unwrap();
+    assert!(
+        matches!(current, runs::ClaimOutcome::Claimed(_)),
+        "{current:?}"
+    );
+}

@@ -204,6 +204,9 @@ pub struct ClaimRequest {
     pub run_id: RunId,
     /// The position the delivery is for.
     pub seq: i32,
+    /// The workflow version the delivery is for: a copy of a step message from before an
+    /// operator moved the run to another version (`trailmark workflow move`) claims nothing.
+    pub version: i32,
     /// The step (for the attempt row).
     pub step: StepAddress,
     /// Who asks (worker id and delivery).
@@ -245,6 +248,8 @@ pub enum Refusal {
     Status(RunStatus),
     /// The run is at another position.
     Position(i32),
+    /// The run was moved to another workflow version.
+    Version(i32),
     /// Another live worker holds the lease.
     Busy,
 }
@@ -264,6 +269,7 @@ struct ClaimRow {
     journaled: i32,
     run_status: Option<RunStatus>,
     run_seq: Option<i32>,
+    run_version: Option<i32>,
 }
 
 /// The claim statement for any number of requests ("items", numbered from 1 in binding order).
@@ -277,9 +283,9 @@ struct ClaimRow {
 /// same run in one batch (two deliveries of its step) update the row once; the other is refused.
 const CLAIM: &str = "WITH req AS (
         SELECT * FROM UNNEST($1::text[], $2::int4[], $3::text[], $4::float8[], $5::int4[], $6::text[],
-                             $7::text[], $8::uuid[], $10::bool[], $11::bool[])
+                             $7::text[], $8::uuid[], $10::bool[], $11::bool[], $12::int4[])
           WITH ORDINALITY AS r(run_id, seq, owner, lease_secs, pid, step, consumer, message_id,
-                               redelivered, unstarted, n)
+                               redelivered, unstarted, version, n)
     ), seen AS (
         SELECT r.n FROM req r JOIN trailmark.inbox i ON i.consumer = r.consumer AND i.message_id = r.message_id
     ), lease AS (
@@ -307,7 +313,7 @@ const CLAIM: &str = "WITH req AS (
            SET lease_owner = r.owner, lease_expires_at = now() + make_interval(secs => r.lease_secs),
                lease_pid = r.pid, fence = u.fence + 1, updated_at = now()
           FROM req r
-         WHERE u.run_id = r.run_id AND u.step_seq = r.seq
+         WHERE u.run_id = r.run_id AND u.step_seq = r.seq AND u.workflow_version = r.version
            -- An expression the status index cannot serve: a plan cached while the table was
            -- young would otherwise read every running run through it on each claim.
            AND CASE WHEN u.status = ANY($9::text[]) THEN true ELSE false END
@@ -329,10 +335,10 @@ const CLAIM: &str = "WITH req AS (
            r.n IN (SELECT n FROM lease WHERE NOT first_on_preclaim) AS took_over,
            c.fence, c.status, c.input, c.age_secs, c.undo, c.shadow, c.parent_run_id, a.attempts,
            (SELECT count(*) FROM trailmark.journal j WHERE j.run_id = r.run_id AND j.seq = r.seq)::int4 AS journaled,
-           o.status AS run_status, o.step_seq AS run_seq
+           o.status AS run_status, o.step_seq AS run_seq, o.workflow_version AS run_version
       FROM req r LEFT JOIN claimed c ON c.n = r.n LEFT JOIN attempt a ON a.run_id = c.run_id AND a.seq = c.seq
       -- Only for a refused claim: the run as it stood, to say why.
-      LEFT JOIN LATERAL (SELECT u.status, u.step_seq FROM trailmark.runs u
+      LEFT JOIN LATERAL (SELECT u.status, u.step_seq, u.workflow_version FROM trailmark.runs u
                           WHERE u.run_id = r.run_id AND c.n IS NULL) o ON true
      ORDER BY r.n";
 
@@ -380,23 +386,25 @@ async fn claim_batch(db: impl PgExecutor<'_>, reqs: &[ClaimRequest]) -> Result<V
         .bind(&RunStatus::EXECUTING[..])
         .bind(reqs.iter().map(|r| r.redelivered).collect::<Vec<_>>())
         .bind(reqs.iter().map(|r| r.unstarted_preclaim).collect::<Vec<_>>())
+        .bind(reqs.iter().map(|r| r.version).collect::<Vec<_>>())
         .fetch_all(db)
         .await?;
     Ok(rows
         .into_iter()
         .zip(reqs)
-        .map(|(row, r)| outcome(row, r.seq))
+        .map(|(row, r)| outcome(row, (r.seq, r.version)))
         .collect())
 }
 
-fn outcome(row: ClaimRow, asked_seq: i32) -> ClaimOutcome {
+fn outcome(row: ClaimRow, asked: (i32, i32)) -> ClaimOutcome {
     if row.seen {
         return ClaimOutcome::Duplicate;
     }
     let (Some(fence), Some(status), Some(input), Some(age_secs), Some(attempt)) =
         (row.fence, row.status, row.input, row.age_secs, row.attempts)
     else {
-        return ClaimOutcome::Refused(refusal(row.run_status, row.run_seq, asked_seq));
+        let stood = (row.run_status, row.run_seq, row.run_version);
+        return ClaimOutcome::Refused(refusal(stood, asked));
     };
     ClaimOutcome::Claimed(Claim {
         fence: Fence(fence),
@@ -414,14 +422,20 @@ fn outcome(row: ClaimRow, asked_seq: i32) -> ClaimOutcome {
     })
 }
 
-fn refusal(status: Option<RunStatus>, seq: Option<i32>, asked_seq: i32) -> Refusal {
-    let (Some(status), Some(seq)) = (status, seq) else {
+/// Why a claim of position and version `asked` was refused, given how the run stood.
+fn refusal(
+    (status, seq, version): (Option<RunStatus>, Option<i32>, Option<i32>),
+    (asked_seq, asked_version): (i32, i32),
+) -> Refusal {
+    let (Some(status), Some(seq), Some(version)) = (status, seq, version) else {
         return Refusal::UnknownRun;
     };
     if !status.accepts_steps() {
         Refusal::Status(status)
     } else if seq != asked_seq {
         Refusal::Position(seq)
+    } else if version != asked_version {
+        Refusal::Version(version)
     } else {
         Refusal::Busy
     }

@@ -477,6 +477,7 @@ async fn claim(
     let request = runs::ClaimRequest {
         run_id: msg.run_id.clone(),
         seq: msg.seq,
+        version: msg.version,
         step: msg.step.clone(),
         owner: owner.to_owned(),
         lease_secs: engine.settings.worker.lease_secs as f64,
@@ -685,6 +686,10 @@ fn not_claimed(engine: &Engine, msg: &StepMessage, why: runs::Refusal) -> Dispos
         runs::Refusal::Position(seq) => Disposition::Stale(format!(
             "run is at position {seq}, message is for {}",
             msg.seq
+        )),
+        runs::Refusal::Version(version) => Disposition::Stale(format!(
+            "run was moved to {} v{version}, message is for v{}",
+            msg.workflow, msg.version
         )),
         // Still busy after the re-checks: wait in a delay queue rather than spin.
         runs::Refusal::Busy => {
