@@ -320,7 +320,7 @@ fn decisions(me: &Person, o: &Overview) -> Markup {
                 (form("resume", "Resume", html! { p.muted { "Runs the stopped step again from its checkpoint; journaled answers are replayed." } }, false))
                 (form("resume_after_fix", "Resume after fix", html! {
                     label { input type="checkbox" name="ask_again" value="true"; " ask the model again (set the step's journaled answers aside)" }
-                    p.muted { "Resets the step's attempts; continues on the version deployed now." }
+                    p.muted { "Resets the step's attempts; continues on the run's version if this build carries it, else on the newest." }
                 }, false))
             }
             // A run waiting for an event or a time is not waiting for a person: approve and
