@@ -44,6 +44,16 @@ pub fn default_actor() -> String {
         .unwrap_or_else(|| "operator".into())
 }
 
+/// Refuses an empty `--reason`, or one the API and the console would refuse too (a reason is
+/// printed whole by `run show`).
+pub fn check_reason(reason: &str) -> anyhow::Result<()> {
+    if reason.trim().is_empty() {
+        bail!("--reason must say why (it is recorded with the decision)");
+    }
+    trailmark::api::input::check("--reason", reason, trailmark::api::input::Kind::Reason)?;
+    Ok(())
+}
+
 /// Applies a decision and prints what it did.
 pub async fn decide(
     settings: Settings,
@@ -53,11 +63,7 @@ pub async fn decide(
     who: Decider,
     as_json: bool,
 ) -> anyhow::Result<()> {
-    if who.reason.trim().is_empty() {
-        bail!("--reason must say why (it is recorded with the decision)");
-    }
-    // The same limit as the API's and the console's: a reason is printed whole by `run show`.
-    trailmark::api::input::check("--reason", &who.reason, trailmark::api::input::Kind::Reason)?;
+    check_reason(&who.reason)?;
     let engine = Engine::new(settings, registry).await?;
     let outcome = match decision {
         Decision::Resume(how) => operator::resume(&engine, run_id, &who, how).await?,

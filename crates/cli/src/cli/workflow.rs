@@ -47,15 +47,9 @@ pub struct MoveArgs {
     /// Do not ask for confirmation.
     #[arg(long)]
     pub yes: bool,
-    /// Why, in your words (recorded with each moved run).
-    #[arg(long)]
-    pub reason: String,
-    /// Who moves them (default: $USER).
-    #[arg(long, env = "TRAILMARK_ACTOR")]
-    pub actor: Option<String>,
-    /// Print JSON.
-    #[arg(long)]
-    pub json: bool,
+    /// Who moves them and why (recorded with each moved run).
+    #[command(flatten)]
+    pub who: super::runs::Who,
 }
 
 /// Runs a `workflow` subcommand.
@@ -128,14 +122,7 @@ fn age(secs: i64) -> String {
 }
 
 async fn move_runs(engine: &Engine, args: MoveArgs) -> anyhow::Result<()> {
-    if args.reason.trim().is_empty() {
-        bail!("--reason must say why (it is recorded with each moved run)");
-    }
-    trailmark::api::input::check(
-        "--reason",
-        &args.reason,
-        trailmark::api::input::Kind::Reason,
-    )?;
+    super::decide::check_reason(&args.who.reason)?;
     let ask = MoveAsk {
         workflow: args.workflow.clone(),
         from: args.from,
@@ -144,28 +131,28 @@ async fn move_runs(engine: &Engine, args: MoveArgs) -> anyhow::Result<()> {
     };
     let plan = operator::move_preview(engine, &ask).await?;
     if args.preview {
-        report(&plan, args.json)?;
-        if !args.json {
+        report(&plan, args.who.json)?;
+        if !args.who.json {
             println!("preview: nothing was changed");
         }
         return Ok(());
     }
     let movable = plan.count(Verdict::Moves);
     if movable == 0 {
-        report(&plan, args.json)?;
+        report(&plan, args.who.json)?;
         return nothing_moved(&plan);
     }
     ask_first(&plan, movable, &args).await?;
-    let actor = args.actor.unwrap_or_else(super::decide::default_actor);
-    let who = Decider::cli(actor, args.reason);
+    let actor = args.who.actor.unwrap_or_else(super::decide::default_actor);
+    let who = Decider::cli(actor, args.who.reason);
     let done = operator::move_runs(engine, &ask, &who).await?;
-    report(&done, args.json)
+    report(&done, args.who.json)
 }
 
 /// Asks on the terminal before moving, showing the runs there (stdout stays the report);
 /// `--yes` skips the question, and without a terminal the move is refused.
 async fn ask_first(plan: &MovePlan, movable: usize, args: &MoveArgs) -> anyhow::Result<()> {
-    if !args.yes && !args.json && std::io::stdin().is_terminal() {
+    if !args.yes && !args.who.json && std::io::stdin().is_terminal() {
         for line in runs_lines(plan) {
             eprintln!("{line}");
         }
