@@ -12,3 +12,13 @@ CREATE TABLE trailmark.deployments (
     since        TIMESTAMPTZ NOT NULL DEFAULT now(),
     PRIMARY KEY (workflow, version, worker_id)
 );
+
+-- Whether the presence backend `pid` of worker `worker_id` is alive: the pid alone could be a
+-- reused one (another database, another program), so its database and its application name
+-- (`trailmark presence <worker id>`, cut at 63 bytes as Postgres cuts it) must match too.
+CREATE FUNCTION trailmark.presence_alive(pid INT, worker_id TEXT) RETURNS BOOLEAN
+LANGUAGE sql STABLE AS $$
+    SELECT EXISTS (SELECT 1 FROM pg_stat_activity a
+                    WHERE a.pid = presence_alive.pid AND a.datname = current_database()
+                      AND a.application_name = left('trailmark presence ' || presence_alive.worker_id, 63))
+$$;

@@ -179,6 +179,31 @@ async fn check(registry: &Registry, history: &History) -> Report {
 }
 
 #[tokio::test]
+async fn a_chain_whose_link_now_fails_temporarily_without_reaching_anything_differs() {
+    let history = recorded("chain-plain");
+    // The edit: link 1 now gives up with a temporary error of its own making (a stricter
+    // parse, say): a live worker would retry it into review, so the check must fail.
+    let registry = edited_chain(|original| {
+        around(original, |ctx: StepContext| async move {
+            if ctx.seq() == 1 {
+                return Err(trailmark::workflow::StepError::temporary(
+                    "answer too short",
+                ));
+            }
+            Ok(None)
+        })
+    });
+    let report = check(&registry, &history).await;
+    let differs = &report.differences;
+    // The calls link 1 no longer makes, and its failure; nothing is a mere note.
+    assert!(differs.iter().all(|d| d.seq == Some(1)), "{differs:#?}");
+    let failed = differs.iter().find(|d| d.kind == DifferenceKind::Failed);
+    let failed = failed.unwrap_or_else(|| panic!("no failure among {differs:#?}"));
+    assert!(failed.found.contains("answer too short"), "{failed:?}");
+    assert!(report.notes.is_empty(), "{:#?}", report.notes);
+}
+
+#[tokio::test]
 async fn a_chain_that_ends_a_link_early_differs_at_that_link_naming_run_step_and_position() {
     let history = recorded("chain-plain");
     let registry = edited_chain(|original| {

@@ -111,6 +111,13 @@ impl MovePlan {
     pub fn count(&self, verdict: Verdict) -> usize {
         self.runs.iter().filter(|r| r.verdict == verdict).count()
     }
+
+    /// The ids of the runs with `verdict`: what a confirmed preview's move is limited to, so a
+    /// run that came to rest while the operator read the list does not move unseen.
+    pub fn ids(&self, verdict: Verdict) -> Vec<String> {
+        let runs = self.runs.iter().filter(|r| r.verdict == verdict);
+        runs.map(|r| r.run_id.clone()).collect()
+    }
 }
 
 /// What a move of `ask` would do, changing nothing: each run in flight at the old version

@@ -23,7 +23,9 @@ mod history;
 mod position;
 mod records;
 
+use std::path::PathBuf;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use serde::Serialize;
@@ -58,6 +60,12 @@ pub enum ReplayError {
         /// What that format is, when known.
         hint: &'static str,
     },
+    /// The stand-in for trailmark's database (a socket of the replay's own) could not be made.
+    #[error(
+        "the replay check could not make its stand-in database socket under {dir}: {0}; set TMPDIR to a writable directory",
+        dir = std::env::temp_dir().display()
+    )]
+    Socket(#[source] std::io::Error),
     /// The history does not hold together (edited by hand, or two files joined).
     #[error("the history of run {run_id} is inconsistent: {what}; export it again")]
     Inconsistent {
@@ -261,12 +269,14 @@ pub async fn check_with(
         report.differences.push(not_carried(registry, history));
         return Ok(report);
     };
+    let nowhere = Nowhere::open().map_err(ReplayError::Socket)?;
     let replay = position::Replay {
         run_id,
         history,
         workflow,
         recorded: Arc::new(records::Recorded::index(history)),
-        pool: nowhere(),
+        pool: nowhere.pool.clone(),
+        reached: nowhere.reached.clone(),
         failpoints,
     };
     for p in &history.positions {
@@ -330,16 +340,59 @@ fn not_carried(registry: &Registry, history: &History) -> Difference {
     }
 }
 
-/// Trailmark's database as the replayed steps get it: a pool that never connects (its socket
-/// cannot exist), so a step that reads or writes it by its own means fails at once instead of
-/// touching a real database; built-in workflows use it only inside effect calls, which a replay
-/// never makes.
-fn nowhere() -> PgPool {
-    let options = PgConnectOptions::new_without_pgpass()
-        .socket("/nonexistent/trailmark-replay-check")
-        .database("trailmark_replay_check");
-    PgPoolOptions::new()
-        .max_connections(1)
-        .acquire_timeout(Duration::from_secs(2))
-        .connect_lazy_with(options)
+/// Trailmark's database as the replayed steps get it: a pool on a Unix socket of the replay's
+/// own, which counts every connection and drops it. A step that reads or writes the database by
+/// its own means so fails at once instead of touching a real one, and the count tells such a
+/// failure (a live read the replay cannot check past) from an error the step's code made up,
+/// which is a difference. Built-in workflows use the pool only inside effect calls, which a
+/// replay never makes.
+pub(crate) struct Nowhere {
+    /// The pool handed to the steps.
+    pub pool: PgPool,
+    /// Connections the steps tried so far.
+    pub reached: Arc<AtomicUsize>,
+    dir: PathBuf,
+    accept: tokio::task::JoinHandle<()>,
+}
+
+impl Nowhere {
+    /// A socket in a fresh directory under the system's temporary one, and the pool on it.
+    fn open() -> std::io::Result<Self> {
+        let dir = std::env::temp_dir().join(format!(
+            "trailmark-replay-{}-{}",
+            std::process::id(),
+            uuid::Uuid::new_v4().simple()
+        ));
+        std::fs::create_dir(&dir)?;
+        let listener = tokio::net::UnixListener::bind(dir.join(".s.PGSQL.5432"))?;
+        let reached = Arc::new(AtomicUsize::new(0));
+        let counter = reached.clone();
+        let accept = tokio::spawn(async move {
+            while let Ok((conn, _)) = listener.accept().await {
+                counter.fetch_add(1, Ordering::SeqCst);
+                drop(conn);
+            }
+        });
+        let options = PgConnectOptions::new_without_pgpass()
+            .socket(&dir)
+            .port(5432)
+            .database("trailmark_replay_check");
+        let pool = PgPoolOptions::new()
+            .max_connections(1)
+            .acquire_timeout(Duration::from_secs(2))
+            .connect_lazy_with(options);
+        Ok(Self {
+            pool,
+            reached,
+            dir,
+            accept,
+        })
+    }
+}
+
+impl Drop for Nowhere {
+    fn drop(&mut self) {
+        self.accept.abort();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
 }

@@ -25,6 +25,8 @@ pub(super) struct Replay<'a> {
     pub workflow: Arc<Workflow>,
     pub recorded: Arc<Recorded>,
     pub pool: PgPool,
+    /// Connections the steps tried to trailmark's database so far (see `Nowhere`).
+    pub reached: Arc<std::sync::atomic::AtomicUsize>,
     pub failpoints: Failpoints,
 }
 
@@ -65,7 +67,9 @@ impl Replay<'_> {
             done,
         ));
         let ctx = self.context(p, address.clone(), records.clone());
+        let before = self.reached.load(std::sync::atomic::Ordering::SeqCst);
         let ended = run(def.handler.clone(), ctx).await;
+        let went_live = self.reached.load(std::sync::atomic::Ordering::SeqCst) > before;
         found.replayed = true;
         Judge {
             replay: self,
@@ -74,6 +78,7 @@ impl Replay<'_> {
             records: &records,
             log: records.take_log(),
             found,
+            went_live,
         }
         .ended(ended)
     }
@@ -196,6 +201,8 @@ struct Judge<'a> {
     records: &'a ReplayRecords,
     log: Log,
     found: Found,
+    /// Whether the handler tried trailmark's database by its own means.
+    went_live: bool,
 }
 
 impl Judge<'_> {
@@ -253,7 +260,7 @@ impl Judge<'_> {
     }
 
     fn failed(&mut self, e: StepError) {
-        if live(&e) {
+        if self.went_live && live(&e) {
             let what = format!(
                 "the handler reached a live system by its own means (not through ctx.effect or ctx.model), so nothing after that was checked: {e}"
             );
@@ -408,9 +415,11 @@ impl Judge<'_> {
     }
 }
 
-/// Whether a handler's error came from something live it reached by its own means: in a replay
-/// nothing served fails temporarily, so a temporary or infrastructure error, or a wait for a
-/// breaker or a rate limit, did not come from the history.
+/// Whether a handler's error may have come from something live it reached by its own means (it
+/// also tried the database: see `Judge::went_live`): in a replay nothing served fails
+/// temporarily, so a temporary or infrastructure error, or a wait for a breaker or a rate
+/// limit, did not come from the history. Without such a try, the error is the code's own, and
+/// a difference.
 fn live(e: &StepError) -> bool {
     matches!(
         e,

@@ -137,7 +137,7 @@ async fn fire_one(
 async fn unfinished(tx: &mut PgConnection, run_id: &RunId) -> Result<bool, Error> {
     Ok(runs::standing(&mut *tx, run_id)
         .await?
-        .is_some_and(|(status, _)| !status.is_terminal() && status != RunStatus::Shadowed))
+        .is_some_and(|(status, _, _)| !status.is_terminal() && status != RunStatus::Shadowed))
 }
 
 /// What starts a schedule's runs: its workflow, accepting its input, and the first step,

@@ -1,7 +1,8 @@
 //! Which live worker processes carry which workflow versions: what routes a step of a version
 //! the worker that received it does not carry (wait for one that does, or stop for review),
 //! and what `trailmark workflow versions` shows. A row counts while the presence backend it
-//! names is alive (`worker::presence`), so a killed process stops counting at once.
+//! names is alive (`worker::presence`; `trailmark.presence_alive` matches its pid, database
+//! and application name), so a killed process stops counting at once.
 
 use sqlx::PgExecutor;
 
@@ -19,7 +20,7 @@ pub async fn register(
     sqlx::query(
         "DELETE FROM trailmark.deployments d
           WHERE d.worker_id = $1
-             OR NOT EXISTS (SELECT 1 FROM pg_stat_activity a WHERE a.pid = d.presence_pid)",
+             OR NOT trailmark.presence_alive(d.presence_pid, d.worker_id)",
     )
     .bind(worker_id)
     .execute(&mut *conn)
@@ -56,8 +57,7 @@ pub async fn carried_elsewhere(
     Ok(sqlx::query_scalar(
         "SELECT EXISTS (SELECT 1 FROM trailmark.deployments d
                          WHERE d.workflow = $1 AND d.version = $2 AND d.worker_id <> $3
-                           AND EXISTS (SELECT 1 FROM pg_stat_activity a
-                                        WHERE a.pid = d.presence_pid))",
+                           AND trailmark.presence_alive(d.presence_pid, d.worker_id))",
     )
     .bind(workflow)
     .bind(version)
@@ -81,7 +81,7 @@ pub struct Carried {
 pub async fn live(db: impl PgExecutor<'_>) -> Result<Vec<Carried>> {
     Ok(sqlx::query_as(
         "SELECT d.workflow, d.version, count(*) AS workers FROM trailmark.deployments d
-          WHERE EXISTS (SELECT 1 FROM pg_stat_activity a WHERE a.pid = d.presence_pid)
+          WHERE trailmark.presence_alive(d.presence_pid, d.worker_id)
           GROUP BY d.workflow, d.version ORDER BY d.workflow, d.version",
     )
     .fetch_all(db)

@@ -136,10 +136,16 @@ pub async fn get(db: impl PgExecutor<'_>, run_id: &str) -> Result<Option<RunRow>
     )
 }
 
-/// Where a run stands: its status and the position of its next step (`None`: no such run).
-pub async fn standing(db: impl PgExecutor<'_>, run_id: &RunId) -> Result<Option<(RunStatus, i32)>> {
+/// Where a run stands: its status, the position of its next step and the workflow version it
+/// is on (`None`: no such run).
+pub async fn standing(
+    db: impl PgExecutor<'_>,
+    run_id: &RunId,
+) -> Result<Option<(RunStatus, i32, i32)>> {
     Ok(
-        sqlx::query_as("SELECT status, step_seq FROM trailmark.runs WHERE run_id = $1")
+        sqlx::query_as(
+            "SELECT status, step_seq, workflow_version FROM trailmark.runs WHERE run_id = $1",
+        )
             .bind(run_id.as_str())
             .fetch_optional(db)
             .await?,

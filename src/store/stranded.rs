@@ -14,7 +14,8 @@ use super::Result;
 use super::runs::ExpiredLease;
 use crate::domain::RunStatus;
 
-/// The `application_name` of every presence connection starts with this; the worker id follows.
+/// The `application_name` of every presence connection starts with this; the worker id follows
+/// (the SQL function `trailmark.presence_alive` spells it too).
 pub const PRESENCE_APPLICATION: &str = "trailmark presence ";
 
 /// A worker process whose presence connection has been silent too long.

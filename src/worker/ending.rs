@@ -168,7 +168,7 @@ pub(super) fn refuse_before_running(
 pub(super) fn refuse_older_version(msg: &StepMessage, deployed: i32) -> Option<StepError> {
     (msg.version < deployed).then(|| {
         StepError::Unknown(format!(
-            "run {run} was started on {wf} v{old}, and this worker runs v{deployed}: check that the run's checkpoints fit v{deployed}, then `trailmark run resume {run} --after-fix` continues it on v{deployed} (or `trailmark run undo {run}`); to let runs go on by themselves across an upgrade, keep the version number when the steps stay compatible",
+            "run {run} was started on {wf} v{old}, and no live worker carries v{old} (this one carries up to v{deployed}): check that the run's checkpoints fit v{deployed}, then `trailmark run resume {run} --after-fix` continues it on v{deployed} (or `trailmark run undo {run}`); to let runs of v{old} finish by themselves, deploy a build that registers v{old} beside v{deployed}",
             run = msg.run_id,
             wf = msg.workflow,
             old = msg.version,

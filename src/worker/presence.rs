@@ -27,10 +27,7 @@ pub(super) async fn hold(engine: Arc<Engine>, shutdown: CancellationToken) {
             Ok(mut conn) => {
                 backoff = Duration::from_millis(200);
                 match store::backend_pid(&mut conn).await {
-                    Ok(pid) => {
-                        engine.presence_pid.store(pid, Ordering::SeqCst);
-                        announce(&engine, &mut conn, pid).await;
-                    }
+                    Ok(pid) => engine.presence_pid.store(pid, Ordering::SeqCst),
                     Err(e) => {
                         tracing::warn!(error = %crate::error::Report(&e), "presence connection: cannot read its pid")
                     }
@@ -57,20 +54,30 @@ pub(super) async fn hold(engine: Arc<Engine>, shutdown: CancellationToken) {
     }
 }
 
-/// Records the workflow versions this process carries, under its presence backend's `pid`.
-async fn announce(engine: &Engine, conn: &mut sqlx::PgConnection, pid: i32) {
+/// Records the workflow versions this process carries, under its presence backend's `pid`;
+/// `false`: it could not, and the next beat tries again.
+async fn announce(engine: &Engine, conn: &mut sqlx::PgConnection, pid: i32) -> bool {
     let deployed = engine.registry.deployed();
-    if let Err(e) = store::deployments::register(conn, &engine.worker_id, pid, &deployed).await {
-        tracing::warn!(error = %crate::error::Report(&e), "could not record this worker's workflow versions; other workers stop a run of a version only this one carries for review instead of waiting for it");
+    match store::deployments::register(conn, &engine.worker_id, pid, &deployed).await {
+        Ok(()) => true,
+        Err(e) => {
+            tracing::warn!(error = %crate::error::Report(&e), "could not record this worker's workflow versions in trailmark.deployments; trying again at the next beat (meanwhile a step of a version only this worker carries, met by another worker, waits a lease, then stops its run for review)");
+            false
+        }
     }
 }
 
-/// Beats and renews the process's leases every `worker.heartbeat_secs` until `shutdown` or
+/// Announces the versions the process carries (again at each beat until that succeeds), then
+/// beats and renews the process's leases every `worker.heartbeat_secs` until `shutdown` or
 /// until the connection fails.
 async fn keep_alive(engine: &Engine, conn: &mut sqlx::PgConnection, shutdown: &CancellationToken) {
     let mut ticker = tokio::time::interval(engine.settings.worker.heartbeat());
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut announced = false;
     loop {
+        if !announced && let Some(pid) = pid(engine) {
+            announced = announce(engine, conn, pid).await;
+        }
         tokio::select! {
             _ = shutdown.cancelled() => return,
             _ = ticker.tick() => {}

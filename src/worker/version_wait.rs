@@ -55,9 +55,15 @@ impl Waited {
 }
 
 /// The newest version of `msg`'s workflow this worker carries, when `msg` must wait for another
-/// worker: its version is not carried here, and it is newer than every version carried here or
-/// another live worker carries it. `None`: run it here (or refuse it here).
-pub(super) async fn elsewhere(engine: &Engine, msg: &StepMessage) -> store::Result<Option<i32>> {
+/// worker: its version is not carried here, and it is newer than every version carried here,
+/// or another live worker carries it, or it has waited less than a lease (`waited`): a carrier
+/// that is starting, or whose presence connection is reconnecting, is not seen for a moment, and
+/// a run must not stop for review for that. `None`: run it here (or refuse it here).
+pub(super) async fn elsewhere(
+    engine: &Engine,
+    msg: &StepMessage,
+    waited: Option<Waited>,
+) -> store::Result<Option<i32>> {
     let Some(newest) = engine.registry.get(&msg.workflow) else {
         return Ok(None);
     };
@@ -74,7 +80,11 @@ pub(super) async fn elsewhere(engine: &Engine, msg: &StepMessage) -> store::Resu
         &engine.worker_id,
     )
     .await?;
-    Ok(carried.then_some(newest.version))
+    let grace = engine.settings.worker.lease();
+    let so_far = waited.map_or(Duration::ZERO, |w| {
+        (Utc::now() - w.since).to_std().unwrap_or_default()
+    });
+    Ok((carried || so_far < grace).then_some(newest.version))
 }
 
 /// What becomes of a step of version `msg.version` met by a worker whose newest is `deployed`:
@@ -88,13 +98,20 @@ pub(super) async fn process(
 ) -> store::Result<Disposition> {
     match runs::standing(&engine.pool, &msg.run_id).await? {
         None => return super::step::no_run(engine, &msg.run_id).await,
-        Some((status, _)) if !status.accepts_steps() => {
+        Some((status, _, _)) if !status.accepts_steps() => {
             return Ok(Disposition::Stale(format!("run is {status}")));
         }
-        Some((_, seq)) if seq != msg.seq => {
+        Some((_, seq, _)) if seq != msg.seq => {
             return Ok(Disposition::Stale(format!(
                 "run is at position {seq}, message is for {}",
                 msg.seq
+            )));
+        }
+        // A copy from before an operator moved the run to another version.
+        Some((_, _, version)) if version != msg.version => {
+            return Ok(Disposition::Stale(format!(
+                "run was moved to {} v{version}, message is for v{}",
+                msg.workflow, msg.version
             )));
         }
         Some(_) => {}
@@ -144,7 +161,7 @@ fn delay(engine: &Engine, so_far: Duration) -> Duration {
 /// The dead letter's detail: which run, step and versions, how long it waited, what to do.
 fn detail(msg: &StepMessage, deployed: i32, so_far: Duration, times: u32, limit: u64) -> String {
     format!(
-        "run {} step {} (position {}) is of {} v{}, but the workers that met it run v{deployed} at newest; no worker of v{} took it within {} s ({times} waits; worker.newer_version_wait_secs = {limit}); deploy v{} of {}, then `trailmark dlq requeue {}`",
+        "run {} step {} (position {}) is of {} v{}, but the workers that met it carry up to v{deployed} without it; no worker carrying v{} took it within {} s ({times} waits; worker.newer_version_wait_secs = {limit}); see which live workers carry it with `trailmark workflow versions`, deploy v{} of {} (or move the run: `trailmark workflow move`), then `trailmark dlq requeue {}`",
         msg.run_id,
         msg.step,
         msg.seq,

@@ -203,6 +203,16 @@ enum Failure {
 pub(crate) const REQUEST_DIFFERS: &str = "the request differs from the journaled one";
 
 fn replayed(entry: JournalEntry, hash: &str, ctx: &StepContext) -> Result<ChatAnswer, StepError> {
+    if entry.kind == super::PATCH_KIND {
+        // An earlier attempt ran on a build with a `ctx.patched` point here; this build lacks it.
+        return Err(StepError::Unknown(format!(
+            "run {run} step {} (seq {}) call {}: an earlier attempt ran on a build with a `ctx.patched` point here, and this build has none: finish the deploy of the patched build on every worker, then `trailmark run resume {run} --after-fix` (not --ask-again, which would set aside answers already paid for)",
+            ctx.step(),
+            ctx.seq(),
+            entry.call_no,
+            run = ctx.run_id(),
+        )));
+    }
     if entry.request_hash != hash {
         return Err(StepError::Unknown(format!(
             "run {run} step {} (seq {}) model call {}: {REQUEST_DIFFERS}, so its recorded answer cannot be reused; if the prompt was changed on purpose (a fix), `trailmark run resume {run} --after-fix --ask-again` asks the model again, else make the step build its request from its input and checkpoint only",

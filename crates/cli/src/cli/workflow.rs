@@ -145,7 +145,12 @@ async fn move_runs(engine: &Engine, args: MoveArgs) -> anyhow::Result<()> {
     ask_first(&plan, movable, &args).await?;
     let actor = args.who.actor.unwrap_or_else(super::decide::default_actor);
     let who = Decider::cli(actor, args.who.reason);
-    let done = operator::move_runs(engine, &ask, &who).await?;
+    // Only the runs the operator was shown as moving.
+    let confirmed = MoveAsk {
+        runs: plan.ids(Verdict::Moves),
+        ..ask
+    };
+    let done = operator::move_runs(engine, &confirmed, &who).await?;
     report(&done, args.who.json)
 }
 
