@@ -120,9 +120,10 @@ async fn a_newer_version_step_its_run_waits_for_ends_in_the_dlq_after_the_wait_s
     let detail = letter.detail.as_deref().unwrap_or_default();
     for words in [
         "run r-v2 step link (position 0) is of chain v2",
-        "run v1",
+        "carry up to v1 without it",
         "worker.newer_version_wait_secs = 3",
-        &format!("deploy v2 of chain, then `trailmark dlq requeue {id}`"),
+        "deploy v2 of chain (or move the run: `trailmark workflow move`)",
+        &format!("then `trailmark dlq requeue {id}`"),
     ] {
         assert!(detail.contains(words), "{words:?} not in {detail:?}");
     }

@@ -150,7 +150,14 @@ async fn move_runs(engine: &Engine, args: MoveArgs) -> anyhow::Result<()> {
         runs: plan.ids(Verdict::Moves),
         ..ask
     };
-    let done = operator::move_runs(engine, &confirmed, &who).await?;
+    let mut done = operator::move_runs(engine, &confirmed, &who).await?;
+    // The report also lists the runs the preview showed as not moving, as they stood then.
+    let shown = plan
+        .runs
+        .into_iter()
+        .filter(|r| r.verdict != Verdict::Moves);
+    done.runs.extend(shown);
+    done.runs.sort_by(|a, b| a.run_id.cmp(&b.run_id));
     report(&done, args.who.json)
 }
 
