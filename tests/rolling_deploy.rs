@@ -326,3 +326,36 @@ async fn the_same_change_without_patched_stops_a_run_past_it_for_review() {
     assert!(error.contains("differs from the journaled one"), "{error}");
     assert_eq!(env.chain_ledger("unguarded").await, (1, 1));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn run_start_on_a_named_version_pins_the_run_and_refuses_one_this_build_lacks() {
+    let env = TestEnv::new().await;
+    let _new = build(&env, "1,2", None);
+    let start = |version: &str, run_id: &str| {
+        let mut cmd = env.command(&[
+            "run",
+            "start",
+            "chain",
+            "--run-id",
+            run_id,
+            "--input",
+            r#"{"steps": 2}"#,
+            "--version",
+            version,
+            "--wait",
+        ]);
+        cmd.env(CHAIN_VERSIONS, "1,2");
+        cmd.output().unwrap()
+    };
+    let out = start("1", "named-v1");
+    assert!(out.status.success(), "{:?}", common::text(&out));
+    assert_finished_on(&env, &["named-v1".to_owned()], 1, 2).await;
+    let out = start("3", "named-v3");
+    let (_, err) = common::text(&out);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("workflow chain v3 is not deployed here (this binary carries v1, v2)"),
+        "{err}"
+    );
+    assert_eq!(count(&env, "named-v3", None).await, 0);
+}
