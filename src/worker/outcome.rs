@@ -57,8 +57,9 @@ pub enum Disposition {
     Stale(String),
     /// Try again after `delay` (run busy, or a step retry): park in a delay queue, then ack.
     Delay(Duration),
-    /// A step of a newer workflow version than this worker runs, whose run waits at its
-    /// position: park it in a delay queue with how long it has waited, then ack
+    /// A step of a workflow version this worker does not carry, whose run waits at its
+    /// position: park it in a delay queue with how long it has waited (with no delay, publish
+    /// it straight back to the steps queue, toward a worker that carries it), then ack
     /// (`version_wait.rs`).
     WaitForVersion {
         /// How long this wait lasts.
@@ -120,7 +121,10 @@ pub(super) async fn settle(
         }
         Disposition::WaitForVersion { delay, waited } => {
             Stats::bump(&engine.stats.delayed);
-            let mut message = delayed(engine, delivery, *delay);
+            let mut message = match delay.is_zero() {
+                true => straight_back(engine, delivery),
+                false => delayed(engine, delivery, *delay),
+            };
             let text = |s: String| AMQPValue::LongString(s.into());
             message
                 .headers
@@ -197,6 +201,18 @@ pub(super) fn message_id(delivery: &Delivery) -> String {
         .as_ref()
         .map(|m| m.to_string())
         .unwrap_or_default()
+}
+
+/// The delivery published again to the steps queue at once (a step hopping toward a worker that
+/// carries its version).
+fn straight_back(engine: &Engine, delivery: &Delivery) -> Outgoing {
+    Outgoing {
+        message_id: message_id(delivery),
+        exchange: engine.topology.steps_exchange(),
+        routing_key: crate::domain::STEP_ROUTING_KEY.into(),
+        headers: delivery.properties.headers().clone().unwrap_or_default(),
+        body: delivery.data.clone(),
+    }
 }
 
 fn delayed(engine: &Engine, delivery: &Delivery, delay: Duration) -> Outgoing {

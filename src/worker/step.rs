@@ -49,8 +49,8 @@ pub(super) async fn process(
     // 1. The workflow and step it names, at the run's version, carried by this worker. A step
     //    of a version carried only elsewhere (or newer than any here) waits for a worker that
     //    carries it, for a bounded time, while its run waits for it.
-    if let Some(deployed) = version_wait::elsewhere(engine, msg, waited).await? {
-        return version_wait::process(engine, msg, deployed, waited).await;
+    if let Some(elsewhere) = version_wait::elsewhere(engine, msg, waited).await? {
+        return version_wait::process(engine, msg, elsewhere, waited).await;
     }
     let (workflow, step) = match resolve(engine, msg) {
         Ok(found) => found,
