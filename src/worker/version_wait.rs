@@ -69,7 +69,7 @@ pub(super) struct Elsewhere {
 /// a few hops at a few milliseconds each (a delay-queue trip would cost a second per hop, which
 /// made a rolling deploy ten times slower), and a carrier that is alive but stuck (frozen)
 /// still cannot make the step circle fast for long.
-const QUICK_HOPS: u32 = 4;
+const QUICK_HOPS: u32 = 10;
 
 /// Where `msg` must go instead of running here, when it must wait for another
 /// worker: its version is not carried here, and it is newer than every version carried here,
