@@ -93,20 +93,7 @@ async fn a_newer_version_step_its_run_waits_for_ends_in_the_dlq_after_the_wait_s
     let env = TestEnv::with(|s| s.worker.newer_version_wait_secs = 3).await;
     let engine = env.engine();
     // A run of chain v2 waiting at position 0: no worker here runs v2.
-    let run_id = RunId::parse("r-v2").unwrap();
-    let input = json!({"steps": 1});
-    let new = runs::NewRun {
-        run_id: &run_id,
-        workflow: "chain",
-        version: 2,
-        first_step: &"link".into(),
-        input: &input,
-        parent: None,
-        traceparent: None,
-        flow_key: None,
-        priority: 2,
-    };
-    assert!(runs::insert(&env.pool, &new).await.unwrap());
+    let run_id = env.insert_chain_run_at("r-v2", 2).await;
     let (id, message) = v2_step(&env, &run_id, 0);
     let running = env.spawn_all(engine.clone());
     env.publish(&message).await;

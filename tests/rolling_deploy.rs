@@ -76,6 +76,18 @@ async fn count(env: &TestEnv, prefix: &str, status: Option<RunStatus>) -> i64 {
     .unwrap()
 }
 
+/// The outputs of the run's committed links, in order.
+async fn outputs(env: &TestEnv, run_id: &str) -> Vec<Value> {
+    sqlx::query_scalar(
+        "SELECT output FROM trailmark.steps WHERE run_id = $1 AND finished_at IS NOT NULL
+          ORDER BY seq",
+    )
+    .bind(run_id)
+    .fetch_all(&env.pool)
+    .await
+    .unwrap()
+}
+
 /// The run's version, and the `"code"` each committed link's output names (None: v1 code).
 async fn code_per_link(env: &TestEnv, run_id: &str) -> (i32, Vec<Option<i64>>) {
     let version: i32 =
@@ -84,16 +96,11 @@ async fn code_per_link(env: &TestEnv, run_id: &str) -> (i32, Vec<Option<i64>>) {
             .fetch_one(&env.pool)
             .await
             .unwrap();
-    let outputs: Vec<Value> = sqlx::query_scalar(
-        "SELECT output FROM trailmark.steps WHERE run_id = $1 AND finished_at IS NOT NULL
-          ORDER BY seq",
+    let outputs = outputs(env, run_id).await;
+    (
+        version,
+        outputs.iter().map(|o| o["code"].as_i64()).collect(),
     )
-    .bind(run_id)
-    .fetch_all(&env.pool)
-    .await
-    .unwrap();
-    let codes = outputs.iter().map(|o| o["code"].as_i64()).collect();
-    (version, codes)
 }
 
 /// Every run of `ids` succeeded on version `version`'s code with `links` links, each written once.
@@ -250,14 +257,7 @@ async fn kinds(env: &TestEnv, run_id: &str, seq: i32) -> Vec<String> {
 
 /// Which path each committed link of the run took (`"patched"` in its output).
 async fn paths(env: &TestEnv, run_id: &str) -> Vec<Option<bool>> {
-    let outputs: Vec<Value> = sqlx::query_scalar(
-        "SELECT output FROM trailmark.steps WHERE run_id = $1 AND finished_at IS NOT NULL
-          ORDER BY seq",
-    )
-    .bind(run_id)
-    .fetch_all(&env.pool)
-    .await
-    .unwrap();
+    let outputs = outputs(env, run_id).await;
     outputs.iter().map(|o| o["patched"].as_bool()).collect()
 }
 

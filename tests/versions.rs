@@ -319,25 +319,6 @@ fn chain_step(env: &TestEnv, run_id: &RunId, version: i32) -> Outgoing {
     }
 }
 
-/// A one-link `chain` run of `version`, inserted in the store at its first step (`running`).
-async fn insert_chain(env: &TestEnv, id: &str, version: i32) -> RunId {
-    let run_id = RunId::parse(id).unwrap();
-    let input = json!({"steps": 1});
-    let new = runs::NewRun {
-        run_id: &run_id,
-        workflow: "chain",
-        version,
-        first_step: &"link".into(),
-        input: &input,
-        parent: None,
-        traceparent: None,
-        flow_key: None,
-        priority: 2,
-    };
-    assert!(runs::insert(&env.pool, &new).await.unwrap());
-    run_id
-}
-
 /// `trailmark ARGS`; (exit code, stdout, stderr).
 fn cli(env: &TestEnv, args: &[&str]) -> (Option<i32>, String, String) {
     let out = env.command(args).output().unwrap();
@@ -368,11 +349,11 @@ async fn the_cli_lists_versions_previews_and_moves_a_stopped_run_which_resume_co
     .unwrap();
     let running = env.spawn_all(engine.clone());
     // A run of chain v0, a version no worker carries any more: its step stops it for review.
-    let old = insert_chain(&env, "r-old", 0).await;
+    let old = env.insert_chain_run_at("r-old", 0).await;
     env.publish(&chain_step(&env, &old, 0)).await;
     env.wait_status("r-old", RunStatus::NeedsReview, WAIT).await;
     // And one that executes a step: its lease is held by a live worker for an hour.
-    insert_chain(&env, "r-busy", 0).await;
+    env.insert_chain_run_at("r-busy", 0).await;
     sqlx::query(
         "UPDATE trailmark.runs SET lease_owner = 'worker-elsewhere', lease_pid = pg_backend_pid(),
                 lease_expires_at = now() + interval '1 hour' WHERE run_id = 'r-busy'",
@@ -542,7 +523,7 @@ async fn the_api_lists_versions_and_moves_a_stopped_run_once_per_idempotency_key
     let registry = with_pinned(trailmark_testkit::registry(), &Hold::default());
     let api = api_support::Api::start(registry).await;
     let env = &api.env;
-    let old = insert_chain(env, "r-old", 0).await;
+    let old = env.insert_chain_run_at("r-old", 0).await;
     env.publish(&chain_step(env, &old, 0)).await;
     env.wait_status("r-old", RunStatus::NeedsReview, WAIT).await;
 
@@ -626,20 +607,7 @@ async fn the_api_lists_versions_and_moves_a_stopped_run_once_per_idempotency_key
 async fn a_step_message_of_the_version_a_run_was_moved_from_claims_nothing() {
     let env = TestEnv::new().await;
     // A run at position 0 on v2, as a move from v1 leaves it; a copy of its v1 message arrives.
-    let run_id = RunId::parse("r-moved").unwrap();
-    let input = json!({"steps": 1});
-    let new = runs::NewRun {
-        run_id: &run_id,
-        workflow: "chain",
-        version: 2,
-        first_step: &"link".into(),
-        input: &input,
-        parent: None,
-        traceparent: None,
-        flow_key: None,
-        priority: 2,
-    };
-    assert!(runs::insert(&env.pool, &new).await.unwrap());
+    let run_id = env.insert_chain_run_at("r-moved", 2).await;
     let request = |version| runs::ClaimRequest {
         version,
         run_id: run_id.clone(),

@@ -151,12 +151,17 @@ impl TestEnv {
     }
 
     pub async fn insert_chain_run(&self, id: &str) -> trailmark::domain::RunId {
+        self.insert_chain_run_at(id, 1).await
+    }
+
+    /// A one-link `chain` run on `version`, at position 0, as a start would make it.
+    pub async fn insert_chain_run_at(&self, id: &str, version: i32) -> trailmark::domain::RunId {
         let run_id = trailmark::domain::RunId::parse(id).unwrap();
         let input = serde_json::json!({"steps": 1});
         let new = trailmark::store::runs::NewRun {
             run_id: &run_id,
             workflow: "chain",
-            version: 1,
+            version,
             first_step: &"link".into(),
             input: &input,
             parent: None,
