@@ -359,3 +359,23 @@ async fn run_start_on_a_named_version_pins_the_run_and_refuses_one_this_build_la
     );
     assert_eq!(count(&env, "named-v3", None).await, 0);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn starts_naming_a_version_only_some_processes_carry_all_become_runs_on_it() {
+    let env = TestEnv::new().await;
+    let _old = build(&env, "1", None);
+    let _new = build(&env, "1,2", None);
+    wait_carriers(&env, 1, 2).await;
+    wait_carriers(&env, 2, 1).await;
+    // Both consume the start queue: a start the old build takes is sent on to the new one.
+    let named = ids("named", 20);
+    for id in &named {
+        start(&env, id, Some(2), json!({"steps": 2})).await;
+    }
+    assert_finished_on(&env, &named, 2, 2).await;
+    assert_eq!(
+        dlq_support::dead_letters(&env).await.len(),
+        0,
+        "a start went to the DLQ"
+    );
+}

@@ -203,13 +203,25 @@ pub(super) fn message_id(delivery: &Delivery) -> String {
         .unwrap_or_default()
 }
 
-/// The delivery published again to the steps queue at once (a step hopping toward a worker that
-/// carries its version).
+/// The delivery published again at once where it came from (a step or a start hopping toward a
+/// worker that carries its version): a step to the steps queue (from the steps exchange or a
+/// delay queue), a start to the start queue (from the runs exchange, or from a DLQ requeue by
+/// its queue's name).
 fn straight_back(engine: &Engine, delivery: &Delivery) -> Outgoing {
+    let start = delivery.routing_key.as_str() == crate::domain::RUN_START_ROUTING_KEY
+        || delivery.routing_key.as_str() == engine.topology.run_start_queue();
+    let (exchange, routing_key) = if start {
+        (String::new(), engine.topology.run_start_queue())
+    } else {
+        (
+            engine.topology.steps_exchange(),
+            crate::domain::STEP_ROUTING_KEY.into(),
+        )
+    };
     Outgoing {
         message_id: message_id(delivery),
-        exchange: engine.topology.steps_exchange(),
-        routing_key: crate::domain::STEP_ROUTING_KEY.into(),
+        exchange,
+        routing_key,
         headers: delivery.properties.headers().clone().unwrap_or_default(),
         body: delivery.data.clone(),
     }

@@ -51,6 +51,11 @@ pub(super) async fn process(
 ) -> store::Result<Disposition> {
     let workflow = match engine.registry.accepting(&event.workflow, event.version, &event.input) {
         Ok(workflow) => workflow,
+        Err(StartRefused::UnknownVersion { version, .. })
+            if let Some(hop) = super::version_wait::start_elsewhere(engine, event, version, delivery).await? =>
+        {
+            return Ok(hop);
+        }
         Err(refused) => {
             let next = match refused {
                 StartRefused::UnknownWorkflow { .. } | StartRefused::UnknownVersion { .. } => {

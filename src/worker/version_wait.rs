@@ -17,7 +17,7 @@ use lapin::types::FieldTable;
 
 use super::outcome::{Disposition, dead};
 use crate::broker::header_str;
-use crate::domain::StepMessage;
+use crate::domain::{RunStartEvent, StepMessage};
 use crate::engine::Engine;
 use crate::store::{self, runs};
 
@@ -102,6 +102,34 @@ pub(super) async fn elsewhere(
     });
     let waits = newer || carried || so_far < grace;
     Ok(waits.then_some(Elsewhere { deployed, carried }))
+}
+
+/// A start naming `version` of its workflow, which this worker does not carry: sent straight
+/// back to the start queue when another live worker carries it, up to [`QUICK_HOPS`] times, to
+/// meet one (`None`: no live worker carries it, or the hops are spent; the start is refused).
+pub(super) async fn start_elsewhere(
+    engine: &Engine,
+    event: &RunStartEvent,
+    version: i32,
+    delivery: &lapin::message::Delivery,
+) -> store::Result<Option<Disposition>> {
+    let waited = Waited::read(delivery.properties.headers().as_ref());
+    let times = waited.map_or(0, |w| w.times);
+    if times >= QUICK_HOPS {
+        return Ok(None);
+    }
+    let (workflow, me) = (&event.workflow, &engine.worker_id);
+    if !store::deployments::carried_elsewhere(&engine.pool, workflow, version, me).await? {
+        return Ok(None);
+    }
+    tracing::debug!(run.id = %event.run_id, version, hops = times + 1, "start of a workflow version another worker carries; sent on to meet it");
+    Ok(Some(Disposition::WaitForVersion {
+        delay: Duration::ZERO,
+        waited: Waited {
+            since: waited.map_or_else(Utc::now, |w| w.since),
+            times: times + 1,
+        },
+    }))
 }
 
 /// What becomes of a step of version `msg.version` met by a worker whose newest is `deployed`:
