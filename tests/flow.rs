@@ -157,15 +157,30 @@ async fn a_limit_raised_at_run_time_applies_within_seconds() {
         },
     )
     .await;
-    let waiter: String =
-        sqlx::query_scalar("SELECT run_id FROM trailmark.flow_waiters WHERE key = 'c' LIMIT 1")
-            .fetch_one(&env.pool)
+    // A waiter read here may get its slot before `run show` reads it (a holder finishes in
+    // between), so the check takes the next waiter until one is shown while still waiting.
+    let shown = std::sync::Mutex::new(String::new());
+    env.wait_until(
+        "`run show` of a run in line to say it waits for a slot",
+        Duration::from_secs(30),
+        || async {
+            let waiter: Option<String> = sqlx::query_scalar(
+                "SELECT run_id FROM trailmark.flow_waiters WHERE key = 'c' ORDER BY random() LIMIT 1",
+            )
+            .fetch_optional(&env.pool)
             .await
             .unwrap();
-    let shown = env.command(&["run", "show", &waiter]).output().unwrap();
-    let (said, _) = text(&shown);
+            let Some(waiter) = waiter else { return false };
+            let out = env.command(&["run", "show", &waiter]).output().unwrap();
+            let (said, _) = text(&out);
+            let waits = said.contains("waits for a slot of key c (");
+            *shown.lock().unwrap() = said;
+            waits
+        },
+    )
+    .await;
+    let said = shown.into_inner().unwrap();
     assert!(said.contains("concurrency key c  priority 2"), "{said}");
-    assert!(said.contains("waits for a slot of key c ("), "{said}");
     limit(&env, &["--concurrency", "5", "--key", "c"]);
     let raised = Instant::now();
     let mut most = 0;
