@@ -26,6 +26,7 @@
 //! | `worker` | delivery -> dedup -> lease -> handler -> one commit -> ack; owns the step transaction |
 //! | `relay` | outbox -> RabbitMQ with publisher confirms |
 //! | `replay` | the replay check: a run's recorded history exported, and replayed against the workflows of this build to find where a change would take it down another path |
+//! | `remote` | (feature `ops-http`) steps written in other languages: workflows whose steps an HTTP endpoint serves over the step protocol, their callbacks served through the step context |
 //! | `retention` | finished runs removed after their keep time (archived first), tombstones, aged inbox ids and audit rows; `trailmark prune` |
 //! | `supervisor` | expired leases -> the step re-queued through the outbox; late decisions escalated |
 //! | `wait` | runs that wait for an event, a time or child runs: events sent to them, the wait's registration, the timer loop, fan-outs and their joins |
@@ -119,6 +120,8 @@ inner! {
 pub mod config;
 pub mod embedded;
 pub mod prelude;
+#[cfg(feature = "ops-http")]
+pub mod remote;
 pub mod trace;
 
 pub use domain::{BadLocalWrite, UnknownStatus};

@@ -38,6 +38,10 @@ pub enum Error {
     /// The HTTP surface could not start (`api.listen` taken, `api.tokens` malformed).
     #[error("the API did not start")]
     Api(#[source] crate::config::Error),
+    /// The step protocol's callback listener could not start (`remote.callback_listen` taken).
+    #[cfg(feature = "ops-http")]
+    #[error("the step protocol's callback listener did not start")]
+    Remote(#[source] crate::remote::Error),
     /// The worker gave up (it reconnects by itself; this is a bug or a fatal refusal).
     #[error("the worker stopped")]
     Worker(#[source] crate::broker::Error),
@@ -73,6 +77,12 @@ pub async fn run(
 ) -> Result<(), Error> {
     crate::metrics::install();
     let http = start_http(&engine).await?;
+    #[cfg(feature = "ops-http")]
+    if c.worker && !engine.settings.remote.endpoints.is_empty() {
+        crate::remote::listen(&engine.settings.remote)
+            .await
+            .map_err(Error::Remote)?;
+    }
     let work = CancellationToken::new();
     tokio::spawn(drain(engine.clone(), shutdown, work.clone()));
     let mut tasks = tokio::task::JoinSet::new();

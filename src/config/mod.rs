@@ -60,6 +60,39 @@ pub struct Settings {
     /// Concurrency keys: how waiting runs are handed slots.
     #[serde(default)]
     pub flow: FlowSettings,
+    /// Steps served by endpoints in other languages (`docs/STEP_PROTOCOL.md`).
+    #[serde(default)]
+    pub remote: RemoteSettings,
+}
+
+/// Where the steps of workflows written in other languages are served, and where their
+/// callbacks reach this process (`docs/STEP_PROTOCOL.md`).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default)]
+pub struct RemoteSettings {
+    /// `name=url` each; the secret of endpoint `name` comes from the environment variable
+    /// `TRAILMARK_REMOTE_SECRET_<NAME>` (never from a file that is printed or committed).
+    pub endpoints: Vec<String>,
+    /// Where this process listens for callbacks while a remote step runs (port 0: a free port).
+    pub callback_listen: String,
+    /// The URL endpoints call back on; empty: `http://` and the bound address.
+    pub callback_url: String,
+    /// How long a starting worker waits for each endpoint's manifest before refusing to start.
+    pub manifest_wait_secs: u64,
+    /// Tables of trailmark's database that remote workflows may write with their commit.
+    pub local_tables: Vec<String>,
+}
+
+impl Default for RemoteSettings {
+    fn default() -> Self {
+        Self {
+            endpoints: Vec::new(),
+            callback_listen: "127.0.0.1:0".into(),
+            callback_url: String::new(),
+            manifest_wait_secs: 30,
+            local_tables: Vec::new(),
+        }
+    }
 }
 
 /// How runs waiting for a slot of their concurrency key are served (`docs/OPERATIONS.md`,
@@ -388,7 +421,9 @@ impl Settings {
                 .list_separator(",")
                 .with_list_parse_key("api.tokens")
                 .with_list_parse_key("broker.urls")
-                .with_list_parse_key("database.hosts"),
+                .with_list_parse_key("database.hosts")
+                .with_list_parse_key("remote.endpoints")
+                .with_list_parse_key("remote.local_tables"),
         );
         let env = |name: &str| std::env::var(name).ok().filter(|v| !v.is_empty());
         let built = builder

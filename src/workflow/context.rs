@@ -210,6 +210,19 @@ impl StepContext {
     pub(crate) fn lease_fence(&self) -> Fence {
         self.inner.pos.fence
     }
+
+    /// What the journal holds for this position (earlier attempts' answers and choices), in
+    /// call order: told to a step served by an endpoint. A first attempt reads nothing.
+    pub(crate) async fn journaled_here(&self) -> Result<Vec<crate::domain::JournalEntry>, StepError> {
+        let mut entries = Vec::new();
+        for call_no in 0..self.inner.pos.journaled {
+            let records = &self.tools().records;
+            if let Some(entry) = records.journaled(self.run_id(), self.seq(), call_no).await? {
+                entries.push(entry);
+            }
+        }
+        Ok(entries)
+    }
     /// The run's input as JSON.
     pub fn input(&self) -> &Value {
         &self.inner.pos.input

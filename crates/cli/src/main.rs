@@ -187,7 +187,8 @@ async fn dispatch(cli: Cli) -> anyhow::Result<()> {
         return cli::replay::check(args).await;
     }
     let settings = Settings::load_from(cli.config.as_deref())?;
-    let registry = trailmark_reference::registry_from_env().map_err(anyhow::Error::msg)?;
+    let mut registry = trailmark_reference::registry_from_env().map_err(anyhow::Error::msg)?;
+    cli::serve::add_remote(&settings, &mut registry, &cli.command).await?;
     let only = |worker, relay, supervisor| Components {
         worker,
         relay,

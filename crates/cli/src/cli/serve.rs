@@ -34,3 +34,29 @@ pub async fn serve(
         Err(e) => Err(e.into()),
     }
 }
+
+/// Adds the workflows of the step endpoints in `remote.endpoints`. A long-running process waits
+/// for each endpoint's manifest and refuses to start without it; any other command reads each
+/// once, and without an endpoint goes on, saying which workflows it lacks.
+pub async fn add_remote(
+    settings: &Settings,
+    registry: &mut Registry,
+    command: &crate::Command,
+) -> anyhow::Result<()> {
+    if settings.remote.endpoints.is_empty() {
+        return Ok(());
+    }
+    use crate::Command;
+    let long_running = matches!(
+        command,
+        Command::Serve | Command::Worker | Command::Relay | Command::Supervisor | Command::Api
+    );
+    match trailmark::remote::register(settings, registry, long_running).await {
+        Ok(_) => Ok(()),
+        Err(e) if long_running => Err(e.into()),
+        Err(e) => {
+            eprintln!("warning: {e}; going on without that endpoint's workflows");
+            Ok(())
+        }
+    }
+}
