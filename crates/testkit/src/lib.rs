@@ -6,6 +6,7 @@
 pub mod chain;
 pub mod debounced;
 pub mod ledger;
+pub mod pychain;
 
 use trailmark::workflow::Registry;
 
