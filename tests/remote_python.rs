@@ -217,3 +217,108 @@ async fn a_worker_killed_while_a_python_step_is_open_leaves_it_to_another_once()
     w.assert_once("py-worker", 4).await;
     assert_eq!(w.model.answered(), 4, "no model answer paid twice");
 }
+
+/// Runs `trailmark args...` with `vars`; returns (exit code, stdout, stderr).
+fn trailmark(
+    w: &World,
+    vars: &[(&'static str, String)],
+    args: &[&str],
+) -> (Option<i32>, String, String) {
+    let out = w
+        .env
+        .command(args)
+        .envs(vars.iter().map(|(k, v)| (*k, v.as_str())))
+        .output()
+        .unwrap();
+    let (said, err) = text(&out);
+    (out.status.code(), said, err)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pychain_run_is_forked_replay_checked_and_undone_as_a_compiled_one() {
+    let w = World::new(&[]).await;
+    let _serve = w.serve(None);
+    let vars = w.vars();
+    w.env
+        .start_run(pychain::NAME, "py-ops", json!({"steps": 3}))
+        .await;
+    w.env
+        .wait_status("py-ops", RunStatus::Succeeded, WAIT)
+        .await;
+
+    // A shadow fork runs the Python code again and writes nothing outside.
+    let fork = [
+        "run",
+        "fork",
+        "py-ops",
+        "--from",
+        "1",
+        "--shadow",
+        "--run-id",
+        "py-shadow",
+        "--reason",
+        "try",
+    ];
+    let (code, _, err) = trailmark(&w, &vars, &fork);
+    assert_eq!(code, Some(0), "{err}");
+    w.env
+        .wait_status("py-shadow", RunStatus::Shadowed, WAIT)
+        .await;
+    assert_eq!(
+        w.ledger("py-shadow").await,
+        (0, 0),
+        "a shadow fork writes nothing"
+    );
+
+    // The replay check calls the endpoint as a worker does, serving its callbacks from the history.
+    let dir = std::env::temp_dir().join(format!("pyhist-{}", uuid::Uuid::new_v4().simple()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("py-ops.json");
+    let export = [
+        "run",
+        "export",
+        "py-ops",
+        "--history",
+        "--output",
+        file.to_str().unwrap(),
+    ];
+    let (code, _, err) = trailmark(&w, &vars, &export);
+    assert_eq!(code, Some(0), "{err}");
+    let check = ["replay-check", file.to_str().unwrap()];
+    let (code, said, err) = trailmark(&w, &vars, &check);
+    assert_eq!(
+        code,
+        Some(0),
+        "the unchanged Python code replays: {said}{err}"
+    );
+    let changed = PyChain::start(
+        &w.env.settings.database.url,
+        &[("PYCHAIN_PROMPT", "Answer in one word.")],
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    let mut changed_vars = changed.worker_env();
+    changed_vars.push((
+        "TRAILMARK__REMOTE__LOCAL_TABLES",
+        "trailmark.chain_ledger".into(),
+    ));
+    let (code, said, err) = trailmark(&w, &changed_vars, &check);
+    assert_eq!(code, Some(1), "a changed prompt is caught: {said}{err}");
+    let told = format!("{said}{err}");
+    assert!(
+        told.contains("py-ops") && told.contains("link"),
+        "names run and step: {told}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+
+    // Undo runs the Python compensation, newest first, each reversal once.
+    let undo = ["run", "undo", "py-ops", "--yes", "--reason", "wrong tenant"];
+    let (code, _, err) = trailmark(&w, &vars, &undo);
+    assert_eq!(code, Some(0), "{err}");
+    w.env
+        .wait_status("py-ops", RunStatus::Compensated, WAIT)
+        .await;
+    let reversals = w
+        .count("SELECT count(*) FROM trailmark.chain_ledger WHERE reference LIKE 'undo:' || $1 || ':%'", "py-ops")
+        .await;
+    assert_eq!(reversals, 3, "one reversal row per link");
+}

@@ -10,7 +10,8 @@ the built-in one.
 
 Environment: `TRAILMARK_SECRET` (required, at least 32 bytes), `DATABASE_URL` (Postgres, for
 the effect ledger; read on first use), `PYCHAIN_NAME` (the workflow's name, default `pychain`),
-`PYCHAIN_FIXED=1` (the deployed fix of `fail` runs), and for crash tests `PYCHAIN_KILL_AT=<spot>`
+`PYCHAIN_FIXED=1` (the deployed fix of `fail` runs), `PYCHAIN_PROMPT` (a changed prompt: a
+changed build for the replay check), and for crash tests `PYCHAIN_KILL_AT=<spot>`
 (`after_model`, `after_begin`, `after_insert`, `before_answer`) with `PYCHAIN_KILL_ONCE=<file>`
 (kill only while that file does not exist; it is made just before the kill).
 """
@@ -51,7 +52,9 @@ STEP = "link"
 TABLE = "trailmark.chain_ledger"
 #: The longest sleep or timeout accepted (the default `waits.max_secs`, 366 days).
 LONGEST_WAIT_SECS = 31_622_400.0
-PROMPT = "You are one link of a chain. Answer briefly."
+#: The link's prompt. `PYCHAIN_PROMPT` replaces it: a changed build, which the replay check
+#: must catch before it is deployed.
+PROMPT = os.environ.get("PYCHAIN_PROMPT", "You are one link of a chain. Answer briefly.")
 
 wf = Workflow(NAME, version=1)
 wf.local_table(TABLE, key="reference", columns=["reference", "run_id", "step", "payload"])

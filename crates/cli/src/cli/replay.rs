@@ -44,7 +44,8 @@ impl Checked {
 /// Replays every history named (needs no database and no broker); fails when one differs or
 /// cannot be read.
 pub async fn check(args: ReplayArgs) -> anyhow::Result<()> {
-    let registry = trailmark_reference::registry_from_env().map_err(anyhow::Error::msg)?;
+    let mut registry = trailmark_reference::registry_from_env().map_err(anyhow::Error::msg)?;
+    remote(&mut registry).await?;
     // Failpoints, as `serve` reads them: a test stands for a changed build with them.
     let failpoints = Failpoints::from_env().map_err(anyhow::Error::msg)?;
     let files = history_files(&args.files)?;
@@ -66,6 +67,18 @@ pub async fn check(args: ReplayArgs) -> anyhow::Result<()> {
             all.len()
         );
     }
+    Ok(())
+}
+
+/// With `remote.endpoints` set, the endpoints' workflows are replayed too: their steps are
+/// called as a worker calls them, and their callbacks served from the history.
+async fn remote(registry: &mut Registry) -> anyhow::Result<()> {
+    let settings = Settings::load()?;
+    if settings.remote.endpoints.is_empty() {
+        return Ok(());
+    }
+    trailmark::remote::register(&settings, registry, false).await?;
+    trailmark::remote::listen(&settings.remote).await?;
     Ok(())
 }
 
