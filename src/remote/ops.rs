@@ -14,7 +14,7 @@ use crate::domain::IdempotencyKey;
 use crate::model::ChatRequest;
 use crate::workflow::{StepContext, StepError};
 
-/// The longest progress line kept.
+/// The longest progress line, parked item or reason kept (text from another service).
 const MAX_LINE: usize = 500;
 
 #[derive(Deserialize)]
@@ -137,7 +137,8 @@ pub(super) async fn serve(
         }
         "park" => {
             with(&cb, |p: Park| async move {
-                ctx.park(p.item, p.reason);
+                let cut = |text: String| text.chars().take(MAX_LINE).collect::<String>();
+                ctx.park(cut(p.item), cut(p.reason));
                 Ok(json!({}))
             })
             .await
