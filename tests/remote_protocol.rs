@@ -334,12 +334,12 @@ async fn forged_tampered_stale_and_replayed_callbacks_are_refused() {
     // The worker signed its call, and the attempt's token dies with the attempt.
     let (_, token, signed) = s.ep.calls.lock().unwrap()[0].clone();
     assert!(signed, "the worker's step call carries a valid signature");
-    // The listener runs already: this returns the URL the worker gave the endpoint.
-    let url = trailmark::remote::listen(&s.env.settings.remote)
+    // The listener runs already: this returns the base of the URL the worker gave the endpoint.
+    let base = trailmark::remote::listen(&s.env.settings.remote)
         .await
         .unwrap();
     let late = Callbacks {
-        url,
+        url: format!("{base}/attempts/{token}"),
         token: token.clone(),
         fence: 0,
         run_id: "rp-forge".into(),
@@ -350,6 +350,9 @@ async fn forged_tampered_stale_and_replayed_callbacks_are_refused() {
         (status, answer["error"]["code"].as_str()),
         (401, Some("unknown_attempt"))
     );
+    // The refused callbacks voided the first attempt although its endpoint answered an outcome:
+    // its work was incomplete. The second attempt found the effect recorded.
+    assert_eq!(s.env.attempts("rp-forge", 0).await, 2);
     assert_eq!(s.effects_made("rp-forge").await, 1);
     let answers = s
         .env

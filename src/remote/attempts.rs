@@ -24,6 +24,8 @@ struct Slot {
     next_call: u64,
     secret: Arc<[u8]>,
     to_step: mpsc::Sender<Callback>,
+    /// Why a callback of this attempt was refused, if one was: the attempt is then void.
+    refused: Option<String>,
 }
 
 /// One callback handed to the attempt's step, which answers it through `reply`.
@@ -94,6 +96,7 @@ impl Hub {
             next_call: 1,
             secret,
             to_step,
+            refused: None,
         };
         self.open
             .lock()
@@ -109,6 +112,20 @@ impl Hub {
         Ok(slot.secret.clone())
     }
 
+    /// Records that a callback of the attempt was refused (`why`): whatever the endpoint then
+    /// answers, the attempt is void, since the refused callback's work is missing from it.
+    pub fn refuse(&self, token: &str, why: String) {
+        if let Some(slot) = self.open.lock().expect("hub lock").get_mut(token) {
+            slot.refused.get_or_insert(why);
+        }
+    }
+
+    /// Why a callback of the attempt was refused, if one was.
+    pub fn refusal(&self, token: &str) -> Option<String> {
+        let open = self.open.lock().expect("hub lock");
+        open.get(token).and_then(|slot| slot.refused.clone())
+    }
+
     /// Admits callback number `call` with `fence` to the attempt: the next number, the
     /// attempt's fence. A refused one does not advance the count.
     pub fn admit(
@@ -119,13 +136,18 @@ impl Hub {
     ) -> Result<mpsc::Sender<Callback>, Refusal> {
         let mut open = self.open.lock().expect("hub lock");
         let slot = open.get_mut(token).ok_or(Refusal::UnknownAttempt)?;
+        let refused = |slot: &mut Slot, why: &str| {
+            slot.refused.get_or_insert_with(|| why.to_owned());
+        };
         if fence != slot.fence {
+            refused(slot, "fenced_out");
             return Err(Refusal::FencedOut {
                 sent: fence,
                 attempt: slot.fence,
             });
         }
         if call != slot.next_call {
+            refused(slot, "out_of_order");
             return Err(Refusal::OutOfOrder {
                 sent: call,
                 expected: slot.next_call,

@@ -27,8 +27,11 @@ pub(super) enum Event {
 pub(super) struct Exchange {
     callbacks: mpsc::Receiver<Callback>,
     call: tokio::task::JoinHandle<Answer>,
-    /// The last error an op met: what the step ends with if the endpoint reports the same class.
+    /// The last error an op met: what the step ends with if the endpoint reports it.
     pub last_error: Option<StepError>,
+    /// Why a callback was refused by its op (a body that does not fit, an op out of turn): the
+    /// attempt is then void, whatever the endpoint answers.
+    pub voided: Option<String>,
     /// The endpoint, run, step and attempt, for messages.
     pub who: String,
 }
@@ -78,7 +81,10 @@ async fn attempt(endpoint: &Endpoint, ctx: StepContext) -> Result<StepOutcome, S
         ))
     })?;
     let (open, callbacks) = HUB.open(ctx.lease_fence().0, endpoint.secret.clone());
-    let body = call_body(endpoint, &ctx, base, &open.token).await?;
+    // The token is in the callbacks' path as well as their bearer header: the path is signed,
+    // so a callback signed for one attempt cannot be replayed into another.
+    let url = format!("{base}/attempts/{}", open.token);
+    let body = call_body(endpoint, &ctx, &url, &open.token).await?;
     let request = endpoint
         .signed_post("step", body)
         .timeout(endpoint.deadline);
@@ -96,14 +102,22 @@ async fn attempt(endpoint: &Endpoint, ctx: StepContext) -> Result<StepOutcome, S
         callbacks,
         call,
         last_error: None,
+        voided: None,
         who,
     };
     loop {
         match ex.next().await {
             Event::Callback(cb) => ops::serve(endpoint, &ctx, &mut ex, cb).await?,
             Event::Answered(answer) => {
+                let refused = HUB.refusal(&open.token).or_else(|| ex.voided.take());
                 // Callbacks after the answer find no attempt: the step's result is fixed now.
                 drop(open);
+                if let Some(why) = refused {
+                    return Err(StepError::temporary(format!(
+                        "{}: a callback of the attempt was refused ({why}), so its work is incomplete: the attempt is void and the step is retried",
+                        ex.who
+                    )));
+                }
                 return conclude(&ex, answer);
             }
         }
@@ -187,11 +201,17 @@ fn conclude(ex: &Exchange, answer: Answer) -> Result<StepOutcome, StepError> {
     }
 }
 
-/// The error the endpoint reported; the one an op met, when the endpoint passes it on, so that
-/// its kind (an open breaker's wait, a conflict's key) is kept.
+/// The error the endpoint reported; the one an op met, when the endpoint passes it on as it was
+/// told (class and message), so that its kind (an open breaker's wait, a conflict's key) is kept.
 fn reported_error(ex: &Exchange, reported: WireError) -> StepError {
     match &ex.last_error {
-        Some(met) if WireError::of(met).class == reported.class => met.clone(),
-        _ => reported.into_step_error(&ex.who),
+        Some(met) => {
+            let told = WireError::of(met);
+            if told.class == reported.class && told.message == reported.message {
+                return met.clone();
+            }
+            reported.into_step_error(&ex.who)
+        }
+        None => reported.into_step_error(&ex.who),
     }
 }

@@ -1,6 +1,8 @@
 //! The callback listener: where an endpoint's callbacks reach the attempt that called it. It
-//! checks, in this order, the attempt's token, the body's signature, the fence and the call
-//! number, then hands the callback to the step and answers with what the step made of it.
+//! checks, in this order, the attempt's token (in the path, so the signature covers it, and in
+//! the bearer header), the body's signature, the fence and the call number, then hands the
+//! callback to the step and answers with what the step made of it. A refusal of a callback of a
+//! known attempt voids that attempt.
 
 use axum::Router;
 use axum::body::Bytes;
@@ -41,7 +43,7 @@ pub async fn listen(settings: &RemoteSettings) -> Result<String, Error> {
         url => format!("{url}/callbacks/v1"),
     };
     let router = Router::new()
-        .route("/callbacks/v1/{*op}", post(callback))
+        .route("/callbacks/v1/attempts/{token}/{*op}", post(callback))
         .layer(DefaultBodyLimit::max(BODY_LIMIT));
     tokio::spawn(async move {
         if let Err(e) = axum::serve(listener, router).await {
@@ -58,49 +60,48 @@ fn refuse(status: StatusCode, code: &str, message: String) -> Response {
     (status, axum::Json(body)).into_response()
 }
 
-async fn callback(Path(op): Path<String>, uri: Uri, headers: HeaderMap, body: Bytes) -> Response {
+/// The callbacks' URL path: the attempt's token, then the op (`model`, `effect/begin`, ...).
+#[derive(serde::Deserialize)]
+struct Route {
+    token: String,
+    op: String,
+}
+
+async fn callback(Path(route): Path<Route>, uri: Uri, headers: HeaderMap, body: Bytes) -> Response {
+    let Route { token, op } = route;
     let header = |name: &str| headers.get(name).and_then(|v| v.to_str().ok());
-    let token = header("authorization")
-        .and_then(|v| v.strip_prefix("Bearer "))
-        .unwrap_or_default();
-    let unknown = || {
-        refuse(
-            StatusCode::UNAUTHORIZED,
-            "unknown_attempt",
-            "no open attempt has this token: the attempt has ended (answered, timed out, its worker restarted) or the token is not one trailmark made; end the attempt".into(),
-        )
+    let bearer = header("authorization").and_then(|v| v.strip_prefix("Bearer "));
+    let secret = match HUB.secret(&token) {
+        Ok(secret) if bearer == Some(token.as_str()) => secret,
+        _ => {
+            tracing::warn!(op = %op, code = "unknown_attempt", "a step-protocol callback was refused");
+            return refuse(
+                StatusCode::UNAUTHORIZED,
+                "unknown_attempt",
+                "no open attempt has this token: the attempt has ended (answered, timed out, its worker restarted) or the token is not one trailmark made; end the attempt".into(),
+            );
+        }
     };
-    let Ok(secret) = HUB.secret(token) else {
-        return unknown();
+    // From here the token is an open attempt's: a refusal voids that attempt.
+    let refused = |status: StatusCode, code: &'static str, message: String| {
+        tracing::warn!(op = %op, code, "a step-protocol callback was refused; its attempt is void");
+        HUB.refuse(&token, format!("{code}: {message}"));
+        refuse(status, code, message)
     };
     let signed = (header(signing::TIMESTAMP), header(signing::SIGNATURE));
     if let Err(e) = signing::verify(&secret, signed, "POST", uri.path(), &body, signing::now()) {
-        return refuse(StatusCode::UNAUTHORIZED, "bad_signature", e.to_string());
+        return refused(StatusCode::UNAUTHORIZED, "bad_signature", e.to_string());
     }
     let (fence, call, body) = match envelope(&body) {
         Ok(parts) => parts,
-        Err(why) => return refuse(StatusCode::BAD_REQUEST, "bad_request", why),
+        Err(why) => return refused(StatusCode::BAD_REQUEST, "bad_request", why),
     };
-    let to_step = match HUB.admit(token, fence, call) {
+    let to_step = match HUB.admit(&token, fence, call) {
         Ok(to_step) => to_step,
-        Err(Refusal::UnknownAttempt) => return unknown(),
-        Err(Refusal::FencedOut { sent, attempt }) => {
-            return refuse(
-                StatusCode::CONFLICT,
-                "fenced_out",
-                format!(
-                    "fence {sent} is not this attempt's ({attempt}): a stale attempt writes nothing; end it"
-                ),
-            );
-        }
-        Err(Refusal::OutOfOrder { sent, expected }) => {
-            return refuse(
-                StatusCode::CONFLICT,
-                "out_of_order",
-                format!(
-                    "callback number {sent} is not the next one ({expected}): a repeated or reordered callback is refused"
-                ),
-            );
+        Err(refusal) => {
+            let (status, code, message) = admission_refused(refusal);
+            tracing::warn!(op = %op, code, "a step-protocol callback was refused; its attempt is void");
+            return refuse(status, code, message);
         }
     };
     let (reply, answer) = oneshot::channel();
@@ -122,6 +123,31 @@ async fn callback(Path(op): Path<String>, uri: Uri, headers: HeaderMap, body: By
             message,
         ),
         Err(_) => over(),
+    }
+}
+
+/// What a callback the hub did not admit is answered.
+fn admission_refused(refusal: Refusal) -> (StatusCode, &'static str, String) {
+    match refusal {
+        Refusal::UnknownAttempt => (
+            StatusCode::UNAUTHORIZED,
+            "unknown_attempt",
+            "the attempt has ended; end it".into(),
+        ),
+        Refusal::FencedOut { sent, attempt } => (
+            StatusCode::CONFLICT,
+            "fenced_out",
+            format!(
+                "fence {sent} is not this attempt's ({attempt}): a stale attempt writes nothing; end it"
+            ),
+        ),
+        Refusal::OutOfOrder { sent, expected } => (
+            StatusCode::CONFLICT,
+            "out_of_order",
+            format!(
+                "callback number {sent} is not the next one ({expected}): a repeated or reordered callback is refused, and the attempt is void"
+            ),
+        ),
     }
 }
 

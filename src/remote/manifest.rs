@@ -107,55 +107,78 @@ fn endpoint(settings: &Settings, entry: &str) -> Result<Endpoint, Error> {
             why,
         });
     }
+    // A redirect would be signed for another path: refused by the endpoint, or worse, sent
+    // where the operator did not say.
+    let client = reqwest::Client::builder()
+        .redirect(reqwest::redirect::Policy::none())
+        .build()
+        .map_err(|e| Error::Unreachable {
+            endpoint: name.to_owned(),
+            url: url.to_string(),
+            why: crate::error::Report(&e).to_string(),
+        })?;
     Ok(Endpoint {
         name: name.to_owned(),
         url,
         secret: Arc::from(secret.into_bytes()),
-        client: reqwest::Client::new(),
+        client,
+
         deadline: Duration::from_secs(settings.worker.step_timeout_secs),
         tables: HashMap::new(),
     })
 }
 
 async fn read(endpoint: &Endpoint, wait: bool, wait_secs: u64) -> Result<Manifest, Error> {
+    if !wait {
+        return read_once(endpoint).await;
+    }
+    // Tries until the deadline, not a count of tries: a try that hangs takes its own time.
+    let deadline = std::time::Instant::now() + Duration::from_secs(wait_secs);
+    (|| read_once(endpoint))
+        .retry(
+            ConstantBuilder::default()
+                .with_delay(Duration::from_secs(1))
+                .without_max_times(),
+        )
+        .when(|e| matches!(e, Error::Unreachable { .. }) && std::time::Instant::now() < deadline)
+        .notify(|e, _| tracing::warn!(error = %e, "waiting for a step endpoint's manifest"))
+        .await
+}
+
+/// One read of the manifest: unreachable (worth another try) or refused (a person must fix it).
+async fn read_once(endpoint: &Endpoint) -> Result<Manifest, Error> {
     let unreachable = |why: String| Error::Unreachable {
         endpoint: endpoint.name.clone(),
         url: endpoint.url.to_string(),
         why,
     };
-    let once = || async {
-        let response = endpoint
-            .signed(reqwest::Method::GET, "manifest", Vec::new())
-            .timeout(Duration::from_secs(10))
-            .send()
-            .await
-            .map_err(|e| unreachable(crate::error::Report(&e).to_string()))?;
-        let status = response.status();
-        let body = response
-            .bytes()
-            .await
-            .map_err(|e| unreachable(crate::error::Report(&e).to_string()))?;
-        if !status.is_success() {
-            let begins = String::from_utf8_lossy(&body[..body.len().min(200)]).into_owned();
-            return Err(unreachable(format!("HTTP {status}: {begins}")));
-        }
-        serde_json::from_slice::<Manifest>(&body).map_err(|e| Error::BadManifest {
-            endpoint: endpoint.name.clone(),
-            why: format!("it is not a manifest: {e}"),
-        })
+    let refused = |why: String| Error::BadManifest {
+        endpoint: endpoint.name.clone(),
+        why,
     };
-    if !wait {
-        return once().await;
+    let response = endpoint
+        .signed(reqwest::Method::GET, "manifest", Vec::new())
+        .timeout(Duration::from_secs(5))
+        .send()
+        .await
+        .map_err(|e| unreachable(crate::error::Report(&e).to_string()))?;
+    let status = response.status();
+    let body = response
+        .bytes()
+        .await
+        .map_err(|e| unreachable(crate::error::Report(&e).to_string()))?;
+    let begins = || String::from_utf8_lossy(&body[..body.len().min(200)]).into_owned();
+    if status.is_client_error() {
+        return Err(refused(format!(
+            "it answered HTTP {status}: {}; check that TRAILMARK_REMOTE_SECRET_* holds the endpoint's secret and that the URL is the endpoint's base (the manifest is at <url>/manifest)",
+            begins()
+        )));
     }
-    let tries = wait_secs.max(1) as usize;
-    once.retry(
-        ConstantBuilder::default()
-            .with_delay(Duration::from_secs(1))
-            .with_max_times(tries),
-    )
-    .when(|e| matches!(e, Error::Unreachable { .. }))
-    .notify(|e, _| tracing::warn!(error = %e, "waiting for a step endpoint's manifest"))
-    .await
+    if !status.is_success() {
+        return Err(unreachable(format!("HTTP {status}: {}", begins())));
+    }
+    serde_json::from_slice::<Manifest>(&body)
+        .map_err(|e| refused(format!("it is not a manifest: {e}")))
 }
 
 /// The manifest's workflows, their steps handled by the endpoint.

@@ -188,7 +188,13 @@ pub(super) async fn serve(
 /// Answers a callback with what its op made, and keeps the error it met for the step's end.
 fn answer(ex: &mut Exchange, reply: oneshot::Sender<Reply>, done: Result<Made, Reply>) {
     let reply_with = match done {
-        Err(refused) => refused,
+        Err(refused) => {
+            if let Reply::Refused(_, code, message) = &refused {
+                ex.voided
+                    .get_or_insert_with(|| format!("{code}: {message}"));
+            }
+            refused
+        }
         Ok(Ok(value)) => Reply::Done(value),
         Ok(Err(StepError::FencedOut)) => {
             ex.last_error = Some(StepError::FencedOut);
@@ -295,10 +301,14 @@ async fn await_end(
             }
         }
         _ => {
+            let body = cb.body.to_string();
             let why = format!(
                 "effect {key} is open: only its effect/end may follow, got {} ({})",
-                cb.op, cb.body
+                cb.op,
+                body.chars().take(200).collect::<String>()
             );
+            ex.voided
+                .get_or_insert_with(|| format!("effect_open: {why}"));
             let _ = cb
                 .reply
                 .send(Reply::Refused(409, "effect_open", why.clone()));

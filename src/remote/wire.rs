@@ -12,8 +12,8 @@ use crate::workflow::{Children, EventWait, StepError, StepOutcome};
 /// The protocol's name and version, in every call and manifest.
 pub const PROTOCOL: &str = "trailmark-step/1";
 
-/// One attempt's call to the endpoint.
-#[derive(Debug, Serialize)]
+/// One attempt's call to the endpoint (not `Debug`: it holds the attempt's token).
+#[derive(Serialize)]
 pub struct StepCall<'a> {
     /// [`PROTOCOL`].
     pub protocol: &'static str,
@@ -44,7 +44,7 @@ pub struct StepCall<'a> {
 }
 
 /// Where an attempt's callbacks go.
-#[derive(Debug, Serialize)]
+#[derive(Serialize)]
 pub struct Callback<'a> {
     /// The base URL; each op is a path under it.
     pub url: &'a str,

@@ -73,11 +73,14 @@ pub async fn check(args: ReplayArgs) -> anyhow::Result<()> {
 /// With `remote.endpoints` set, the endpoints' workflows are replayed too: their steps are
 /// called as a worker calls them, and their callbacks served from the history.
 async fn remote(registry: &mut Registry) -> anyhow::Result<()> {
-    let settings = Settings::load()?;
+    let mut settings = Settings::load()?;
     if settings.remote.endpoints.is_empty() {
         return Ok(());
     }
     trailmark::remote::register(&settings, registry, false).await?;
+    // A listener of its own on this machine: the configured callback address is a worker's.
+    settings.remote.callback_listen = "127.0.0.1:0".into();
+    settings.remote.callback_url = String::new();
     trailmark::remote::listen(&settings.remote).await?;
     Ok(())
 }
