@@ -5,18 +5,25 @@ from __future__ import annotations
 import asyncio
 import json
 import secrets
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 
-from trailmark import signing
+from trailmark import Outcome, StepContext, Workflow, signing
 from trailmark.app import App
 
 SECRET = "test-secret-that-is-long-enough-0123456789"
 KEY = SECRET.encode()
 WORKER = "http://worker.test"
 CALLBACK_PREFIX = "/callbacks/v1"
+
+
+def attempt_path(token: str) -> str:
+    """The path of an attempt's callbacks, as the worker makes it: the token is in the (signed)
+    path, so a callback signed for one attempt cannot be replayed into another."""
+    return f"{CALLBACK_PREFIX}/attempts/{token}"
 
 
 @dataclass
@@ -92,7 +99,10 @@ class FakeWorker:
         )
         if reason:
             return _refuse(401, "bad_signature", reason)
-        attempt = self.attempts.get(headers.get("authorization", "").removeprefix("Bearer "))
+        # As the worker's listener: the token in the path and the bearer header must agree.
+        bearer = headers.get("authorization", "").removeprefix("Bearer ")
+        token, _, op = path.removeprefix(CALLBACK_PREFIX + "/attempts/").partition("/")
+        attempt = self.attempts.get(token) if token == bearer else None
         if attempt is None:
             return _refuse(401, "unknown_attempt", "no open attempt has this token")
         try:
@@ -103,7 +113,6 @@ class FakeWorker:
             return _refuse(409, "fenced_out", f"fence {call.get('fence')} is not {attempt.fence}")
         if call.get("call") != attempt.next_call:
             return _refuse(409, "out_of_order", f"call {call.get('call')}, not {attempt.next_call}")
-        op = path.removeprefix(CALLBACK_PREFIX + "/")
         if attempt.effect_open is not None and (
             op != "effect/end" or call.get("key") != attempt.effect_open
         ):
@@ -187,7 +196,7 @@ def step_call(token: str, **fields: Any) -> dict[str, Any]:
         "input": {},
         "journal": [],
         "undo": None,
-        "callback": {"url": WORKER + CALLBACK_PREFIX, "token": token},
+        "callback": {"url": WORKER + attempt_path(token), "token": token},
         "deadline_ms": 30_000,
     }
     body.update(fields)
@@ -206,3 +215,32 @@ async def post_signed(
 async def get_signed(client: httpx.AsyncClient, path: str) -> httpx.Response:
     """GETs `path` signed as the worker signs it."""
     return await client.get(path, headers=signing.sign(KEY, "GET", path, b""))
+
+
+Handler = Callable[[StepContext], Awaitable[Outcome]]
+
+
+def one_step(handler: Handler, undo: Handler | None = None) -> Workflow:
+    """Workflow wf v1 of one step `s` (and its undo), with a local table app.rows."""
+    wf = Workflow("wf", version=1)
+    wf.local_table("app.rows", key="id", columns=["id", "v"])
+    wf.step("s", kind="write")(handler)
+    if undo is not None:
+        wf.compensation("s", note="undoes s")(undo)
+    return wf
+
+
+async def run(
+    handler: Handler,
+    worker: FakeWorker | None = None,
+    *,
+    compensation: Handler | None = None,
+    app: App | None = None,
+    **fields: Any,
+) -> httpx.Response:
+    """Calls the step once, as a worker would; returns the endpoint's answer."""
+    worker = worker or FakeWorker()
+    app = app or make_app([one_step(handler, compensation)], worker)
+    token = worker.open(fence=fields.get("fence", 7))
+    async with endpoint(app) as client:
+        return await post_signed(client, "/step", step_call(token, **fields))

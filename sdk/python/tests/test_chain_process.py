@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 import uvicorn
-from support import CALLBACK_PREFIX, KEY, SECRET, FakeWorker, step_call
+from support import KEY, SECRET, FakeWorker, attempt_path, step_call
 
 from trailmark import signing
 
@@ -89,7 +89,7 @@ class WorkerServer:
             assert time.monotonic() < deadline, "the fake worker did not start"
             time.sleep(0.02)
         port = self.server.servers[0].sockets[0].getsockname()[1]
-        self.callback_url = f"http://127.0.0.1:{port}{CALLBACK_PREFIX}"
+        self.base_url = f"http://127.0.0.1:{port}"
 
     def stop(self) -> None:
         self.server.should_exit = True
@@ -109,7 +109,7 @@ def call_link(
 ) -> httpx.Response:
     token = fake.open()
     body = step_call(token, workflow="pychain", step="link", position=0, input=input)
-    body["callback"]["url"] = server.callback_url
+    body["callback"]["url"] = server.base_url + attempt_path(token)
     raw = json.dumps(body).encode()
     return httpx.post(
         pychain.url + "/step",

@@ -158,9 +158,12 @@ async def test_the_sdk_bodies_match_the_protocol_schemas(registry: Registry[Any]
 
     seen = set()
     for (op, body), (path, status, answer) in zip(worker.calls, worker.answers, strict=True):
-        assert path == f"{CALLBACK_PREFIX}/{op}" and status == 200
-        check(registry, op_pointer(path, "request"), body)
-        check(registry, op_pointer(path, "response"), answer)
+        # Sent to `{callback.url}/{op}`, the url being the attempt's, as the spec's paths say.
+        assert path.startswith(f"{CALLBACK_PREFIX}/attempts/") and path.endswith(f"/{op}")
+        assert status == 200
+        spec_path = f"{CALLBACK_PREFIX}/attempts/{{token}}/{op}"
+        check(registry, op_pointer(spec_path, "request"), body)
+        check(registry, op_pointer(spec_path, "response"), answer)
         seen.add(op)
     assert seen == {
         "model",

@@ -6,6 +6,7 @@ No framework: serve it with uvicorn as it is, or mount it in FastAPI or Starlett
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -30,12 +31,19 @@ Send = Callable[[Message], Awaitable[None]]
 #: The largest request body read (a step call carries the run's input and journal).
 MAX_BODY_BYTES = 64 * 1024 * 1024
 
+#: How long a step call's token is remembered to refuse a replay: a signature is accepted while
+#: its timestamp is within MAX_SKEW_SECS of this clock, so a call stamped that far ahead stays
+#: replayable for twice that after it arrived (10 minutes).
+REPLAY_WINDOW_SECS = 2 * signing.MAX_SKEW_SECS
+#: At most this many tokens are remembered (about 20 MB); see `SeenCalls`.
+MAX_SEEN_CALLS = 100_000
+
 
 class BadCall(Exception):
     """A request this endpoint answers with a 4xx: a deploy mismatch, not a step failure.
 
-    The code is `bad_signature` or `bad_request` (the protocol's refusal codes; a 404 names the
-    missing workflow or step in its message).
+    The code is `bad_signature`, `bad_request` (the protocol's refusal codes; a 404 names the
+    missing workflow or step in its message) or `replayed` (a step call seen before).
     """
 
     def __init__(self, status: int, message: str, code: str = "bad_request") -> None:
@@ -47,6 +55,52 @@ class BadCall(Exception):
     def body(self) -> dict[str, Any]:
         """The `{"error": {"code", "message"}}` body the protocol's refusals share."""
         return {"error": {"code": self.code, "message": self.message}}
+
+
+class SeenCalls:
+    """The tokens of the step calls received in the last `window_secs`.
+
+    The worker makes a new token for every attempt and never sends a call twice, so a second
+    call with a token is a captured one replayed (its signature still valid): it is refused
+    rather than run again. Memory is bounded: expired tokens are dropped on every insert, and
+    at `limit` live tokens the oldest goes. Forgetting one early is a small loss: its replay
+    could make no callback, since the worker forgets a token when its attempt ends.
+    """
+
+    def __init__(
+        self,
+        window_secs: float = REPLAY_WINDOW_SECS,
+        limit: int = MAX_SEEN_CALLS,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._window = window_secs
+        self._limit = limit
+        self._clock = clock
+        # Token -> when it is forgotten. One window for all, so insertion order is expiry
+        # order: the expired entries are always the first ones.
+        self._expiry: dict[str, float] = {}
+
+    def __len__(self) -> int:
+        return len(self._expiry)
+
+    def first(self, token: str) -> bool:
+        """Records `token`; False when it was already seen within the window (a replay)."""
+        now = self._clock()
+        self._forget_expired(now)
+        if token in self._expiry:
+            return False
+        if len(self._expiry) >= self._limit:
+            del self._expiry[next(iter(self._expiry))]
+        self._expiry[token] = now + self._window
+        return True
+
+    def _forget_expired(self, now: float) -> None:
+        expiry = self._expiry
+        while expiry:
+            oldest = next(iter(expiry))
+            if expiry[oldest] > now:
+                return
+            del expiry[oldest]
 
 
 class App:
@@ -82,6 +136,7 @@ class App:
         self._transport = transport
         self._client: httpx.AsyncClient | None = None
         self._manifest = encode(manifest(list(self._workflows.values())))
+        self._seen = SeenCalls()
 
     def __repr__(self) -> str:  # never shows the secret
         return f"App({list(self._workflows.values())!r}, prefix={self.prefix!r})"
@@ -179,6 +234,7 @@ class App:
 
     async def _step(self, body: bytes, started: float) -> bytes:
         call = parse_step_call(body)
+        self._refuse_replay(call)
         definition, handler = self._handler(call)
         deadline = started + call["deadline_ms"] / 1000
         callback = call["callback"]
@@ -191,12 +247,25 @@ class App:
             deadline,
         )
         ctx = StepContext(definition=definition, call=call, callbacks=callbacks, deadline=deadline)
-        answer = await _run(handler, ctx, definition)
+        answer = await _run(handler, ctx, definition, callbacks)
         try:
             return encode(answer)
         except (TypeError, ValueError) as e:
             message = f"the step's output cannot be encoded as JSON: {type(e).__name__}: {e}"
             return encode({"error": {"class": "unknown", "message": message}})
+
+    def _refuse_replay(self, call: dict[str, Any]) -> None:
+        """A 409 for a step call whose token was seen before: a replay, not the worker's."""
+        if not self._seen.first(call["callback"]["token"]):
+            log.warning(
+                "refused a replayed step call (run %s, step %s, attempt %s)",
+                call["run_id"],
+                call["step"],
+                call["attempt"],
+            )
+            raise BadCall(
+                409, "this step call was seen before (a replay): refused", code="replayed"
+            )
 
     def _handler(self, call: dict[str, Any]) -> tuple[Workflow, Handler]:
         """The workflow and the handler (step, or compensation when `undo` is set) a call names."""
@@ -227,17 +296,54 @@ class App:
         return definition, declared.compensation
 
 
-async def _run(handler: Handler, ctx: StepContext, definition: Workflow) -> dict[str, Any]:
-    """The answer to one attempt: the handler's outcome, or its failure as an error class."""
+class _PastDeadline(Exception):
+    """The handler was stopped at the attempt's deadline (see `_until_deadline`)."""
+
+
+async def _run(
+    handler: Handler, ctx: StepContext, definition: Workflow, callbacks: Callbacks
+) -> dict[str, Any]:
+    """The answer to one attempt: the handler's outcome, or its failure as an error class.
+
+    Once a callback was refused or lost its answer, the answer is that end whatever the
+    handler made of it afterwards (caught it, went on, returned an outcome).
+    """
     where = f"step {ctx.step} of run {ctx.run_id} (position {ctx.position}, attempt {ctx.attempt})"
     try:
-        outcome = await handler(ctx)
+        answer = await _answer(handler, ctx, definition, where)
+    except BaseExceptionGroup as group:
+        # A task group (asyncio.TaskGroup) wraps a refusal with its siblings' failures, in a
+        # BaseExceptionGroup since AttemptRefused is no Exception: the refusal's answer below.
+        if callbacks.refused is None or group.subgroup(AttemptRefused) is None:
+            raise
+        answer = {}
+    refused = callbacks.refused
+    if refused is None:
+        return answer
+    if answer.get("error") != refused.to_wire():
+        log.warning("%s: the attempt ended at a callback (%s); its answer is that", where, refused)
+    return {"error": refused.to_wire()}
+
+
+async def _answer(
+    handler: Handler, ctx: StepContext, definition: Workflow, where: str
+) -> dict[str, Any]:
+    """The handler's outcome on the wire, or its failure as an error class."""
+    try:
+        outcome = await _until_deadline(handler, ctx)
+    except _PastDeadline:
+        log.warning("%s ran past its deadline (%d ms) and was stopped", where, ctx.deadline_ms)
+        message = (
+            f"the step's handler ran past its deadline (deadline_ms {ctx.deadline_ms}) and was "
+            "stopped; the worker has given up on this attempt and retries the step"
+        )
+        return {"error": {"class": "temporary", "message": message}}
     except StepError as e:
         log.info("%s ended with a %s error: %s", where, e.wire_class, e.message)
         return {"error": e.to_wire()}
     except AttemptRefused as e:
-        log.warning("%s: the worker refused a callback (%s); the attempt is void", where, e)
-        return _unknown(f"the attempt was refused by the worker: {e}")
+        log.warning("%s: the attempt ended at a callback (%s); its work is void", where, e)
+        return {"error": e.to_wire()}
     except Exception as e:  # any other failure stops the run for review, with its traceback logged
         log.exception("%s raised", where)
         return _unknown(f"{type(e).__name__}: {e}")
@@ -247,6 +353,27 @@ async def _run(handler: Handler, ctx: StepContext, definition: Workflow) -> dict
     if target is not None and target not in definition.steps:
         return _unknown(f"{where} goes to step {target}, which workflow {definition.name} lacks")
     return outcome.to_wire()
+
+
+async def _until_deadline(handler: Handler, ctx: StepContext) -> Outcome:
+    """The handler's outcome; `_PastDeadline` when it runs past the attempt's deadline.
+
+    The worker stops waiting at the deadline (the attempt is void, its token revoked), so the
+    handler is cancelled there: that frees the attempt's lock and task instead of letting them
+    run on for nothing. A TimeoutError of the handler's own, before the deadline, goes through
+    as any other exception.
+    """
+    limit = asyncio.timeout(ctx.remaining())
+    try:
+        async with limit:
+            outcome = await handler(ctx)
+    except TimeoutError as e:
+        if limit.expired():
+            raise _PastDeadline from e
+        raise
+    if limit.expired():  # the handler swallowed the cancellation and returned after it
+        raise _PastDeadline
+    return outcome
 
 
 def _unknown(message: str) -> dict[str, Any]:

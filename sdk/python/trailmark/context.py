@@ -14,13 +14,14 @@ import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import httpx
 
 from . import signing
-from .errors import AttemptRefused, Auth, StepError, Temporary, Unknown, from_wire
+from .errors import ANSWER_LOST, AttemptRefused, Auth, StepError, Temporary, Unknown, from_wire
 
 if TYPE_CHECKING:
     from .workflow import Workflow
@@ -32,6 +33,11 @@ REFUSALS = frozenset({400, 401, 409, 410})
 
 T = TypeVar("T")
 Message = dict[str, str]
+
+#: The attempt whose effect's `call` runs in this context. A ContextVar, not the current task:
+#: tasks made inside the call copy the context, so a ctx callback from any of them is refused
+#: too, instead of waiting for ever for the lock its own effect holds.
+_EFFECT_CALL: ContextVar[Callbacks | None] = ContextVar("trailmark_effect_call", default=None)
 
 
 def system(text: str) -> Message:
@@ -81,7 +87,12 @@ def encode(value: Any) -> bytes:
 
 
 class Callbacks:
-    """One attempt's channel to the worker: numbered, signed, one callback at a time."""
+    """One attempt's channel to the worker: numbered, signed, one callback at a time.
+
+    It ends with the attempt's first refusal or lost answer (`refused`): from then on every
+    callback raises that `AttemptRefused` again without sending, since the worker would refuse
+    it or, for a lost answer, take it as a new call and pay for it twice.
+    """
 
     def __init__(
         self,
@@ -102,16 +113,31 @@ class Callbacks:
         # Held for a whole callback, and from effect/begin to effect/end: the worker serves an
         # attempt's callbacks one at a time, in order, and accepts nothing between those two.
         self.lock = asyncio.Lock()
-        self._effect_task: asyncio.Task[Any] | None = None
+        #: Why the attempt is over, once a callback was refused or its answer lost.
+        self.refused: AttemptRefused | None = None
 
     async def call(self, op: str, fields: dict[str, Any]) -> dict[str, Any]:
         """Sends one callback under the lock and returns the op's result."""
         self._refuse_reentry(op)
+        self._check_open()
         async with self.lock:
             return await self.send(op, fields)
 
     async def send(self, op: str, fields: dict[str, Any]) -> dict[str, Any]:
-        """Sends one callback; the caller holds `lock`."""
+        """Sends one callback; the caller holds `lock`. A refusal is remembered (see the class)."""
+        # Checked again under the lock: callbacks that waited for it behind a refused one.
+        self._check_open()
+        try:
+            return await self._send(op, fields)
+        except AttemptRefused as e:
+            self.refused = e
+            raise
+
+    def _check_open(self) -> None:
+        if self.refused is not None:
+            raise self.refused
+
+    async def _send(self, op: str, fields: dict[str, Any]) -> dict[str, Any]:
         try:
             body = encode({"fence": self._fence, "call": self._calls + 1, **fields})
         except (TypeError, ValueError) as e:
@@ -121,6 +147,7 @@ class Callbacks:
             raise Temporary(f"the attempt's deadline passed before the {op} callback")
         # The number is spent once the callback may have reached the worker.
         self._calls += 1
+        number = self._calls
         url = httpx.URL(f"{self._url}/{op}")
         path = url.raw_path.split(b"?", 1)[0].decode("ascii")
         headers = {
@@ -128,22 +155,25 @@ class Callbacks:
             "authorization": f"Bearer {self._token}",
             **signing.sign(self._key, "POST", path, body),
         }
-        log.debug("callback %s (call %d)", op, self._calls)
+        log.debug("callback %s (call %d)", op, number)
         try:
             response = await self._client.post(
                 url, content=body, headers=headers, timeout=remaining
             )
         except httpx.TimeoutException as e:
-            raise Temporary(f"the {op} callback got no answer within the attempt's deadline") from e
+            raise _lost(number, op, "no answer within the attempt's deadline") from e
         except httpx.TransportError as e:
-            raise Temporary(
-                f"the {op} callback could not reach the worker: {type(e).__name__}: {e}"
-            ) from e
+            raise _lost(number, op, f"{type(e).__name__}: {e}") from e
+        status = response.status_code
+        if status == 429 or status >= 500:
+            # Not the worker's answer to the op (a proxy's, or the worker failing): the op may
+            # still have been done and journaled, so it counts as lost.
+            raise _lost(number, op, f"HTTP {status} instead of the op's answer")
         return _result(op, response)
 
     def _refuse_reentry(self, op: str) -> None:
         # A callback from inside an effect's call would wait for the lock its own effect holds.
-        if self._effect_task is not None and asyncio.current_task() is self._effect_task:
+        if _EFFECT_CALL.get() is self:
             raise RuntimeError(
                 f"ctx.{op.replace('-', '_')} was called inside an effect's call: between "
                 "effect/begin and effect/end the worker accepts nothing else; call it before "
@@ -155,6 +185,7 @@ class Callbacks:
     ) -> Any:
         """effect/begin, the call when the worker says so, effect/end: all under the lock."""
         self._refuse_reentry("effect")
+        self._check_open()
         async with self.lock:
             begun = await self.send("effect/begin", {"key": key, "request": request})
             state = begun.get("state")
@@ -168,15 +199,12 @@ class Callbacks:
 
     async def _make_call(self, key: str, call: Callable[[str], Awaitable[T]]) -> T:
         """Runs the outside call; a failure is reported with effect/end, then raised."""
-        self._effect_task = asyncio.current_task()
         try:
-            result = await call(key)
+            result = await self._outside_call(key, call)
         except Exception as e:
             failure = e if isinstance(e, StepError) else Unknown(f"{type(e).__name__}: {e}")
             await self._report(key, failure)
             raise
-        finally:
-            self._effect_task = None
         try:
             encode(result)
         except (TypeError, ValueError) as e:
@@ -185,18 +213,43 @@ class Callbacks:
             raise failure from e
         return result
 
-    async def _report(self, key: str, failure: StepError) -> None:
-        error = {"class": failure.wire_class, "message": failure.message}
+    async def _outside_call(self, key: str, call: Callable[[str], Awaitable[T]]) -> T:
+        """`call(key)`, marked as this attempt's effect call for `_refuse_reentry`."""
+        inside = _EFFECT_CALL.set(self)
         try:
-            await self.send("effect/end", {"key": key, "error": error})
+            return await call(key)
+        finally:
+            _EFFECT_CALL.reset(inside)
+
+    async def _report(self, key: str, failure: StepError) -> None:
+        # The error's whole wire form (a Temporary's retry_after_ms too): the worker records
+        # it as the call's failure, and the step's own answer carries the same.
+        try:
+            await self.send("effect/end", {"key": key, "error": failure.to_wire()})
         except StepError:
             # A worker may answer a reported failure with the error itself: the failure the
             # handler sees stays the call's own. A refusal (AttemptRefused) still goes through.
             pass
 
 
+def _lost(number: int, op: str, detail: str) -> AttemptRefused:
+    """The end of an attempt whose callback `number` got no answer.
+
+    The worker may have done the op (journaled and paid a model answer) before the answer was
+    lost. The same op again would go out as number + 1, which the worker takes for a new call
+    and pays again; number `number` again is refused as out of order. So the attempt ends,
+    and the worker's retry of the step gets the answer from the journal.
+    """
+    return AttemptRefused(
+        ANSWER_LOST,
+        f"callback {number} ({op}) got no answer: {detail}; the attempt ends so that the "
+        "callback is not repeated under another number; the worker retries the step",
+    )
+
+
 def _result(op: str, response: httpx.Response) -> dict[str, Any]:
-    """The op's result from a callback's answer, or the exception it stands for."""
+    """The op's result from a callback's answer (not a 429 or 5xx), or the exception it stands
+    for."""
     status = response.status_code
     if status == 200:
         try:
@@ -212,8 +265,6 @@ def _result(op: str, response: httpx.Response) -> dict[str, Any]:
     if status in REFUSALS:
         code, message = _refusal(response)
         raise AttemptRefused(code, message)
-    if status == 429 or status >= 500:
-        raise Temporary(f"the {op} callback answered {status}", retry_after=_retry_after(response))
     raise Auth(
         f"the {op} callback answered {status}: the worker's callback URL and this endpoint "
         "disagree; check remote.callback_url"
@@ -226,14 +277,6 @@ def _refusal(response: httpx.Response) -> tuple[str, str]:
         return str(error["code"]), str(error.get("message", ""))
     except (ValueError, KeyError, TypeError):
         return f"http_{response.status_code}", response.text[:200]
-
-
-def _retry_after(response: httpx.Response) -> float | None:
-    try:
-        secs = float(response.headers.get("retry-after", ""))
-    except ValueError:
-        return None
-    return secs if secs >= 0 else None
 
 
 class StepContext:

@@ -2,7 +2,8 @@
 
 Each `StepError` subclass is one of the protocol's error classes: the worker retries a
 `Temporary`, and stops the run for a person on the others. `AttemptRefused` is not a step error:
-it says the worker no longer accepts this attempt, so nothing the handler does matters any more.
+it says the worker no longer accepts this attempt (or cannot be asked again without paying twice),
+so nothing the handler does matters any more.
 """
 
 from __future__ import annotations
@@ -71,17 +72,37 @@ class Auth(StepError):
     wire_class = "auth"
 
 
-class AttemptRefused(Exception):
-    """The worker refused a callback (401, 409, 400, 410): this attempt is over.
+#: The code of an `AttemptRefused` the SDK raises itself: a callback's answer was lost.
+ANSWER_LOST = "answer_lost"
 
-    Its work is void (a newer attempt, or none, carries the run on); the SDK answers the step
-    call anyway, and the worker discards that answer. Handlers should let it through.
+
+class AttemptRefused(BaseException):
+    """This attempt is over: the worker refused a callback (401, 409, 400, 410), or a callback's
+    answer was lost (code `answer_lost`).
+
+    Its work is void (a newer attempt, or none, carries the run on). It derives from
+    `BaseException`, as `asyncio.CancelledError` does, so that a handler's generic
+    `except Exception:` cannot swallow it and go on as if the attempt were alive: every later
+    callback of the attempt raises it again without sending, and the step's answer is this
+    error whatever the handler returns. Handlers should let it through.
     """
 
     def __init__(self, code: str, message: str) -> None:
         super().__init__(f"{code}: {message}")
         self.code = code
         self.message = message
+
+    def to_wire(self) -> dict[str, Any]:
+        """The step's answer for an attempt that ended so.
+
+        A lost answer is `temporary`: the worker retries the step, and the retry's callbacks
+        find what the lost one did (a model answer in the journal, an effect's record). A
+        refusal is `unknown` (the worker discards the answer of an attempt it refused anyway;
+        should one arrive, review is the safe reading).
+        """
+        if self.code == ANSWER_LOST:
+            return {"class": "temporary", "message": self.message}
+        return {"class": "unknown", "message": f"the attempt was refused by the worker: {self}"}
 
 
 _CLASSES: dict[str, type[StepError]] = {
