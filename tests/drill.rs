@@ -1,7 +1,7 @@
 //! `trailmark drill` against the real servers: the CI profile (every fault: kills and seam
 //! kills, pauses past the lease, the broker closing connections, Postgres ending backends,
-//! latency with cuts, duplicated deliveries, poison, and the engine seams) on `chain` and on
-//! `reconcile` keeps every invariant; a drill of `chain` spread over tenants with a low limit
+//! latency with cuts, duplicated deliveries, poison, and the engine seams) on `chain`, on
+//! `pychain` (its Python step endpoint killed too) and on `reconcile` keeps every invariant; a drill of `chain` spread over tenants with a low limit
 //! keeps each key's limit through kills and strands no run in a line; and a drill whose receiver
 //! shows a write done twice fails.
 
@@ -116,6 +116,51 @@ async fn the_ci_profile_across_two_builds_side_by_side_keeps_every_promise_and_e
         "{v}"
     );
     assert!(r["replay"].as_str().unwrap().ends_with("--mixed-versions"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_ci_profile_on_pychain_with_its_python_endpoint_killed_keeps_every_promise() {
+    // The chain written with the Python SDK, served by a Python process the drill starts: the
+    // CI faults, and the Python process SIGKILLed from outside twice, each restart armed to kill
+    // itself once at its kill spot (seed 20261206 arms `after_insert`: the ledger row written,
+    // its result not yet reported). Eight deliveries per worker: the one Python process serves
+    // every step in flight at once, and with the default 128 nearly every run would be in flight
+    // at every fault.
+    let r = drill_cli(&[
+        "pychain",
+        "--runs",
+        "40",
+        "--concurrency",
+        "8",
+        "--seed",
+        "20261206",
+    ]);
+    assert_kept(&r, 40);
+    assert_eq!(r["workflow"], "pychain");
+    assert_eq!(r["runs"]["steps_per_run"], 10);
+    let py = &r["python"];
+    assert_eq!(py["killed"], 2, "{py}");
+    assert_eq!(py["spot"], "after_insert", "{py}");
+    assert!(
+        py["restarts"].as_u64().unwrap() >= 2,
+        "the endpoint came back after each kill: {py}"
+    );
+    assert_eq!(py["unexpected_exits"], json!([]), "{py}");
+    let kills = r["faults"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|f| f["fault"] == "python kill")
+        .cloned()
+        .expect("python kills reported");
+    // Mid-run: each kill was followed by committed steps.
+    assert_eq!(kills["injected"], 2, "{kills}");
+    assert_eq!(kills["without_progress"], 0, "{kills}");
+    assert!(
+        r["replay"].as_str().unwrap().ends_with("--python-kill 2"),
+        "{}",
+        r["replay"]
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

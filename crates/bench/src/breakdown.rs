@@ -32,6 +32,15 @@ pub const SEGMENTS_EFFECT: [&str; 4] = [
     "ledger row -> step commit (ledger commit, effect result commit)",
 ];
 
+/// Segment labels of a `pychain` step (its ledger row an outside write made by the Python
+/// endpoint): the same timestamps as [`SEGMENTS_EFFECT`], with the step protocol's calls in them.
+pub const SEGMENTS_REMOTE: [&str; 4] = [
+    "commit -> next claim (as for a compiled step)",
+    "claim -> effect intent (claim commit; the step call to the endpoint; the model callback, its journal commit; the effect/begin callback, the intent commit)",
+    "effect intent -> ledger row (effect/begin's answer back to the endpoint; its own insert)",
+    "ledger row -> step commit (the effect/end callback, the result commit; the endpoint's answer; the step commit)",
+];
+
 /// p50 of each segment over the steps of the runs starting with a prefix (ms).
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct Breakdown {

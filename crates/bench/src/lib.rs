@@ -21,6 +21,8 @@
 //! | `children.rs` | `--children`: a fan-out of 1,000 children against 1,000 independent runs |
 //! | `flow.rs` | `--flow`: what a concurrency key costs, and the fairness of a full line |
 //! | `growth.rs` | `--growth`: steps beside ten million finished ones, and beside pruning them |
+//! | `python.rs` | the Python step endpoint (`pychain`) as the bench and the drill run it |
+//! | `remote.rs` | `--remote`: steps in Python against steps in Rust, on one fleet |
 
 pub mod baseline;
 pub mod breakdown;
@@ -31,7 +33,9 @@ pub mod growth;
 pub mod load;
 pub mod measure;
 pub mod peer;
+pub mod python;
 pub mod recovery;
+pub mod remote;
 pub mod report;
 pub mod scale;
 pub mod systems;

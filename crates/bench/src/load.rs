@@ -140,7 +140,7 @@ async fn unloaded_figures(
     let (idle_gap_p50_ms, idle_gap_p99_ms) = system.step_gaps(env, &prefix).await?;
     let breakdown = match system {
         System::Trailmark => Some(breakdown::local(env, &prefix).await?),
-        System::TrailmarkEffect => Some(breakdown::effect(env, &prefix).await?),
+        System::TrailmarkEffect | System::PyChain => Some(breakdown::effect(env, &prefix).await?),
         _ => None,
     };
     Ok(RepFigures {

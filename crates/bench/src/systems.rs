@@ -37,6 +37,10 @@ pub enum System {
     B3Fenced,
     /// The opt-in DBOS-Rust peer of [`peer`] (`trailmark-peer-dbos` processes).
     Dbos,
+    /// `pychain`, the same chain written with the Python SDK and served by its endpoint
+    /// ([`super::python`]), on the same `trailmark serve` processes, each ledger row an
+    /// outside write: what a step in another language costs (`--remote`).
+    PyChain,
 }
 
 /// How far the runs with one id prefix are.
@@ -82,13 +86,14 @@ impl System {
             Self::B3Journal => "B3 +journal",
             Self::B3Fenced => "B3 +journal +fencing",
             Self::Dbos => "DBOS",
+            Self::PyChain => "pychain (Python)",
         }
     }
 
     /// Empties the system's tables, so every repetition starts alike.
     pub async fn reset(self, env: &BenchEnv) -> Result<()> {
         let sql = match self {
-            Self::Trailmark | Self::TrailmarkEffect => {
+            Self::Trailmark | Self::TrailmarkEffect | Self::PyChain => {
                 inspect::erase_runs(&env.pool).await?;
                 trailmark_testkit::ledger::erase_ledger(&env.pool).await?;
                 return Ok(());
@@ -116,7 +121,7 @@ impl System {
         let poll = peer::POLL_MS.to_string();
         (0..workers)
             .map(|i| match self {
-                Self::Trailmark | Self::TrailmarkEffect => {
+                Self::Trailmark | Self::TrailmarkEffect | Self::PyChain => {
                     env.spawn(&format!("{tag}-serve-{i}"), &["serve"])
                 }
                 Self::B3 => env.spawn(
@@ -171,7 +176,7 @@ impl System {
     ) -> Result<()> {
         let workers = procs.len();
         let queue = match self {
-            Self::Trailmark | Self::TrailmarkEffect => env.topology().steps_queue(),
+            Self::Trailmark | Self::TrailmarkEffect | Self::PyChain => env.topology().steps_queue(),
             Self::B3 | Self::B3Local | Self::B3Journal | Self::B3Fenced => {
                 baseline::queue(&env.prefix)
             }
@@ -194,8 +199,9 @@ impl System {
         let msgs = ids
             .iter()
             .map(|id| match self {
-                Self::Trailmark => trailmark_start(env, id, steps, Ledger::Local),
-                Self::TrailmarkEffect => trailmark_start(env, id, steps, Ledger::Effect),
+                Self::Trailmark => trailmark_start(env, id, (CHAIN, steps), Ledger::Local),
+                Self::TrailmarkEffect => trailmark_start(env, id, (CHAIN, steps), Ledger::Effect),
+                Self::PyChain => trailmark_start(env, id, (PYCHAIN, steps), Ledger::Effect),
                 Self::B3 | Self::B3Local | Self::B3Journal | Self::B3Fenced => {
                     Ok(baseline::Message::start(&env.prefix, id, steps))
                 }
@@ -210,7 +216,7 @@ impl System {
     /// ([`System::progress_of`]).
     pub async fn progress(self, env: &BenchEnv, prefix: &str) -> Result<Progress> {
         let sql = match self {
-            Self::Trailmark | Self::TrailmarkEffect => {
+            Self::Trailmark | Self::TrailmarkEffect | Self::PyChain => {
                 return Ok(Progress::from(inspect::progress(&env.pool, prefix).await?));
             }
             Self::B3 | Self::B3Local | Self::B3Journal | Self::B3Fenced => {
@@ -233,7 +239,7 @@ impl System {
     /// on its run ids, so that polling it costs the same beside any number of other runs.
     pub async fn progress_of(self, env: &BenchEnv, ids: &[String]) -> Result<Progress> {
         let sql = match self {
-            Self::Trailmark | Self::TrailmarkEffect => {
+            Self::Trailmark | Self::TrailmarkEffect | Self::PyChain => {
                 return Ok(Progress::from(inspect::progress_of(&env.pool, ids).await?));
             }
             Self::B3 | Self::B3Local | Self::B3Journal | Self::B3Fenced => {
@@ -263,7 +269,7 @@ impl System {
     /// second of its two DBOS steps); either way the gap is one full step cycle.
     pub async fn step_gaps(self, env: &BenchEnv, prefix: &str) -> Result<(f64, f64)> {
         let sql = match self {
-            Self::Trailmark | Self::TrailmarkEffect => {
+            Self::Trailmark | Self::TrailmarkEffect | Self::PyChain => {
                 let g = inspect::step_gap_percentiles(&env.pool, prefix).await?;
                 return Ok((g.p50_ms.unwrap_or(0.0), g.p99_ms.unwrap_or(0.0)));
             }
@@ -286,7 +292,9 @@ impl System {
     /// The NOTIFY channel [`System::watch_done`] makes finished runs announce themselves on.
     pub fn done_channel(self) -> &'static str {
         match self {
-            Self::Trailmark | Self::TrailmarkEffect => inspect::RUN_FINISHED_CHANNEL,
+            Self::Trailmark | Self::TrailmarkEffect | Self::PyChain => {
+                inspect::RUN_FINISHED_CHANNEL
+            }
             Self::B3 | Self::B3Local | Self::B3Journal | Self::B3Fenced | Self::Dbos => {
                 DONE_CHANNEL
             }
@@ -298,7 +306,10 @@ impl System {
     /// engine's own [`inspect::notify_run_finishes`] for trailmark, a trigger on the baseline's
     /// or the peer's own tables for the others.
     pub async fn watch_done(self, env: &BenchEnv, on: bool) -> Result<()> {
-        if matches!(self, Self::Trailmark | Self::TrailmarkEffect) {
+        if matches!(
+            self,
+            Self::Trailmark | Self::TrailmarkEffect | Self::PyChain
+        ) {
             if on {
                 inspect::notify_run_finishes(&env.pool).await?;
             } else {
@@ -340,7 +351,7 @@ impl System {
     /// one per step when every step's write happened once.
     pub async fn ledger(self, env: &BenchEnv, prefix: &str) -> Result<(i64, i64)> {
         let sql = match self {
-            Self::Trailmark | Self::TrailmarkEffect => {
+            Self::Trailmark | Self::TrailmarkEffect | Self::PyChain => {
                 let c = trailmark_testkit::ledger::ledger_counts(&env.pool, prefix).await?;
                 return Ok((c.rows, c.distinct));
             }
@@ -388,7 +399,17 @@ async fn peer_ready(env: &BenchEnv, procs: &mut [Proc], within: Duration) -> Res
     }
 }
 
-fn trailmark_start(env: &BenchEnv, id: &str, steps: i32, ledger: Ledger) -> Result<Outgoing> {
+/// The built-in chain's name, and its Python twin's: the same input, ledger and keys.
+const CHAIN: &str = trailmark_testkit::chain::NAME;
+const PYCHAIN: &str = trailmark_testkit::pychain::NAME;
+
+/// The start of run `id` of `workflow` (`chain` or `pychain`) with `steps` links.
+fn trailmark_start(
+    env: &BenchEnv,
+    id: &str,
+    (workflow, steps): (&str, i32),
+    ledger: Ledger,
+) -> Result<Outgoing> {
     let run_id =
         RunId::parse(id).map_err(|e| Error::Failed(format!("bench run id {id:?}: {e}")))?;
     let ledger = match ledger {
@@ -397,7 +418,7 @@ fn trailmark_start(env: &BenchEnv, id: &str, steps: i32, ledger: Ledger) -> Resu
     };
     let event = RunStartEvent::new(
         run_id,
-        trailmark_testkit::chain::NAME,
+        workflow,
         json!({ "steps": steps, "ledger": ledger }),
     );
     Ok(env.topology().run_start(&event))

@@ -13,6 +13,7 @@
 //! | `events.rs` | events for runs that wait: sent early, twice, or with a conflicting payload |
 //! | `settle.rs` | the drive loop: progress, faults at their moment, forced reviews resumed |
 //! | `keys.rs` | runs spread over concurrency keys; each key's limit sampled, lines left |
+//! | `python.rs` | `pychain`'s Python step endpoint: started, killed from outside, restarted |
 //! | `check.rs` | counts, call logs, the DLQ, and each invariant's verdict |
 //! | `report.rs` | the report, as text and JSON |
 
@@ -22,6 +23,7 @@ pub mod faults;
 pub mod fleet;
 pub mod keys;
 pub mod proxy;
+pub mod python;
 pub mod report;
 pub mod schedule;
 pub mod settle;
@@ -170,6 +172,9 @@ pub struct Faults {
     pub poison: u32,
     /// Latency episodes: delay on every byte to Postgres and RabbitMQ, then every connection cut.
     pub latency: u32,
+    /// SIGKILL of the Python step endpoint from outside, started again at once (drills of
+    /// `pychain` only: other drills have no endpoint, and leave it out of their plan).
+    pub python_kill: u32,
     /// Share of step messages published again with the same id.
     pub dup: f64,
     /// Share of positions where the model answers 500 on attempt 1.
@@ -203,6 +208,7 @@ impl Faults {
             postgres_mode: PostgresFault::Terminate,
             poison: 0,
             latency: 0,
+            python_kill: 0,
             dup: 0.0,
             model_500: 0.0,
             late_tool: 0.0,
@@ -225,6 +231,7 @@ impl Faults {
             postgres: 2,
             poison: 20,
             latency: 2,
+            python_kill: 2,
             dup: 0.1,
             model_500: 0.02,
             late_tool: 0.02,
@@ -249,12 +256,14 @@ impl Faults {
             postgres_mode: PostgresFault::Restart,
             poison: 500,
             latency: 20,
+            python_kill: 50,
             dup: 0.3,
             ..Self::ci()
         }
     }
 
-    fn counts(&self) -> Vec<(Fault, u32)> {
+    /// Each planned fault and its count; `python`: the drill owns a Python step endpoint to kill.
+    fn counts(&self, python: bool) -> Vec<(Fault, u32)> {
         vec![
             (Fault::Kill, self.kill),
             (Fault::Pause, self.pause),
@@ -262,6 +271,7 @@ impl Faults {
             (Fault::Postgres, self.postgres),
             (Fault::Poison, self.poison.div_ceil(10)),
             (Fault::Latency, self.latency),
+            (Fault::PythonKill, if python { self.python_kill } else { 0 }),
         ]
     }
 
@@ -341,7 +351,8 @@ impl Config {
 /// Drills `target` as `cfg` says against the servers in `base`, in a database, broker prefix
 /// (and for broker faults a vhost) of its own, all removed at the end unless `cfg.keep`.
 /// Worker processes are started from `cfg.program` (default: the current executable) with
-/// `worker`, `relay` or `supervisor`; it must serve the registry's workflows.
+/// `worker`, `relay` or `supervisor`; it must serve the registry's workflows. A drill of
+/// `pychain` also starts its Python step endpoint and points every process at it ([`python`]).
 pub async fn drill(
     base: &Settings,
     registry: Registry,
@@ -349,28 +360,7 @@ pub async fn drill(
     cfg: &Config,
 ) -> Result<Report> {
     let started = Instant::now();
-    let wf = registry.get(&target.workflow).ok_or_else(|| {
-        Error::Failed(format!(
-            "workflow {:?} is not registered in this binary; registered: {}",
-            target.workflow,
-            registry.names().join(", ")
-        ))
-    })?;
-    wf.check_input(&target.input).map_err(|e| {
-        Error::Failed(format!(
-            "the input for {:?} is refused: {e}",
-            target.workflow
-        ))
-    })?;
-    let keyed = match cfg.tenants {
-        Some(t) => {
-            let keyed = keys::Keyed::new(&wf, t, &target.input)?;
-            wf.check_input(&keyed.input(&target.input, 0))
-                .map_err(|e| Error::Failed(format!("the input with a tenant is refused: {e}")))?;
-            Some(keyed)
-        }
-        None => None,
-    };
+    let keyed = checked(&registry, &target, cfg)?;
     if cfg.mixed_versions && target.workflow != trailmark_testkit::chain::NAME {
         return Err(Error::Failed(format!(
             "--mixed-versions drills `chain`, the one workflow built at two versions here, not {:?}",
@@ -399,6 +389,45 @@ pub async fn drill(
     report.wall_secs = started.elapsed().as_secs_f64();
     report.replay = replay(&target, cfg);
     Ok(report)
+}
+
+/// Checks that `target` can be drilled; the spread over concurrency keys when `cfg` asks for one.
+/// `pychain` need not be in `registry`: the drill serves it from the Python endpoint it starts,
+/// whose manifest every process it starts reads (and which checks the input, as the control
+/// run shows before any fault).
+fn checked(registry: &Registry, target: &Target, cfg: &Config) -> Result<Option<keys::Keyed>> {
+    let wf = match registry.get(&target.workflow) {
+        Some(wf) => wf,
+        None if python::serves(&target.workflow) => {
+            if cfg.tenants.is_some() {
+                return Err(Error::Failed(format!(
+                    "--tenants spreads runs over a concurrency key, and {:?} declares none",
+                    target.workflow
+                )));
+            }
+            return Ok(None);
+        }
+        None => {
+            return Err(Error::Failed(format!(
+                "workflow {:?} is not registered in this binary; registered: {}",
+                target.workflow,
+                registry.names().join(", ")
+            )));
+        }
+    };
+    wf.check_input(&target.input).map_err(|e| {
+        Error::Failed(format!(
+            "the input for {:?} is refused: {e}",
+            target.workflow
+        ))
+    })?;
+    let Some(t) = cfg.tenants else {
+        return Ok(None);
+    };
+    let keyed = keys::Keyed::new(&wf, t, &target.input)?;
+    wf.check_input(&keyed.input(&target.input, 0))
+        .map_err(|e| Error::Failed(format!("the input with a tenant is refused: {e}")))?;
+    Ok(Some(keyed))
 }
 
 /// Creates a vhost for the drill and points `base` at it.
@@ -479,6 +508,11 @@ fn replay(target: &Target, cfg: &Config) -> String {
         + &cfg
             .pause_secs
             .map_or(String::new(), |n| format!(" --pause-secs {n}"))
+        + &if python::serves(&target.workflow) {
+            format!(" --python-kill {}", f.python_kill)
+        } else {
+            String::new()
+        }
         + &f.hooks
             .iter()
             .map(|h| {
@@ -504,5 +538,54 @@ impl Config {
     /// lease by two seconds.
     pub fn pause_length(&self) -> Duration {
         Duration::from_secs(self.pause_secs.unwrap_or(self.lease_secs + 2))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn target(workflow: &str) -> Target {
+        Target {
+            workflow: workflow.into(),
+            input: serde_json::json!({}),
+            receiver: None,
+        }
+    }
+
+    #[test]
+    fn only_a_drill_with_a_python_endpoint_plans_its_kills_and_replays_them() {
+        let f = Faults::ci();
+        let python = |counts: Vec<(Fault, u32)>| {
+            counts
+                .into_iter()
+                .find(|(fault, _)| *fault == Fault::PythonKill)
+                .map(|(_, n)| n)
+        };
+        assert_eq!(python(f.counts(false)), Some(0));
+        assert_eq!(python(f.counts(true)), Some(f.python_kill));
+        let cfg = Config::new(3);
+        assert!(replay(&target("pychain"), &cfg).ends_with(" --python-kill 2"));
+        assert!(!replay(&target("chain"), &cfg).contains("--python-kill"));
+    }
+
+    #[test]
+    fn pychain_is_drilled_without_being_registered_and_nothing_else_is() {
+        let registry = trailmark_testkit::registry();
+        let cfg = Config::new(3);
+        assert!(matches!(
+            checked(&registry, &target("pychain"), &cfg),
+            Ok(None)
+        ));
+        let unknown = checked(&registry, &target("nope"), &cfg).err();
+        assert!(
+            unknown.is_some_and(|e| e.to_string().contains("not registered")),
+            "an unknown workflow is refused"
+        );
+        let tenants = Config {
+            tenants: Some(Tenants { count: 2, limit: 1 }),
+            ..Config::new(3)
+        };
+        assert!(checked(&registry, &target("pychain"), &tenants).is_err());
     }
 }

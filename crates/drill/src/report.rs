@@ -50,6 +50,8 @@ pub struct Report {
     /// The runs per workflow version, when the workers carried two builds
     /// (`--mixed-versions`).
     pub versions: Option<super::check::Versions>,
+    /// The Python step endpoint's kills and restarts, in a drill of `pychain`.
+    pub python: Option<super::python::PythonFigures>,
 }
 
 /// Where the drill's runs ended.
@@ -273,6 +275,18 @@ impl fmt::Display for Report {
                 k.waiting_max,
                 k.samples,
                 k.samples_unread
+            )?;
+        }
+        if let Some(py) = &self.python {
+            writeln!(
+                f,
+                "python     killed from outside {}  killed at its spot {} {}  restarted {} (listening again within {:.0} ms at most)  exits on its own {}",
+                py.killed,
+                py.spot,
+                py.spot_kills,
+                py.restarts,
+                py.restart_max_ms,
+                py.unexpected_exits.len()
             )?;
         }
         let s = &self.engine_seams;

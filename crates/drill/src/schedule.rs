@@ -62,6 +62,8 @@ pub enum Fault {
     Poison,
     /// Delay on every byte to Postgres and RabbitMQ for a while, then every connection cut.
     Latency,
+    /// SIGKILL of the Python step endpoint from outside (a drill of `pychain`), started again.
+    PythonKill,
     /// A command of the user's (`--hook`), the nth given: a node of a cluster killed, a
     /// failover forced.
     Hook(u16),
@@ -77,6 +79,7 @@ impl Fault {
             Self::Postgres => "postgres",
             Self::Poison => "poison",
             Self::Latency => "latency",
+            Self::PythonKill => "python kill",
             Self::Hook(_) => "hook",
         }
     }

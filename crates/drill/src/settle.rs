@@ -11,6 +11,7 @@ use super::events::Events;
 use super::fleet::Fleet;
 use super::keys::{KeyFigures, Keyed};
 use super::proxy::Proxy;
+use super::python::{self, Python};
 use super::report::{EngineSeams, FaultFigures, Report};
 use super::schedule::{self, Fault, Planned, Rng};
 use super::tap::Tap;
@@ -36,6 +37,8 @@ struct Drill<'a> {
     vhost: Option<&'a str>,
     proxies: Vec<Proxy>,
     calls_dir: std::path::PathBuf,
+    /// The Python step endpoint, in a drill of `pychain`.
+    python: Option<Python>,
     poison: Vec<String>,
     /// Each fault's name and moment; recovery is read from the steps' commit times at the end.
     moments: Vec<Moment>,
@@ -72,10 +75,7 @@ pub async fn run(
     );
     let mut target = target.clone();
     let outcome = match prepare(&mut env, cfg, &mut target).await {
-        Ok((proxies, calls_dir)) => {
-            let own = (vhost, keyed);
-            drive(env, registry, &target, cfg, own, proxies, calls_dir).await
-        }
+        Ok(owned) => drive(env, registry, &target, cfg, (vhost, keyed), owned).await,
         Err(e) => Err((e, env)),
     };
     let (result, env) = match outcome {
@@ -108,13 +108,16 @@ pub async fn run(
     result
 }
 
-/// The children's settings: a short lease, the engine seams, and the proxies when latency is
-/// drilled.
-async fn prepare(
-    env: &mut BenchEnv,
-    cfg: &Config,
-    target: &mut Target,
-) -> Result<(Vec<Proxy>, std::path::PathBuf)> {
+/// What the drill starts beside its processes.
+struct Owned {
+    proxies: Vec<Proxy>,
+    calls_dir: std::path::PathBuf,
+    python: Option<Python>,
+}
+
+/// The children's settings: a short lease, the engine seams, the proxies when latency is
+/// drilled, and the Python step endpoint in a drill of `pychain`.
+async fn prepare(env: &mut BenchEnv, cfg: &Config, target: &mut Target) -> Result<Owned> {
     if let Some(receiver) = &target.receiver {
         let prepared = receiver
             .prepare(&env.settings, target.input.clone())
@@ -130,10 +133,16 @@ async fn prepare(
     if let Some(n) = cfg.worker_concurrency {
         env.set_child_env("TRAILMARK__WORKER__CONCURRENCY", &n.to_string());
     }
+    // Started first: its ledger pool is counted as one more process's connections, and every
+    // process below gets its environment.
+    let python = if python::serves(&target.workflow) {
+        Some(Python::start(env, cfg.seed).await?)
+    } else {
+        None
+    };
     // Every process gets the pool that lets all of them fit in the server's free connections.
-    let pool = env
-        .pool_for(cfg.workers + cfg.relays + cfg.supervisors)
-        .await?;
+    let processes = cfg.workers + cfg.relays + cfg.supervisors + usize::from(python.is_some());
+    let pool = env.pool_for(processes).await?;
     env.set_child_pool(pool);
     let calls_dir = env.log_dir.join("calls");
     std::fs::create_dir_all(&calls_dir)
@@ -154,7 +163,11 @@ async fn prepare(
             proxies.push(proxy);
         }
     }
-    Ok((proxies, calls_dir))
+    Ok(Owned {
+        proxies,
+        calls_dir,
+        python,
+    })
 }
 
 /// A proxy to the server of `url`, and the same URL pointing at the proxy.
@@ -184,8 +197,7 @@ async fn drive(
     target: &Target,
     cfg: &Config,
     (vhost, keyed): (Option<&str>, Option<Keyed>),
-    proxies: Vec<Proxy>,
-    calls_dir: std::path::PathBuf,
+    owned: Owned,
 ) -> Outcome {
     let engine = match Engine::with_pool(
         env.settings.clone(),
@@ -211,8 +223,9 @@ async fn drive(
         fleet,
         rng: Rng::new(cfg.seed),
         vhost,
-        proxies,
-        calls_dir,
+        proxies: owned.proxies,
+        calls_dir: owned.calls_dir,
+        python: owned.python,
         poison: Vec::new(),
         moments: Vec::new(),
         ids: Vec::new(),
@@ -229,6 +242,9 @@ async fn drive(
     );
     let result = drill.everything(target).await;
     drill.fleet.stop(Duration::from_secs(5)).await;
+    if let Some(py) = drill.python.as_mut() {
+        py.stop();
+    }
     match result {
         Ok(report) => Ok((report, drill.env)),
         Err(e) => Err((e, drill.env)),
@@ -333,7 +349,7 @@ impl Drill<'_> {
             ),
         );
         let plan = schedule::plan(
-            &self.cfg.faults.counts(),
+            &self.cfg.faults.counts(self.python.is_some()),
             &self.cfg.faults.hooks,
             &mut self.rng,
         );
@@ -380,6 +396,12 @@ impl Drill<'_> {
         loop {
             for seam in self.fleet.check(&self.env)? {
                 tracing::debug!(seam, "a process killed itself at its seam");
+                self.moments.push(Moment::at("kill at seam", Utc::now()));
+            }
+            if let Some(py) = self.python.as_mut()
+                && py.check(&self.env.log_dir).await?
+            {
+                tracing::debug!("the Python endpoint killed itself at its spot");
                 self.moments.push(Moment::at("kill at seam", Utc::now()));
             }
             self.resume_forced_reviews().await;
@@ -527,6 +549,11 @@ impl Drill<'_> {
                     p.set_delay(Duration::ZERO);
                 }
             }
+            Fault::PythonKill => {
+                if let Some(py) = self.python.as_mut() {
+                    py.kill().await?;
+                }
+            }
             Fault::Hook(i) => {
                 let hook = &f.hooks[usize::from(i)];
                 say(self.cfg, &format!("hook {}: {}", hook.name, hook.command));
@@ -641,6 +668,17 @@ impl Drill<'_> {
             report.fan_outs = Some(fan_outs);
         }
         report.exits = self.fleet.unexpected_exits.clone();
+        if let Some(py) = &self.python {
+            let figures = py.figures();
+            if figures.spot_kills > 0 {
+                let seam = format!("python.{}", figures.spot);
+                *report.seam_kills.entry(seam).or_default() += figures.spot_kills;
+            }
+            report
+                .exits
+                .extend(figures.unexpected_exits.iter().cloned());
+            report.python = Some(figures);
+        }
         report.commits_by_process = check::commits_by_process(&self.calls_dir, &self.fleet.names)?;
         Ok(report)
     }

@@ -99,6 +99,15 @@ pub struct BenchArgs {
     /// history database [default: 10000000; --quick: 4000].
     #[arg(long, requires = "growth")]
     pub history_steps: Option<u64>,
+    /// Instead of the comparison: steps in Python against steps in Rust. `chain` and
+    /// `pychain` (the same chain, its steps served by the Python SDK's example, started by the
+    /// bench) on the same --workers serve processes, one after the other, --reps times
+    /// [default: 3]: the default bench's repetition (--runs [default: 500] x --steps,
+    /// --warmup-runs, --unloaded-runs) with every ledger row an outside write; steps/s, step
+    /// latency (claim to commit) p50 and p95, and Python / Rust. The model is the engine's
+    /// in-process stand-in unless --answer-bytes is given.
+    #[arg(long, conflicts_with_all = ["waits", "children", "flow", "growth", "peer", "scale"])]
+    pub remote: bool,
     /// Print the report as JSON instead of a table.
     #[arg(long)]
     pub json: bool,
@@ -132,6 +141,9 @@ pub async fn run(settings: &Settings, args: BenchArgs) -> anyhow::Result<()> {
     }
     if args.growth {
         return growth(settings, &args).await;
+    }
+    if args.remote {
+        return remote(settings, &args).await;
     }
     let cfg = config(&args)?;
     let report = bench::run(settings, &cfg).await?;
@@ -290,6 +302,29 @@ async fn growth(settings: &Settings, args: &BenchArgs) -> anyhow::Result<()> {
     cfg.history_steps = args.history_steps.unwrap_or(cfg.history_steps);
     anyhow::ensure!(cfg.history_steps > 0, "--history-steps must be at least 1");
     print_report(args, &bench::growth::run(settings, &cfg).await?)
+}
+
+/// `--remote`: `chain` and `pychain` on one fleet, side by side.
+async fn remote(settings: &Settings, args: &BenchArgs) -> anyhow::Result<()> {
+    let mut cfg = if args.quick {
+        bench::remote::RemoteConfig::quick()
+    } else {
+        bench::remote::RemoteConfig::default()
+    };
+    // Its own defaults for what it sets differently from the comparison; the flags over them.
+    let own = cfg.load.clone();
+    let model = match args.answer_bytes {
+        Some(answer_bytes) => ModelMode::Http { answer_bytes },
+        None => own.model,
+    };
+    cfg.load = Config {
+        runs: args.runs.unwrap_or(own.runs),
+        reps: args.reps.unwrap_or(own.reps),
+        recovery: false,
+        model,
+        ..config(args)?
+    };
+    print_report(args, &bench::remote::run(settings, &cfg).await?)
 }
 
 async fn b3_worker(settings: &Settings, args: &BenchArgs) -> anyhow::Result<()> {

@@ -1,6 +1,8 @@
 //! `trailmark drill WORKFLOW`: the chaos drill (see the `trailmark_drill` crate) for any workflow
 //! of this binary, with the receivers of the two it ships (`chain`'s ledger, `reconcile`'s
-//! ledger and stock records) so their writes are counted at the receiver too.
+//! ledger and stock records) so their writes are counted at the receiver too; and for
+//! `pychain`, `chain` written with the Python SDK, which the drill serves from a Python process
+//! it starts, kills and restarts (its ledger is `chain`'s).
 
 use std::sync::Arc;
 
@@ -31,7 +33,8 @@ pub enum Profile {
 /// What to drill and how hard.
 #[derive(Debug, Clone, clap::Args)]
 pub struct DrillArgs {
-    /// The workflow to drill (any workflow this binary runs).
+    /// The workflow to drill (any workflow this binary runs, or `pychain`: the drill starts
+    /// the Python SDK's chain example and points every process at it).
     pub workflow: String,
     /// The input every run gets (JSON).
     #[arg(long, default_value = "{}")]
@@ -83,6 +86,10 @@ pub struct DrillArgs {
     /// Latency episodes on a proxy to Postgres and RabbitMQ (delay, then every connection cut).
     #[arg(long)]
     pub latency: Option<u32>,
+    /// `pychain` only: SIGKILL of its Python step endpoint from outside, started again at once
+    /// and armed to kill itself once at its kill spot.
+    #[arg(long)]
+    pub python_kill: Option<u32>,
     /// Share of step messages published again with the same id (0..1).
     #[arg(long)]
     pub dup: Option<f64>,
@@ -151,6 +158,11 @@ pub struct DrillArgs {
 pub async fn run(settings: &Settings, registry: Registry, args: DrillArgs) -> anyhow::Result<()> {
     let input: Value = serde_json::from_str(&args.input)
         .with_context(|| format!("--input {:?} is not JSON", args.input))?;
+    anyhow::ensure!(
+        args.python_kill.is_none() || drill::python::serves(&args.workflow),
+        "--python-kill kills the Python endpoint of a drill of pychain; {} has none",
+        args.workflow
+    );
     let seed = args.seed.unwrap_or_else(clock_seed);
     let mut cfg = drill::Config::new(seed);
     cfg.runs = args.runs;
@@ -203,6 +215,7 @@ fn faults(a: &DrillArgs) -> anyhow::Result<Faults> {
         (a.postgres, &mut f.postgres),
         (a.poison, &mut f.poison),
         (a.latency, &mut f.latency),
+        (a.python_kill, &mut f.python_kill),
     ];
     for (given, slot) in counts {
         if let Some(v) = given {
@@ -256,7 +269,10 @@ fn clock_seed() -> u64 {
 /// The receiver of a workflow this binary ships; none for others (keys are still counted).
 fn receiver(workflow: &str) -> Option<Arc<dyn Receiver>> {
     match workflow {
-        trailmark_testkit::chain::NAME => Some(Arc::new(drill::ChainLedger)),
+        // pychain writes chain's ledger, with the same references.
+        trailmark_testkit::chain::NAME | trailmark_testkit::pychain::NAME => {
+            Some(Arc::new(drill::ChainLedger))
+        }
         trailmark_reference::workflow::NAME => Some(Arc::new(Reconcile::default())),
         _ => None,
     }
