@@ -120,6 +120,8 @@ pub struct Ratio {
 /// What the remote bench measured.
 #[derive(Debug, Clone, Serialize)]
 pub struct RemoteReport {
+    /// The bench's database (dropped at the end).
+    pub database: String,
     /// Cores of this machine.
     pub cores: usize,
     /// Cores other work kept busy before the bench.
@@ -139,12 +141,15 @@ pub struct RemoteReport {
 /// Runs the remote bench on the servers of `base`, in an environment of its own, removed after.
 pub async fn run(base: &Settings, cfg: &RemoteConfig) -> Result<RemoteReport> {
     let before = background_cores(BACKGROUND_SPAN).await?;
-    let reps = with_envs(base, 1, cfg.load.pool, async |envs| {
-        on_fleet(&mut envs[0], &cfg.load).await
+    let (database, reps) = with_envs(base, 1, cfg.load.pool, async |envs| {
+        let env = &mut envs[0];
+        Ok((env.db_name.clone(), on_fleet(env, &cfg.load).await?))
     })
     .await?;
     let after = background_cores(BACKGROUND_SPAN).await?;
-    Ok(build(cfg, &reps, (before, after)))
+    let mut report = build(cfg, &reps, (before, after));
+    report.database = database;
+    Ok(report)
 }
 
 /// One repetition of one side: the default bench's figures, the step latencies, and the Python
@@ -254,6 +259,7 @@ fn build(cfg: &RemoteConfig, all: &Measured, (before, after): (f64, f64)) -> Rem
         .map(|(s, reps)| (*s, reps.iter().map(|(f, _, _)| f.clone()).collect()))
         .collect();
     RemoteReport {
+        database: String::new(),
         cores: std::thread::available_parallelism().map_or(1, |n| n.get()),
         background_cores_before: before,
         background_cores_after: after,
