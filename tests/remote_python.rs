@@ -40,8 +40,6 @@ impl World {
     fn vars(&self) -> Vec<(&'static str, String)> {
         let mut vars = self.py.worker_env();
         vars.push(("TRAILMARK__MODEL__BASE_URL", self.model.base_url()));
-        let tables = "trailmark.chain_ledger".to_owned();
-        vars.push(("TRAILMARK__REMOTE__LOCAL_TABLES", tables));
         vars
     }
 
@@ -296,12 +294,7 @@ async fn a_pychain_run_is_forked_replay_checked_and_undone_as_a_compiled_one() {
         &[("PYCHAIN_PROMPT", "Answer in one word.")],
     )
     .unwrap_or_else(|e| panic!("{e}"));
-    let mut changed_vars = changed.worker_env();
-    changed_vars.push((
-        "TRAILMARK__REMOTE__LOCAL_TABLES",
-        "trailmark.chain_ledger".into(),
-    ));
-    let (code, said, err) = trailmark(&w, &changed_vars, &check);
+    let (code, said, err) = trailmark(&w, &changed.worker_env(), &check);
     assert_eq!(code, Some(1), "a changed prompt is caught: {said}{err}");
     let told = format!("{said}{err}");
     assert!(

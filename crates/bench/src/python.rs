@@ -14,14 +14,6 @@ use super::{Error, Result};
 /// The workflow the endpoint serves.
 pub const WORKFLOW: &str = trailmark_testkit::pychain::NAME;
 
-/// The setting that lets a remote workflow write a table of trailmark's database with its
-/// commit: `pychain` declares its ledger (for `"ledger": "local"`), and a worker refuses a
-/// manifest that declares a table the operator did not allow.
-const LOCAL_TABLES_ENV: &str = "TRAILMARK__REMOTE__LOCAL_TABLES";
-
-/// The ledger table `pychain` declares.
-const LEDGER_TABLE: &str = "trailmark.chain_ledger";
-
 /// A running `pychain` endpoint.
 pub struct PythonEndpoint {
     /// `None` only while a thread starts it (again).
@@ -49,16 +41,11 @@ impl PythonEndpoint {
     /// What a trailmark process needs to carry `pychain`: the endpoint, its secret, and the
     /// operator's consent to the ledger table its manifest declares.
     pub fn child_env(&self) -> Vec<(String, String)> {
-        let mut env: Vec<(String, String)> = self
-            .server
+        self.server
             .iter()
             .flat_map(PyChain::worker_env)
             .map(|(k, v)| (k.to_owned(), v))
-            .collect();
-        if !env.iter().any(|(k, _)| k == LOCAL_TABLES_ENV) {
-            env.push((LOCAL_TABLES_ENV.into(), LEDGER_TABLE.into()));
-        }
-        env
+            .collect()
     }
 
     /// Gives every process `env` starts from now on [`PythonEndpoint::child_env`].

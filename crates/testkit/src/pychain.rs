@@ -72,11 +72,17 @@ impl PyChain {
         format!("{ENDPOINT}=http://127.0.0.1:{}{PREFIX}", self.port)
     }
 
-    /// The environment a trailmark process needs to call it.
+    /// The environment a trailmark process needs to carry `pychain`: the endpoint, its secret,
+    /// and the operator's consent to the ledger table its manifest declares (a worker refuses a
+    /// manifest declaring a table it was not allowed).
     pub fn worker_env(&self) -> Vec<(&'static str, String)> {
         vec![
             ("TRAILMARK__REMOTE__ENDPOINTS", self.endpoint()),
             ("TRAILMARK_REMOTE_SECRET_PY", self.secret.clone()),
+            (
+                "TRAILMARK__REMOTE__LOCAL_TABLES",
+                crate::ledger::TABLE.name().to_owned(),
+            ),
         ]
     }
 
